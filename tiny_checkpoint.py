@@ -20,6 +20,10 @@ from safetensors.torch import save_file
 
 FP8_MAX = 448.0
 MARKER = "TINY_STEP5_FIXTURE"  # marks a directory this script wrote (the CLI only ever replaces those)
+# Random deep nets are chaotic: a last-bit difference (e.g. another TP size's partial sums) grows layer by layer
+# into a different greedy token. Small output projections keep each layer a small update of the residual stream,
+# as in trained models, so implementations that agree to rounding also agree on tokens.
+OUT_GAIN = 0.2
 BLOCK = 128  # FP8 weight_block_size of the release: 128 (out) x 128 (in)
 
 
@@ -168,7 +172,7 @@ def text_tensors(cfg: dict, fp8: bool, g: _Gen) -> dict:
         t[a + "q_proj.weight"] = g.linear(H * hd, D)
         t[a + "k_proj.weight"] = g.linear(G * hd, D)
         t[a + "v_proj.weight"] = g.linear(G * hd, D)
-        t[a + "o_proj.weight"] = g.linear(D, H * hd)
+        t[a + "o_proj.weight"] = g.linear(D, H * hd, gain=OUT_GAIN)
         t[a + "g_proj.weight"] = g.linear(H, D)
         t[a + "q_norm.weight"] = g.centred_norm(hd)
         t[a + "k_norm.weight"] = g.centred_norm(hd)
@@ -185,7 +189,7 @@ def text_tensors(cfg: dict, fp8: bool, g: _Gen) -> dict:
     def dense(p, inter):
         t[p + "mlp.gate_proj.weight"] = g.linear(inter, D)
         t[p + "mlp.up_proj.weight"] = g.linear(inter, D)
-        t[p + "mlp.down_proj.weight"] = g.linear(D, inter)
+        t[p + "mlp.down_proj.weight"] = g.linear(D, inter, gain=OUT_GAIN)
 
     moe_layers = set(cfg["moe_layer_list"])
     for i in range(L):
@@ -197,14 +201,14 @@ def text_tensors(cfg: dict, fp8: bool, g: _Gen) -> dict:
         t[p + "moe.gate.weight"] = g.linear(E, D)
         t[p + "moe.router_bias"] = g.normal(E, std=0.1).float()
         for name, (n, k) in (("gate_proj", (F, D)), ("up_proj", (F, D)), ("down_proj", (D, F))):
-            w = g.normal(E, n, k, std=k ** -0.5)
+            w = g.normal(E, n, k, std=(OUT_GAIN if name == "down_proj" else 1.0) * k ** -0.5)
             if fp8 and i not in bf16_moe:
                 t[p + f"moe.{name}.weight"], t[p + f"moe.{name}.weight_scale_inv"] = quantize_fp8_blocks(w)
             else:
                 t[p + f"moe.{name}.weight"] = w.to(torch.bfloat16)
         t[p + "share_expert.gate_proj.weight"] = g.linear(S, D)
         t[p + "share_expert.up_proj.weight"] = g.linear(S, D)
-        t[p + "share_expert.down_proj.weight"] = g.linear(D, S)
+        t[p + "share_expert.down_proj.weight"] = g.linear(D, S, gain=OUT_GAIN)
     for i in range(L, L + cfg["num_nextn_predict_layers"]):  # MTP tail: present on disk, never executed
         p = f"model.layers.{i}."
         attn(p, False)

@@ -1,0 +1,224 @@
+"""Correctness at real shapes and speed of kernel.py's Triton kernels on one GPU (TP = 8 local sizes).
+
+    python bench_kernels.py            # checks against the references, then the benchmark table
+    python bench_kernels.py --no-check
+
+Ceilings (H200, measured with PyTorch, shared/ENVIRONMENT.md): HBM 4.28 TB/s, fp8 _scaled_mm 1263 TFLOP/s,
+bf16 GEMM 767 TFLOP/s. Times are medians of triton.testing.do_bench (eager launches, so a few microseconds of
+launch overhead are included in the small cases).
+"""
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import kernel as K
+
+HBM, FP8_PEAK, BF16_PEAK = 4.28e12, 1263e12, 767e12
+DEV = "cuda"
+
+
+def bench(fn):
+    fn()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
+
+
+def fp8_weights(E, N, Kd, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w = torch.randn(E, N, Kd, device=DEV, generator=g) * 0.05
+    s = torch.rand(E, -(-N // 128), -(-Kd // 128), device=DEV, generator=g) * 1e-3 + 1e-4
+    full = s.repeat_interleave(128, 1)[:, :N].repeat_interleave(128, 2)[:, :, :Kd]
+    wq = K.to_e4m3(w / full)
+    del w, full
+    return wq, s
+
+
+def diff(name, out, ref, exact=False):
+    d = (out.float() - ref.float()).abs()
+    extra = f" bit-exact={torch.equal(out.view(torch.uint8), ref.view(torch.uint8))}" if exact else ""
+    print(f"  {name:44s} max|diff| {d.max().item():.3g}  (ref max {ref.float().abs().max().item():.3g}, "
+          f"{(d > 0).float().mean().item() * 100:.3f}% elems differ){extra}", flush=True)
+
+
+def routed(T, E_local, k=8, E_total=352, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E_total, generator=g)[:k] for _ in range(T)])
+    return torch.where(ids < E_local, ids, -1).to(DEV), torch.rand(T, k, generator=g).to(DEV)
+
+
+def checks():
+    print("== correctness at real shapes (Triton vs reference on the GPU)", flush=True)
+    torch.manual_seed(0)
+    E, D, Fw = 44, 4096, 1536
+    (w1, s1), (w3, s3), (w2, s2) = fp8_weights(E, Fw, D, 1), fp8_weights(E, Fw, D, 2), fp8_weights(E, D, Fw, 3)
+    for T in (1, 16, 1024):
+        x = torch.randn(T, D, device=DEV).bfloat16()
+        ids, wts = routed(T, E, seed=T)
+        diff(f"moe_experts fp8 T={T}", K.moe_experts_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0),
+             K.moe_experts_ref(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0))
+    xq = torch.randn(1024, D, device=DEV).bfloat16()
+    q, s = K.act_quant_triton(xq)
+    qr, sr = K.act_quant_ref(xq)
+    diff("act_quant e4m3 bytes [1024, 4096]", q, qr, exact=True)
+    diff("act_quant scales", s, sr, exact=True)
+    b1, b3, b2 = ((torch.randn(E, Fw, D, device=DEV) * 0.02).bfloat16(), (torch.randn(E, Fw, D, device=DEV) * 0.02)
+                  .bfloat16(), (torch.randn(E, D, Fw, device=DEV) * 0.02).bfloat16())
+    for T in (1, 256):
+        x = torch.randn(T, D, device=DEV).bfloat16()
+        ids, wts = routed(T, E, seed=T + 1)
+        diff(f"moe_experts bf16 T={T}", K.moe_experts_triton(x, ids, wts, b1, b3, b2, None, None, None, 7.0),
+             K.moe_experts_ref(x, ids, wts, b1, b3, b2, None, None, None, 7.0))
+    del b1, b3, b2
+    g, u = torch.randn(2, 4096, 1536, device=DEV).mul(3).bfloat16().unbind(0)
+    diff("swiglu [4096, 1536]", K.swiglu_triton(g, u, 7.0), K.swiglu_ref(g, u, 7.0), exact=True)
+    for (n, d, half, ln) in ((8, 192, 32, False), (8, 192, 96, False), (4, 256, 16, False), (1, 256, 16, True)):
+        x = torch.randn(2048, n, d, device=DEV).mul(2).bfloat16()
+        w = torch.randn(d, device=DEV) * 0.1
+        b = torch.randn(d, device=DEV) * 0.1 if ln else None
+        ang = torch.rand(2048, half, device=DEV) * 6
+        diff(f"norm_rope T=2048 n={n} d={d} half={half} ln={ln}",
+             K.norm_rope_triton(x, w, ang.cos().bfloat16(), ang.sin().bfloat16(), 1e-5, b),
+             K.norm_rope_ref(x, w, ang.cos().bfloat16(), ang.sin().bfloat16(), 1e-5, b), exact=True)
+    kk, zz = torch.randn(2, 16384, 8, 256, device=DEV).bfloat16().unbind(0)
+    diff("region_summary [16384, 8, 256] e4m3 bytes", K.region_summary_triton(kk, zz * 3), K.region_summary_ref(kk, zz * 3),
+         exact=True)
+    for T, R in ((1, 16384), (512, 4096)):
+        q = torch.randn(1, T, 1, 4, 256, device=DEV).bfloat16()
+        w = torch.randn(1, T, 1, 4, device=DEV)
+        summ = K.to_e4m3(torch.randn(1, R, 256, device=DEV))
+        diff(f"indexer_scores T={T} R={R}", K.indexer_scores_triton(q, w, summ), K.indexer_scores_ref(q, w, summ),
+             exact=True)
+    for S, T, ctx in ((4, 1, 16384), (1, 1, 131072), (1, 64, 8192)):
+        N = ctx + 8
+        q = torch.randn(S, T, 1, 8, 192, device=DEV).bfloat16()
+        k, v = torch.randn(2, S, N, 1, 192, device=DEV).bfloat16().unbind(0)
+        pos = torch.arange(ctx - T, ctx, device=DEV).expand(S, T).contiguous()
+        sc = torch.randn(S, 1, T, N // 8 + 1, device=DEV)
+        ids, valid = K.select_regions_ref(sc, pos // 8, 512)
+        diff(f"sparse_attention S={S} T={T} ctx={ctx}", K.sparse_attention_triton(q, k, v, ids, valid, pos, 8, 192 ** -0.5),
+             K.sparse_attention_ref(q, k, v, ids, valid, pos, 8, 192 ** -0.5))
+    for T in (1, 64, 4096):
+        x = torch.randn(T, 4096, device=DEV).bfloat16()
+        w = (torch.randn(352, 4096, device=DEV) * 0.02).bfloat16()
+        bias = torch.randn(352, device=DEV) * 0.05
+        ids, wts = K.route_triton(x, w, bias, 8, 3.0)
+        rids, rwts = K.route_ref(x, w, bias, 8, 3.0)
+        print(f"  {'route T=' + str(T):44s} ids equal: {(ids == rids).float().mean().item() * 100:.2f}% of slots, "
+              f"max|w diff| where equal {(wts - rwts).abs()[(ids == rids).all(-1)].max().item():.3g}", flush=True)
+
+
+def run_safely(fn, *a):
+    try:
+        fn(*a)
+    except Exception as e:  # keep benchmarking the other kernels; the failure is printed in the table
+        print(f"  FAILED {fn.__name__}{a}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+def bench_gemm(label, rows_per_expert, E=44):
+    """Grouped FP8 GEMM over E experts (each with rows_per_expert rows) beside one dense per-tensor _scaled_mm
+    of the same total FLOPs (M = E * rows, one weight) and a per-expert _scaled_mm loop."""
+    for (N, Kd, what) in ((1536, 4096, "gate"), (4096, 1536, "down")):
+        M = E * rows_per_expert
+        w, sw = fp8_weights(E, N, Kd)
+        x = torch.randn(M, Kd, device=DEV).bfloat16()
+        xq, sx = K.act_quant_triton(x)
+        row_off = torch.arange(0, M + 1, rows_per_expert, device=DEV, dtype=torch.int32)
+        t = bench(lambda: K.grouped_gemm_triton(xq, sx, w, sw, row_off))
+        flops, wbytes = 2 * M * N * Kd, E * N * Kd
+        io = wbytes + M * Kd + M * N * 2
+        one = torch.tensor(1.0, device=DEV)
+        wt = w[0].t()
+        Mp = -(-M // 16) * 16  # _scaled_mm wants multiples of 16
+        xs = torch.cat([xq, xq[:Mp - M]]) if Mp > M else xq
+        t_ref = bench(lambda: torch._scaled_mm(xs, wt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+        t_loop = bench(lambda: [torch._scaled_mm(xs[:-(-rows_per_expert // 16) * 16], w[e].t(), scale_a=one, scale_b=one,
+                                                 out_dtype=torch.bfloat16) for e in range(E)]) \
+            if rows_per_expert <= 512 else float("nan")
+        print(f"  fp8 grouped {what:4s} {label:8s} M={M:6d} N={N} K={Kd}: {t * 1e6:8.1f} us "
+              f"{flops / t / 1e12:7.1f} TFLOP/s ({flops / t / FP8_PEAK * 100:5.1f}% of fp8 peak) "
+              f"{io / t / 1e9:7.0f} GB/s ({io / t / HBM * 100:5.1f}% HBM) | dense _scaled_mm same FLOPs "
+              f"{t_ref * 1e6:7.1f} us {flops / t_ref / 1e12:6.1f} TFLOP/s | per-expert _scaled_mm loop "
+              f"{t_loop * 1e6:7.1f} us", flush=True)
+        del w, sw
+
+
+def bench_moe(T, E=44):
+    D, Fw = 4096, 1536
+    (w1, s1), (w3, s3), (w2, s2) = fp8_weights(E, Fw, D, 1), fp8_weights(E, Fw, D, 2), fp8_weights(E, D, Fw, 3)
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    ids, wts = routed(T, E, seed=T)
+    t = bench(lambda: K.moe_experts_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0))
+    rows = int((ids >= 0).sum())
+    used = int(torch.unique(ids[ids >= 0]).numel())
+    wbytes = used * 3 * Fw * D
+    flops = 2 * rows * 3 * Fw * D
+    print(f"  moe_experts fp8 T={T:5d} ({rows} local rows, {used} experts): {t * 1e6:8.1f} us, weights "
+          f"{wbytes / t / 1e9:6.0f} GB/s ({wbytes / t / HBM * 100:5.1f}% HBM), {flops / t / 1e12:6.1f} TFLOP/s", flush=True)
+
+
+def bench_attention(ctx, S=1):
+    Hg, hd = 8, 192
+    N = ctx
+    q = torch.randn(S, 1, 1, Hg, hd, device=DEV).bfloat16()
+    k, v = torch.randn(2, S, N, 1, hd, device=DEV).bfloat16().unbind(0)
+    pos = torch.full((S, 1), ctx - 1, device=DEV, dtype=torch.int64)
+    sc = torch.randn(S, 1, 1, N // 8, device=DEV)
+    ids, valid = K.select_regions_ref(sc, pos // 8, 512)
+    t = bench(lambda: K.sparse_attention_triton(q, k, v, ids, valid, pos, 8, hd ** -0.5))
+    keys = ids.shape[-1] * 8 + 8
+    byts = S * keys * hd * 2 * 2
+    qd = q.view(S, 1, Hg, hd).transpose(1, 2)  # [S, Hg, 1, hd]
+    kd, vd = k.view(S, N, 1, hd).transpose(1, 2), v.view(S, N, 1, hd).transpose(1, 2)
+    t_sdpa = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True))
+    dense = S * N * hd * 2 * 2
+    print(f"  sparse decode S={S} ctx={ctx:7d} ({keys} keys): {t * 1e6:7.1f} us, {byts / t / 1e9:6.0f} GB/s "
+          f"({byts / t / HBM * 100:4.1f}% HBM) | dense SDPA same cache {t_sdpa * 1e6:8.1f} us "
+          f"({dense / t_sdpa / 1e9:5.0f} GB/s) | speed-up {t_sdpa / t:5.1f}x", flush=True)
+
+
+def bench_norm_rope(T, n, d, half):
+    x = torch.randn(T, n, d, device=DEV).bfloat16()
+    w = torch.randn(d, device=DEV) * 0.1
+    ang = torch.rand(T, half, device=DEV)
+    c, s = ang.cos().bfloat16(), ang.sin().bfloat16()
+    t = bench(lambda: K.norm_rope_triton(x, w, c, s, 1e-5))
+    byts = 2 * x.numel() * 2 + 2 * c.numel() * 2
+    t_ref = bench(lambda: K.norm_rope_ref(x, w, c, s, 1e-5))
+    print(f"  norm_rope T={T} n={n} d={d} half={half}: {t * 1e6:7.1f} us {byts / t / 1e9:6.0f} GB/s "
+          f"({byts / t / HBM * 100:4.1f}% HBM) | torch reference {t_ref * 1e6:7.1f} us", flush=True)
+
+
+def bench_route(T):
+    x = torch.randn(T, 4096, device=DEV).bfloat16()
+    w = (torch.randn(352, 4096, device=DEV) * 0.02).bfloat16()
+    bias = torch.randn(352, device=DEV) * 0.05
+    t = bench(lambda: K.route_triton(x, w, bias, 8, 3.0))
+    t_ref = bench(lambda: K.route_ref(x, w, bias, 8, 3.0))
+    byts = w.numel() * 2 + x.numel() * 2 + T * 8 * 16
+    print(f"  route T={T:5d} E=352: {t * 1e6:7.1f} us {byts / t / 1e9:6.0f} GB/s ({byts / t / HBM * 100:4.1f}% HBM)"
+          f" | torch reference {t_ref * 1e6:7.1f} us", flush=True)
+
+
+def main(check: bool = True):
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    if check:
+        run_safely(checks)
+    print("== benchmark", flush=True)
+    for label, r in (("decode", 1), ("decode", 4), ("decode", 16), ("prefill", 128), ("prefill", 1024)):
+        run_safely(bench_gemm, label, r)
+    for T in (1, 16, 4096):
+        run_safely(bench_moe, T)
+    for ctx in (16384, 131072, 524288):
+        run_safely(bench_attention, ctx)
+    run_safely(bench_attention, 131072, 16)
+    for args in ((1, 8, 192, 32), (4096, 8, 192, 32), (4096, 8, 192, 96), (4096, 4, 256, 16)):
+        run_safely(bench_norm_rope, *args)
+    for T in (1, 64, 4096):
+        run_safely(bench_route, T)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness checks at real shapes")
+    main(check=not ap.parse_args().no_check)

@@ -1,0 +1,493 @@
+"""Convert an original Step-5 checkpoint into per-rank TP/EP shards (layout "gqa-provider-shared-tp-v2").
+
+    python convert.py --checkpoint CKPT --out-dir OUT --tp-size 8 --ep-size 8 [--check-only]
+
+Writes OUT/tp{N}/model-r{rank}.safetensors, OUT/tp{N}/config-r{rank}.json, OUT/tp{N}/README.md and one shared
+OUT/tokenizer_files/. Before converting (and alone, with --check-only) it checks the checkpoint against its config
+from the safetensors headers only. Shards are streamed tensor by tensor, so host memory tracks the largest single
+tensor rather than the checkpoint; a rerun keeps every shard whose header already matches and rewrites the rest.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from itertools import groupby
+
+import torch
+from safetensors import safe_open
+
+from model import LAYOUT_VERSION, ConfigError, Step5Config, Step5VLConfig, group_window, parse_config
+
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "added_tokens.json")
+ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "U16": 2,
+            "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+VISION_PREFIXES = ("vision_model.", "vit_large_projector.")
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+# Spec §6.3, first match wins. ("split", d): cut dim d into tp equal pieces; ("group", key): keep the group_window
+# rows of G groups (G from the config key); ("full",): replicate. A text name no rule matches is an error.
+RULES = [(".self_attn.q_proj.weight", ("split", 0)), (".self_attn.g_proj.weight", ("split", 0)),
+         (".self_attn.o_proj.weight", ("split", 1)),
+         (".self_attn.k_proj.weight", ("group", "kv")), (".self_attn.v_proj.weight", ("group", "kv")),
+         (".mlp.gate_proj.weight", ("split", 0)), (".mlp.up_proj.weight", ("split", 0)),
+         (".mlp.down_proj.weight", ("split", 1))]
+RULES += [(f".moe.{w}_proj.{s}", ("split", 0)) for w in ("gate", "up", "down") for s in ("weight", "weight_scale_inv")]
+RULES += [(".moe.gate.weight", ("full",)), (".moe.router_bias", ("full",)),
+          (".share_expert.gate_proj.weight", ("split", 0)), (".share_expert.up_proj.weight", ("split", 0)),
+          (".share_expert.down_proj.weight", ("split", 1)),
+          (".sparse_indexer_q.weight", ("group", "provider")), (".sparse_indexer_w.weight", ("group", "provider")),
+          (".sparse_indexer_", ("full",)), (".ssmax_s", ("full",)),
+          (".q_norm.weight", ("full",)), (".k_norm.weight", ("full",)), (".k_norm.bias", ("full",)),
+          (".input_layernorm.weight", ("full",)), (".post_attention_layernorm.weight", ("full",)),
+          ("model.embed_tokens.weight", ("full",)), ("model.norm.weight", ("full",)), ("lm_head.weight", ("full",))]
+
+
+class BadFile(Exception):
+    """A safetensors file whose header cannot be trusted; the message names the file."""
+
+
+@dataclass
+class TInfo:
+    file: str      # file name inside the checkpoint dir (from the index)
+    key: str       # on-disk tensor name
+    dtype: str
+    shape: list
+    start: int     # absolute byte offset of the data in the file
+
+
+def read_header(path: str) -> tuple[dict, dict, int]:
+    """(entries, metadata, header bytes) of a safetensors file, reading only the header. The data section must be
+    exactly as long as the offsets describe, so a truncated or padded file is caught without touching the data."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise BadFile(f"{path}: {size} bytes, too short for a safetensors header")
+            n = struct.unpack("<Q", raw)[0]
+            if n > size - 8:
+                raise BadFile(f"{path}: header length {n} exceeds the file size {size}")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise BadFile(f"{path}: cannot read ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadFile(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise BadFile(f"{path}: header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    end = 0
+    for name, e in header.items():
+        try:
+            b, t = e["data_offsets"]
+            want = math.prod(e["shape"]) * ITEMSIZE[e["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            raise BadFile(f"{path}: malformed header entry for {name}: {e!r}") from None
+        if t - b != want or b < 0:
+            raise BadFile(f"{path}: {name} has data_offsets {[b, t]} for {want} bytes of {e['dtype']} {e['shape']}")
+        end = max(end, t)
+    if end != size - 8 - n:
+        raise BadFile(f"{path}: data section is {size - 8 - n} bytes but the header describes {end} "
+                      f"({'truncated' if end > size - 8 - n else 'trailing bytes'})")
+    return header, meta, 8 + n
+
+
+def load_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"error: {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"error: {path}: not readable JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise SystemExit(f"error: {path}: expected a JSON object")
+    return d
+
+
+def expected_tensors(tc: Step5Config, vl: Step5VLConfig | None) -> dict:
+    """name -> (shape, dtype) the config implies (spec §3 and STEP5_VISION §3); MTP layers are not expected."""
+    D, V, H, G, hd = tc.hidden_size, tc.vocab_size, tc.num_attention_heads, tc.num_attention_groups, tc.head_dim
+    E, F, S, I = tc.moe_num_experts, tc.moe_intermediate_size, tc.share_expert_dim, tc.intermediate_size
+    fp8 = tc.config_fp8_layers()
+    blk = (tc.quantization_config or {}).get("weight_block_size", [128, 128])
+    e = {"model.embed_tokens.weight": ([V, D], "BF16"), "model.norm.weight": ([D], "F32"),
+         "lm_head.weight": ([V, D], "BF16")}
+    for i in range(tc.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for k, shape in (("input_layernorm.weight", [D]), ("post_attention_layernorm.weight", [D]),
+                         ("self_attn.q_norm.weight", [hd]), ("self_attn.k_norm.weight", [hd])):
+            e[p + k] = (shape, "F32")
+        for k, shape in (("q_proj", [H * hd, D]), ("k_proj", [G * hd, D]), ("v_proj", [G * hd, D]),
+                         ("o_proj", [D, H * hd]), ("g_proj", [H, D])):
+            e[p + f"self_attn.{k}.weight"] = (shape, "BF16")
+        if tc.is_dsa(i):
+            P, IH, a = tc.sparse.proxy_dim, tc.sparse.n_heads, p + "self_attn."
+            e.update({a + "sparse_indexer_q.weight": ([IH * P, D], "BF16"), a + "sparse_indexer_k.weight": ([P, D], "BF16"),
+                      a + "sparse_indexer_z.weight": ([P, D], "BF16"), a + "sparse_indexer_w.weight": ([IH, D], "F32"),
+                      a + "sparse_indexer_q_norm.weight": ([P], "F32"), a + "sparse_indexer_k_norm.weight": ([P], "F32"),
+                      a + "sparse_indexer_k_norm.bias": ([P], "F32"), a + "ssmax_s": ([H], "F32")})
+        if not tc.is_moe(i):
+            for k, shape in (("gate_proj", [I, D]), ("up_proj", [I, D]), ("down_proj", [D, I])):
+                e[p + f"mlp.{k}.weight"] = (shape, "BF16")
+            continue
+        e[p + "moe.gate.weight"] = ([E, D], "BF16")
+        e[p + "moe.router_bias"] = ([E], "F32")
+        for k, (n, m) in (("gate_proj", (F, D)), ("up_proj", (F, D)), ("down_proj", (D, F))):
+            e[p + f"moe.{k}.weight"] = ([E, n, m], "F8_E4M3" if i in fp8 else "BF16")
+            if i in fp8:
+                e[p + f"moe.{k}.weight_scale_inv"] = ([E, -(-n // blk[0]), -(-m // blk[1])], "F32")
+        for k, shape in (("gate_proj", [S, D]), ("up_proj", [S, D]), ("down_proj", [D, S])):
+            e[p + f"share_expert.{k}.weight"] = (shape, "BF16")
+    if vl is not None:
+        v = vl.vision
+        W, Hm, P, C = v.width, v.mlp_hidden, v.patch_size, v.num_channels
+        e.update({"vision_model.conv1.weight": ([W, C, P, P], "BF16"),
+                  "vision_model.positional_embedding": ([v.grid * v.grid, W], "BF16"),
+                  "vision_model.ln_pre.weight": ([W], "BF16"), "vision_model.ln_pre.bias": ([W], "BF16"),
+                  "vision_model.vit_downsampler1.weight": ([2 * W, W, 3, 3], "BF16"),
+                  "vision_model.vit_downsampler1.bias": ([2 * W], "BF16"),
+                  "vision_model.vit_downsampler2.weight": ([4 * W, 2 * W, 3, 3], "BF16"),
+                  "vision_model.vit_downsampler2.bias": ([4 * W], "BF16"),
+                  "vit_large_projector.weight": ([D, 4 * W], "BF16")})
+        for b in range(v.layers):
+            p = f"vision_model.transformer.resblocks.{b}."
+            for k, shape in (("ln_1.weight", [W]), ("ln_1.bias", [W]), ("attn.in_proj_weight", [3 * W, W]),
+                             ("attn.in_proj_bias", [3 * W]), ("attn.out_proj.weight", [W, W]),
+                             ("attn.out_proj.bias", [W]), ("ls_1.gamma", [W]), ("ln_2.weight", [W]),
+                             ("ln_2.bias", [W]), ("mlp.c_fc.weight", [Hm, W]), ("mlp.c_fc.bias", [Hm]),
+                             ("mlp.c_proj.weight", [W, Hm]), ("mlp.c_proj.bias", [W]), ("ls_2.gamma", [W])):
+                e[p + k] = (shape, "BF16")
+    return e
+
+
+def split_problems(tc: Step5Config, tp: int) -> list[str]:
+    """Every way tp fails to divide the geometry (the runtime's own validate() stops at the first)."""
+    out = []
+    dims = [("num_attention_heads", tc.num_attention_heads), ("intermediate_size", tc.intermediate_size),
+            ("vocab_size", tc.vocab_size)]
+    if tc.moe_layers:
+        dims += [("moe_num_experts", tc.moe_num_experts), ("share_expert_dim", tc.share_expert_dim)]
+    out += [f"tp_size={tp} does not divide {k}={n}" for k, n in dims if n % tp]
+    groups = [("num_attention_groups", tc.num_attention_groups)]
+    if tc.sparse:
+        groups.append(("sparse_config.num_provider_groups", tc.sparse.n_provider_groups))
+    for k, g in groups:
+        try:
+            group_window(g, tp, 0)
+        except ConfigError:
+            out.append(f"tp_size={tp} neither divides nor is a multiple of {k}={g}")
+    if not out and (tc.num_attention_heads // tp) % group_window(tc.num_attention_groups, tp, 0)[1]:
+        out.append(f"tp_size={tp}: {tc.num_attention_heads // tp} local query heads do not divide over the local KV groups")
+    return out
+
+
+@dataclass
+class Source:
+    path: str
+    raw: dict
+    tc: Step5Config
+    vl: Step5VLConfig | None
+    tensors: dict   # output name -> TInfo, MTP excluded
+    n_mtp: int
+
+
+def inspect(ckpt: str, tp: int) -> Source:
+    """Header-only check of a checkpoint against its config. Prints what was checked; exits listing every problem."""
+    if not os.path.isdir(ckpt):
+        raise SystemExit(f"error: checkpoint directory {ckpt} does not exist")
+    raw = load_json(os.path.join(ckpt, "config.json"))
+    try:
+        tc, vl = parse_config(raw, os.path.join(ckpt, "config.json"))
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    wm = load_json(os.path.join(ckpt, INDEX)).get("weight_map")
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise SystemExit(f"error: {os.path.join(ckpt, INDEX)}: no weight_map of tensor name -> file name")
+    problems, headers = [], {}
+    for fname in sorted(set(wm.values())):
+        path = os.path.join(ckpt, fname)
+        if os.path.basename(fname) != fname:
+            problems.append(f"{INDEX}: file name {fname!r} is not a plain file name inside the checkpoint")
+        elif not os.path.isfile(path):
+            problems.append(f"{fname}: named by {INDEX} for {sum(v == fname for v in wm.values())} tensors but missing")
+        else:
+            try:
+                headers[fname] = read_header(path)
+            except BadFile as e:
+                problems.append(str(e))
+    L, tensors, n_mtp, unverified = tc.num_hidden_layers, {}, 0, set()
+    for key, fname in sorted(wm.items()):
+        m = LAYER_RE.match(key)
+        if m and int(m.group(1)) >= L:
+            n_mtp += 1
+            continue
+        # some packagings prefix the vision tower and projector with "model."; the shards use one spelling
+        name = key[len("model."):] if key.startswith("model.") and key[6:].startswith(VISION_PREFIXES) else key
+        if fname not in headers:
+            unverified.add(name)
+        elif key not in headers[fname][0]:
+            problems.append(f"{key}: {INDEX} places it in {fname}, whose header has no such tensor")
+            unverified.add(name)
+        elif name in tensors:
+            problems.append(f"{key}: listed twice (with and without the 'model.' prefix)")
+        else:
+            h = headers[fname][0][key]
+            tensors[name] = TInfo(fname, key, h["dtype"], list(h["shape"]), headers[fname][2] + h["data_offsets"][0])
+    expected = expected_tensors(tc, vl)
+    for name, (shape, dtype) in expected.items():
+        t = tensors.get(name)
+        if t is None:
+            if name not in unverified:
+                problems.append(f"{name}: missing (expected {dtype} {shape})")
+        elif t.shape != shape or t.dtype != dtype:
+            problems.append(f"{name} in {t.file}: {t.dtype} {t.shape}, expected {dtype} {shape}")
+    problems += [f"{n} in {t.file}: unexpected tensor ({t.dtype} {t.shape})" for n, t in tensors.items() if n not in expected]
+    n_fp8 = 0
+    for name, t in tensors.items():
+        if t.dtype.startswith("F8_"):
+            n_fp8 += 1
+            # 128 x 128 blocks: model.parse_config refuses any other weight_block_size
+            s, grid = tensors.get(name + "_scale_inv"), [*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128)]
+            if s is None:
+                problems.append(f"{name} in {t.file}: FP8 weight without its {name}_scale_inv")
+            elif s.shape != grid or s.dtype != "F32":
+                problems.append(f"{name}_scale_inv in {s.file}: {s.dtype} {s.shape}, expected F32 {grid} for {t.shape}")
+    have = {i for i in tc.moe_layers if f"model.layers.{i}.moe.gate_proj.weight_scale_inv" in tensors}
+    want = tc.config_fp8_layers()
+    for i in sorted(have ^ want):
+        problems.append(f"model.layers.{i}.moe: experts are {'FP8' if i in have else 'BF16'} in the checkpoint "
+                        f"(gate_proj.weight_scale_inv {'present' if i in have else 'absent'}) but quantization_config "
+                        f"declares {'FP8' if i in want else 'BF16'}")
+    problems += split_problems(tc, tp)
+    ignored = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors") and f not in wm.values())
+    print(f"checked {ckpt}: {'composite VL' if vl else 'text-only'} config ({raw.get('model_type')}), "
+          f"{len(wm)} indexed tensors in {len(set(wm.values()))} files (headers only; not indexed, ignored: "
+          f"{', '.join(ignored) or 'none'}); {len(expected)} expected tensors by name/shape/dtype, {n_mtp} MTP "
+          f"tensors skipped; FP8 experts on MoE layers {sorted(have) or 'none'}, {n_fp8} FP8 scale grids; "
+          f"TP=EP={tp} split of heads, KV/provider groups, dense/shared widths, experts, vocab")
+    if problems:
+        raise SystemExit(f"error: {len(problems)} problem(s) in {ckpt}:\n" + "\n".join(f"  {p}" for p in problems))
+    return Source(ckpt, raw, tc, vl, tensors, n_mtp)
+
+
+def fingerprint(src: Source) -> str:
+    """Identity of the source for the shard metadata: config, tensor inventory and the first bytes of every
+    tensor (a few KB of reads), so a checkpoint with the same geometry but other weights gets another value."""
+    h = hashlib.sha256(json.dumps(src.raw, sort_keys=True).encode())
+    for fname, group in groupby(sorted(src.tensors.items(), key=lambda kv: (kv[1].file, kv[0])), lambda kv: kv[1].file):
+        with open(os.path.join(src.path, fname), "rb") as f:
+            for name, t in group:
+                f.seek(t.start)
+                h.update(json.dumps([name, t.key, t.dtype, t.shape]).encode() + f.read(64))
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class Piece:
+    name: str
+    src: TInfo
+    sel: tuple | None   # (dim, begin, end) or None for the whole tensor
+    shape: list
+    rule: str
+
+
+def rank_plan(src: Source, tp: int, rank: int) -> list[Piece]:
+    """This rank's tensors in file order: widest dtype first so every tensor stays aligned without padding."""
+    G = {"kv": src.tc.num_attention_groups, "provider": src.tc.sparse.n_provider_groups if src.tc.sparse else 0}
+    plan = []
+    for name, t in src.tensors.items():
+        rule = ("full",) if name.startswith(VISION_PREFIXES) else next((r for s, r in RULES if s in name), None)
+        if rule is None:
+            raise SystemExit(f"error: {name}: no sharding rule matches this tensor")
+        sel = None
+        if rule[0] == "split":
+            n = t.shape[rule[1]] // tp
+            sel = (rule[1], rank * n, (rank + 1) * n)
+        elif rule[0] == "group":
+            first, count = group_window(G[rule[1]], tp, rank)
+            rows = t.shape[0] // G[rule[1]]
+            sel = (0, first * rows, (first + count) * rows)
+        shape = list(t.shape)
+        if sel:
+            shape[sel[0]] = sel[2] - sel[1]
+        how = {"full": "replicated", "split": "split dim {}", "group": "group window of {} groups, dim 0"}[rule[0]]
+        plan.append(Piece(name, t, sel, shape, how.format(rule[1] if rule[0] == "split" else G.get(rule[-1]))))
+    return sorted(plan, key=lambda p: (-ITEMSIZE[p.src.dtype], p.src.file, p.name))
+
+
+def shard_header(plan: list[Piece], meta: dict) -> tuple[bytes, int]:
+    """safetensors header bytes (padded with spaces to 8-byte alignment) and the total file size."""
+    entries, off = {"__metadata__": meta}, 0
+    for p in plan:
+        n = math.prod(p.shape) * ITEMSIZE[p.src.dtype]
+        entries[p.name] = {"dtype": p.src.dtype, "shape": p.shape, "data_offsets": [off, off + n]}
+        off += n
+    js = json.dumps(entries, separators=(",", ":")).encode()
+    js += b" " * (-len(js) % 8)
+    return struct.pack("<Q", len(js)) + js, 8 + len(js) + off
+
+
+def stale_reason(path: str, head: bytes, size: int, plan: list[Piece], meta: dict) -> str | None:
+    """None when the existing shard is exactly what this run would write (judged from its header and length);
+    otherwise why it must be rewritten."""
+    if not os.path.exists(path):
+        return "missing"
+    try:
+        entries, have_meta, _ = read_header(path)
+    except BadFile as e:
+        return str(e).split(": ", 1)[1]
+    for k, v in meta.items():
+        if have_meta.get(k) != v:
+            return f"metadata {k}={have_meta.get(k)!r}, this conversion writes {v!r}"
+    want = {p.name: (p.src.dtype, p.shape) for p in plan}
+    if set(entries) != set(want):
+        return f"key set differs ({len(set(want) - set(entries))} missing, {len(set(entries) - set(want))} unexpected)"
+    for n, (dtype, shape) in want.items():
+        if (entries[n]["dtype"], entries[n]["shape"]) != (dtype, shape):
+            return f"{n} is {entries[n]['dtype']} {entries[n]['shape']}, want {dtype} {shape}"
+    with open(path, "rb") as f:
+        if os.path.getsize(path) != size or f.read(len(head)) != head:
+            return "tensor order/offsets differ from this converter's layout"
+    return None
+
+
+def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: int, rank: int, tp: int):
+    """Stream the shard: header first, then each slice read through the memory map, one tensor at a time."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
+    t0 = last = time.time()
+    with open(tmp, "wb") as out:
+        out.write(head)
+        for fname, pieces in groupby(plan, lambda p: p.src.file):
+            # one source file mapped at a time, so mapped pages do not pile up across the checkpoint
+            with safe_open(os.path.join(src.path, fname), framework="pt") as f:
+                for p in pieces:
+                    if p.sel is None:
+                        t = f.get_tensor(p.src.key)
+                    else:
+                        d, b, e = p.sel
+                        sl = f.get_slice(p.src.key)
+                        t = sl[b:e] if d == 0 else sl[:, b:e]
+                    if list(t.shape) != p.shape:  # the header was planned from the source headers read earlier
+                        raise SystemExit(f"error: {fname}: {p.src.key} changed during the conversion")
+                    out.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                    if time.time() - last > 15:
+                        last = time.time()
+                        print(f"  rank {rank}/{tp}: {out.tell() / 2**30:.2f} of {size / 2**30:.2f} GiB written, "
+                              f"{last - t0:.0f} s", file=sys.stderr)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
+def write_bytes(path: str, data: bytes):
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def rank_config(raw: dict, tp: int, fp: str) -> dict:
+    """Source config + the layout fields (§2.6). The VL form keeps its nesting and identity; the three layout
+    keys and source_fingerprint go both at the top and into text_config so either reader finds them. No auto_map:
+    nothing points at remote code."""
+    cfg = json.loads(json.dumps(raw))
+    add = {"tp_size": tp, "expert_parallel_size": tp, "tp_layout_version": LAYOUT_VERSION}
+    for d in (cfg, cfg.get("text_config")):
+        if isinstance(d, dict):
+            d.pop("auto_map", None)
+            d.pop("use_triton_sliding_attention", None)
+            d.update(add, source_fingerprint=fp)
+    return cfg
+
+
+def readme(src: Source, tp: int, fp: str, plan0: list[Piece]) -> str:
+    rows, seen = [], set()
+    for p in sorted(plan0, key=lambda p: p.name):
+        kind = re.sub(r"\.\d+\.", ".N.", p.name)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        rows.append(f"| `{kind}` | {p.src.dtype} | {p.src.shape} | {p.shape} | {p.rule} |")
+    return (f"# Step-5 shards: TP = EP = {tp}, layout `{LAYOUT_VERSION}`\n\n"
+            f"Source fingerprint `{fp}`; {len(plan0)} tensors per rank, {src.n_mtp} MTP tensors excluded. "
+            "`model-r{rank}.safetensors` + `config-r{rank}.json` per rank; `lm_head` is stored whole and narrowed "
+            "to the rank's vocabulary rows at load; KV and indexer groups are duplicated on adjacent ranks when "
+            "tp exceeds the group count.\n\n| tensor (first of its kind) | dtype | source shape | rank-0 shape | rule |\n|---|---|---|---|---|\n"
+            + "\n".join(rows) + "\n")
+
+
+def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | None = None, check_only: bool = False):
+    ep_size = tp_size if ep_size is None else ep_size
+    if tp_size < 1 or ep_size != tp_size:
+        raise SystemExit(f"error: --tp-size={tp_size} and --ep-size={ep_size} must be equal and >= 1 (co-located TP/EP)")
+    if not out_dir and not check_only:
+        raise SystemExit("error: --out-dir is required unless --check-only")
+    src = inspect(checkpoint, tp_size)
+    if check_only:
+        print("check passed; nothing written")
+        return
+    fp = fingerprint(src)
+    cfg = rank_config(src.raw, tp_size, fp)
+    try:
+        parse_config(cfg, "per-rank config")  # what the runtime will read must parse, with its tp checks
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    tp_dir = os.path.join(out_dir, f"tp{tp_size}")
+    tok_dir = os.path.join(out_dir, "tokenizer_files")
+    try:
+        os.makedirs(tp_dir, exist_ok=True)
+        os.makedirs(tok_dir, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: cannot create {tp_dir}: {e.strerror}") from None
+    for f in os.listdir(tp_dir):  # a killed earlier run's leftovers; never mistaken for shards
+        if f.endswith(".partial"):
+            os.remove(os.path.join(tp_dir, f))
+    t0, plan0 = time.time(), None
+    for rank in range(tp_size):
+        plan = rank_plan(src, tp_size, rank)
+        plan0 = plan0 or plan
+        meta = {"format": "pt", "format_version": "1", "step4_tp_layout": LAYOUT_VERSION, "tp_size": str(tp_size),
+                "expert_parallel_size": str(tp_size), "rank": str(rank), "source_fingerprint": fp}
+        head, size = shard_header(plan, meta)
+        path = os.path.join(tp_dir, f"model-r{rank}.safetensors")
+        why = stale_reason(path, head, size, plan, meta)
+        if why is None:
+            print(f"rank {rank}: {path} is complete and matches (header, metadata, length); kept")
+            continue
+        if why != "missing":
+            print(f"rank {rank}: rewriting {path}: {why}")
+        write_shard(path, src, plan, head, size, rank, tp_size)
+        print(f"rank {rank}: wrote {path} ({len(plan)} tensors, {size / 2**20:.1f} MiB, {time.time() - t0:.1f} s)")
+    for rank in range(tp_size):
+        write_bytes(os.path.join(tp_dir, f"config-r{rank}.json"), (json.dumps(cfg, indent=2) + "\n").encode())
+    write_bytes(os.path.join(tp_dir, "README.md"), readme(src, tp_size, fp, plan0).encode())
+    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(checkpoint, f))]
+    for f in copied:
+        with open(os.path.join(checkpoint, f), "rb") as fh:
+            write_bytes(os.path.join(tok_dir, f), fh.read())
+    print(f"tokenizer files: {', '.join(copied) or 'none found in the checkpoint'} -> {tok_dir}")
+    print(f"PASS: {tp_size} ranks in {tp_dir} ({time.time() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="original checkpoint directory")
+    ap.add_argument("--out-dir", "--out_dir", dest="out_dir", help="output root (OUT/tp{N}, OUT/tokenizer_files)")
+    ap.add_argument("--tp-size", "--tp_size", dest="tp_size", type=int, default=8)
+    ap.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=None,
+                    help="must equal --tp-size (default: the same)")
+    ap.add_argument("--check-only", "--check_only", dest="check_only", action="store_true",
+                    help="check the checkpoint from its safetensors headers only; write nothing")
+    a = ap.parse_args()
+    try:
+        main(a.checkpoint, a.out_dir, a.tp_size, a.ep_size, a.check_only)
+    except OSError as e:  # disk full, permissions, a file vanishing mid-run: name it, no traceback
+        raise SystemExit(f"error: {e.filename or ''}: {e.strerror or e}") from None

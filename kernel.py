@@ -1,0 +1,1021 @@
+"""Compute kernels of the Step-5 decoder, each beside its pure-PyTorch reference.
+
+model.py calls only the public functions below. Each one runs its Triton kernel when the tensors live on a CUDA
+device and Triton kernels are enabled (`set_backend`), and the `*_ref` PyTorch reference otherwise. The references
+are the numerical contract: they follow the spec's rounding points literally (STEP5_TEXT.md §4-§5) and every
+kernel is tested against them.
+
+Shape legend: T tokens, S sequences, G KV/provider groups, Hg heads per group, P indexer proxy dim,
+R regions, K selected regions, E experts, F expert width, D hidden, M rows, N out features.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+QBLOCK = 128  # FP8 block: activations 1x128 along K, weights 128x128
+
+_backend = {"triton": False}
+
+
+def set_backend(triton: bool):
+    """Enable the Triton kernels for CUDA tensors (the model turns this on once at start-up on GPUs)."""
+    _backend["triton"] = bool(triton)
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return _backend["triton"] and x.is_cuda
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton plumbing shared by every kernel.
+#
+# Under TRITON_INTERPRET=1 (the CPU tests) the triton 3.7 interpreter multiplies raw bits in bf16 arithmetic and
+# bf16 tl.dot, truncates fp32->bf16 casts, mis-rounds fp32->fp8 casts and cannot call libdevice
+# (triton-lang/triton#11584). So every kernel (a) loads bf16/e4m3 and widens to fp32 before arithmetic, (b) feeds
+# tl.dot in DOT_DTYPE: fp32 under the interpreter (exact: bf16 and e4m3 products fit fp32) and bf16 on GPUs (tensor
+# cores, fp32 accumulation, same products), (c) rounds to bf16 / e4m3 with the integer helpers below, which are
+# correct on both, and (d) uses libdevice's expf on GPUs (the function torch's CUDA exp calls) and tl.exp otherwise.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_DOT = tl.float32 if _INTERPRET else tl.bfloat16
+_PRECISE = not _INTERPRET
+# Kernels whose reference spells out separately rounded products are compiled without FMA contraction.
+_NO_FMA = {} if _INTERPRET else {"enable_fp_fusion": False}
+
+
+def _check(cond, msg):
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_tensor(name, t, dtype, ndim=None, contiguous=True):
+    _check(isinstance(t, torch.Tensor), f"{name} must be a tensor, got {type(t).__name__}")
+    _check(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
+    if ndim is not None:
+        _check(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if contiguous:
+        _check(t.is_contiguous(), f"{name} must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
+
+
+@triton.jit
+def _bf16_round(x):
+    """fp32 -> nearest-even bf16 value, returned as fp32 (a later .to(bf16) is then exact on every backend)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = b + 0x7FFF + ((b >> 16) & 1)  # round half to even on the 16 dropped bits (finite inputs)
+    b = (b >> 16) << 16
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bits(x):
+    """fp32 -> float8_e4m3fn bit pattern (uint8): clamp to +-448, round to nearest even, integer ops only.
+
+    Normal range (|x| >= 2^-6): round the fp32 mantissa to 3 bits on the bit pattern (a carry bumps the exponent),
+    then rebias 127 -> 7. Subnormal range: m = rne(|x| * 2^9), m in 0..8 (8 is the smallest normal, code 0x08).
+    """
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    b = x.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    e = a >> 23
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    mant = (a & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(tl.maximum(141 - e, 21), 31)  # |x| = mant * 2^(e-150); m = mant >> (141 - e), rounded
+    q = mant >> sh
+    rem = mant - (q << sh)
+    half = (rem * 0 + 1) << (sh - 1)
+    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    mag = tl.minimum(tl.where(e >= 121, normal, q), 0x7E)
+    return (sign | mag).to(tl.uint8)
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """fp32/bf16 -> float8_e4m3fn, round-to-nearest-even, saturating at +-448.
+
+    Choice (spec §11.9 leaves it open): saturate. The CUDA cast turns |x| >= 464 into NaN while the CPU cast
+    saturates; clamping first gives one answer on both devices and matches Hopper's saturating in-register
+    conversion. Post-norm indexer values sit far below 448, so this never fires on sane inputs.
+    """
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. per-head norm + partial NEOX RoPE
+
+
+def norm_rope_ref(x, weight, cos, sin, eps, bias=None):
+    """Per-head norm, rounded to bf16, then NEOX RoPE on the leading `2 * cos.shape[-1]` dims.
+
+    x [T, n, d] bf16; weight (and bias) [d] fp32; cos, sin [T, half] bf16 (table rows of each token's position).
+    bias None: zero-centred RMSNorm  y = x * rsqrt(mean(x^2) + eps) * (1 + w)      (main q/k, indexer q)
+    bias set : LayerNorm with one-pass variance E[x^2] - E[x]^2, y = (x - mu) * rsqrt(var + eps) * w + b  (indexer k)
+    The norm output is rounded to bf16 and re-read before the rotation (the deployed kernel materialises it);
+    rotation in fp32: first = a*c - b*s (products rounded separately), second = fma(a, s, b*c); each rounded to bf16.
+    """
+    xf = x.float()
+    if bias is None:
+        ms = (xf * xf).mean(-1, keepdim=True)
+        n = ((xf * torch.rsqrt(ms + eps)) * (weight.float() + 1.0)).to(torch.bfloat16)
+    else:
+        mu = xf.mean(-1, keepdim=True)
+        var = (xf * xf).mean(-1, keepdim=True) - mu * mu
+        n = ((xf - mu) * torch.rsqrt(var + eps) * weight.float() + bias.float()).to(torch.bfloat16)
+    half = cos.shape[-1]
+    a, b = n[..., :half].float(), n[..., half:2 * half].float()
+    c, s = cos.float()[:, None, :], sin.float()[:, None, :]
+    first = a * c - b * s
+    # fma(a, s, b*c): a*s is exact in fp64, so one fp64 add then one rounding to fp32 emulates the fused op
+    second = (a.double() * s.double() + (b * c).double()).float()
+    return torch.cat([first.to(torch.bfloat16), second.to(torch.bfloat16), n[..., 2 * half:]], dim=-1)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, out_ptr, ROWS, NH, eps,
+                      D: tl.constexpr, HALF: tl.constexpr, LAYERNORM: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """BLOCK_R head rows (token t = row // NH) per program: norm, round to bf16, NEOX-rotate the first 2*HALF dims.
+
+    RMS: n = bf((x * r) * (w + 1)), r = 1/sqrt(mean(x^2) + eps); LayerNorm: n = bf(((x - mu) * r) * w + b),
+    r = 1/sqrt(E[x^2] - mu^2 + eps). Rotation on the bf16 values a = n[j], b = n[j + HALF]:
+    first = bf(a*c - b*s) (products rounded separately: compiled without FMA contraction),
+    second = bf(fma(a, s, b*c)) (emulated as fp64 a*s + b*c rounded once to fp32, exactly as the reference).
+    Each norm value is elementwise, so recomputing it per slice equals storing and re-reading the bf16 row.
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < ROWS
+    tok = rows // NH
+    base = rows.to(tl.int64)[:, None] * D
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(x_ptr + base + d[None, :], mask=r_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    one = tl.full((BLOCK_R,), 1.0, tl.float32)
+    if LAYERNORM:
+        mu = tl.sum(x, axis=1) / D
+        var = tl.sum(x * x, axis=1) / D - mu * mu
+        r = tl.math.div_rn(one, tl.sqrt_rn(var + eps))
+    else:
+        mu = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        r = tl.math.div_rn(one, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
+    j = tl.arange(0, BLOCK_HALF)
+    j_ok = r_ok[:, None] & (j[None, :] < HALF)
+    c = tl.load(cos_ptr + tok[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + tok[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
+    a = _norm_slice(x_ptr, w_ptr, b_ptr, base, j, r_ok, D, mu, r, LAYERNORM)
+    b = _norm_slice(x_ptr, w_ptr, b_ptr, base, HALF + j, r_ok, D, mu, r, LAYERNORM)
+    first = a * c - b * s
+    second = (a.to(tl.float64) * s.to(tl.float64) + (b * c).to(tl.float64)).to(tl.float32)
+    tl.store(out_ptr + base + j[None, :], _bf16_round(first).to(tl.bfloat16), mask=j_ok)
+    tl.store(out_ptr + base + HALF + j[None, :], _bf16_round(second).to(tl.bfloat16), mask=j_ok)
+    if BLOCK_REST > 0:  # dims past the rotary span keep the norm value
+        cols = 2 * HALF + tl.arange(0, BLOCK_REST)
+        c_ok = r_ok[:, None] & (cols[None, :] < D)
+        n = _norm_slice(x_ptr, w_ptr, b_ptr, base, cols, r_ok, D, mu, r, LAYERNORM)
+        tl.store(out_ptr + base + cols[None, :], n.to(tl.bfloat16), mask=c_ok)
+
+
+@triton.jit
+def _norm_slice(x_ptr, w_ptr, b_ptr, base, cols, r_ok, D: tl.constexpr, mu, r, LAYERNORM: tl.constexpr):
+    c_ok = cols < D
+    x = tl.load(x_ptr + base + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=c_ok, other=0.0)[None, :]
+    if LAYERNORM:
+        n = (x - mu[:, None]) * r[:, None] * w + tl.load(b_ptr + cols, mask=c_ok, other=0.0)[None, :]
+    else:
+        n = (x * r[:, None]) * (w + 1.0)
+    return _bf16_round(n)
+
+
+def norm_rope_triton(x, weight, cos, sin, eps, bias=None):
+    _check_tensor("x", x, torch.bfloat16, ndim=3)
+    T, NH, D = x.shape
+    _check_tensor("weight", weight, torch.float32, ndim=1)
+    _check(weight.numel() == D, f"weight must be [{D}], got {tuple(weight.shape)}")
+    if bias is not None:
+        _check_tensor("bias", bias, torch.float32, ndim=1)
+        _check(bias.numel() == D, f"bias must be [{D}], got {tuple(bias.shape)}")
+    _check_tensor("cos", cos, torch.bfloat16, ndim=2)
+    _check_tensor("sin", sin, torch.bfloat16, ndim=2)
+    half = cos.shape[1]
+    _check(cos.shape == sin.shape and cos.shape[0] == T and 2 * half <= D,
+           f"cos/sin must be [T={T}, half <= {D // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    out = torch.empty_like(x)
+    rows = T * NH
+    BLOCK_R = 16
+    if rows:
+        _norm_rope_kernel[(triton.cdiv(rows, BLOCK_R),)](
+            x, weight, bias if bias is not None else weight, cos, sin, out, rows, NH, float(eps),
+            D=D, HALF=half, LAYERNORM=bias is not None, BLOCK_R=BLOCK_R, BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
+            BLOCK_REST=triton.next_power_of_2(D - 2 * half) if D > 2 * half else 0, num_warps=4, **_NO_FMA)
+    return out
+
+
+def norm_rope(x, weight, cos, sin, eps, bias=None):
+    if _triton(x):
+        return norm_rope_triton(x, weight, cos, sin, eps, bias)
+    return norm_rope_ref(x, weight, cos, sin, eps, bias)
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. DSA: region summaries, indexer scores, exact top-k, sparse attention
+
+
+def region_summary_ref(k, z):
+    """k, z [N, blk, P] bf16 (one completed region per row) -> e4m3 [N, P].
+
+    Softmax over the region's tokens taken independently per dimension; the single per-region max shift m cancels
+    mathematically but is reproduced for the last bits; fp32 -> bf16 -> e4m3 double rounding is required.
+    """
+    zf = z.float()
+    m = zf.amax(dim=(1, 2), keepdim=True)  # [N, 1, 1]
+    e = torch.exp(zf - m)
+    den = e.sum(1)  # [N, P]
+    num = (e * k.float()).sum(1)
+    s = torch.where(den > 0, num / den.clamp_min(1e-20), torch.zeros_like(num))
+    return to_e4m3(s.to(torch.bfloat16))
+
+
+@triton.jit
+def _region_summary_kernel(k_ptr, z_ptr, out_ptr, P, row_stride,
+                           BLK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, PRECISE: tl.constexpr):
+    """One region per program: m = max f32(z) over the whole [blk, P] tile; e = exp(z - m);
+    S_d = sum_t e*k / max(sum_t e, 1e-20) (0 where the sum is 0), summed over t in order; e4m3(bf(S)) bytes."""
+    n = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_P)
+    d_ok = d < P
+    t = tl.arange(0, BLOCK_T)
+    base = n * row_stride
+    z_all = tl.load(z_ptr + base + t[:, None] * P + d[None, :], mask=(t[:, None] < BLK) & d_ok[None, :],
+                    other=float("-inf")).to(tl.float32)
+    m = tl.max(tl.max(z_all, axis=1), axis=0)
+    num = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    den = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for i in tl.static_range(BLK):  # token order, one fp32 accumulator each, as the reference sums
+        z = tl.load(z_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
+        kv = tl.load(k_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
+        e = _exp(z - m, PRECISE)
+        den = den + e
+        num = num + e * kv
+    s = tl.math.div_rn(num, tl.maximum(den, 1e-20))
+    s = tl.where(den > 0, s, 0.0)
+    tl.store(out_ptr + n * P + d, _e4m3_bits(_bf16_round(s)), mask=d_ok)  # fp32 -> bf16 -> e4m3, both RNE
+
+
+def region_summary_triton(k, z):
+    _check_tensor("k", k, torch.bfloat16, ndim=3)
+    _check_tensor("z", z, torch.bfloat16, ndim=3)
+    _check(k.shape == z.shape, f"k {tuple(k.shape)} and z {tuple(z.shape)} must both be [N, blk, P]")
+    N, blk, P = k.shape
+    out = torch.empty(N, P, dtype=torch.uint8, device=k.device)
+    if N:
+        _region_summary_kernel[(N,)](k, z, out, P, blk * P, BLK=blk, BLOCK_T=triton.next_power_of_2(blk),
+                                    BLOCK_P=triton.next_power_of_2(P), PRECISE=_PRECISE, num_warps=2, **_NO_FMA)
+    return out.view(FP8)
+
+
+def region_summary(k, z):
+    if _triton(k):
+        return region_summary_triton(k, z)
+    return region_summary_ref(k, z)
+
+
+def indexer_scores_ref(q, w, summ):
+    """q [S, T, G, Hg, P] bf16, w [S, T, G, Hg] fp32, summ [S, R, P] e4m3 -> scores [S, G, T, R] fp32.
+
+    score = sum over the group's heads, in head order with one fp32 accumulator, of relu(q_h . S_r) * w_h,
+    with q rounded to e4m3 (torch cast semantics) before the dot.
+    """
+    qf = to_e4m3(q).float()
+    dots = torch.einsum("stghp,srp->sgthr", qf, summ.float())  # [S, G, T, Hg, R]
+    wt = w.permute(0, 2, 1, 3)[..., None]  # [S, G, T, Hg, 1]
+    acc = torch.zeros_like(dots[:, :, :, 0])
+    for h in range(dots.shape[3]):  # sequential over heads, as the kernel accumulates
+        acc = acc + dots[:, :, :, h].clamp_min(0) * wt[:, :, :, h]
+    return acc
+
+
+@triton.jit
+def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P,
+                           q_stride_s, q_stride_t, q_stride_g, w_stride_s, w_stride_t, s_stride_s,
+                           HG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                           DOT_DTYPE: tl.constexpr):
+    """scores[s, g, t, r] = sum over heads h = 0..Hg-1 in order of relu(q_h . S_r) * w_h (one fp32 accumulator).
+
+    q and S are e4m3; the dot runs in DOT_DTYPE (e4m3 -> bf16 is lossless) with fp32 accumulation, which avoids
+    the reduced-precision accumulator of Hopper's fp8 MMA.
+    """
+    s = tl.program_id(0) // G
+    g = tl.program_id(0) % G
+    ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rs = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_P)
+    t_ok, r_ok, d_ok = ts < T, rs < R, d < P
+    summ = tl.load(s_ptr + s * s_stride_s + rs[:, None] * P + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
+                   other=0.0).to(tl.float32).to(DOT_DTYPE)
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for h in tl.static_range(HG):
+        q = tl.load(q_ptr + s * q_stride_s + ts[:, None] * q_stride_t + g * q_stride_g + h * P + d[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
+        wh = tl.load(w_ptr + s * w_stride_s + ts * w_stride_t + g * HG + h, mask=t_ok, other=0.0)
+        acc = acc + tl.maximum(tl.dot(q, tl.trans(summ)), 0.0) * wh[:, None]
+    out = out_ptr + ((s * G + g) * T + ts[:, None]).to(tl.int64) * R + rs[None, :]
+    tl.store(out, acc, mask=t_ok[:, None] & r_ok[None, :])
+
+
+def indexer_scores_triton(q, w, summ):
+    _check_tensor("q", q, torch.bfloat16, ndim=5)
+    _check_tensor("w", w, torch.float32, ndim=4)
+    _check_tensor("summ", summ, FP8, ndim=3)
+    S, T, G, HG, P = q.shape
+    R = summ.shape[1]
+    _check(tuple(w.shape) == (S, T, G, HG), f"w must be [S, T, G, Hg] = {(S, T, G, HG)}, got {tuple(w.shape)}")
+    _check(summ.shape[0] == S and summ.shape[2] == P, f"summ must be [S={S}, R, P={P}], got {tuple(summ.shape)}")
+    qe = to_e4m3(q)  # the spec's host-side torch cast (an in-kernel fp8 convert was seen to differ)
+    out = torch.empty(S, G, T, R, dtype=torch.float32, device=q.device)
+    BLOCK_T = 16 if T <= 16 else 64
+    BLOCK_R = 64 if not _INTERPRET else 128
+    if out.numel():
+        grid = (S * G, triton.cdiv(T, BLOCK_T), triton.cdiv(R, BLOCK_R))
+        _indexer_scores_kernel[grid](qe, w, summ, out, T, G, R, P, qe.stride(0), qe.stride(1), qe.stride(2),
+                                     w.stride(0), w.stride(1), summ.stride(0), HG=HG, BLOCK_T=BLOCK_T,
+                                     BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P), DOT_DTYPE=_DOT,
+                                     num_warps=4, **_NO_FMA)
+    return out
+
+
+def indexer_scores(q, w, summ):
+    if _triton(q):
+        return indexer_scores_triton(q, w, summ)
+    return indexer_scores_ref(q, w, summ)
+
+
+def select_regions_ref(scores, n_hist, topk):
+    """Exact top-k of history regions with the spec's tie-break.
+
+    scores [S, G, T, R] fp32; n_hist [S, T] int = number of history regions of each query (floor(p / blk)).
+    Returns ids [S, G, T, K] int64 in ascending region id with invalid slots (budget min(topk, n_hist) exhausted)
+    set to R, and valid [S, G, T, K] bool; K = min(topk, R). Order: score descending, ties by ascending id (a
+    stable sort of the negated score); +0.0 and -0.0 compare equal (adding +0.0 maps -0.0 to +0.0).
+    """
+    S, G, T, R = scores.shape
+    K = min(topk, R)
+    cand = torch.arange(R, device=scores.device) < n_hist[:, None, :, None]  # [S, 1, T, R]
+    key = torch.where(cand, scores + 0.0, torch.full_like(scores, float("-inf")))
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :K]
+    valid = torch.arange(K, device=scores.device) < n_hist.clamp(max=topk)[:, None, :, None]
+    ids = torch.where(valid, order, torch.full_like(order, R))
+    return torch.sort(ids, dim=-1).values, valid.expand(S, G, T, K)
+
+
+def select_regions(scores, n_hist, topk):
+    # No Triton top-k yet: the reference's stable torch.sort already runs on the GPU, is exact with the spec's
+    # tie-break and needs no host sync; a radix-select kernel (spec §5.5) is the planned replacement.
+    return select_regions_ref(scores, n_hist, topk)
+
+
+def sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale):
+    """Attention over the selected history regions plus the current region.
+
+    q [S, T, G, Hg, hd] bf16; k, v [S, N, G, hd] bf16 (token n of sequence s at row n); ids, valid [S, G, T, K]
+    (ascending region ids, as select_regions returns); pos [S, T] absolute positions -> [S, T, G, Hg, hd] bf16.
+    Keys are visited as the kernel visits them: selected regions in ascending id, then the current region
+    (tokens blk*floor(p/blk) .. p). Logits fp32 from bf16 q.k, times scale; probabilities exp(s - max) are rounded
+    to bf16 before the P.V product (fp32 accumulation); the fp32 row sum divides at the end; result bf16.
+    """
+    S, T, G, Hg, hd = q.shape
+    K = ids.shape[-1]
+    off = torch.arange(blk, device=q.device)
+    hist = (ids[..., None] * blk + off).flatten(-2)  # [S, G, T, K*blk]
+    hist_ok = valid[..., None].expand(S, G, T, K, blk).flatten(-2)
+    cur0 = (pos // blk * blk)[:, None, :, None]  # [S, 1, T, 1]
+    cur = (cur0 + off).expand(S, G, T, blk)
+    cur_ok = cur <= pos[:, None, :, None]
+    tok = torch.cat([hist, cur], -1).clamp(max=k.shape[1] - 1)  # [S, G, T, J]
+    ok = torch.cat([hist_ok, cur_ok], -1)
+    J = tok.shape[-1]
+    sidx = torch.arange(S, device=q.device)[:, None, None, None]
+    gidx = torch.arange(G, device=q.device)[None, :, None, None]
+    kk, vv = k[sidx, tok, gidx].float(), v[sidx, tok, gidx].float()  # [S, G, T, J, hd]
+    qf = q.permute(0, 2, 1, 3, 4).float()  # [S, G, T, Hg, hd]
+    s = torch.einsum("sgthd,sgtjd->sgthj", qf, kk) * scale
+    s = s.masked_fill(~ok[:, :, :, None, :], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    den = p.sum(-1, keepdim=True)
+    o = torch.einsum("sgthj,sgtjd->sgthd", p.to(torch.bfloat16).float(), vv) / den
+    assert J == K * blk + blk
+    return o.to(torch.bfloat16).permute(0, 2, 1, 3, 4)
+
+
+@triton.jit
+def _sparse_attn_kernel(
+    q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, pos_ptr, out_ptr, po_ptr, pml_ptr,
+    T, G, HG, NKV, NSEL, SPLIT_LEN, scale,
+    q_stride_s, q_stride_t, q_stride_g, q_stride_h, kv_stride_s, kv_stride_n, kv_stride_g,
+    id_stride_s, id_stride_g, id_stride_t, va_stride_s, va_stride_g, va_stride_t,
+    HEAD_DIM: tl.constexpr, BLK: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """Online-softmax attention of one (sequence, query, KV group) over its key slots, all Hg heads at once.
+
+    Key slot j < NSEL*blk is token ids[j // blk]*blk + j % blk (live iff valid); slot NSEL*blk + i is token
+    blk*floor(p/blk) + i of the current region (live iff <= p). Per tile of BLOCK_N slots: s = (q.k) * scale in
+    fp32, dead slots -inf, running max m and sum l in fp32, p = exp(s - m) rounded to bf16 before P.V (fp32 acc).
+    SPLITS == 1: writes bf(acc / l). Otherwise program_id(1) takes slots [split*SPLIT_LEN, +SPLIT_LEN) and writes
+    its unnormalised acc, m and l for _attn_merge_kernel.
+    """
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    g = row % G
+    t = (row // G) % T
+    s = row // (G * T)
+    p = tl.load(pos_ptr + s * T + t)
+    cur0 = p // BLK * BLK
+    j_end = tl.minimum((split + 1) * SPLIT_LEN, NSEL * BLK + BLK)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    h_ok, d_ok = heads < HG, dims < HEAD_DIM
+    q = tl.load(q_ptr + s * q_stride_s + t * q_stride_t + g * q_stride_g + heads[:, None] * q_stride_h
+                + dims[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
+    kv_base = s.to(tl.int64) * kv_stride_s + g * kv_stride_g
+    id_base = ids_ptr + s * id_stride_s + g * id_stride_g + t * id_stride_t
+    va_base = valid_ptr + s * va_stride_s + g * va_stride_g + t * va_stride_t
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    for j0 in range(split * SPLIT_LEN, j_end, BLOCK_N):
+        slot = j0 + tl.arange(0, BLOCK_N)
+        reg, off = slot // BLK, slot % BLK
+        hist = reg < NSEL
+        live = slot < j_end
+        rid = tl.load(id_base + reg, mask=hist & live, other=0)
+        rva = tl.load(va_base + reg, mask=hist & live, other=0)
+        tok = tl.where(hist, rid * BLK + off, cur0 + off)
+        ok = live & tl.where(hist, rva != 0, tok <= p)
+        tok = tl.minimum(tok, NKV - 1).to(tl.int64)
+        kv_off = kv_base + tok[:, None] * kv_stride_n + dims[None, :]
+        kv_mask = ok[:, None] & d_ok[None, :]
+        kt = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+        sc = tl.dot(q, tl.trans(kt)) * scale
+        sc = tl.where(ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully dead tile so far: avoid inf - inf
+        alpha = tl.exp(m_i - m_use)
+        pr = tl.exp(sc - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        vt = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+        acc = tl.dot(_bf16_round(pr).to(DOT_DTYPE), vt, acc * alpha[:, None])
+        m_i = m_new
+    if SPLITS == 1:
+        o = tl.math.div_rn(acc, tl.maximum(l_i, 1e-30)[:, None])  # no live key -> zeros (acc is 0)
+        tl.store(out_ptr + s * q_stride_s + t * q_stride_t + g * q_stride_g + heads[:, None] * q_stride_h
+                 + dims[None, :], _bf16_round(o).to(tl.bfloat16), mask=h_ok[:, None] & d_ok[None, :])
+    else:
+        part = (row * SPLITS + split).to(tl.int64)
+        tl.store(po_ptr + (part * BLOCK_H + heads[:, None]) * HEAD_DIM + dims[None, :], acc,
+                 mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(pml_ptr + (part * 2) * BLOCK_H + heads, m_i)
+        tl.store(pml_ptr + (part * 2 + 1) * BLOCK_H + heads, l_i)
+
+
+@triton.jit
+def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, T, G, HG,
+                       q_stride_s, q_stride_t, q_stride_g, q_stride_h,
+                       HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Log-sum-exp merge of the splits of one row and head: c_i = exp(m_i - max m);
+    out = bf( sum_i c_i * acc_i / sum_i c_i * l_i )."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    g = row % G
+    t = (row // G) % T
+    s = row // (G * T)
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < SPLITS
+    part = (row * SPLITS + sp).to(tl.int64)
+    m = tl.load(pml_ptr + (part * 2) * BLOCK_H + h, mask=sp_ok, other=float("-inf"))
+    l = tl.load(pml_ptr + (part * 2 + 1) * BLOCK_H + h, mask=sp_ok, other=0.0)
+    mx = tl.max(m, axis=0)
+    c = tl.where(m == float("-inf"), 0.0, tl.exp(m - mx))
+    dims = tl.arange(0, BLOCK_D)
+    d_ok = dims < HEAD_DIM
+    po = tl.load(po_ptr + (part[:, None] * BLOCK_H + h) * HEAD_DIM + dims[None, :],
+                 mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    num = tl.sum(po * c[:, None], axis=0)
+    den = tl.sum(l * c, axis=0)
+    o = tl.math.div_rn(num, tl.full(num.shape, 1.0, tl.float32) * tl.maximum(den, 1e-30))
+    tl.store(out_ptr + s * q_stride_s + t * q_stride_t + g * q_stride_g + h * q_stride_h + dims,
+             _bf16_round(o).to(tl.bfloat16), mask=d_ok)
+
+
+def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None):
+    """Triton sparse_attention_ref for decode (T = 1) and prefill (T queries). `splits` (default: enough programs
+    to fill the GPU) divides each query's key slots over programs merged by log-sum-exp."""
+    _check_tensor("q", q, torch.bfloat16, ndim=5)
+    S, T, G, HG, hd = q.shape
+    for name, t_ in (("k", k), ("v", v)):
+        _check_tensor(name, t_, torch.bfloat16, ndim=4)
+        _check(t_.shape[0] == S and t_.shape[2] == G and t_.shape[3] == hd,
+               f"{name} must be [S={S}, N, G={G}, hd={hd}], got {tuple(t_.shape)}")
+    _check(k.shape == v.shape and k.stride() == v.stride(), "k and v must have the same shape and layout")
+    _check(ids.dtype == torch.int64 and ids.dim() == 4 and ids.stride(-1) == 1,
+           f"ids must be int64 [S, G, T, K] with unit last stride, got {ids.dtype} {tuple(ids.shape)}")
+    _check(tuple(ids.shape[:3]) == (S, G, T), f"ids must be [S={S}, G={G}, T={T}, K], got {tuple(ids.shape)}")
+    _check(valid.dtype == torch.bool and valid.shape == ids.shape and valid.stride(-1) == 1,
+           f"valid must be bool like ids {tuple(ids.shape)} with unit last stride")
+    _check_tensor("pos", pos, pos.dtype, ndim=2)
+    _check(tuple(pos.shape) == (S, T) and not pos.is_floating_point(), f"pos must be integer [S={S}, T={T}]")
+    out = torch.empty_like(q)
+    NSEL = ids.shape[-1]
+    J = NSEL * blk + blk
+    BLOCK_N = 64
+    BLOCK_H = max(16, triton.next_power_of_2(HG))
+    rows = S * T * G
+    if rows == 0:
+        return out
+    if splits is None:  # about two programs per SM (132 on an H200), never a split shorter than one tile
+        splits = max(1, min(triton.cdiv(264, rows), triton.cdiv(J, 4 * BLOCK_N)))
+    split_len = triton.cdiv(triton.cdiv(J, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(J, split_len)
+    va = valid.view(torch.uint8)
+    if splits > 1:
+        po = torch.empty(rows * splits * BLOCK_H * hd, dtype=torch.float32, device=q.device)
+        pml = torch.empty(rows * splits * 2 * BLOCK_H, dtype=torch.float32, device=q.device)
+    else:
+        po = pml = out
+    _sparse_attn_kernel[(rows, splits)](
+        q, k, v, ids, va, pos, out, po, pml, T, G, HG, k.shape[1], NSEL, split_len, float(scale),
+        q.stride(0), q.stride(1), q.stride(2), q.stride(3), k.stride(0), k.stride(1), k.stride(2),
+        ids.stride(0), ids.stride(1), ids.stride(2), va.stride(0), va.stride(1), va.stride(2),
+        HEAD_DIM=hd, BLK=blk, SPLITS=splits, BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd),
+        BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, num_warps=4, num_stages=2 if not _INTERPRET else 1)
+    if splits > 1:
+        _attn_merge_kernel[(rows, HG)](po, pml, out, T, G, HG, q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+                                       HEAD_DIM=hd, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+                                       BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd), num_warps=4)
+    return out
+
+
+def sparse_attention(q, k, v, ids, valid, pos, blk, scale):
+    if _triton(q):
+        return sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale)
+    return sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. FP8 block-scaled GEMM and the routed experts
+
+
+def act_quant_ref(x):
+    """x [..., K] bf16 -> (e4m3 [..., K], scale fp32 [..., ceil(K/128)]): per row, per 128-wide K block.
+
+    amax floored at 1e-10 (the deployed floor), scale = amax * (1/448), q = e4m3(clamp(x * (1/scale), -448, 448)).
+    """
+    K = x.shape[-1]
+    kb = -(-K // QBLOCK)
+    xf = torch.nn.functional.pad(x.float(), (0, kb * QBLOCK - K)).unflatten(-1, (kb, QBLOCK))
+    amax = xf.abs().amax(-1).clamp_min(1e-10)
+    sx = amax * (1.0 / FP8_MAX)
+    q = (xf * (1.0 / sx)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.flatten(-2)[..., :K], sx
+
+
+def fp8_gemm_ref(x, w, sw):
+    """Block-scaled FP8 GEMM, batched over a leading expert dim.
+
+    x [E, M, K] bf16 (activations, quantised here), w [E, N, K] e4m3, sw [E, ceil(N/128), ceil(K/128)] fp32
+    -> [E, M, N] bf16. acc = sum over K blocks, in block order, of (fp32 dot of the e4m3 block) * sx * sw.
+    """
+    E, M, K = x.shape
+    N = w.shape[1]
+    xq, sx = act_quant_ref(x)  # [E, M, K], [E, M, kb]
+    swn = sw.repeat_interleave(QBLOCK, dim=1)[:, :N]  # [E, N, kb]
+    acc = torch.zeros(E, M, N, dtype=torch.float32, device=x.device)
+    for b in range(sx.shape[-1]):
+        ks = slice(b * QBLOCK, min(K, (b + 1) * QBLOCK))
+        dot = torch.bmm(xq[..., ks].float(), w[..., ks].float().transpose(1, 2))  # [E, M, N]
+        acc = acc + dot * sx[..., b:b + 1] * swn[:, None, :, b]
+    return acc.to(torch.bfloat16)
+
+
+def swiglu_ref(g, u, limit):
+    """Clamped SwiGLU: bf( min(silu(g), L) * clamp(u, -L, L) ) in fp32 with one rounding; limit None = no clamp."""
+    gf, uf = g.float(), u.float()
+    a = torch.nn.functional.silu(gf)
+    if limit is not None:
+        a, uf = a.clamp(max=limit), uf.clamp(-limit, limit)
+    return (a * uf).to(torch.bfloat16)
+
+
+def _expert_linear_ref(x, w, s):
+    """x [E, M, K] bf16 through each expert's weight w [E, N, K] (e4m3 with scales s, or bf16 when s is None)."""
+    if s is not None:
+        return fp8_gemm_ref(x, w, s)
+    return torch.bmm(x, w.transpose(1, 2))  # bf16 operands, fp32 accumulation, one bf16 rounding
+
+
+def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, limit):
+    """One rank's routed experts and their weighted combine.
+
+    x [T, D] bf16; ids [T, k] int64 local expert index or -1 (expert on another rank); weights [T, k] fp32;
+    w1 (gate), w3 (up) [E, F, D], w2 (down) [E, D, F] (e4m3 with scale grids s*, or bf16 with s* None).
+    Returns [T, D] bf16 = bf( sum over slots 0..k-1 in order, one fp32 accumulator, of f32(expert_out) * weight ).
+    Reference formulation: every local expert runs every token as one batched GEMM (static shapes, no host sync,
+    no per-expert Python branching); the kernel computes only the routed rows.
+    """
+    E = w1.shape[0]
+    xe = x.unsqueeze(0).expand(E, *x.shape)  # [E, T, D]
+    a = swiglu_ref(_expert_linear_ref(xe, w1, s1), _expert_linear_ref(xe, w3, s3), limit)  # [E, T, F]
+    y = _expert_linear_ref(a, w2, s2)  # [E, T, D]
+    T = x.shape[0]
+    local = ids >= 0
+    rows = y[ids.clamp(min=0), torch.arange(T, device=x.device)[:, None]]  # [T, k, D]
+    contrib = torch.where(local[..., None], rows.float(), 0.0)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(ids.shape[1]):  # slot order, sequential fp32 accumulation
+        acc = acc + contrib[:, j] * weights[:, j, None]
+    return acc.to(torch.bfloat16)
+
+
+# Triton: activation quantisation, grouped expert GEMM (FP8 block-scaled or BF16), routed-expert pipeline.
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, x_stride, q_stride, s_stride,
+                      BLOCK_M: tl.constexpr, QBLOCK: tl.constexpr):
+    """Per row, per QBLOCK-wide K block: sx = max(amax, 1e-10) * (1/448); q = e4m3(clamp(x * (1/sx), -448, 448))."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    cols = kb * QBLOCK + tl.arange(0, QBLOCK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
+    sx = amax * (1.0 / 448.0)
+    inv = tl.math.div_rn(tl.full(sx.shape, 1.0, tl.float32), sx)  # correctly rounded, like torch's 1 / sx
+    tl.store(q_ptr + rows[:, None] * q_stride + cols[None, :], _e4m3_bits(x * inv[:, None]), mask=mask)
+    tl.store(s_ptr + rows * s_stride + kb, sx, mask=rows < M)
+
+
+def act_quant_triton(x):
+    """Triton act_quant_ref for a 2-D bf16 x [M, K] -> (e4m3 [M, K], fp32 [M, ceil(K/128)])."""
+    _check_tensor("x", x, torch.bfloat16, ndim=2)
+    M, K = x.shape
+    kb = triton.cdiv(K, QBLOCK)
+    q = torch.empty(M, K, dtype=torch.uint8, device=x.device)
+    s = torch.empty(M, kb, dtype=torch.float32, device=x.device)
+    BLOCK_M = 32
+    if M > 0:
+        _act_quant_kernel[(triton.cdiv(M, BLOCK_M), kb)](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
+                                                         BLOCK_M=BLOCK_M, QBLOCK=QBLOCK, num_warps=4)
+    return q.view(FP8), s
+
+
+@triton.jit
+def _swiglu_math(g, u, limit, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr):
+    """bf16-valued fp32 g, u -> bf( min(silu(g), L) * clamp(u, -L, L) ) as fp32; silu(g) = g / (1 + exp(-g))."""
+    a = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE))
+    if HAS_LIMIT:
+        a = tl.minimum(a, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return _bf16_round(a * u)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    x_ptr, sx_ptr, row_idx_ptr, w_ptr, sw_ptr, w3_ptr, sw3_ptr, out_ptr, row_off_ptr, tile_off_ptr,
+    N, K, E, limit,
+    x_stride, sx_stride, w_stride_e, w_stride_n, sw_stride_e, sw_stride_n, out_stride,
+    FP8: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] output tile of one expert of a grouped GEMM, Y[rows of e] = X[rows of e] . W[e]^T.
+
+    Rows are sorted by expert: expert e owns rows row_off[e] .. row_off[e+1]-1 and M tiles tile_off[e] ..
+    tile_off[e+1]-1 (both exclusive prefix sums computed on the device). The grid covers the worst-case tile count;
+    a program finds its expert by counting the experts whose tiles end at or before its tile id, and programs past
+    the last tile exit. GATHER: row r reads activation row row_idx[r] (the token), so X is never gathered in memory.
+    FP8: X and W e4m3 with scales sx [row, kb] and sw [e, nb, kb]; per K block of 128,
+         acc = acc + (fp32 dot) * sx * sw (act_quant_ref / fp8_gemm_ref); else bf16 operands, fp32 accumulation.
+    GATED: also runs W3 on the same rows and stores swiglu(bf(X.W^T), bf(X.W3^T)) instead of bf(X.W^T).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    experts = tl.arange(0, BLOCK_E)
+    tile_end = tl.load(tile_off_ptr + 1 + experts, mask=experts < E, other=2147483647)
+    e = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
+    if e >= E:  # beyond the last real tile
+        return
+    row0 = tl.load(row_off_ptr + e)
+    row1 = tl.load(row_off_ptr + e + 1)
+    rows = row0 + (pid_m - tl.load(tile_off_ptr + e)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < row1
+    if GATHER:
+        src = tl.load(row_idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    e64 = e.to(tl.int64)
+    w_base = w_ptr + e64 * w_stride_e + cols[:, None] * w_stride_n
+    w3_base = w3_ptr + e64 * w_stride_e + cols[:, None] * w_stride_n
+    sw_base = sw_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n  # BLOCK_N divides 128
+    sw3_base = sw3_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
+        a = tl.load(x_ptr + src[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP8:
+            sa = tl.load(sx_ptr + src * sx_stride + kb, mask=row_ok, other=0.0)
+            # e4m3 x e4m3 -> fp32 on tensor cores; both scales applied in fp32 after each block (never folded in)
+            acc = acc + tl.dot(a, tl.trans(b)) * sa[:, None] * tl.load(sw_base + kb)
+            if GATED:
+                b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                acc3 = acc3 + tl.dot(a, tl.trans(b3)) * sa[:, None] * tl.load(sw3_base + kb)
+        else:
+            a = a.to(DOT_DTYPE)
+            acc = tl.dot(a, tl.trans(b.to(DOT_DTYPE)), acc)
+            if GATED:
+                b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                acc3 = tl.dot(a, tl.trans(b3.to(DOT_DTYPE)), acc3)
+    if GATED:
+        y = _swiglu_math(_bf16_round(acc), _bf16_round(acc3), limit, HAS_LIMIT, PRECISE)
+    else:
+        y = _bf16_round(acc)
+    tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(tl.bfloat16),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _gemm_block_m(rows_per_expert: float) -> int:
+    # decode (a few rows per expert): the smallest MMA tile, the weight read dominates; prefill: bigger tiles
+    return 16 if rows_per_expert <= 16 else (64 if rows_per_expert <= 96 else 128)
+
+
+def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, block_m=None):
+    """Grouped expert GEMM over rows sorted by expert; one launch for all experts.
+
+    x [Mx, K] (e4m3 with sx [Mx, ceil(K/128)] fp32, or bf16 with sx None); row_off [E+1] int32 on the device
+    (expert e owns output rows row_off[e] .. row_off[e+1]-1); row_idx [M] int32 (output row r reads x[row_idx[r]])
+    or None (M = Mx, identity); w [E, N, K] e4m3 with sw [E, ceil(N/128), ceil(K/128)] fp32, or bf16 with sw None.
+    Returns [M, N] bf16: rows past row_off[E] are left unwritten. With w3 (and sw3): swiglu(X.W^T, X.W3^T, limit).
+    """
+    fp8 = sw is not None
+    E, N, K = w.shape
+    _check_tensor("w", w, FP8 if fp8 else torch.bfloat16, ndim=3)
+    _check_tensor("x", x, FP8 if fp8 else torch.bfloat16, ndim=2)
+    _check(x.shape[1] == K, f"x has K={x.shape[1]} but w has K={K}")
+    _check_tensor("row_off", row_off, torch.int32, ndim=1)
+    _check(row_off.numel() == E + 1, f"row_off must have E+1={E + 1} entries, got {row_off.numel()}")
+    if fp8:
+        _check_tensor("sw", sw, torch.float32, ndim=3)
+        _check(tuple(sw.shape) == (E, triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)),
+               f"sw must be [E, ceil(N/128), ceil(K/128)] = {(E, triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK))}, "
+               f"got {tuple(sw.shape)}")
+        _check_tensor("sx", sx, torch.float32, ndim=2)
+        _check(tuple(sx.shape) == (x.shape[0], triton.cdiv(K, QBLOCK)), f"sx shape {tuple(sx.shape)} != "
+               f"{(x.shape[0], triton.cdiv(K, QBLOCK))}")
+    if w3 is not None:
+        _check(w3.shape == w.shape and w3.dtype == w.dtype and w3.is_contiguous(), "w3 must match w")
+        if fp8:
+            _check(sw3 is not None and sw3.shape == sw.shape and sw3.is_contiguous(), "sw3 must match sw")
+    if row_idx is not None:
+        _check_tensor("row_idx", row_idx, torch.int32, ndim=1)
+    M = x.shape[0] if row_idx is None else row_idx.numel()
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    if M == 0 or E == 0:
+        return out
+    BLOCK_M = block_m or _gemm_block_m(M / E)
+    # 128-wide N tiles for prefill; the gated kernel keeps two fp32 accumulators, so it stays at 64 (registers)
+    BLOCK_N = 128 if (BLOCK_M == 128 and w3 is None and not _INTERPRET) else 64
+    BLOCK_K = QBLOCK  # one FP8 scale block per K step
+    counts = row_off[1:] - row_off[:-1]
+    tile_off = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+    tile_off[1:] = torch.cumsum((counts + BLOCK_M - 1) // BLOCK_M, 0)
+    # worst case over any split of M rows into E experts (no host sync: the true tile count stays on the device)
+    grid = (min(triton.cdiv(M, BLOCK_M) + E, M), triton.cdiv(N, BLOCK_N))
+    dummy = out  # never read when the matching constexpr is off
+    _grouped_gemm_kernel[grid](
+        x, sx if fp8 else dummy, row_idx if row_idx is not None else dummy, w, sw if fp8 else dummy,
+        w3 if w3 is not None else w, (sw3 if w3 is not None else sw) if fp8 else dummy, out, row_off, tile_off,
+        N, K, E, float(limit) if limit is not None else 0.0,
+        x.stride(0), sx.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
+        sw.stride(0) if fp8 else 0, sw.stride(1) if fp8 else 0, out.stride(0),
+        FP8=fp8, GATED=w3 is not None, GATHER=row_idx is not None, HAS_LIMIT=limit is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E),
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, num_warps=8 if BLOCK_M == 128 else 4,
+        num_stages=1 if _INTERPRET else (4 if fp8 else 2))  # bf16 tiles are twice the shared memory of e4m3
+    return out
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, D, y_stride, out_stride,
+                        TOPK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = bf( sum over slots j = 0..k-1 in order (one fp32 accumulator) of f32(Y[inv[t, j]]) * w[t, j] ),
+    skipping slots whose expert lives on another rank (id < 0)."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        local = tl.load(ids_ptr + t * TOPK + j) >= 0
+        r = tl.load(inv_ptr + t * TOPK + j).to(tl.int64)
+        y = tl.load(y_ptr + r * y_stride + cols, mask=col_ok & local, other=0.0).to(tl.float32)
+        acc = acc + y * tl.load(wts_ptr + t * TOPK + j)
+    tl.store(out_ptr + t * out_stride + cols, _bf16_round(acc).to(tl.bfloat16), mask=col_ok)
+
+
+def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit):
+    """Triton moe_experts_ref: only routed rows are computed, one launch per GEMM for all local experts.
+
+    Steps, all on the device with static shapes (no .item()): sort the T*k (token, slot) pairs by local expert
+    (remote slots last), per-expert row offsets by bincount + cumsum; quantise x once per token (FP8); gate+up
+    GEMM reading token rows through the sort order, SwiGLU in its epilogue; quantise; down GEMM; slot-order combine.
+    """
+    _check_tensor("x", x, torch.bfloat16, ndim=2)
+    T, D = x.shape
+    _check_tensor("ids", ids, torch.int64, ndim=2)
+    _check_tensor("weights", weights, torch.float32, ndim=2)
+    _check(ids.shape[0] == T and weights.shape == ids.shape,
+           f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={T}, k]")
+    fp8 = s1 is not None
+    E, F, _ = w1.shape
+    _check(tuple(w1.shape) == (E, F, D) and tuple(w3.shape) == (E, F, D) and tuple(w2.shape) == (E, D, F),
+           f"expert weights must be w1, w3 [E, F, D={D}] and w2 [E, D, F]; got {tuple(w1.shape)}, "
+           f"{tuple(w3.shape)}, {tuple(w2.shape)}")
+    _check((s3 is not None) == fp8 and (s2 is not None) == fp8, "s1, s3, s2 must be all set (FP8) or all None")
+    k = ids.shape[1]
+    out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
+    if T == 0:
+        return out
+    key = torch.where(ids >= 0, ids, E).flatten()  # [T*k]; remote slots get key E and sort last
+    order = torch.argsort(key, stable=True)  # sorted row -> flat slot t*k + j
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    row_off = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+    row_off[1:] = torch.cumsum(counts, 0)
+    tok = (order // k).to(torch.int32)  # [T*k] sorted row -> token
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=x.device)  # flat slot -> sorted row
+    if fp8:
+        xq, sx = act_quant_triton(x)  # once per token, not per (token, expert)
+        a = grouped_gemm_triton(xq, sx, w1, s1, row_off, row_idx=tok, w3=w3, sw3=s3, limit=limit)  # [T*k, F]
+        aq, sa = act_quant_triton(a)  # rows past row_off[E] hold garbage and are never read back
+        y = grouped_gemm_triton(aq, sa, w2, s2, row_off)  # [T*k, D]
+    else:
+        a = grouped_gemm_triton(x, None, w1, None, row_off, row_idx=tok, w3=w3, limit=limit)
+        y = grouped_gemm_triton(a, None, w2, None, row_off)
+    BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
+    _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, inv, ids, weights, out, D, y.stride(0), out.stride(0),
+                                                      TOPK=k, BLOCK_D=BLOCK_D, num_warps=4, **_NO_FMA)
+    return out
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
+                   PRECISE: tl.constexpr):
+    """out = bf( min(silu(g), L) * clamp(u, -L, L) ), fp32 math, one rounding (swiglu_ref)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, _swiglu_math(g, u, limit, HAS_LIMIT, PRECISE).to(tl.bfloat16), mask=m)
+
+
+def swiglu_triton(g, u, limit):
+    _check_tensor("g", g, torch.bfloat16)
+    _check_tensor("u", u, torch.bfloat16)
+    _check(g.shape == u.shape, f"g {tuple(g.shape)} and u {tuple(u.shape)} must have the same shape")
+    out = torch.empty_like(g)
+    n = g.numel()
+    BLOCK = 2048
+    if n:
+        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g, u, out, n, float(limit) if limit is not None else 0.0,
+                                                 HAS_LIMIT=limit is not None, BLOCK=BLOCK, PRECISE=_PRECISE,
+                                                 num_warps=4)
+    return out
+
+
+def moe_experts(x, ids, weights, w1, w3, w2, s1, s3, s2, limit):
+    if _triton(x):
+        return moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit)
+    return moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, limit)
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. router
+
+
+def route_ref(x, w, bias, k, scale, renorm=True):
+    """Sigmoid router with a selection-only bias. x [T, D] bf16, w [E, D] bf16, bias [E] fp32 -> ids [T, k] int64
+    (slot 0 = highest biased score), weights [T, k] fp32 = ((sigmoid + b) - b)[ids], renormalised (+1e-20), * scale."""
+    z = x.float() @ w.float().t()
+    sc = torch.sigmoid(z) + bias
+    top, ids = torch.topk(sc, k, dim=-1)
+    wts = top - bias[ids]
+    if renorm:
+        wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
+    return ids, wts * scale
+
+
+def swiglu(g, u, limit):
+    if _triton(g):
+        return swiglu_triton(g, u, limit)
+    return swiglu_ref(g, u, limit)
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, K_SPLIT_LEN,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                          DOT_DTYPE: tl.constexpr):
+    """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
+    bf16 MMA with fp32 accumulation computes the fp32 GEMM of the spec; K is split so decode fills the GPU."""
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    ks0 = tl.program_id(2) * K_SPLIT_LEN
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for k0 in range(ks0, tl.minimum(ks0 + K_SPLIT_LEN, D), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < D
+        xt = tl.load(x_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], mask=(ts[:, None] < T) & k_ok[None, :],
+                     other=0.0).to(tl.float32).to(DOT_DTYPE)
+        wt = tl.load(w_ptr + es[:, None].to(tl.int64) * D + ks[None, :], mask=(es[:, None] < E) & k_ok[None, :],
+                     other=0.0).to(tl.float32).to(DOT_DTYPE)
+        acc = tl.dot(xt, tl.trans(wt), acc)
+    out = part_ptr + (tl.program_id(2) * T + ts[:, None]).to(tl.int64) * E + es[None, :]
+    tl.store(out, acc, mask=(ts[:, None] < T) & (es[None, :] < E))
+
+
+@triton.jit
+def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
+                          K_SPLITS: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr):
+    """One token: z = sum of the K-split partials in order; sc = sigmoid(z) + b; take the TOPK largest (ties to the
+    lower id, slot 0 first); w = sc[id] - b[id], renormalised by (sum + 1e-20), times scale."""
+    t = tl.program_id(0).to(tl.int64)
+    es = tl.arange(0, BLOCK_E)
+    e_ok = es < E
+    z = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for i in tl.static_range(K_SPLITS):
+        z = z + tl.load(part_ptr + (i * T + t) * E + es, mask=e_ok, other=0.0)
+    bias = tl.load(bias_ptr + es, mask=e_ok, other=0.0)
+    sig = tl.math.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + _exp(-z, PRECISE))
+    sc = tl.where(e_ok, sig + bias, float("-inf"))
+    slots = tl.arange(0, BLOCK_TOPK)
+    wts = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        best = tl.max(sc, axis=0)
+        idx = tl.min(tl.where(sc == best, es, BLOCK_E), axis=0)
+        tl.store(ids_ptr + t * TOPK + j, idx.to(tl.int64))
+        b_idx = tl.sum(tl.where(es == idx, bias, 0.0), axis=0)
+        wts = tl.where(slots == j, best - b_idx, wts)
+        sc = tl.where(es == idx, float("-inf"), sc)
+    if RENORM:
+        wts = tl.math.div_rn(wts, tl.full(wts.shape, 1.0, tl.float32) * (tl.sum(wts, axis=0) + 1e-20))
+    tl.store(wts_ptr + t * TOPK + slots, wts * scale, mask=slots < TOPK)
+
+
+def route_triton(x, w, bias, k, scale, renorm=True):
+    _check_tensor("x", x, torch.bfloat16, ndim=2)
+    _check_tensor("w", w, torch.bfloat16, ndim=2)
+    _check_tensor("bias", bias, torch.float32, ndim=1)
+    T, D = x.shape
+    E = w.shape[0]
+    _check(w.shape[1] == D and bias.numel() == E and 0 < k <= E,
+           f"router shapes: x [T, {D}], w {tuple(w.shape)}, bias {tuple(bias.shape)}, k={k}")
+    ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
+    wts = torch.empty(T, k, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return ids, wts
+    BLOCK_T, BLOCK_E, BLOCK_K = 16, (64 if not _INTERPRET else 128), (128 if not _INTERPRET else 256)
+    # split K until the GEMM has ~2 programs per SM; partial sums are added in a fixed order (deterministic)
+    tiles = triton.cdiv(T, BLOCK_T) * triton.cdiv(E, BLOCK_E)
+    k_splits = max(1, min(triton.cdiv(264, tiles), triton.cdiv(D, 4 * BLOCK_K), 16))
+    split_len = triton.cdiv(triton.cdiv(D, k_splits), BLOCK_K) * BLOCK_K
+    k_splits = triton.cdiv(D, split_len)
+    part = torch.empty(k_splits, T, E, dtype=torch.float32, device=x.device)
+    _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
+        x, w, part, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, DOT_DTYPE=_DOT,
+        num_warps=4, num_stages=3 if not _INTERPRET else 1)
+    _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
+                                BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
+                                PRECISE=_PRECISE, num_warps=4, **_NO_FMA)
+    return ids, wts
+
+
+def route(x, w, bias, k, scale, renorm=True):
+    if _triton(x):
+        return route_triton(x, w, bias, k, scale, renorm)
+    return route_ref(x, w, bias, k, scale, renorm)

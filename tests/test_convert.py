@@ -1,0 +1,382 @@
+"""convert.py: round trip at TP 1/2/4/8, header-only --check-only on good and broken checkpoints, resume, memory."""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import convert  # noqa: E402
+from model import LAYOUT_VERSION, parse_config  # noqa: E402
+from tiny_checkpoint import make_checkpoint  # noqa: E402
+
+INDEX = "model.safetensors.index.json"
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ckpt")
+    return {"fp8_vl": make_checkpoint(str(base / "fp8_vl")),
+            "bf16_text": make_checkpoint(str(base / "bf16_text"), fp8=False, vl=False, seed=1),
+            "fp8_vl_seed1": make_checkpoint(str(base / "fp8_vl_seed1"), seed=1)}
+
+
+@pytest.fixture(scope="session")
+def converted(ckpts, tmp_path_factory):
+    """converted(kind, tp) -> out dir of a clean conversion, made once per session."""
+    cache = {}
+
+    def get(kind, tp):
+        if (kind, tp) not in cache:
+            out = str(tmp_path_factory.mktemp(f"out_{kind}_tp{tp}"))
+            convert.main(ckpts[kind], out, tp_size=tp, ep_size=tp)
+            cache[kind, tp] = out
+        return cache[kind, tp]
+    return get
+
+
+def source_tensors(ckpt):
+    wm = json.load(open(os.path.join(ckpt, INDEX)))["weight_map"]
+    out = {}
+    for name, fname in wm.items():
+        with safe_open(os.path.join(ckpt, fname), "pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+def bits(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def same(a, b):
+    """Bit-for-bit equality (FP8 and BF16 compared as raw bytes)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def window(G, tp, r):  # spec §6.2, written independently of model.group_window
+    return (r * (G // tp), G // tp) if G % tp == 0 else (r // (tp // G), 1)
+
+
+SPLIT0 = (".q_proj.weight", ".g_proj.weight", ".mlp.gate_proj.weight", ".mlp.up_proj.weight",
+          ".share_expert.gate_proj.weight", ".share_expert.up_proj.weight", ".moe.gate_proj.weight",
+          ".moe.up_proj.weight", ".moe.down_proj.weight", "_proj.weight_scale_inv")
+SPLIT1 = (".o_proj.weight", ".mlp.down_proj.weight", ".share_expert.down_proj.weight")
+GROUPED = (".k_proj.weight", ".v_proj.weight", ".sparse_indexer_q.weight", ".sparse_indexer_w.weight")
+
+
+def dir_bytes(root):
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- round trip
+@pytest.mark.parametrize("kind,tp", [("fp8_vl", 1), ("fp8_vl", 2), ("fp8_vl", 4), ("fp8_vl", 8), ("bf16_text", 2),
+                                     ("bf16_text", 8)])
+def test_shards_reassemble_to_the_source_bit_for_bit(ckpts, converted, kind, tp):
+    ckpt, out = ckpts[kind], converted(kind, tp)
+    src = source_tensors(ckpt)
+    raw = json.load(open(os.path.join(ckpt, "config.json")))
+    text = raw.get("text_config", raw)
+    L, G = text["num_hidden_layers"], text["num_attention_groups"]
+    shards = [load_file(os.path.join(out, f"tp{tp}", f"model-r{r}.safetensors")) for r in range(tp)]
+    mtp = {n for n in src if n.startswith("model.layers.") and int(n.split(".")[2]) >= L}
+    assert mtp, "fixture should carry MTP layers"
+    keep = set(src) - mtp
+    for r, sh in enumerate(shards):
+        assert set(sh) == keep, f"rank {r}: key set differs: {sorted(set(sh) ^ keep)[:5]}"
+    for name in sorted(keep):
+        s, parts = src[name], [sh[name] for sh in shards]
+        if name.endswith(SPLIT0):
+            assert same(torch.cat(parts, 0), s), name
+        elif name.endswith(SPLIT1):
+            assert same(torch.cat(parts, 1), s), name
+        elif name.endswith(GROUPED):
+            rows = s.shape[0] // G
+            for r, p in enumerate(parts):
+                first, count = window(G, tp, r)
+                assert same(p, s[first * rows:(first + count) * rows]), (name, r)
+            if tp > G:  # one group duplicated on tp / G adjacent ranks
+                assert all(same(parts[r], parts[r + 1]) for r in range(0, tp, 2)), name
+        else:  # replicated, vision and projector included
+            assert all(same(p, s) for p in parts), name
+    if kind == "fp8_vl":
+        assert any(n.startswith("vision_model.") for n in keep) and "vit_large_projector.weight" in keep
+        assert any(s.dtype == torch.float8_e4m3fn for s in shards[0].values())
+
+
+@pytest.mark.parametrize("kind,tp", [("fp8_vl", 8), ("bf16_text", 2)])
+def test_rank_configs_and_metadata(ckpts, converted, kind, tp):
+    out = os.path.join(converted(kind, tp), f"tp{tp}")
+    raw = json.load(open(os.path.join(ckpts[kind], "config.json")))
+    texts = [open(os.path.join(out, f"config-r{r}.json")).read() for r in range(tp)]
+    assert len(set(texts)) == 1, "per-rank configs are identical copies"
+    cfg = json.loads(texts[0])
+    fps = set()
+    for r in range(tp):
+        with safe_open(os.path.join(out, f"model-r{r}.safetensors"), "pt") as f:
+            m = f.metadata()
+        assert m == {"format": "pt", "format_version": "1", "step4_tp_layout": LAYOUT_VERSION, "tp_size": str(tp),
+                     "expert_parallel_size": str(tp), "rank": str(r), "source_fingerprint": m["source_fingerprint"]}
+        fps.add(m["source_fingerprint"])
+    assert fps == {cfg["source_fingerprint"]}
+    readers = [cfg, cfg["text_config"]] if kind == "fp8_vl" else [cfg]
+    for d in readers:
+        assert (d["tp_size"], d["expert_parallel_size"], d["tp_layout_version"]) == (tp, tp, LAYOUT_VERSION)
+        assert d["source_fingerprint"] == cfg["source_fingerprint"]
+        assert "auto_map" not in d and "use_triton_sliding_attention" not in d
+    if kind == "fp8_vl":
+        assert cfg["model_type"] == "step5_vl" and cfg["architectures"] == ["Step5ForConditionalGeneration"]
+        assert cfg["vision_config"] == raw["vision_config"] and cfg["quantization_config"] == raw["quantization_config"]
+    tc, vl = parse_config(cfg)
+    assert tc.tp_size == tp and (vl is not None) == (kind == "fp8_vl")
+    tok = os.path.join(os.path.dirname(out), "tokenizer_files")
+    assert sorted(os.listdir(tok)) == ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    assert "| rule |" in open(os.path.join(out, "README.md")).read()
+
+
+def test_vision_tensors_with_model_prefix_are_accepted(ckpts, tmp_path):
+    """Some packagings spell the tower `model.vision_model.*`; the shards use the unprefixed names."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    idx = json.load(open(os.path.join(ck, INDEX)))
+    for fname in sorted(set(idx["weight_map"].values())):
+        d = load_file(os.path.join(ck, fname))
+        d = {("model." + k if k.startswith(("vision_model.", "vit_large")) else k): v for k, v in d.items()}
+        save_file(d, os.path.join(ck, fname), metadata={"format": "pt"})
+    idx["weight_map"] = {("model." + k if k.startswith(("vision_model.", "vit_large")) else k): v
+                         for k, v in idx["weight_map"].items()}
+    json.dump(idx, open(os.path.join(ck, INDEX), "w"))
+    convert.main(ck, str(tmp_path / "out"), tp_size=2)
+    a = load_file(str(tmp_path / "out" / "tp2" / "model-r1.safetensors"))
+    src = source_tensors(ckpts["fp8_vl"])
+    assert same(a["vit_large_projector.weight"], src["vit_large_projector.weight"])
+    assert same(a["vision_model.conv1.weight"], src["vision_model.conv1.weight"])
+
+
+# ---------------------------------------------------------------------------------------------- --check-only
+@pytest.mark.parametrize("kind", ["fp8_vl", "bf16_text"])
+def test_check_only_passes_and_writes_nothing(ckpts, tmp_path, monkeypatch, capsys, kind):
+    def no_data(*a, **k):
+        raise AssertionError("--check-only opened a tensor reader")
+    monkeypatch.setattr(convert, "safe_open", no_data)
+    convert.main(ckpts[kind], str(tmp_path / "out"), tp_size=8, check_only=True)
+    assert not (tmp_path / "out").exists()
+    printed = capsys.readouterr().out
+    assert "check passed" in printed and "MTP tensors skipped" in printed and "extra-unindexed" in printed
+
+
+def test_check_only_never_reads_tensor_data(ckpts, tmp_path):
+    """Overwrite every data byte of every shard (header and length kept): a header-only check still passes."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    for fname in set(json.load(open(os.path.join(ck, INDEX)))["weight_map"].values()):
+        path = os.path.join(ck, fname)
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            f.seek(8 + n)
+            f.write(b"\xff" * (size - 8 - n))
+    convert.main(ck, None, tp_size=4, check_only=True)
+
+
+def rewrite_file(ck, fname, edit):
+    path = os.path.join(ck, fname)
+    save_file(edit(load_file(path)), path, metadata={"format": "pt"})
+
+
+def test_check_only_lists_every_problem(ckpts, tmp_path):
+    ck = str(tmp_path / "broken")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    idx = json.load(open(os.path.join(ck, INDEX)))
+    wm = idx["weight_map"]
+    missing, shape, dtype = "model.layers.0.self_attn.q_norm.weight", "model.layers.1.mlp.up_proj.weight", "model.norm.weight"
+    scale, moved, extra = "model.layers.3.moe.up_proj.weight_scale_inv", "lm_head.weight", "model.layers.0.self_attn.bogus.weight"
+    touched = {wm[n] for n in (missing, shape, dtype, scale, moved)}
+    for n in (missing, shape, dtype, scale):
+        def edit(d, n=n):
+            if n == shape:
+                d[n] = torch.zeros(500, d[n].shape[1], dtype=torch.bfloat16)
+            elif n == dtype:
+                d[n] = d[n].to(torch.bfloat16)
+            else:
+                del d[n]
+            return d
+        rewrite_file(ck, wm[n], edit)
+    rewrite_file(ck, wm[missing], lambda d: {**d, extra: torch.zeros(4, 4, dtype=torch.bfloat16)})
+    wm[extra] = wm[missing]
+    del wm[missing], wm[scale]
+    files = sorted(set(wm.values()))
+    wm[moved] = next(f for f in files if f != wm[moved] and f != files[-1])  # the last file holds a stray copy
+    truncated = next(f for f in files if f not in touched and f != wm[moved])
+    json.dump(idx, open(os.path.join(ck, INDEX), "w"))
+    with open(os.path.join(ck, truncated), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(ck, truncated)) - 100)
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--check-only", "--tp-size", "2"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    err = r.stderr
+    assert f"{missing}: missing" in err
+    assert shape in err and "[500, 256]" in err
+    assert f"{dtype} in" in err and "BF16 [256], expected F32 [256]" in err
+    assert "model.layers.3.moe.up_proj.weight in" in err and "FP8 weight without its" in err
+    assert f"{moved}: {INDEX} places it in {wm[moved]}" in err
+    assert truncated in err and "truncated" in err
+    assert f"{extra} in" in err and "unexpected tensor" in err
+    assert not os.path.exists(os.path.join(ck, "tp2"))
+
+
+def test_check_only_rejects_tp_that_does_not_divide(ckpts):
+    with pytest.raises(SystemExit) as e:
+        convert.main(ckpts["fp8_vl"], None, tp_size=3, check_only=True)
+    msg = str(e.value)
+    for k in ("num_attention_heads=16", "intermediate_size=512", "vocab_size=1024", "moe_num_experts=16",
+              "share_expert_dim=128", "num_attention_groups=4", "num_provider_groups=4"):
+        assert k in msg, k
+
+
+def test_fp8_layer_disagreeing_with_quantization_config(ckpts, tmp_path):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    cfg = json.load(open(os.path.join(ck, "config.json")))
+    cfg["quantization_config"]["modules_to_not_convert"].append("model.layers.2.moe.experts.w13_weight")
+    json.dump(cfg, open(os.path.join(ck, "config.json"), "w"))
+    with pytest.raises(SystemExit) as e:
+        convert.main(ck, None, tp_size=2, check_only=True)
+    assert "model.layers.2.moe: experts are FP8 in the checkpoint" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def _bad_config(ck):
+    open(os.path.join(ck, "config.json"), "w").write("{not json")
+
+
+def _garbage_shard(ck):
+    open(os.path.join(ck, "model-00002-of-00004.safetensors"), "wb").write(b"\x10" * 64)
+
+
+@pytest.mark.parametrize("case,args,needle", [
+    ("missing dir", ["--tp-size", "2"], "does not exist"),
+    ("malformed json", ["--tp-size", "2"], "config.json: not readable JSON"),
+    ("ep != tp", ["--tp-size", "2", "--ep-size", "4"], "--ep-size=4"),
+    ("garbage header", ["--tp-size", "2"], "model-00002-of-00004.safetensors: header length"),
+])
+def test_bad_input_is_one_clear_message(ckpts, tmp_path, case, args, needle):
+    ck = str(tmp_path / "ck")
+    if case != "missing dir":
+        shutil.copytree(ckpts["fp8_vl"], ck)
+    {"malformed json": _bad_config, "garbage header": _garbage_shard}.get(case, lambda ck: None)(ck)
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--out-dir", str(tmp_path / "out"), *args],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out" / "tp2").exists()
+
+
+def test_cli_accepts_the_spec_alias_spellings(ckpts, converted, tmp_path):
+    out = str(tmp_path / "out")
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ckpts["bf16_text"], "--out_dir", out,
+                        "--tp_size", "2", "--expert-parallel-size", "2"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert dir_bytes(out) == dir_bytes(converted("bf16_text", 2))
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def test_interrupted_run_resumes_to_identical_output(ckpts, converted, tmp_path, monkeypatch):
+    clean = converted("fp8_vl", 2)
+    out = str(tmp_path / "out")
+    real = convert.write_shard
+
+    def dies_on_rank_1(path, src, plan, head, size, rank, tp):
+        if rank == 1:
+            open(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial"), "wb").write(head)
+            raise KeyboardInterrupt
+        real(path, src, plan, head, size, rank, tp)
+    monkeypatch.setattr(convert, "write_shard", dies_on_rank_1)
+    with pytest.raises(KeyboardInterrupt):
+        convert.main(ckpts["fp8_vl"], out, tp_size=2)
+    assert not os.path.exists(os.path.join(out, "tp2", "model-r1.safetensors")), "no truncated file under the final name"
+    monkeypatch.setattr(convert, "write_shard", real)
+    r0 = os.stat(os.path.join(out, "tp2", "model-r0.safetensors"))
+    convert.main(ckpts["fp8_vl"], out, tp_size=2)
+    assert dir_bytes(out) == dir_bytes(clean)
+    r0b = os.stat(os.path.join(out, "tp2", "model-r0.safetensors"))
+    assert (r0.st_ino, r0.st_mtime_ns) == (r0b.st_ino, r0b.st_mtime_ns), "complete shard was rewritten"
+
+
+def test_damaged_outputs_are_rewritten_and_complete_ones_kept(ckpts, converted, tmp_path, capsys):
+    clean = converted("fp8_vl", 2)
+    out = str(tmp_path / "out")
+    shutil.copytree(clean, out)
+    tp2 = os.path.join(out, "tp2")
+    with open(os.path.join(tp2, "model-r0.safetensors"), "r+b") as f:
+        f.truncate(1000)
+    os.remove(os.path.join(tp2, "config-r1.json"))
+    os.remove(os.path.join(out, "tokenizer_files", "tokenizer.json"))
+    open(os.path.join(tp2, ".model-r1.safetensors.partial"), "wb").write(b"stale")
+    r1 = os.stat(os.path.join(tp2, "model-r1.safetensors"))
+    capsys.readouterr()
+    convert.main(ckpts["fp8_vl"], out, tp_size=2)
+    printed = capsys.readouterr().out
+    assert "rank 0: rewriting" in printed and "rank 1:" in printed and "kept" in printed
+    assert dir_bytes(out) == dir_bytes(clean)
+    r1b = os.stat(os.path.join(tp2, "model-r1.safetensors"))
+    assert (r1.st_ino, r1.st_mtime_ns) == (r1b.st_ino, r1b.st_mtime_ns)
+
+
+def test_shard_of_another_tp_size_is_rewritten(ckpts, converted, tmp_path, capsys):
+    clean = converted("fp8_vl", 2)
+    out = str(tmp_path / "out")
+    shutil.copytree(clean, out)
+    shutil.copyfile(os.path.join(converted("fp8_vl", 4), "tp4", "model-r1.safetensors"),
+                    os.path.join(out, "tp2", "model-r1.safetensors"))
+    capsys.readouterr()
+    convert.main(ckpts["fp8_vl"], out, tp_size=2)
+    assert "rank 1: rewriting" in capsys.readouterr().out
+    assert dir_bytes(out) == dir_bytes(clean)
+
+
+def test_shards_of_another_source_are_rewritten(ckpts, converted, tmp_path, capsys):
+    """Same geometry, other weights (another seed): the fingerprint tells them apart."""
+    out = str(tmp_path / "out")
+    convert.main(ckpts["fp8_vl_seed1"], out, tp_size=2)
+    capsys.readouterr()
+    convert.main(ckpts["fp8_vl"], out, tp_size=2)
+    printed = capsys.readouterr().out
+    assert printed.count("source_fingerprint") == 2, printed
+    assert dir_bytes(out) == dir_bytes(converted("fp8_vl", 2))
+
+
+def test_source_is_never_modified(ckpts, converted):
+    before = dir_bytes(ckpts["bf16_text"])
+    converted("bf16_text", 2)
+    assert dir_bytes(ckpts["bf16_text"]) == before
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def _peak_mib(code):
+    # VmHWM is per address space (reset at exec); ru_maxrss would inherit the forking test process's peak
+    out = subprocess.run([sys.executable, "-c", code + "\nprint([l for l in open('/proc/self/status') "
+                          "if l.startswith('VmHWM')][0].split()[1])"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    return int(out.split()[-1]) / 1024
+
+
+def test_conversion_memory_stays_below_one_rank_shard(tmp_path):
+    """At TP=1 one rank's shard is the whole checkpoint; streaming must add far less than that."""
+    ck = make_checkpoint(str(tmp_path / "ck"), vl=False, n_files=6,
+                         text_overrides=dict(moe_num_experts=32, moe_intermediate_size=512, hidden_size=512))
+    size = sum(os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck) if f.endswith(".safetensors")) / 2**20
+    idle = _peak_mib("import convert")
+    peak = _peak_mib(f"import convert; convert.main({ck!r}, {str(tmp_path / 'out')!r}, tp_size=1)")
+    assert size > 60 and peak - idle < 0.6 * size, f"conversion added {peak - idle:.0f} MiB for a {size:.0f} MiB checkpoint"
