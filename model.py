@@ -8,6 +8,7 @@ Every number of the architecture comes from the checkpoint's config; nothing her
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -347,6 +348,8 @@ import torch.nn.functional as F  # noqa: E402
 import kernel  # noqa: E402
 
 world_size, rank = 1, 0
+# torch >= 2.13 renamed all_gather_into_tensor (the GPU machine runs 2.11)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def set_parallel(ws: int, r: int):
@@ -362,7 +365,7 @@ def tp_gather(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float8_e4m3fn:  # gloo cannot gather fp8: move the bytes
         return tp_gather(x.view(torch.uint8)).view(x.dtype)
     out = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous())  # gloo wants the ranks concatenated along dim 0
+    _all_gather_single(out, x.contiguous())  # gloo wants the ranks concatenated along dim 0
     return out.view(world_size, *x.shape)
 
 
@@ -866,10 +869,14 @@ class Step5ForCausalLM(nn.Module):
             return []
         lens = [len(p) for p in prompts]
         dev = self.lm_head.weight.device
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        t0 = time.perf_counter()
         cache = self.new_cache(B, max(lens) + max_new_tokens)
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
         embeds = embeds_fn(ids) if embeds_fn is not None else None
         logits = self.forward(ids, cache, lens, embeds)
+        sync()
+        t1 = time.perf_counter()
         out = [[] for _ in range(B)]
         live = list(range(B))  # request index of each cache row
         eos = set(int(e) for e in eos_ids)
@@ -891,6 +898,10 @@ class Step5ForCausalLM(nn.Module):
                 cache.keep(rows)
                 logits, live = logits.index_select(0, rows), [live[r] for r in keep]
             tok = self.greedy(logits)
+        sync()
+        n_dec = sum(max(len(o) - 1, 0) for o in out)  # the first token of each request comes from the prefill
+        self.stats = {"prefill_tokens": sum(lens), "prefill_s": t1 - t0, "decode_tokens": n_dec,
+                      "decode_s": time.perf_counter() - t1}
         check_same_on_all_ranks(out, dev)
         return out
 
