@@ -693,7 +693,7 @@ def _swiglu_math(g, u, limit, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr):
 
 @triton.jit
 def _grouped_gemm_kernel(
-    x_ptr, sx_ptr, row_idx_ptr, w_ptr, sw_ptr, w3_ptr, sw3_ptr, out_ptr, row_off_ptr, tile_off_ptr,
+    x_ptr, sx_ptr, row_idx_ptr, w_ptr, sw_ptr, w3_ptr, sw3_ptr, out_ptr, row_off_ptr,
     N, K, E, limit,
     x_stride, sx_stride, w_stride_e, w_stride_n, sw_stride_e, sw_stride_n, out_stride,
     FP8: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, HAS_LIMIT: tl.constexpr,
@@ -702,10 +702,10 @@ def _grouped_gemm_kernel(
 ):
     """One [BLOCK_M, BLOCK_N] output tile of one expert of a grouped GEMM, Y[rows of e] = X[rows of e] . W[e]^T.
 
-    Rows are sorted by expert: expert e owns rows row_off[e] .. row_off[e+1]-1 and M tiles tile_off[e] ..
-    tile_off[e+1]-1 (both exclusive prefix sums computed on the device). The grid covers the worst-case tile count;
-    a program finds its expert by counting the experts whose tiles end at or before its tile id, and programs past
-    the last tile exit. GATHER: row r reads activation row row_idx[r] (the token), so X is never gathered in memory.
+    Rows are sorted by expert: expert e owns rows row_off[e] .. row_off[e+1]-1 (an exclusive prefix sum on the
+    device) and ceil(rows_e / BLOCK_M) M tiles, numbered expert after expert. The grid covers the worst-case tile
+    count; each program rebuilds the tile prefix sum from row_off (E values), finds its expert by counting the
+    experts whose tiles end at or before its tile id, and programs past the last tile exit. GATHER: row r reads activation row row_idx[r] (the token), so X is never gathered in memory.
     FP8: X and W e4m3 with scales sx [row, kb] and sw [e, nb, kb]; per K block of 128,
          acc = acc + (fp32 dot) * sx * sw (act_quant_ref / fp8_gemm_ref); else bf16 operands, fp32 accumulation.
     GATED: also runs W3 on the same rows and stores swiglu(bf(X.W^T), bf(X.W3^T)) instead of bf(X.W^T).
@@ -713,13 +713,17 @@ def _grouped_gemm_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     experts = tl.arange(0, BLOCK_E)
-    tile_end = tl.load(tile_off_ptr + 1 + experts, mask=experts < E, other=2147483647)
+    r0 = tl.load(row_off_ptr + experts, mask=experts < E, other=0)
+    r1 = tl.load(row_off_ptr + 1 + experts, mask=experts < E, other=0)
+    tiles = (r1 - r0 + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, axis=0)  # padding experts have 0 tiles, so they only count past the last tile
     e = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
     if e >= E:  # beyond the last real tile
         return
+    tile0 = tl.sum(tl.where(experts == e, tile_end - tiles, 0), axis=0)
     row0 = tl.load(row_off_ptr + e)
     row1 = tl.load(row_off_ptr + e + 1)
-    rows = row0 + (pid_m - tl.load(tile_off_ptr + e)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = row0 + (pid_m - tile0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row1
     if GATHER:
         src = tl.load(row_idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -765,7 +769,8 @@ def _gemm_block_m(rows_per_expert: float) -> int:
     return 16 if rows_per_expert <= 16 else (64 if rows_per_expert <= 96 else 128)
 
 
-def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, block_m=None):
+def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, block_m=None,
+                        block_n=None, num_stages=None):
     """Grouped expert GEMM over rows sorted by expert; one launch for all experts.
 
     x [Mx, K] (e4m3 with sx [Mx, ceil(K/128)] fp32, or bf16 with sx None); row_off [E+1] int32 on the device
@@ -800,24 +805,21 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
         return out
     BLOCK_M = block_m or _gemm_block_m(M / E)
     # 128-wide N tiles for prefill; the gated kernel keeps two fp32 accumulators, so it stays at 64 (registers)
-    BLOCK_N = 128 if (BLOCK_M == 128 and w3 is None and not _INTERPRET) else 64
+    BLOCK_N = block_n or (128 if (BLOCK_M == 128 and w3 is None and not _INTERPRET) else 64)
     BLOCK_K = QBLOCK  # one FP8 scale block per K step
-    counts = row_off[1:] - row_off[:-1]
-    tile_off = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
-    tile_off[1:] = torch.cumsum((counts + BLOCK_M - 1) // BLOCK_M, 0)
     # worst case over any split of M rows into E experts (no host sync: the true tile count stays on the device)
     grid = (min(triton.cdiv(M, BLOCK_M) + E, M), triton.cdiv(N, BLOCK_N))
     dummy = out  # never read when the matching constexpr is off
     _grouped_gemm_kernel[grid](
         x, sx if fp8 else dummy, row_idx if row_idx is not None else dummy, w, sw if fp8 else dummy,
-        w3 if w3 is not None else w, (sw3 if w3 is not None else sw) if fp8 else dummy, out, row_off, tile_off,
+        w3 if w3 is not None else w, (sw3 if w3 is not None else sw) if fp8 else dummy, out, row_off,
         N, K, E, float(limit) if limit is not None else 0.0,
         x.stride(0), sx.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
         sw.stride(0) if fp8 else 0, sw.stride(1) if fp8 else 0, out.stride(0),
         FP8=fp8, GATED=w3 is not None, GATHER=row_idx is not None, HAS_LIMIT=limit is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E),
         DOT_DTYPE=_DOT, PRECISE=_PRECISE, num_warps=8 if BLOCK_M == 128 else 4,
-        num_stages=1 if _INTERPRET else (4 if fp8 else 2))  # bf16 tiles are twice the shared memory of e4m3
+        num_stages=1 if _INTERPRET else (num_stages or (4 if fp8 else 2)))  # bf16 tiles are twice the shared memory of e4m3
     return out
 
 
@@ -862,10 +864,9 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit):
     if T == 0:
         return out
     key = torch.where(ids >= 0, ids, E).flatten()  # [T*k]; remote slots get key E and sort last
-    order = torch.argsort(key, stable=True)  # sorted row -> flat slot t*k + j
-    counts = torch.bincount(key, minlength=E + 1)[:E]
-    row_off = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
-    row_off[1:] = torch.cumsum(counts, 0)
+    skey, order = torch.sort(key, stable=True)  # order: sorted row -> flat slot t*k + j
+    # expert e's rows start at the first sorted key >= e (torch.bincount would sync with the host on CUDA)
+    row_off = torch.searchsorted(skey, torch.arange(E + 1, device=x.device), out_int32=True)
     tok = (order // k).to(torch.int32)  # [T*k] sorted row -> token
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=x.device)  # flat slot -> sorted row

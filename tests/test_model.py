@@ -1,0 +1,332 @@
+"""Numerical invariants of the text model (in-process, TP=1, PyTorch reference path).
+
+DSA equals dense attention while every region is selected; an independent brute-force selection agrees with the
+selector; streamed (decode) region summaries equal prefill summaries bit for bit; prefill N + one decode step equals
+prefill N+1; the sliding ring cache matches banded prefill past its wrap-around; config and strict-loading guards.
+"""
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import convert
+import kernel
+import model as M
+import tiny_checkpoint
+
+
+def _convert(tmp_path_factory, fp8):
+    root = tmp_path_factory.mktemp("model")
+    ck = tiny_checkpoint.make_checkpoint(str(root / "ckpt"), fp8=fp8, vl=False, seed=1)
+    convert.main(ck, str(root / "out"), tp_size=1, ep_size=1)
+    d = str(root / "out" / "tp1")
+    return d, M.load_config(os.path.join(d, "config-r0.json"))[0]
+
+
+@pytest.fixture(scope="module")
+def tp1(tmp_path_factory):
+    """FP8 text-only tiny checkpoint converted at TP=1: (tp dir, config)."""
+    return _convert(tmp_path_factory, fp8=True)
+
+
+@pytest.fixture(scope="module")
+def lm(tp1):
+    d, cfg = tp1
+    M.set_parallel(1, 0)
+    return M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg)
+
+
+@pytest.fixture(scope="module")
+def lm_bf16(tmp_path_factory):
+    """BF16 experts: cache-logic tests compare paths whose GEMMs differ in row count; with FP8 experts the
+    activation quantisation turns those last-bit differences into router near-tie flips on this random model."""
+    d, cfg = _convert(tmp_path_factory, fp8=False)
+    M.set_parallel(1, 0)
+    return M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg)
+
+
+def prompt(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(11, 700, (n,), generator=g).tolist()
+
+
+# ------------------------------------------------------------------------------------------------ DSA
+
+
+def dense_causal(q, k, v, scale):
+    """q [T, G, Hg, d], k/v [T, G, d] -> causal softmax attention in fp32 (positions 0..T-1)."""
+    s = torch.einsum("tghd,sgd->gh ts".replace(" ", ""), q.float(), k.float()) * scale
+    T = q.shape[0]
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("ghts,sgd->tghd", s.softmax(-1), v.float())
+
+
+def test_sparse_attention_equals_dense_while_every_region_is_selected():
+    torch.manual_seed(0)
+    T, G, Hg, d, blk = 37, 2, 3, 16, 8
+    q, k, v = (torch.randn(T, G, *s).bfloat16() for s in ((Hg, d), (d,), (d,)))
+    pos = torch.arange(T)[None]
+    n_hist = pos // blk
+    R = (T + blk - 1) // blk
+    scores = torch.randn(1, G, T, R)
+    ids, valid = kernel.select_regions_ref(scores, n_hist, topk=8)  # 8 >= every query's history
+    assert int(valid.sum(-1).max()) == (T - 1) // blk
+    o = kernel.sparse_attention_ref(q[None], k[None], v[None], ids, valid, pos, blk, d ** -0.5)[0]
+    ref = dense_causal(q, k, v, d ** -0.5)
+    # the kernel rounds probabilities to bf16 before P.V: a few bf16 ulps of the output
+    assert (o.float() - ref).abs().max() < 2e-2
+    # negative control: with a budget of 1 region the result must differ from dense attention
+    ids1, valid1 = kernel.select_regions_ref(scores, n_hist, topk=1)
+    o1 = kernel.sparse_attention_ref(q[None], k[None], v[None], ids1, valid1, pos, blk, d ** -0.5)[0]
+    assert (o1.float() - ref).abs().max() > 5e-2
+
+
+def brute_force_selection(scores, p, blk, topk):
+    """Spec §5.5 written directly: history regions of p, ordered by (score desc, id asc), first min(topk, n)."""
+    n = p // blk
+    cand = sorted(range(n), key=lambda r: (-(scores[r] + 0.0), r))
+    return sorted(cand[:min(topk, n)])
+
+
+@pytest.mark.parametrize("topk", [1, 3, 5, 64])
+def test_selection_matches_brute_force_with_ties(topk):
+    torch.manual_seed(topk)
+    S, G, T, R, blk = 2, 3, 50, 7, 8
+    # heavy ties: many exact +0.0 and -0.0 entries and repeated values, as relu-weighted scores produce
+    base = torch.randint(-2, 3, (S, G, T, R)).float() * 0.5
+    base = torch.where(torch.rand(S, G, T, R) < 0.3, torch.tensor(-0.0), base)
+    pos = torch.randint(0, R * blk, (S, T))
+    ids, valid = kernel.select_regions_ref(base, pos // blk, topk)
+    for s in range(S):
+        for g in range(G):
+            for t in range(T):
+                want = brute_force_selection(base[s, g, t].tolist(), int(pos[s, t]), blk, topk)
+                got = ids[s, g, t][valid[s, g, t]].tolist()
+                assert got == want, (s, g, t)
+                assert (ids[s, g, t][~valid[s, g, t]] == R).all()
+
+
+def test_model_dsa_layer_equals_dense_attention_before_pruning(lm):
+    """Inside the model: a DSA layer's output for a prompt whose history fits in topk regions equals the same
+    layer with its core replaced by dense causal attention."""
+    cfg = lm.cfg
+    i = next(i for i in range(cfg.num_hidden_layers) if cfg.is_dsa(i))
+    att = lm.model.layers[i].self_attn
+    n = cfg.sparse.topk * cfg.sparse.block + cfg.sparse.block - 1  # last query sees exactly topk history regions
+    ids = torch.tensor(prompt(n))
+    cache = lm.new_cache(1, n + 4)
+    h = torch.randn(n, cfg.hidden_size).bfloat16()
+    pos = torch.arange(n)
+    rope = lm.rope["layers"][i]
+    got = att(h, pos, rope, [(0, n)], cache.layers[i])
+    orig = att._dsa
+    try:
+        def dense(h_, q, k, v, pos_, rope_, spans, c):
+            T, H, hd = q.shape
+            return dense_causal(q.view(T, att.n_groups, H // att.n_groups, hd), k, v, att.scale).to(
+                torch.bfloat16).reshape(T, H, hd)
+        att._dsa = dense
+        want = att(h, pos, rope, [(0, n)], cache.layers[i])
+    finally:
+        att._dsa = orig
+    assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
+
+
+def run_prefill(lm, ids, extra=0):
+    cache = lm.new_cache(1, len(ids) + extra + 1)
+    logits = lm.forward(torch.tensor(ids), cache, [len(ids)])
+    return cache, logits
+
+
+def dsa_layers(lm):
+    return [i for i in range(lm.cfg.num_hidden_layers) if lm.cfg.is_dsa(i)]
+
+
+@torch.inference_mode()
+def test_decode_summaries_equal_prefill_summaries_bit_for_bit(lm):
+    """Streamed summaries (pending buffer, completed on a region's last decode token) are byte-identical to the
+    prefill summaries of the same tokens. The indexer projections are computed once for all positions and served to
+    both paths, so both see the same bf16 inputs whatever the GEMM row count."""
+    cfg = lm.cfg
+    i = dsa_layers(lm)[0]
+    att = lm.model.layers[i].self_attn
+    N, n0 = 61, 21  # prefill ends mid-region; decode then completes regions 2..6 one token at a time
+    torch.manual_seed(0)
+    h = torch.randn(N, cfg.hidden_size).bfloat16()
+    rope = lm.rope["layers"][i] if lm.rope else None
+    lm.new_cache(1, N)
+    rope = lm.rope["layers"][i]
+    full = att._indexer(h, torch.arange(N), rope["indexer"])
+    orig = att._indexer
+    att._indexer = lambda h_, pos, r: tuple(t[pos] for t in full)
+    try:
+        stream = lm.new_cache(1, N).layers[i]
+        att(h[:n0], torch.arange(n0), rope, [(0, n0)], stream)
+        for p in range(n0, N):
+            att(h[p:p + 1], torch.tensor([p]), rope, None, stream)
+        pre = lm.new_cache(1, N).layers[i]
+        att(h, torch.arange(N), rope, [(0, N)], pre)
+    finally:
+        att._indexer = orig
+    done = N // cfg.sparse.block
+    assert stream.summ[0, :done].any()
+    assert torch.equal(stream.summ[0, :done], pre.summ[0, :done])
+    assert not stream.summ[0, done:].any()  # the unfinished region is never summarised
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("n", [5, 30, 47])  # inside the window, past the 16-slot ring, past topk*8 (pruning)
+def test_prefill_then_decode_equals_longer_prefill(lm_bf16, n):
+    lm = lm_bf16
+    ids = prompt(n + 6, seed=n)
+    cache, _ = run_prefill(lm, ids[:n], extra=6)
+    for j in range(6):
+        step = lm.forward(torch.tensor([ids[n + j]]), cache)
+        _, ref = run_prefill(lm, ids[:n + j + 1])
+        d = (step - ref).abs().max().item()
+        # different GEMM row counts may flip bf16 last bits; a logic error (wrong position, stale cache) is far larger
+        assert d < 0.05 * ref.std().item(), (j, d)
+        top2 = ref[0].topk(2).values
+        if top2[0] - top2[1] > 2 * d:
+            assert int(step.argmax()) == int(ref.argmax())
+
+
+@torch.inference_mode()
+def test_batch_rows_match_single_requests_and_eos_compacts(lm_bf16):
+    lm = lm_bf16
+    ps = [prompt(9, 1), prompt(44, 2), prompt(3, 3)]
+    single = [lm.generate_greedy([p], 6, eos_ids=[]) for p in ps]
+    batch = lm.generate_greedy(ps, 6, eos_ids=[])
+    assert batch == [s[0] for s in single]
+    # request 1 stops at its 2nd token when that token is an EOS id; the others are unchanged
+    eos = batch[1][1]
+    assert eos not in batch[0] and eos not in batch[2]
+    rows = []
+    orig = M.Cache.keep
+    M.Cache.keep = lambda self, r: (rows.append(r.tolist()), orig(self, r))[1]
+    try:
+        out = lm.generate_greedy(ps, 6, eos_ids=[eos])
+    finally:
+        M.Cache.keep = orig
+    assert out[1] == batch[1][:2] and out[0] == batch[0] and out[2] == batch[2]
+    assert rows == [[0, 2]]  # the finished row left the cache once
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def real_config(**over):
+    return tiny_checkpoint.tiny_text_config(**{**dict(
+        hidden_size=4096, intermediate_size=13824, num_hidden_layers=92, vocab_size=128896, num_attention_heads=64,
+        num_attention_groups=4, head_dim=192, sliding_window=512, moe_num_experts=352, moe_top_k=8,
+        moe_intermediate_size=1536, share_expert_dim=1536, num_nextn_predict_layers=3, max_position_embeddings=1048576,
+        moe_layers=list(range(3, 91)), rope_scaling={"rope_type": "llama3", "factor": 1.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 32.0, "original_max_position_embeddings": 1048576},
+        sparse_config={**tiny_checkpoint.tiny_text_config()["sparse_config"], "proxy_dim": 256,
+                       "sparse_indexer_rope_dim": 32, "topk": 512}), **over})
+
+
+def test_real_geometry_config():
+    c = M.Step5Config.from_dict(real_config())
+    assert [i for i in range(92) if c.is_dsa(i)] == list(range(3, 92, 4))
+    assert c.moe_layers == list(range(3, 91))
+    assert [i for i in range(92) if not c.is_moe(i)] == [0, 1, 2, 91]
+    assert c.is_dsa(91) and not c.is_moe(91)
+    assert {c.rope_span(i) for i in range(92) if c.is_dsa(i)} == {64}
+    assert {c.rope_span(i) for i in range(92) if not c.is_dsa(i)} == {192}
+    assert all(c.rope_scaled(i) == c.is_dsa(i) for i in range(92))
+    for tp, (heads, groups) in {1: (64, 4), 2: (32, 2), 4: (16, 1), 8: (8, 1), 16: (4, 1)}.items():
+        t = M.Step5Config.from_dict(real_config(tp_size=tp, expert_parallel_size=tp,
+                                                tp_layout_version=M.LAYOUT_VERSION))
+        assert (t.n_local_heads, t.n_local_groups, t.n_local_experts) == (heads, groups, 352 // tp)
+    assert [M.group_window(4, 8, r) for r in range(8)] == [(r // 2, 1) for r in range(8)]
+
+
+@pytest.mark.parametrize("over,needle", [
+    ({"moe_layers_enum": "3,4"}, "disagree"),
+    ({"tp_size": 2, "expert_parallel_size": 2}, "tp_layout_version"),
+    ({"tp_size": 3, "expert_parallel_size": 3, "tp_layout_version": M.LAYOUT_VERSION}, "not divisible"),
+    ({"tp_size": 2, "expert_parallel_size": 4, "tp_layout_version": M.LAYOUT_VERSION}, "expert_parallel_size"),
+    ({"tp_size": True}, "tp_size"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "llama3"),
+    ({"att_impl_type": "MLA"}, "att_impl_type"),
+])
+def test_bad_configs_are_refused_by_name(over, needle):
+    with pytest.raises(M.ConfigError, match=needle):
+        M.Step5Config.from_dict(real_config(**over))
+
+
+def test_rope_tables_are_built_in_fp32():
+    cos, sin = M.rope_table(192, 10000.0, None, 64, "cpu")
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 192, 2, dtype=torch.float64) / 192))
+    f64 = torch.outer(torch.arange(64, dtype=torch.float64), inv)
+    diff = (f64.cos().to(torch.bfloat16) != cos) | (f64.sin().to(torch.bfloat16) != sin)
+    assert diff.any() and not diff[:24].any()  # a float64 build first differs at position 24 (spec §4.5.1)
+
+
+def test_llama3_rescale_applies_only_to_listed_layer_types():
+    c = M.Step5Config.from_dict(tiny_checkpoint.tiny_text_config())
+    assert [c.rope_scaled(i) for i in range(8)] == [c.is_dsa(i) for i in range(8)]
+    s = c.rope_scaling
+    plain = M.rope_table(16, 1e7, None, 300, "cpu")[0]
+    scaled = M.rope_table(16, 1e7, s, 300, "cpu")[0]
+    assert not torch.equal(plain, scaled)
+    # the highest frequency is untouched (wavelength below original / high_freq_factor), the lowest divided by factor
+    assert torch.equal(plain[:, 0], scaled[:, 0])
+    wl = 2 * math.pi * 1e7 ** (14 / 16)
+    assert wl > s["original_max_position_embeddings"] / s["low_freq_factor"]
+
+
+# ------------------------------------------------------------------------------------------------ strict loading
+
+
+def rewrite_shard(src, dst, edit, meta_edit=None):
+    with safe_open(src, "pt") as f:
+        meta = f.metadata()
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    edit(t)
+    if meta_edit:
+        meta_edit(meta)
+    save_file(t, dst, metadata=meta)
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("missing", "missing 1 key"),
+    ("unexpected", "unexpected 1 key"),
+    ("shape", "model.layers.0.self_attn.g_proj.weight: BF16[8, 256]"),
+    ("dtype", "model.norm.weight: BF16"),
+    ("rank", "rank='1'"),
+    ("fingerprint", "source_fingerprint"),
+])
+def test_strict_loading_names_the_problem(tp1, tmp_path, case, needle):
+    d, cfg = tp1
+    src = os.path.join(d, "model-r0.safetensors")
+    dst = str(tmp_path / "model-r0.safetensors")
+    edits = {
+        "missing": lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+        "unexpected": lambda t: t.__setitem__("model.layers.1.extra.weight", torch.zeros(2)),
+        "shape": lambda t: t.__setitem__("model.layers.0.self_attn.g_proj.weight",
+                                         t["model.layers.0.self_attn.g_proj.weight"][:8].clone()),
+        "dtype": lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].bfloat16()),
+    }
+    metas = {"rank": lambda m: m.__setitem__("rank", "1"),
+             "fingerprint": lambda m: m.__setitem__("source_fingerprint", "0" * 16)}
+    rewrite_shard(src, dst, edits.get(case, lambda t: None), metas.get(case))
+    M.set_parallel(1, 0)
+    with pytest.raises(M.ShardError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        M.Step5ForCausalLM.from_shard(dst, cfg)
+
+
+def test_truncated_shard_is_refused(tp1, tmp_path):
+    d, cfg = tp1
+    dst = tmp_path / "model-r0.safetensors"
+    shutil.copy(os.path.join(d, "model-r0.safetensors"), dst)
+    with open(dst, "r+b") as f:
+        f.truncate(os.path.getsize(dst) // 2)
+    with pytest.raises(M.ShardError, match="model-r0.safetensors"):
+        M.Step5ForCausalLM.from_shard(str(dst), cfg)

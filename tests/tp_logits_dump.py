@@ -1,0 +1,72 @@
+"""Teacher-forced logits dump for cross-TP comparison (a test helper, run under torchrun).
+
+    torchrun --standalone --nproc-per-node=N tests/tp_logits_dump.py TP_DIR SPEC.json OUT.pt
+
+SPEC.json: {"prompts": [[ids...], ...], "forced": [[ids...], ...]} -- each request's prompt and the fixed tokens fed
+in its decode steps (all requests get the same number of forced tokens). The requests are prefilled as one packed
+batch, then decoded teacher-forced, so the logits of every step depend only on the fixed prefixes, never on the
+model's own greedy choices. Rank 0 writes {"logits": [steps+1, B, V] fp32} (full vocabulary, gathered in rank order
+with model.tp_gather) to OUT.pt.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kernel  # noqa: E402
+import model as M  # noqa: E402
+
+_routes = []
+_route = kernel.route
+
+
+def _recording_route(*a, **k):
+    ids, w = _route(*a, **k)
+    _routes.append(ids.sort(-1).values)
+    return ids, w
+
+
+kernel.route = _recording_route
+
+
+def full_vocab(logits: torch.Tensor) -> torch.Tensor:
+    return M.tp_gather(logits.contiguous()).permute(1, 0, 2).flatten(1)  # [B, V] in rank order
+
+
+@torch.inference_mode()
+def main(tp_dir: str, spec_path: str, out_path: str):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    try:
+        cfg, vl, _ = M.load_config(os.path.join(tp_dir, f"config-r{rank}.json"))
+        assert cfg.tp_size == world, (cfg.tp_size, world)
+        M.set_parallel(world, rank)
+        m = M.Step5ForCausalLM.from_shard(os.path.join(tp_dir, f"model-r{rank}.safetensors"), cfg, "cpu", vl)
+        with open(spec_path) as f:
+            spec = json.load(f)
+        prompts, forced = spec["prompts"], spec["forced"]
+        steps = len(forced[0])
+        assert all(len(f) == steps for f in forced)
+        lens = [len(p) for p in prompts]
+        cache = m.new_cache(len(prompts), max(lens) + steps + 1)
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+        last = torch.tensor(lens).cumsum(0) - 1
+        out = [full_vocab(m.forward(ids, cache, lens))]
+        routes = [torch.stack(_routes, 1)[last] if _routes else torch.zeros(len(lens), 0, 0, dtype=torch.long)]
+        for s in range(steps):
+            _routes.clear()
+            tok = torch.tensor([f[s] for f in forced], dtype=torch.long)
+            out.append(full_vocab(m.forward(tok, cache)))
+            routes.append(torch.stack(_routes, 1) if _routes else routes[0])
+        if rank == 0:
+            torch.save({"logits": torch.stack(out).float(), "routes": torch.stack(routes)}, out_path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
