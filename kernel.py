@@ -3,7 +3,11 @@
 model.py calls only the public functions below. Each one runs its Triton kernel when the tensors live on a CUDA
 device and Triton kernels are enabled (`set_backend`), and the `*_ref` PyTorch reference otherwise. The references
 are the numerical contract: they follow the spec's rounding points literally (STEP5_TEXT.md §4-§5) and every
-kernel is tested against them.
+kernel is tested against them (tests/test_kernels.py; speed and real-shape checks: bench_kernels.py).
+Each Triton kernel `_name_kernel` sits beside its reference with a `name_triton` launcher that checks shapes,
+dtypes and contiguity, allocates, builds the grid and launches. Region selection stays on torch.sort (exact, on the
+GPU, no host sync). Decode launches many small kernels: capture the decode step in a CUDA graph to see the kernel
+times rather than Triton's Python launch overhead (~50-100 us per launcher call on the H200 machine).
 
 Shape legend: T tokens, S sequences, G KV/provider groups, Hg heads per group, P indexer proxy dim,
 R regions, K selected regions, E experts, F expert width, D hidden, M rows, N out features.
@@ -544,8 +548,9 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None):
     rows = S * T * G
     if rows == 0:
         return out
-    if splits is None:  # about two programs per SM (132 on an H200), never a split shorter than one tile
-        splits = max(1, min(triton.cdiv(264, rows), triton.cdiv(J, 4 * BLOCK_N)))
+    if splits is None:  # about two programs per SM (132 on an H200), down to one tile per split (H200 sweep:
+        # batch 1 at 4104 keys 18.6 us with 17 splits, 9.7 us with 65; batch 8 best at 33)
+        splits = max(1, min(triton.cdiv(264, rows), triton.cdiv(J, BLOCK_N)))
     split_len = triton.cdiv(triton.cdiv(J, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(J, split_len)
     va = valid.view(torch.uint8)
@@ -804,8 +809,15 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     if M == 0 or E == 0:
         return out
     BLOCK_M = block_m or _gemm_block_m(M / E)
-    # 128-wide N tiles for prefill; the gated kernel keeps two fp32 accumulators, so it stays at 64 (registers)
-    BLOCK_N = block_n or (128 if (BLOCK_M == 128 and w3 is None and not _INTERPRET) else 64)
+    # Measured on the H200 (bench_kernels.py sweep): the ungated GEMM is fastest with 128-wide N tiles, except when
+    # so few tiles have rows (at most min(M, E) experts are active) that 128-wide tiles leave SMs idle: then 32.
+    # The gated kernel keeps two fp32 accumulators and was validated at 64, like BLOCK_M = 64 (other pairs untested).
+    if block_n is None and not _INTERPRET:
+        if w3 is not None or BLOCK_M == 64:
+            block_n = 64
+        else:
+            block_n = 32 if min(M, E) * triton.cdiv(N, 128) < 264 else 128
+    BLOCK_N = block_n or 64
     BLOCK_K = QBLOCK  # one FP8 scale block per K step
     # worst case over any split of M rows into E experts (no host sync: the true tile count stays on the device)
     grid = (min(triton.cdiv(M, BLOCK_M) + E, M), triton.cdiv(N, BLOCK_N))

@@ -158,7 +158,6 @@ def test_decode_summaries_equal_prefill_summaries_bit_for_bit(lm):
     N, n0 = 61, 21  # prefill ends mid-region; decode then completes regions 2..6 one token at a time
     torch.manual_seed(0)
     h = torch.randn(N, cfg.hidden_size).bfloat16()
-    rope = lm.rope["layers"][i] if lm.rope else None
     lm.new_cache(1, N)
     rope = lm.rope["layers"][i]
     full = att._indexer(h, torch.arange(N), rope["indexer"])
