@@ -73,7 +73,7 @@ def time_step(fn, iters=20):
     return (time.perf_counter() - t) / iters
 
 
-def main(batch: int, context: int, torch_ref: bool):
+def main(batch: int, context: int, torch_ref: bool, profile: bool = False):
     torch.manual_seed(0)
     cfg = real_rank_config()
     M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
@@ -103,6 +103,12 @@ def main(batch: int, context: int, torch_ref: bool):
                 return block(res, pos, rope, None, lc)
 
         eager = time_step(step)
+        if profile:  # device time per kernel of one eager step: where the step's time goes
+            from torch.profiler import ProfilerActivity, profile as prof
+            with prof(activities=[ProfilerActivity.CUDA]) as p:
+                step()
+                torch.cuda.synchronize()
+            print(p.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
         graph_t = None
         try:
             s = torch.cuda.Stream()
@@ -144,7 +150,8 @@ if __name__ == "__main__":
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--torch-ref", action="store_true", help="time the PyTorch reference path instead of Triton")
+    ap.add_argument("--profile", action="store_true", help="print the device time of each kernel of one step")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
-    main(a.batch, a.context, a.torch_ref)
+    main(a.batch, a.context, a.torch_ref, a.profile)

@@ -146,7 +146,7 @@ def norm_rope_ref(x, weight, cos, sin, eps, bias=None):
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, out_ptr, ROWS, NH, eps,
+def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, out_ptr, ROWS, NH, stride_xt, eps,
                       D: tl.constexpr, HALF: tl.constexpr, LAYERNORM: tl.constexpr, BLOCK_R: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
     """BLOCK_R head rows (token t = row // NH) per program: norm, round to bf16, NEOX-rotate the first 2*HALF dims.
@@ -160,9 +160,11 @@ def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, out_ptr, ROWS, NH, 
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < ROWS
     tok = rows // NH
+    # x rows may be strided per token (q/k are column slices of the packed QKV output); out is contiguous
+    xbase = tok.to(tl.int64)[:, None] * stride_xt + (rows % NH).to(tl.int64)[:, None] * D
     base = rows.to(tl.int64)[:, None] * D
     d = tl.arange(0, BLOCK_D)
-    x = tl.load(x_ptr + base + d[None, :], mask=r_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + xbase + d[None, :], mask=r_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
     one = tl.full((BLOCK_R,), 1.0, tl.float32)
     if LAYERNORM:
         mu = tl.sum(x, axis=1) / D
@@ -175,8 +177,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, out_ptr, ROWS, NH, 
     j_ok = r_ok[:, None] & (j[None, :] < HALF)
     c = tl.load(cos_ptr + tok[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + tok[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
-    a = _norm_slice(x_ptr, w_ptr, b_ptr, base, j, r_ok, D, mu, r, LAYERNORM)
-    b = _norm_slice(x_ptr, w_ptr, b_ptr, base, HALF + j, r_ok, D, mu, r, LAYERNORM)
+    a = _norm_slice(x_ptr, w_ptr, b_ptr, xbase, j, r_ok, D, mu, r, LAYERNORM)
+    b = _norm_slice(x_ptr, w_ptr, b_ptr, xbase, HALF + j, r_ok, D, mu, r, LAYERNORM)
     first = a * c - b * s
     second = (a.to(tl.float64) * s.to(tl.float64) + (b * c).to(tl.float64)).to(tl.float32)
     tl.store(out_ptr + base + j[None, :], _bf16_round(first).to(tl.bfloat16), mask=j_ok)
@@ -184,7 +186,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, out_ptr, ROWS, NH, 
     if BLOCK_REST > 0:  # dims past the rotary span keep the norm value
         cols = 2 * HALF + tl.arange(0, BLOCK_REST)
         c_ok = r_ok[:, None] & (cols[None, :] < D)
-        n = _norm_slice(x_ptr, w_ptr, b_ptr, base, cols, r_ok, D, mu, r, LAYERNORM)
+        n = _norm_slice(x_ptr, w_ptr, b_ptr, xbase, cols, r_ok, D, mu, r, LAYERNORM)
         tl.store(out_ptr + base + cols[None, :], n.to(tl.bfloat16), mask=c_ok)
 
 
@@ -201,8 +203,9 @@ def _norm_slice(x_ptr, w_ptr, b_ptr, base, cols, r_ok, D: tl.constexpr, mu, r, L
 
 
 def norm_rope_triton(x, weight, cos, sin, eps, bias=None):
-    _check_tensor("x", x, torch.bfloat16, ndim=3)
+    _check_tensor("x", x, torch.bfloat16, ndim=3, contiguous=False)
     T, NH, D = x.shape
+    _check(x.stride(2) == 1 and x.stride(1) == D, f"x must have contiguous heads (strides {x.stride()})")
     _check_tensor("weight", weight, torch.float32, ndim=1)
     _check(weight.numel() == D, f"weight must be [{D}], got {tuple(weight.shape)}")
     if bias is not None:
@@ -213,12 +216,12 @@ def norm_rope_triton(x, weight, cos, sin, eps, bias=None):
     half = cos.shape[1]
     _check(cos.shape == sin.shape and cos.shape[0] == T and 2 * half <= D,
            f"cos/sin must be [T={T}, half <= {D // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    out = torch.empty_like(x)
+    out = torch.empty((T, NH, D), dtype=x.dtype, device=x.device)
     rows = T * NH
     BLOCK_R = 16
     if rows:
         _norm_rope_kernel[(triton.cdiv(rows, BLOCK_R),)](
-            x, weight, bias if bias is not None else weight, cos, sin, out, rows, NH, float(eps),
+            x, weight, bias if bias is not None else weight, cos, sin, out, rows, NH, x.stride(0), float(eps),
             D=D, HALF=half, LAYERNORM=bias is not None, BLOCK_R=BLOCK_R, BLOCK_D=triton.next_power_of_2(D),
             BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
             BLOCK_REST=triton.next_power_of_2(D - 2 * half) if D > 2 * half else 0, num_warps=4, **_NO_FMA)

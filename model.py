@@ -417,7 +417,9 @@ def _lin(out_f: int, in_f: int, dtype=torch.bfloat16) -> nn.Linear:
 def rope_table(span: int, theta: float, scaling: dict | None, n_pos: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [n_pos, span/2] bf16 for NEOX RoPE over `span` dims; built in fp32 (a float64 build changes bf16
     entries from position 24 on), exponent denominator = the rotary span, optional llama3 frequency rescale."""
-    inv = 1.0 / (theta ** (torch.arange(0, span, 2, dtype=torch.float32, device=device) / span))
+    # built on the CPU and moved: pow/cos/sin of large arguments differ in the last fp32 bit between devices,
+    # which flips bf16 table entries; one build keeps CPU and GPU runs (and every rank) on identical tables
+    inv = 1.0 / (theta ** (torch.arange(0, span, 2, dtype=torch.float32) / span))
     if scaling is not None:
         f = float(scaling["factor"])
         lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -427,8 +429,8 @@ def rope_table(span: int, theta: float, scaling: dict | None, n_pos: int, device
         smooth = (Lo / wl - lo) / (hi - lo)
         blend = (1 - smooth) * base / f + smooth * base
         inv = torch.where((wl >= Lo / hi) & (wl <= Lo / lo), blend, base)
-    freqs = torch.outer(torch.arange(n_pos, dtype=torch.float32, device=device), inv)
-    return freqs.cos().to(torch.bfloat16), freqs.sin().to(torch.bfloat16)
+    freqs = torch.outer(torch.arange(n_pos, dtype=torch.float32), inv)
+    return freqs.cos().to(torch.bfloat16).to(device), freqs.sin().to(torch.bfloat16).to(device)
 
 
 class LayerCache:

@@ -185,6 +185,24 @@ def test_norm_rope(T, n, D, half, layernorm):
         assert (d > 0).float().mean() < 0.02 and d.max() <= 2 ** -6 * ref.float().abs().max()
 
 
+def test_norm_rope_token_strided_input():
+    """q and k arrive as column slices of the packed QKV output: heads contiguous, tokens strided."""
+    T, n, D, half = 4, 3, 48, 8
+    packed = randn(T, (n + 2) * D, seed=9, scale=2.0)
+    x = packed[:, D:(n + 1) * D].view(T, n, D)
+    assert not x.is_contiguous()
+    w = randn(D, seed=1, scale=0.2, dtype=torch.float32)
+    ang = torch.rand(T, half, generator=_gen(3)) * 6
+    cos, sin = ang.cos().bfloat16().to(DEV), ang.sin().bfloat16().to(DEV)
+    out = K.norm_rope_triton(x, w, cos, sin, 1e-5)
+    ref = K.norm_rope_ref(x.contiguous(), w, cos, sin, 1e-5)
+    d = report("norm_rope strided", out, ref)
+    if INTERPRET:
+        assert torch.equal(out, ref)
+    else:
+        assert (d > 0).float().mean() < 0.02 and d.max() <= 2 ** -6 * ref.float().abs().max()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # DSA: summaries, scores, selection, attention
 
