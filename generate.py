@@ -224,8 +224,10 @@ def _run(args, rank: int, world: int, dev: torch.device):
     reqs, eos = payload[0]
     err, images = None, None
     try:
-        for i, (ids, _) in enumerate(reqs):
+        for i, (ids, img) in enumerate(reqs):
             check_ids(ids, f"request {i}", cfg, args.max_new_tokens)
+            if img and vl is None:
+                raise UserError(f"request {i} has image inputs ({img}) but the shards hold a text-only model")
         if any(img for _, img in reqs):
             images = [load_image_inputs(img) if img else None for _, img in reqs]
     except UserError as e:

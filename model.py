@@ -12,6 +12,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernel
 
 LAYOUT_VERSION = "gqa-provider-shared-tp-v2"
 TEXT_MODEL_TYPES = ("step5", "step4")  # step4: the release's/preview mirrors' spelling of the same structure
@@ -340,12 +345,6 @@ def load_config(path: str) -> tuple[Step5Config, "Step5VLConfig | None", dict]:
 
 # --------------------------------------------------------------------------------------------------
 # distributed: every collective of the model is one of these two functions (grep "dist\.")
-
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import kernel  # noqa: E402
 
 world_size, rank = 1, 0
 # torch >= 2.13 renamed all_gather_into_tensor (the GPU machine runs 2.11)

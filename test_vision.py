@@ -408,3 +408,153 @@ def test_image_features_bad_input(tiny, args, match):
 
 # ==================================================================================================
 # 8. Model-level multimodal tests (Step5ForConditionalGeneration): to be added here.
+#
+# With the FP8 VL tiny checkpoint converted by convert.py and loaded by model.py: the pixel path and the image_embeds
+# path give the same tokens; bad multimodal inputs raise one clear ValueError; through generate.py under torchrun
+# an image request gives the same tokens at TP = 1, 2 and 4, and in a batch with a text request each gets the
+# tokens it gets alone; an unsupported vision mode in the per-rank config fails at load.
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # kernel.py is imported through model.py (CPU: reference path)
+import convert  # noqa: E402
+import model as M  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+ROOT8 = os.path.dirname(os.path.abspath(__file__))
+IM_START, IM_PATCH, IM_END = 6, 5, 7
+EOS8 = [1, 2, 4]
+NEW8 = 4
+
+
+def mm_prompt(n_feat: int) -> list:
+    head = [11 + (7 * i) % 900 for i in range(9)]
+    tail = [300 + (13 * i) % 700 for i in range(6)]
+    return head + [IM_START] + [IM_PATCH] * n_feat + [IM_END] + tail
+
+
+@pytest.fixture(scope="module")
+def vl_out(tmp_path_factory):
+    """vl_out(tp) -> OUT/tp{tp} of the FP8 VL tiny checkpoint (seed 0), converted on first use."""
+    ck = tiny_checkpoint.make_checkpoint(str(tmp_path_factory.mktemp("mm_ckpt")))
+    out, done = str(tmp_path_factory.mktemp("mm_out")), set()
+
+    def get(tp):
+        if tp not in done:
+            convert.main(ck, out, tp_size=tp, ep_size=tp)
+            done.add(tp)
+        return os.path.join(out, f"tp{tp}")
+    return get
+
+
+@pytest.fixture(scope="module")
+def vl_model(vl_out):
+    d = vl_out(1)
+    cfg, vl, _ = M.load_config(os.path.join(d, "config-r0.json"))
+    M.set_parallel(1, 0)
+    m = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg, "cpu", vl)
+    assert isinstance(m, M.Step5ForConditionalGeneration)
+    return m
+
+
+def overview(seed=0):
+    return torch.randn(1, 3, 728, 728, generator=torch.Generator().manual_seed(seed))
+
+
+def crops(seed=1):
+    return torch.randn(2, 3, 504, 504, generator=torch.Generator().manual_seed(seed))
+
+
+def test_mm_pixel_path_equals_image_embeds_path(vl_model):
+    m = vl_model
+    pv = overview()
+    feats = m.image_embeds(pixel_values=pv)
+    assert feats.shape == (169, 256) and feats.dtype == BF16
+    p = mm_prompt(169)
+    by_pixels = m.generate_greedy([p], NEW8, EOS8, pixel_values=pv)
+    assert by_pixels == m.generate_greedy([p], NEW8, EOS8, image_embeds=feats)
+    # the image really enters the prefill: other features change the logits
+    c = m.new_cache(1, len(p) + 1)
+    ids = torch.tensor(p)
+    a = m.forward(ids, c, [len(p)], image_embeds=feats)
+    b = m.forward(ids, m.new_cache(1, len(p) + 1), [len(p)], image_embeds=feats.flip(0))
+    assert not torch.equal(a, b)
+
+
+def test_mm_two_crops_pixel_path_equals_image_embeds_path(vl_model):
+    m = vl_model
+    pv, pp = overview(), crops()
+    feats = m.image_embeds(pixel_values=pv, patch_pixel_values=pp, num_patches=[2])
+    assert feats.shape == (2 * 81 + 169, 256)
+    p = mm_prompt(2 * 81 + 169)
+    got = m.generate_greedy([p], NEW8, EOS8, pixel_values=pv, patch_pixel_values=pp, num_patches=[2])
+    assert got == m.generate_greedy([p], NEW8, EOS8, image_embeds=feats)
+
+
+@pytest.mark.parametrize("n_ph, kw, match", [
+    (168, dict(pixel_values=overview()), r"168 image placeholder\(s\) \(id 5\) .* 169 feature row"),
+    (169, dict(pixel_values=overview(), image_embeds=torch.zeros(169, 256)), "exclusive"),
+    (169, dict(pixel_values=torch.randn(1, 4, 728, 728)), "4 channels"),
+    (331, dict(pixel_values=overview(), patch_pixel_values=crops(), num_patches=[3]), r"sum\(num_patches\)=3 .* 2 crops"),
+    (331, dict(pixel_values=overview(), patch_pixel_values=crops(), num_patches=[1, 1]), "num_patches has 2 entries"),
+])
+def test_mm_bad_inputs_raise_value_error(vl_model, n_ph, kw, match):
+    with pytest.raises(ValueError, match=match):
+        vl_model.generate_greedy([mm_prompt(n_ph)], NEW8, EOS8, **kw)
+
+
+def _torchrun(n, *args):
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", f"--nproc-per-node={n}",
+           "generate.py", *map(str, args)]
+    r = subprocess.run(cmd, cwd=ROOT8, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, "\n".join(x for x in r.stderr.splitlines() if not x.startswith(("W1", "E1")))[:6000]
+    return json.loads(r.stdout)
+
+
+def test_mm_generate_image_request_same_tokens_across_tp_and_in_batch(vl_model, vl_out, tmp_path):
+    pv = overview()
+    save_file({"pixel_values": pv.contiguous()}, str(tmp_path / "img.safetensors"))
+    p = mm_prompt(169)
+    with open(tmp_path / "p.json", "w") as f:
+        json.dump({"prompt_ids": p}, f)
+    want = vl_model.generate_greedy([p], NEW8, EOS8, pixel_values=pv)[0]
+    got = {}
+    for tp in (1, 2, 4):
+        doc = _torchrun(tp, "--tp-dir", vl_out(tp), "--ep-size", tp, "--prompt-json", tmp_path / "p.json",
+                        "--image-inputs", tmp_path / "img.safetensors", "--max-new-tokens", NEW8, "--json")
+        assert doc["prompt_token_count"] == len(p)
+        got[tp] = doc["completion_token_ids"]
+    assert got[1] == want and got[2] == want and got[4] == want, got
+    # a batch mixing a text request and the image request (image path relative to the batch file)
+    text = [11 + (29 * i) % 1000 for i in range(20)]
+    with open(tmp_path / "batch.json", "w") as f:
+        json.dump({"prompts": [{"prompt_ids": text}, {"prompt_ids": p, "image_inputs": "img.safetensors"}]}, f)
+    doc = _torchrun(1, "--tp-dir", vl_out(1), "--ep-size", 1, "--prompt-json-batch", tmp_path / "batch.json",
+                    "--max-new-tokens", NEW8, "--json")
+    res = [r["completion_token_ids"] for r in doc["results"]]
+    assert res == [vl_model.generate_greedy([text], NEW8, EOS8)[0], want]
+
+
+def test_mm_unsupported_vision_select_layer_fails_at_load(vl_out, tmp_path):
+    d = tmp_path / "tp1"
+    shutil.copytree(vl_out(1), d)
+    with open(d / "config-r0.json") as f:
+        cfg = json.load(f)
+    cfg["vision_config"]["vision_select_layer"] = -2
+    with open(d / "config-r0.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="vision_select_layer"):
+        M.load_config(str(d / "config-r0.json"))
+    with open(tmp_path / "p.json", "w") as f:
+        json.dump([11, 12, 13], f)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    r = subprocess.run([sys.executable, "generate.py", "--tp-dir", d, "--ep-size", "1", "--prompt-json",
+                        tmp_path / "p.json"], cwd=ROOT8, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    err = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and "vision_select_layer" in err[0] and "config-r0.json" in err[0], r.stderr[-2000:]

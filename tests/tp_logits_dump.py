@@ -2,8 +2,10 @@
 
     torchrun --standalone --nproc-per-node=N tests/tp_logits_dump.py TP_DIR SPEC.json OUT.pt
 
-SPEC.json: {"prompts": [[ids...], ...], "forced": [[ids...], ...]} -- each request's prompt and the fixed tokens fed
-in its decode steps (all requests get the same number of forced tokens). The requests are prefilled as one packed
+SPEC.json: {"batch_file": PATH, "new": N, "forced": [[ids...], ...] or null}. First generate.py's main() runs the
+batch file (its --prompt-json-batch, --max-new-tokens N, --json: the JSON document goes to stdout) in the same
+process group, so one launch covers the CLI code path and the dump. Then the prompts are replayed with the fixed
+decode tokens `forced` (null: the tokens generate.py just produced, less the last), same count for every request. The requests are prefilled as one packed
 batch, then decoded teacher-forced, so the logits of every step depend only on the fixed prefixes, never on the
 model's own greedy choices. Rank 0 writes {"logits": [steps+1, B, V] fp32} (full vocabulary, gathered in rank order
 with model.tp_gather) to OUT.pt.
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import generate  # noqa: E402
 import kernel  # noqa: E402
 import model as M  # noqa: E402
 
@@ -47,7 +50,12 @@ def main(tp_dir: str, spec_path: str, out_path: str):
         m = M.Step5ForCausalLM.from_shard(os.path.join(tp_dir, f"model-r{rank}.safetensors"), cfg, "cpu", vl)
         with open(spec_path) as f:
             spec = json.load(f)
-        prompts, forced = spec["prompts"], spec["forced"]
+        with open(spec["batch_file"]) as f:
+            prompts = json.load(f)
+        gen = generate.main(tp_dir, prompt_json_batch=spec["batch_file"], max_new_tokens=spec["new"], ep_size=world,
+                            as_json=True)
+        forced = spec["forced"] or [o[:-1] for o in gen]
+        _routes.clear()
         steps = len(forced[0])
         assert all(len(f) == steps for f in forced)
         lens = [len(p) for p in prompts]
