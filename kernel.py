@@ -377,12 +377,20 @@ def select_regions_ref(scores, n_hist, topk):
     """
     S, G, T, R = scores.shape
     K = min(topk, R)
-    cand = torch.arange(R, device=scores.device) < n_hist[:, None, :, None]  # [S, 1, T, R]
-    key = torch.where(cand, scores + 0.0, torch.full_like(scores, float("-inf")))
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :K]
-    valid = torch.arange(K, device=scores.device) < n_hist.clamp(max=topk)[:, None, :, None]
-    ids = torch.where(valid, order, torch.full_like(order, R))
-    return torch.sort(ids, dim=-1).values, valid.expand(S, G, T, K)
+    # One int64 key per region makes every key distinct and encodes the whole order: high 32 bits = the score's
+    # order-preserving integer (sign-magnitude -> two's complement; +0.0 added first so -0.0 == +0.0; NaN above
+    # +inf), low 32 bits = ~id so that on equal scores the lower id ranks higher. An unordered top-K of distinct
+    # keys then selects exactly the stable-sort prefix, at top-K cost instead of a full sort of R.
+    ids = torch.arange(R, device=scores.device)
+    cand = ids < n_hist[:, None, :, None]  # [S, 1, T, R]
+    b = torch.where(cand, scores + 0.0, float("-inf")).view(torch.int32).long()
+    ordered = torch.where(b < 0, -(b & 0x7FFFFFFF) - 1, b)  # monotone in the float value, in [-2^31, 2^31)
+    key = ordered * 2 ** 32 + (2 ** 32 - 1 - ids)
+    top = torch.topk(key, K, dim=-1, sorted=False).values
+    sel = 2 ** 32 - 1 - (top & 0xFFFFFFFF)
+    # candidates outrank every masked region, so the budget min(topk, n_hist) is met exactly by the candidates
+    valid = sel < n_hist[:, None, :, None]
+    return torch.sort(torch.where(valid, sel, R), dim=-1).values, torch.sort(~valid, dim=-1).values.logical_not()
 
 
 def select_regions(scores, n_hist, topk):
