@@ -156,7 +156,8 @@ def load_image_inputs(path: str) -> dict:
 
 def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None, prompt_json_batch: str | None = None,
          image_inputs: str | None = None, max_new_tokens: int = 128, ep_size: int = 8, tokenizer: str | None = None,
-         raw_prompt: bool = False, print_ids: bool = False, as_json: bool = False, device: str = "auto"):
+         raw_prompt: bool = False, print_ids: bool = False, as_json: bool = False, device: str = "auto",
+         cuda_graph: bool = True):
     args = argparse.Namespace(**locals())
     for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         if v not in os.environ:
@@ -245,8 +246,10 @@ def _run(args, rank: int, world: int, dev: torch.device):
         err = str(e)
     agree(err)
     kernel.set_backend(dev.type == "cuda")
+    m.use_cuda_graph = args.cuda_graph
     say(f"loaded in {time.perf_counter() - t0:.1f} s; compute path: "
-        + ("Triton kernels (kernel.py)" if dev.type == "cuda" else "PyTorch reference (CPU)"))
+        + (f"Triton kernels (kernel.py), decode as {'a CUDA graph' if args.cuda_graph else 'eager launches'}"
+           if dev.type == "cuda" else "PyTorch reference (CPU)"))
 
     # 4. image features per request (each request's placeholders are checked against its own rows)
     kw, err = {}, None
@@ -309,6 +312,8 @@ if __name__ == "__main__":
     ap.add_argument("--print-ids", action="store_true", help="also print the generated token ids")
     ap.add_argument("--json", dest="as_json", action="store_true", help="print one JSON document with ids and text")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    ap.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                    help="launch decode kernels eagerly instead of replaying a captured CUDA graph (debugging)")
     a = ap.parse_args()
     if a.raw_prompt and a.prompt is None:
         ap.error("--raw-prompt is only valid with --prompt")

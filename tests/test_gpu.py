@@ -80,6 +80,29 @@ def test_cuda_matches_cpu(shards, triton):
     assert [g[:n] for g in got] == [w[:n] for w in want]
 
 
+@cuda
+def test_cuda_graph_decode_equals_eager(shards):
+    """The captured decode step replays the very kernels of the eager step: identical tokens and logits."""
+    out, _ = shards
+    gpu = load(out, "cuda")
+    kernel.set_backend(True)
+    try:
+        gpu.use_cuda_graph = False
+        eager = gpu.generate_greedy(PROMPTS, 10, eos_ids=[])
+        gpu.use_cuda_graph = True
+        graph = gpu.generate_greedy(PROMPTS, 10, eos_ids=[])
+        # with an EOS that finishes one request early, the graph is re-captured for the compacted batch
+        eos = [eager[1][3]]
+        gpu.use_cuda_graph = False
+        eager_eos = gpu.generate_greedy(PROMPTS, 10, eos_ids=eos)
+        gpu.use_cuda_graph = True
+        graph_eos = gpu.generate_greedy(PROMPTS, 10, eos_ids=eos)
+    finally:
+        kernel.set_backend(False)
+    assert graph == eager
+    assert graph_eos == eager_eos and len(graph_eos[1]) <= 4
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2 or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="needs 2 CUDA devices and TRITON_INTERPRET=0")
 def test_nccl_tp2_matches_tp1(shards, tmp_path):
