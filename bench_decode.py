@@ -134,7 +134,7 @@ def main(batch: int, context: int, torch_ref: bool, profile: bool = False):
               + (f"{graph_t * 1e6:8.1f} us" if graph_t else "   n/a    ")
               + f" | {nbytes / 1e6:6.1f} MB -> floor {nbytes / HBM_BPS * 1e6:6.1f} us | "
               f"{nbytes / best / 1e9:7.1f} GB/s = {nbytes / best / HBM_BPS:5.1%} of HBM")
-        del block, cache, lc
+        block = cache = lc = None  # free this layer before building the next
         torch.cuda.empty_cache()
     n_dsa = sum(cfg.is_dsa(i) for i in range(cfg.num_hidden_layers))
     n_sl = cfg.num_hidden_layers - n_dsa

@@ -22,14 +22,6 @@ INDEX = "model.safetensors.index.json"
 
 # ---------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
-def ckpts(tmp_path_factory):
-    base = tmp_path_factory.mktemp("ckpt")
-    return {"fp8_vl": make_checkpoint(str(base / "fp8_vl")),
-            "bf16_text": make_checkpoint(str(base / "bf16_text"), fp8=False, vl=False, seed=1),
-            "fp8_vl_seed1": make_checkpoint(str(base / "fp8_vl_seed1"), seed=1)}
-
-
-@pytest.fixture(scope="session")
 def converted(ckpts, tmp_path_factory):
     """converted(kind, tp) -> out dir of a clean conversion, made once per session."""
     cache = {}

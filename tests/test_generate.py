@@ -27,7 +27,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import convert  # noqa: E402
 import model as M  # noqa: E402
-from tiny_checkpoint import make_checkpoint  # noqa: E402
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 LENGTHS = (12, 45, 70)  # < 32 <= 45, 70: the longer prompts prune DSA regions
@@ -46,15 +45,7 @@ PROMPTS = [ids_prompt(n, 100 + n) for n in LENGTHS]
 
 # ---------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
-def gen_ckpts(tmp_path_factory):
-    base = tmp_path_factory.mktemp("gen_ckpt")
-    return {"fp8_vl": make_checkpoint(str(base / "fp8_vl")),
-            "bf16_text": make_checkpoint(str(base / "bf16_text"), fp8=False, vl=False, seed=1),
-            "fp8_vl_seed2": make_checkpoint(str(base / "fp8_vl_seed2"), seed=2)}
-
-
-@pytest.fixture(scope="session")
-def gen_out(gen_ckpts, tmp_path_factory):
+def gen_out(ckpts, tmp_path_factory):
     """gen_out(kind, tp) -> OUT/tp{tp} of a clean conversion (one OUT per kind, so tokenizer_files is beside it)."""
     outs, done = {}, set()
 
@@ -62,7 +53,7 @@ def gen_out(gen_ckpts, tmp_path_factory):
         if kind not in outs:
             outs[kind] = str(tmp_path_factory.mktemp(f"gen_out_{kind}"))
         if (kind, tp) not in done:
-            convert.main(gen_ckpts[kind], outs[kind], tp_size=tp, ep_size=tp)
+            convert.main(ckpts[kind], outs[kind], tp_size=tp, ep_size=tp)
             done.add((kind, tp))
         return os.path.join(outs[kind], f"tp{tp}")
     return get

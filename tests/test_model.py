@@ -4,7 +4,6 @@ DSA equals dense attention while every region is selected; an independent brute-
 selector; streamed (decode) region summaries equal prefill summaries bit for bit; prefill N + one decode step equals
 prefill N+1; the sliding ring cache matches banded prefill past its wrap-around; config and strict-loading guards.
 """
-import json
 import math
 import os
 import shutil
@@ -118,7 +117,6 @@ def test_model_dsa_layer_equals_dense_attention_before_pruning(lm):
     i = next(i for i in range(cfg.num_hidden_layers) if cfg.is_dsa(i))
     att = lm.model.layers[i].self_attn
     n = cfg.sparse.topk * cfg.sparse.block + cfg.sparse.block - 1  # last query sees exactly topk history regions
-    ids = torch.tensor(prompt(n))
     cache = lm.new_cache(1, n + 4)
     h = torch.randn(n, cfg.hidden_size).bfloat16()
     pos = torch.arange(n)
