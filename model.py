@@ -983,9 +983,13 @@ class Step5ForConditionalGeneration(Step5ForCausalLM):
                 raise ValueError("patch_pixel_values / num_patches given without pixel_values")
             return None
         dev = self.lm_head.weight.device
-        return self._vision[0].image_features(pixel_values.to(dev),
-                                              None if patch_pixel_values is None else patch_pixel_values.to(dev),
-                                              num_patches)
+        feats = self._vision[0].image_features(pixel_values.to(dev),
+                                               None if patch_pixel_values is None else patch_pixel_values.to(dev),
+                                               num_patches)
+        # Every rank must hold bit-identical rows: they enter the replicated residual stream that the replicated
+        # router reads, and library kernels (e.g. cuDNN convolution algorithms) may differ between processes.
+        # Rank 0's copy is the one every rank keeps.
+        return tp_gather(feats)[0]
 
     def _embeds_fn(self, feats):
         def fn(ids):
