@@ -5,8 +5,8 @@ device and Triton kernels are enabled (`set_backend`), and the `*_ref` PyTorch r
 are the numerical contract: they follow the spec's rounding points literally (STEP5_TEXT.md §4-§5) and every
 kernel is tested against them (tests/test_kernels.py; speed and real-shape checks: bench_kernels.py).
 Each Triton kernel `_name_kernel` sits beside its reference with a `name_triton` launcher that checks shapes,
-dtypes and contiguity, allocates, builds the grid and launches. Region selection stays on torch.sort (exact, on the
-GPU, no host sync). Decode launches many small kernels: capture the decode step in a CUDA graph to see the kernel
+dtypes and contiguity, allocates, builds the grid and launches. Region selection stays on torch ops (a top-K of
+distinct int64 keys: exact, on the GPU, no host sync). Decode launches many small kernels: capture the decode step in a CUDA graph to see the kernel
 times rather than Triton's Python launch overhead (~50-100 us per launcher call on the H200 machine).
 
 Shape legend: T tokens, S sequences, G KV/provider groups, Hg heads per group, P indexer proxy dim,
@@ -394,8 +394,8 @@ def select_regions_ref(scores, n_hist, topk):
 
 
 def select_regions(scores, n_hist, topk):
-    # No Triton top-k yet: the reference's stable torch.sort already runs on the GPU, is exact with the spec's
-    # tie-break and needs no host sync; a radix-select kernel (spec §5.5) is the planned replacement.
+    # No Triton top-k yet: the reference's top-K of distinct int64 keys already runs on the GPU, is exact with the
+    # spec's tie-break and needs no host sync; a radix-select kernel (spec §5.5) is the planned replacement.
     return select_regions_ref(scores, n_hist, topk)
 
 
