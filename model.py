@@ -831,6 +831,8 @@ class Step5ForCausalLM(nn.Module):
         if seq_lens is not None:
             if len(seq_lens) != cache.lengths.shape[0]:
                 raise ValueError(f"{len(seq_lens)} prompts for a cache of {cache.lengths.shape[0]} rows")
+            if bool(cache.lengths.any()):  # a host read, but prefill only
+                raise ValueError("prefill needs an empty cache (prefill on top of cached tokens is not supported)")
             starts = [0]
             for n in seq_lens:
                 starts.append(starts[-1] + n)
