@@ -39,7 +39,7 @@ def tiny_text_config(**overrides) -> dict:
         rope_scaling={"rope_type": "llama3", "factor": 4.0, "original_max_position_embeddings": 256,
                       "low_freq_factor": 1.0, "high_freq_factor": 4.0},
         yarn_only_types=["full_attention"],
-        use_moe=True, moe_num_experts=16, moe_top_k=4, num_experts_per_tok=4,
+        use_moe=True, moe_num_experts=16, moe_top_k=4,
         moe_intermediate_size=192,  # not a multiple of 128: ragged FP8 scale blocks
         share_expert_dim=128, use_moe_router_bias=True, need_fp32_gate=True, norm_expert_weight=True,
         moe_router_scaling_factor=3.0, num_nextn_predict_layers=2, tie_word_embeddings=False,
@@ -55,6 +55,7 @@ def tiny_text_config(**overrides) -> dict:
             "attention_impl": "sparse_gqa", "apply_to_layer_types": ["full_attention"]},
     )
     c.update(overrides)
+    c.setdefault("num_experts_per_tok", c["moe_top_k"])  # the real file carries both spellings
     L, n_total = c["num_hidden_layers"], c["num_hidden_layers"] + c["num_nextn_predict_layers"]
     full = [i < L and i % 4 == 3 for i in range(n_total)]
     c.setdefault("layer_types", ["full_attention" if f else "sliding_attention" for f in full])

@@ -36,9 +36,11 @@ class VisionConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "VisionConfig":
         def get(*names, default=None):
-            for n in names:
-                if n in d:
-                    return d[n]
+            present = [n for n in names if n in d]
+            if len({repr(d[n]) for n in present}) > 1:  # two spellings of one field must agree
+                raise VisionConfigError(f"vision_config: {' / '.join(f'{n}={d[n]!r}' for n in present)} disagree")
+            for n in present:
+                return d[n]
             if default is None:
                 raise VisionConfigError(f"vision_config has no {' / '.join(map(repr, names))}")
             return default

@@ -246,6 +246,8 @@ def test_real_geometry_config():
 
 @pytest.mark.parametrize("over,needle", [
     ({"moe_layers_enum": "3,4"}, "disagree"),
+    ({"num_experts_per_tok": 6}, "num_experts_per_tok=6"),
+    ({"num_key_value_heads": 8}, "num_key_value_heads=8"),
     ({"tp_size": 2, "expert_parallel_size": 2}, "tp_layout_version"),
     ({"tp_size": 3, "expert_parallel_size": 3, "tp_layout_version": M.LAYOUT_VERSION}, "not divisible"),
     ({"tp_size": 2, "expert_parallel_size": 4, "tp_layout_version": M.LAYOUT_VERSION}, "expert_parallel_size"),
