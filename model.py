@@ -401,12 +401,6 @@ class Norm(nn.Module):
         self.bias = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False) if bias else None
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm in fp32: x * rsqrt(mean(x^2) + eps) * (1 + w), cast back to x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (w + 1.0)).to(x.dtype)
-
-
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """bf16 GEMM (fp32 accumulation, bf16 result)."""
     return F.linear(x, w)
@@ -695,9 +689,9 @@ class Block(nn.Module):
 
     def forward(self, res, pos, rope, spans, cache):
         """res [T, D] fp32 residual stream -> updated residual."""
-        h = rms_norm(res, self.input_layernorm.weight, self.eps).bfloat16()
+        h = kernel.rms_norm(res, self.input_layernorm.weight, self.eps, torch.bfloat16)  # fp32 norm, one rounding
         res = res + self.self_attn(h, pos, rope, spans, cache).float()
-        h = rms_norm(res, self.post_attention_layernorm.weight, self.eps).bfloat16()
+        h = kernel.rms_norm(res, self.post_attention_layernorm.weight, self.eps, torch.bfloat16)
         if self.is_moe:  # routed + shared partials combined in fp32, then ONE fp32 reduction
             y = tp_reduce(self.moe(h).float() + self.share_expert(h).float())
         else:
@@ -858,7 +852,7 @@ class Step5ForCausalLM(nn.Module):
             res = layer(res, pos, rp, spans, lc)
         if last is not None:
             res = res[last]
-        h = rms_norm(res.bfloat16(), self.model.norm.weight, self.cfg.rms_norm_eps)  # narrow first, then norm
+        h = kernel.rms_norm(res.bfloat16(), self.model.norm.weight, self.cfg.rms_norm_eps)  # narrow first, then norm
         return linear(h, self.lm_head.weight).float()
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:

@@ -185,6 +185,21 @@ def test_norm_rope(T, n, D, half, layernorm):
         assert (d > 0).float().mean() < 0.02 and d.max() <= 2 ** -6 * ref.float().abs().max()
 
 
+@pytest.mark.parametrize("T,D,src,out", [(1, 256, torch.float32, torch.bfloat16), (5, 200, torch.float32, torch.bfloat16),
+                                          (3, 256, torch.bfloat16, torch.bfloat16), (2, 96, torch.float32, torch.float32)])
+def test_rms_norm(T, D, src, out):
+    x = randn(T, D, seed=T, scale=3.0, dtype=src)
+    w = randn(D, seed=1, scale=0.2, dtype=torch.float32)
+    got = K.rms_norm_triton(x, w, 1e-5, out)
+    ref = K.rms_norm_ref(x, w, 1e-5, out)
+    assert got.dtype == ref.dtype == out
+    d = report("rms_norm", got, ref)
+    # the fp32 sum of squares is reduced in another order than torch's mean: last fp32 bit, so at most one
+    # rounding step of the output on a few elements
+    step = 2 ** -7 if out == torch.bfloat16 else 2 ** -22
+    assert (d > 0).float().mean() < 0.05 and d.max() <= step * ref.float().abs().max()
+
+
 def test_norm_rope_token_strided_input():
     """q and k arrive as column slices of the packed QKV output: heads contiguous, tokens strided."""
     T, n, D, half = 4, 3, 48, 8
