@@ -352,6 +352,7 @@ def load_config(path: str) -> tuple[Step5Config, "Step5VLConfig | None", dict]:
 # distributed: every collective of the model is one of these two functions (grep "dist\.")
 
 world_size, rank = 1, 0
+_REDUCE_BYTES = 1 << 30  # bound on the gathered partials of one tp_reduce call
 # torch >= 2.13 renamed all_gather_into_tensor (the GPU machine runs 2.11)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -381,6 +382,11 @@ def tp_reduce(x: torch.Tensor) -> torch.Tensor:
     """
     if world_size == 1:
         return x
+    # Long prefills reduce in row chunks so the gathered partials stay bounded (128k tokens at TP=8 would
+    # otherwise gather 16 GiB of fp32 per MoE layer); decode batches take the single-chunk path.
+    rows = max(1, _REDUCE_BYTES // (world_size * x[0].numel() * x.element_size()))
+    if x.shape[0] > rows:
+        return torch.cat([tp_reduce(c) for c in x.split(rows)])
     parts = tp_gather(x)
     acc = parts[0].float()
     for r in range(1, world_size):

@@ -329,3 +329,39 @@ def test_truncated_shard_is_refused(tp1, tmp_path):
         f.truncate(os.path.getsize(dst) // 2)
     with pytest.raises(M.ShardError, match="model-r0.safetensors"):
         M.Step5ForCausalLM.from_shard(str(dst), cfg)
+
+
+REDUCE_SCRIPT = r"""
+import os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import model as M
+dist.init_process_group("gloo")
+M.set_parallel(dist.get_world_size(), dist.get_rank())
+g = torch.Generator().manual_seed(100 + M.rank)
+for dt in (torch.float32, torch.bfloat16):
+    x = (torch.randn(37, 64, generator=g) * 100).to(dt)
+    whole = M.tp_reduce(x)
+    M._REDUCE_BYTES = 3 * 64 * 4 * M.world_size  # forces chunks of a few rows
+    chunked = M.tp_reduce(x)
+    M._REDUCE_BYTES = 1 << 30
+    assert torch.equal(whole, chunked), dt
+    assert torch.equal(M.tp_gather(whole)[0], whole)  # every rank holds the same bits
+    print("ok", dt)
+dist.barrier()
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_tp_reduce_chunked_equals_whole_and_is_identical_on_all_ranks(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "reduce.py"
+    script.write_text(REDUCE_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(script), root], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("ok") == 4
