@@ -306,8 +306,9 @@ if __name__ == "__main__":
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=8,
                     help="must equal the shards' expert_parallel_size (= TP)")
-    ap.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer",
-                    help="tokenizer directory (default: tokenizer_files beside the TP dir)")
+    ap.add_argument("--tokenizer", "--tokenizer-path", "--checkpoint", "--ckpt-path", dest="tokenizer",
+                    help="tokenizer directory, e.g. the original checkpoint (default: tokenizer_files beside the "
+                    "TP dir)")
     ap.add_argument("--raw-prompt", action="store_true", help="tokenize --prompt as plain text, no chat template")
     ap.add_argument("--print-ids", action="store_true", help="also print the generated token ids")
     ap.add_argument("--json", dest="as_json", action="store_true", help="print one JSON document with ids and text")
