@@ -84,12 +84,9 @@ def main(batch: int, context: int, torch_ref: bool, profile: bool = False):
             block = M.Block(cfg, layer_id, fp8=True)
         randomise(block)
         block.self_attn.finalize()
-        lm = M.Step5ForCausalLM.__new__(M.Step5ForCausalLM)
-        torch.nn.Module.__init__(lm)
-        lm.cfg, lm.rope = cfg, {}
-        rope = lm._rope_tables(context + 64, "cuda")[layer_id]
-        cache = M.Cache([block.self_attn.new_cache(batch, -(-(context + 64) // 16) * 16, "cuda")], batch,
-                        -(-(context + 64) // 16) * 16, "cuda")
+        cap = -(-(context + 64) // 16) * 16
+        rope = M.rope_tables(cfg, cap, "cuda")[layer_id]
+        cache = M.Cache([block.self_attn.new_cache(batch, cap, "cuda")], batch, cap, "cuda")
         lc = cache.layers[0]
         if kind == "dsa":  # a filled context: random keys/values and region summaries
             lc.k.normal_()

@@ -186,7 +186,7 @@ def _run(args, rank: int, world: int, dev: torch.device):
     err, cfg, vl = None, None, None
     try:
         cfg_path = os.path.join(args.tp_dir, f"config-r{rank}.json")
-        cfg, vl, raw = M.load_config(cfg_path)
+        cfg, vl, _ = M.load_config(cfg_path)
         if cfg.tp_size != world:
             raise UserError(f"{cfg_path}: tp_size={cfg.tp_size} but WORLD_SIZE={world}: run with "
                             f"--nproc-per-node={cfg.tp_size} (TP comes from the shards, there is no --tp-size)")
@@ -195,7 +195,7 @@ def _run(args, rank: int, world: int, dev: torch.device):
                             f"{cfg.expert_parallel_size} (co-located EP equals TP)")
         if args.max_new_tokens < 0:
             raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
-        if (args.image_inputs or "") and vl is None:
+        if args.image_inputs and vl is None:
             raise UserError(f"--image-inputs given but {cfg_path} is a text-only model")
     except (UserError, M.ConfigError) as e:
         err = str(e)

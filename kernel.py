@@ -916,7 +916,7 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit):
     """Triton moe_experts_ref: only routed rows are computed, one launch per GEMM for all local experts.
 
     Steps, all on the device with static shapes (no .item()): sort the T*k (token, slot) pairs by local expert
-    (remote slots last), per-expert row offsets by bincount + cumsum; quantise x once per token (FP8); gate+up
+    (remote slots last), per-expert row offsets by searchsorted on the sorted keys; quantise x once per token (FP8); gate+up
     GEMM reading token rows through the sort order, SwiGLU in its epilogue; quantise; down GEMM; slot-order combine.
     """
     _check_tensor("x", x, torch.bfloat16, ndim=2)

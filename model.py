@@ -367,8 +367,6 @@ def tp_gather(x: torch.Tensor) -> torch.Tensor:
     """All ranks' copies of x stacked in rank order: [world, *x.shape]."""
     if world_size == 1:
         return x[None]
-    if x.dtype == torch.float8_e4m3fn:  # gloo cannot gather fp8: move the bytes
-        return tp_gather(x.view(torch.uint8)).view(x.dtype)
     out = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x.contiguous())  # gloo wants the ranks concatenated along dim 0
     return out.view(world_size, *x.shape)
@@ -435,6 +433,24 @@ def rope_table(span: int, theta: float, scaling: dict | None, n_pos: int, device
         inv = torch.where((wl >= Lo / hi) & (wl <= Lo / lo), blend, base)
     freqs = torch.outer(torch.arange(n_pos, dtype=torch.float32), inv)
     return freqs.cos().to(torch.bfloat16).to(device), freqs.sin().to(torch.bfloat16).to(device)
+
+
+def rope_tables(c: Step5Config, n_pos: int, device) -> list:
+    """Per layer {'main': (cos, sin), 'indexer': (cos, sin) on DSA layers}; layers of equal geometry share tables."""
+    built, layers = {}, []
+
+    def table(span, i):
+        key = (span, float(c.rope_theta[i]), c.rope_scaled(i))
+        if key not in built:
+            built[key] = rope_table(span, key[1], c.rope_scaling if key[2] else None, n_pos, device)
+        return built[key]
+
+    for i in range(c.num_hidden_layers):
+        t = {"main": table(c.rope_span(i), i)}
+        if c.is_dsa(i):
+            t["indexer"] = table(c.sparse.rope_dim, i)
+        layers.append(t)
+    return layers
 
 
 class LayerCache:
@@ -730,8 +746,8 @@ class Step5ForCausalLM(nn.Module):
 
     def __init__(self, cfg: Step5Config, fp8_layers: set = frozenset()):
         super().__init__()
-        self.cfg, self.fp8_layers = cfg, set(fp8_layers)
-        self.model = Step5Model(cfg, self.fp8_layers)
+        self.cfg = cfg
+        self.model = Step5Model(cfg, set(fp8_layers))
         self.lm_head = _lin(cfg.vocab_size // cfg.tp_size, cfg.hidden_size)  # this rank's vocabulary window
         self.rope = {}
         self.use_cuda_graph = True  # decode steps on CUDA replay a captured graph (eager launches cost ~10x more)
@@ -799,24 +815,10 @@ class Step5ForCausalLM(nn.Module):
 
     # ---- forward
     def _rope_tables(self, n_pos: int, device):
-        """Per layer {'main': (cos, sin), 'indexer': (cos, sin)}; layers of equal geometry share tables."""
-        if self.rope.get("n_pos", 0) >= n_pos:
-            return self.rope["layers"]
-        c, built, layers = self.cfg, {}, []
-
-        def table(span, i):
-            key = (span, float(c.rope_theta[i]), c.rope_scaled(i))
-            if key not in built:
-                built[key] = rope_table(span, key[1], c.rope_scaling if key[2] else None, n_pos, device)
-            return built[key]
-
-        for i in range(c.num_hidden_layers):
-            t = {"main": table(c.rope_span(i), i)}
-            if c.is_dsa(i):
-                t["indexer"] = table(c.sparse.rope_dim, i)
-            layers.append(t)
-        self.rope = {"n_pos": n_pos, "layers": layers}
-        return layers
+        """The per-layer tables, rebuilt only when a cache needs more positions than built so far."""
+        if self.rope.get("n_pos", 0) < n_pos:
+            self.rope = {"n_pos": n_pos, "layers": rope_tables(self.cfg, n_pos, device)}
+        return self.rope["layers"]
 
     def new_cache(self, B: int, max_tokens: int) -> Cache:
         blk = self.cfg.sparse.block if self.cfg.sparse else 1

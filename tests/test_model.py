@@ -59,7 +59,7 @@ def prompt(n, seed=0):
 
 def dense_causal(q, k, v, scale):
     """q [T, G, Hg, d], k/v [T, G, d] -> causal softmax attention in fp32 (positions 0..T-1)."""
-    s = torch.einsum("tghd,sgd->gh ts".replace(" ", ""), q.float(), k.float()) * scale
+    s = torch.einsum("tghd,sgd->ghts", q.float(), k.float()) * scale
     T = q.shape[0]
     s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
     return torch.einsum("ghts,sgd->tghd", s.softmax(-1), v.float())
