@@ -13,23 +13,16 @@ import time
 import torch
 
 import kernel
+import config
 import model as M
 
 HBM_BPS = 4.28e12  # measured H200 copy bandwidth (ENVIRONMENT.md)
 
 
-def real_rank_config(tp: int = 8) -> M.Step5Config:
-    from tiny_checkpoint import tiny_text_config
-    sparse = dict(tiny_text_config()["sparse_config"], proxy_dim=256, sparse_indexer_rope_dim=32, topk=512)
-    d = tiny_text_config(hidden_size=4096, intermediate_size=13824, num_hidden_layers=92, vocab_size=128896,
-                         num_attention_heads=64, num_attention_groups=4, head_dim=192, sliding_window=512,
-                         moe_num_experts=352, moe_top_k=8, moe_intermediate_size=1536, share_expert_dim=1536,
-                         num_nextn_predict_layers=3, max_position_embeddings=1048576, moe_layers=list(range(3, 91)),
-                         rope_scaling={"rope_type": "llama3", "factor": 1.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 32.0, "original_max_position_embeddings": 1048576},
-                         sparse_config=sparse)
-    d.update(tp_size=tp, expert_parallel_size=tp, tp_layout_version=M.LAYOUT_VERSION)
-    return M.Step5Config.from_dict(d)
+def real_rank_config(tp: int = 8) -> config.Step5Config:
+    from tiny_checkpoint import real_text_config
+    return config.Step5Config.from_dict(real_text_config(tp_size=tp, expert_parallel_size=tp,
+                                                         tp_layout_version=config.LAYOUT_VERSION))
 
 
 def randomise(mod: torch.nn.Module):
@@ -45,7 +38,7 @@ def randomise(mod: torch.nn.Module):
             p.data = (torch.randn(p.shape, device="cuda", generator=g) * p.shape[-1] ** -0.5).to(p.dtype)
 
 
-def layer_bytes(block: M.Block, batch: int, cfg: M.Step5Config) -> int:
+def layer_bytes(block: M.Block, batch: int, cfg: config.Step5Config) -> int:
     """Bytes one decode step must read: every non-expert weight once, the experts the batch routes to (expected
     distinct local experts for batch*top_k uniform picks), and the KV cache it attends to."""
     total = 0

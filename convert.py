@@ -22,7 +22,7 @@ from itertools import groupby
 import torch
 from safetensors import safe_open
 
-from model import LAYOUT_VERSION, ConfigError, Step5Config, Step5VLConfig, group_window, parse_config
+from config import LAYOUT_VERSION, ConfigError, Step5Config, Step5VLConfig, group_window, parse_config
 
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import kernel
+import config
 import model as M
 
 IMAGE_KEYS = ("pixel_values", "patch_pixel_values", "num_patches", "image_embeds")
@@ -80,7 +81,7 @@ def read_json(path: str):
         raise UserError(f"{path}: not valid JSON ({e})") from None
 
 
-def check_ids(ids, where: str, cfg: M.Step5Config, max_new_tokens: int) -> list:
+def check_ids(ids, where: str, cfg: config.Step5Config, max_new_tokens: int) -> list:
     if not isinstance(ids, list) or not ids:
         raise UserError(f"{where}: a prompt must be a non-empty list of token ids")
     for i, t in enumerate(ids):
@@ -94,7 +95,7 @@ def check_ids(ids, where: str, cfg: M.Step5Config, max_new_tokens: int) -> list:
     return ids
 
 
-def prepare_requests(args, cfg: M.Step5Config, tok) -> list:
+def prepare_requests(args, cfg: config.Step5Config, tok) -> list:
     """Rank 0: [(prompt ids, image-inputs path or None)], validated."""
     def chat(text):
         if tok is None:
@@ -186,7 +187,7 @@ def _run(args, rank: int, world: int, dev: torch.device):
     err, cfg, vl = None, None, None
     try:
         cfg_path = os.path.join(args.tp_dir, f"config-r{rank}.json")
-        cfg, vl, _ = M.load_config(cfg_path)
+        cfg, vl, _ = config.load_config(cfg_path)
         if cfg.tp_size != world:
             raise UserError(f"{cfg_path}: tp_size={cfg.tp_size} but WORLD_SIZE={world}: run with "
                             f"--nproc-per-node={cfg.tp_size} (TP comes from the shards, there is no --tp-size)")
@@ -197,7 +198,7 @@ def _run(args, rank: int, world: int, dev: torch.device):
             raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
         if args.image_inputs and vl is None:
             raise UserError(f"--image-inputs given but {cfg_path} is a text-only model")
-    except (UserError, M.ConfigError) as e:
+    except (UserError, config.ConfigError) as e:
         err = str(e)
     agree(err)
     M.set_parallel(world, rank)
@@ -218,7 +219,7 @@ def _run(args, rank: int, world: int, dev: torch.device):
             if not eos or any(not isinstance(e, int) or e < 0 for e in eos):
                 raise UserError(f"invalid EOS id set {sorted(eos, key=str)}")
             payload = [(reqs, sorted(eos))]
-        except (UserError, M.ConfigError) as e:
+        except (UserError, config.ConfigError) as e:
             err = str(e)
     agree(err)
     dist.broadcast_object_list(payload, src=0)
@@ -242,7 +243,7 @@ def _run(args, rank: int, world: int, dev: torch.device):
     t0, err, m = time.perf_counter(), None, None
     try:
         m = M.Step5ForCausalLM.from_shard(os.path.join(args.tp_dir, f"model-r{rank}.safetensors"), cfg, dev, vl)
-    except (M.ShardError, M.ConfigError) as e:
+    except (M.ShardError, config.ConfigError) as e:
         err = str(e)
     agree(err)
     kernel.set_backend(dev.type == "cuda")

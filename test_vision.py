@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 import tiny_checkpoint
-from vision_encoder import (VisionConfig, VisionConfigError, VisionModel, apply_rope2d, rope_cos_sin,
-                            tokens_per_view)
+from config import ConfigError, VisionConfig
+from vision_encoder import VisionModel, apply_rope2d, rope_cos_sin, tokens_per_view
 
 BF16 = torch.bfloat16
 
@@ -55,14 +55,14 @@ def test_config_aliases_parse_to_same_sizes():
                                           ("ues_cls_token", True), ("use_ln_post", True), ("hidden_act", "gelu"),
                                           ("use_rope2d", False), ("use_abs_posemb", False)])
 def test_unsupported_mode_raises_naming_field(field, value):
-    with pytest.raises(VisionConfigError, match=field.replace("ues_", "use_")):
+    with pytest.raises(ConfigError, match=field.replace("ues_", "use_")):
         VisionConfig.from_dict({**REAL_VISION_CONFIG, field: value})
 
 
 def test_missing_width_raises():
     d = dict(REAL_VISION_CONFIG)
     del d["width"]
-    with pytest.raises(VisionConfigError, match="width"):
+    with pytest.raises(ConfigError, match="width"):
         VisionConfig.from_dict(d)
 
 
@@ -420,6 +420,7 @@ import sys  # noqa: E402
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # kernel.py is imported through model.py (CPU: reference path)
 import convert  # noqa: E402
+import config  # noqa: E402
 import model as M  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
@@ -452,7 +453,7 @@ def vl_out(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vl_model(vl_out):
     d = vl_out(1)
-    cfg, vl, _ = M.load_config(os.path.join(d, "config-r0.json"))
+    cfg, vl, _ = config.load_config(os.path.join(d, "config-r0.json"))
     M.set_parallel(1, 0)
     m = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg, "cpu", vl)
     assert isinstance(m, M.Step5ForConditionalGeneration)
@@ -546,7 +547,7 @@ def test_mm_unsupported_vision_select_layer_fails_at_load(vl_out, tmp_path):
     with open(d / "config-r0.json", "w") as f:
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="vision_select_layer"):
-        M.load_config(str(d / "config-r0.json"))
+        config.load_config(str(d / "config-r0.json"))
     with open(tmp_path / "p.json", "w") as f:
         json.dump([11, 12, 13], f)
     with socket.socket() as s:

@@ -76,6 +76,19 @@ def tiny_text_config(**overrides) -> dict:
     return c
 
 
+def real_text_config(**overrides) -> dict:
+    """The released Step-5 text geometry (92 layers, 352 experts, DSA top-512 of 8-token regions) with the real field
+    names: for config tests at the real sizes and for the real-shape benchmarks (random weights, never written)."""
+    sparse = dict(tiny_text_config()["sparse_config"], proxy_dim=256, sparse_indexer_rope_dim=32, topk=512)
+    return tiny_text_config(**{**dict(
+        hidden_size=4096, intermediate_size=13824, num_hidden_layers=92, vocab_size=128896, num_attention_heads=64,
+        num_attention_groups=4, head_dim=192, sliding_window=512, moe_num_experts=352, moe_top_k=8,
+        moe_intermediate_size=1536, share_expert_dim=1536, num_nextn_predict_layers=3, max_position_embeddings=1048576,
+        moe_layers=list(range(3, 91)), rope_scaling={"rope_type": "llama3", "factor": 1.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 32.0, "original_max_position_embeddings": 1048576},
+        sparse_config=sparse), **overrides})
+
+
 def tiny_vision_config(**overrides) -> dict:
     c = dict(model_type="perception_encoder", width=32, layers=2, heads=2, mlp_ratio=2.0, patch_size=14,
              image_size=728, num_channels=3, hidden_act="quick_gelu", layer_norm_eps=1e-5, ls_init_value=0.1,

@@ -26,6 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import convert  # noqa: E402
+import config  # noqa: E402
 import model as M  # noqa: E402
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -171,7 +172,7 @@ def test_greedy_tokens_and_logits_agree_across_tp(kind, gen_out, tmp_path):
 @pytest.fixture(scope="module")
 def tp1_model(gen_out):
     tp_dir = gen_out("fp8_vl", 1)
-    cfg, vl, _ = M.load_config(os.path.join(tp_dir, "config-r0.json"))
+    cfg, vl, _ = config.load_config(os.path.join(tp_dir, "config-r0.json"))
     M.set_parallel(1, 0)
     return M.Step5ForCausalLM.from_shard(os.path.join(tp_dir, "model-r0.safetensors"), cfg, "cpu", vl)
 

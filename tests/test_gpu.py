@@ -13,6 +13,7 @@ import torch
 
 import convert
 import kernel
+import config
 import model as M
 import tiny_checkpoint
 
@@ -35,7 +36,7 @@ PROMPTS = [list(range(40, 52)), [(7 * i) % 600 + 11 for i in range(57)], [300, 3
 
 def load(out, device):
     M.set_parallel(1, 0)
-    cfg = M.load_config(os.path.join(out, "tp1", "config-r0.json"))[0]
+    cfg = config.load_config(os.path.join(out, "tp1", "config-r0.json"))[0]
     return M.Step5ForCausalLM.from_shard(os.path.join(out, "tp1", "model-r0.safetensors"), cfg, device)
 
 
@@ -127,7 +128,7 @@ def test_cuda_vision_path(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-vl")
     ck = tiny_checkpoint.make_checkpoint(str(root / "ckpt"), fp8=True, vl=True, seed=4)
     convert.main(ck, str(root / "out"), tp_size=1, ep_size=1)
-    cfg, vl, _ = M.load_config(str(root / "out" / "tp1" / "config-r0.json"))
+    cfg, vl, _ = config.load_config(str(root / "out" / "tp1" / "config-r0.json"))
     M.set_parallel(1, 0)
     path = str(root / "out" / "tp1" / "model-r0.safetensors")
     cpu = M.Step5ForCausalLM.from_shard(path, cfg, "cpu", vl)

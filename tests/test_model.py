@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 import convert
 import kernel
+import config
 import model as M
 import tiny_checkpoint
 
@@ -24,7 +25,7 @@ def _convert(tmp_path_factory, fp8):
     ck = tiny_checkpoint.make_checkpoint(str(root / "ckpt"), fp8=fp8, vl=False, seed=1)
     convert.main(ck, str(root / "out"), tp_size=1, ep_size=1)
     d = str(root / "out" / "tp1")
-    return d, M.load_config(os.path.join(d, "config-r0.json"))[0]
+    return d, config.load_config(os.path.join(d, "config-r0.json"))[0]
 
 
 @pytest.fixture(scope="module")
@@ -217,19 +218,11 @@ def test_batch_rows_match_single_requests_and_eos_compacts(lm_bf16):
 # ------------------------------------------------------------------------------------------------ config
 
 
-def real_config(**over):
-    return tiny_checkpoint.tiny_text_config(**{**dict(
-        hidden_size=4096, intermediate_size=13824, num_hidden_layers=92, vocab_size=128896, num_attention_heads=64,
-        num_attention_groups=4, head_dim=192, sliding_window=512, moe_num_experts=352, moe_top_k=8,
-        moe_intermediate_size=1536, share_expert_dim=1536, num_nextn_predict_layers=3, max_position_embeddings=1048576,
-        moe_layers=list(range(3, 91)), rope_scaling={"rope_type": "llama3", "factor": 1.0, "low_freq_factor": 1.0,
-                                                     "high_freq_factor": 32.0, "original_max_position_embeddings": 1048576},
-        sparse_config={**tiny_checkpoint.tiny_text_config()["sparse_config"], "proxy_dim": 256,
-                       "sparse_indexer_rope_dim": 32, "topk": 512}), **over})
+real_config = tiny_checkpoint.real_text_config
 
 
 def test_real_geometry_config():
-    c = M.Step5Config.from_dict(real_config())
+    c = config.Step5Config.from_dict(real_config())
     assert [i for i in range(92) if c.is_dsa(i)] == list(range(3, 92, 4))
     assert c.moe_layers == list(range(3, 91))
     assert [i for i in range(92) if not c.is_moe(i)] == [0, 1, 2, 91]
@@ -238,10 +231,10 @@ def test_real_geometry_config():
     assert {c.rope_span(i) for i in range(92) if not c.is_dsa(i)} == {192}
     assert all(c.rope_scaled(i) == c.is_dsa(i) for i in range(92))
     for tp, (heads, groups) in {1: (64, 4), 2: (32, 2), 4: (16, 1), 8: (8, 1), 16: (4, 1)}.items():
-        t = M.Step5Config.from_dict(real_config(tp_size=tp, expert_parallel_size=tp,
-                                                tp_layout_version=M.LAYOUT_VERSION))
+        t = config.Step5Config.from_dict(real_config(tp_size=tp, expert_parallel_size=tp,
+                                                tp_layout_version=config.LAYOUT_VERSION))
         assert (t.n_local_heads, t.n_local_groups, t.n_local_experts) == (heads, groups, 352 // tp)
-    assert [M.group_window(4, 8, r) for r in range(8)] == [(r // 2, 1) for r in range(8)]
+    assert [config.group_window(4, 8, r) for r in range(8)] == [(r // 2, 1) for r in range(8)]
 
 
 @pytest.mark.parametrize("over,needle", [
@@ -249,15 +242,15 @@ def test_real_geometry_config():
     ({"num_experts_per_tok": 6}, "num_experts_per_tok=6"),
     ({"num_key_value_heads": 8}, "num_key_value_heads=8"),
     ({"tp_size": 2, "expert_parallel_size": 2}, "tp_layout_version"),
-    ({"tp_size": 3, "expert_parallel_size": 3, "tp_layout_version": M.LAYOUT_VERSION}, "not divisible"),
-    ({"tp_size": 2, "expert_parallel_size": 4, "tp_layout_version": M.LAYOUT_VERSION}, "expert_parallel_size"),
+    ({"tp_size": 3, "expert_parallel_size": 3, "tp_layout_version": config.LAYOUT_VERSION}, "not divisible"),
+    ({"tp_size": 2, "expert_parallel_size": 4, "tp_layout_version": config.LAYOUT_VERSION}, "expert_parallel_size"),
     ({"tp_size": True}, "tp_size"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "llama3"),
     ({"att_impl_type": "MLA"}, "att_impl_type"),
 ])
 def test_bad_configs_are_refused_by_name(over, needle):
-    with pytest.raises(M.ConfigError, match=needle):
-        M.Step5Config.from_dict(real_config(**over))
+    with pytest.raises(config.ConfigError, match=needle):
+        config.Step5Config.from_dict(real_config(**over))
 
 
 def test_rope_tables_are_built_in_fp32():
@@ -269,7 +262,7 @@ def test_rope_tables_are_built_in_fp32():
 
 
 def test_llama3_rescale_applies_only_to_listed_layer_types():
-    c = M.Step5Config.from_dict(tiny_checkpoint.tiny_text_config())
+    c = config.Step5Config.from_dict(tiny_checkpoint.tiny_text_config())
     assert [c.rope_scaled(i) for i in range(8)] == [c.is_dsa(i) for i in range(8)]
     s = c.rope_scaling
     plain = M.rope_table(16, 1e7, None, 300, "cpu")[0]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import generate  # noqa: E402
 import kernel  # noqa: E402
+import config  # noqa: E402
 import model as M  # noqa: E402
 
 _routes = []
@@ -44,7 +45,7 @@ def main(tp_dir: str, spec_path: str, out_path: str):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     try:
-        cfg, vl, _ = M.load_config(os.path.join(tp_dir, f"config-r{rank}.json"))
+        cfg, vl, _ = config.load_config(os.path.join(tp_dir, f"config-r{rank}.json"))
         assert cfg.tp_size == world, (cfg.tp_size, world)
         M.set_parallel(world, rank)
         m = M.Step5ForCausalLM.from_shard(os.path.join(tp_dir, f"model-r{rank}.safetensors"), cfg, "cpu", vl)
