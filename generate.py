@@ -1,11 +1,14 @@
 """Greedy generation with Step-5 on converted per-rank shards, under torchrun.
 
-    torchrun --standalone --nproc-per-node=N generate.py --tp-dir OUT/tpN --ep-size N --prompt "..."
+    torchrun --standalone --nproc-per-node=N generate.py --tp-dir OUT/tpN --prompt "..."
     torchrun ... generate.py --tp-dir OUT/tpN --prompt-json ids.json [--image-inputs image-inputs.safetensors]
     torchrun ... generate.py --tp-dir OUT/tpN --prompt-json-batch batch.json
 
 TP comes from the shard config and must equal WORLD_SIZE. NCCL on GPUs, gloo on CPU. Rank 0 prepares the prompts
 and prints; every rank validates what it receives. Any failure on any rank ends every rank with one message.
+
+The decoding loop lives here, not in model.py (gpt-fast's prefill / decode step / generate): the model computes
+logits; this file chooses tokens, captures the decode step as a CUDA graph, stops requests at EOS and times it all.
 """
 import argparse
 import datetime
@@ -17,24 +20,161 @@ import time
 import torch
 import torch.distributed as dist
 
-import kernel
 import config
 import model as M
 
 IMAGE_KEYS = ("pixel_values", "patch_pixel_values", "num_patches", "image_embeds")
+PROGRESS_AFTER_S = 5.0  # a prefill that runs longer than this reports its progress on rank 0
+MAX_LISTED = 10  # bad requests listed in one message
 
 
 class UserError(Exception):
     """Bad input: reported as one message naming the file, key or value."""
 
 
-def agree(err: str | None):
-    """Every rank learns whether any rank failed; all then stop with the first message (no rank left hanging)."""
-    errs = [None] * dist.get_world_size()
-    dist.all_gather_object(errs, err)
-    first = next((e for e in errs if e), None)
-    if first:
-        raise UserError(first)
+# --------------------------------------------------------------------------------------------------
+# decoding
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Global argmax over the rank-ordered vocabulary windows (lowest id on ties): [B, V/tp] -> [B] int64, the same
+    on every rank (every rank gathers the same windows)."""
+    full = M.tp_gather(logits)  # [world, B, V/tp]
+    return full.permute(1, 0, 2).flatten(1).argmax(-1)
+
+
+class DecodeStep:
+    """A step function with static shapes and no host sync, replayed as a CUDA graph when `graph` is set.
+
+    fn(*inputs) -> output. `state()` names tensors that fn updates in place (the cache lengths): the warm-up and
+    capture runs restore them, so only replays advance the state. The warm-up also writes K/V, pending indexer rows
+    and ring slots at the next position, which the first real step overwrites. Call reset() whenever the tensors fn
+    reads change shape (a compacted cache): the next call captures again.
+    """
+
+    def __init__(self, fn, graph: bool, state=lambda: ()):
+        self.fn, self.use_graph, self.state = fn, graph, state
+        self.graph = None
+
+    def reset(self):
+        self.graph = None
+
+    def __call__(self, *inputs):
+        if not self.use_graph:
+            return self.fn(*inputs)
+        if self.graph is None:
+            self._capture(inputs)
+        for s, x in zip(self.inputs, inputs):
+            s.copy_(x)
+        self.graph.replay()
+        return self.out
+
+    def _capture(self, inputs):
+        self.inputs = [x.clone() for x in inputs]
+        saved = [s.clone() for s in self.state()]
+
+        def restore():
+            for s, v in zip(self.state(), saved):
+                s.copy_(v)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compilation and library workspaces happen outside capture
+            self.fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        restore()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # collectives are captured with the rest
+            self.out = self.fn(*self.inputs)
+        restore()  # capture records without running; keep the state exact anyway
+
+
+def prompt_embeds(model: M.Step5ForCausalLM, prompts: list, images: list | None = None) -> torch.Tensor:
+    """Packed input rows [T, D] bf16 of the prompts: token embeddings, and each request's image features at its
+    placeholders. images: per request None or a dict of image inputs (pixel_values [+ patch_pixel_values,
+    num_patches] or image_embeds). A request whose placeholders and features disagree raises ValueError naming it."""
+    dev = model.lm_head.weight.device
+    rows = []
+    for i, (ids, img) in enumerate(zip(prompts, images or [None] * len(prompts))):
+        try:
+            feats = model.image_features(**img) if img else None
+            rows.append(model.input_embeds(torch.tensor(ids, device=dev), feats))
+        except ValueError as e:
+            raise ValueError(f"request {i}: {e}") from None
+    return torch.cat(rows)
+
+
+def prefill(model: M.Step5ForCausalLM, cache: M.Cache, prompts: list, embeds=None, progress=None) -> torch.Tensor:
+    """Packed prefill of all prompts on an empty cache -> this rank's logits of each prompt's last token [B, V/tp]."""
+    dev = model.lm_head.weight.device
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
+    return model.forward(ids, cache, [len(p) for p in prompts], embeds, progress)
+
+
+@torch.inference_mode()
+def generate(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_ids, embeds=None,
+             cuda_graph: bool = True, progress=None) -> tuple[list, dict]:
+    """Greedy decoding of a packed batch -> (each request's generated ids, EOS included when emitted; timings).
+
+    embeds: the packed prompts' input rows [T, D] (prompt_embeds: image features placed), or None for plain token
+    embeddings. A request that emits EOS leaves the batch: its cache rows are compacted away before the next
+    step. The host reads each step's tokens only after the next step has been queued, so the device never waits.
+    """
+    B = len(prompts)
+    if B == 0:
+        return [], {}
+    dev = model.lm_head.weight.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    cache = model.new_cache(B, max(len(p) for p in prompts) + max_new_tokens)
+    logits = prefill(model, cache, prompts, embeds, progress)
+    sync()
+    t1 = time.perf_counter()
+    out = [[] for _ in range(B)]
+    live = list(range(B))  # request index of each cache row
+    eos = set(int(e) for e in eos_ids)
+    step = DecodeStep(lambda t: model.forward(t, cache), cuda_graph and dev.type == "cuda",
+                      state=lambda: (cache.lengths,))
+    tok = greedy(logits) if max_new_tokens > 0 else None
+    for i in range(max_new_tokens):
+        last = i == max_new_tokens - 1
+        if not last:
+            logits = step(tok)  # queued before the host reads tok below
+        finished = []
+        for row, t in enumerate(tok.tolist()):
+            out[live[row]].append(t)
+            if t in eos:
+                finished.append(row)
+        if last or len(finished) == len(live):
+            break
+        if finished:
+            keep = [r for r in range(len(live)) if r not in finished]
+            rows = torch.tensor(keep, device=dev)
+            cache.keep(rows)
+            step.reset()
+            logits, live = logits.index_select(0, rows), [live[r] for r in keep]
+        tok = greedy(logits)
+    sync()
+    n_dec = sum(max(len(o) - 1, 0) for o in out)  # the first token of each request comes from the prefill
+    stats = {"prefill_tokens": sum(len(p) for p in prompts), "prefill_s": t1 - t0, "decode_tokens": n_dec,
+             "decode_s": time.perf_counter() - t1}
+    check_same_on_all_ranks(out, dev)
+    return out, stats
+
+
+def check_same_on_all_ranks(out: list, device):
+    """Every rank must have produced the same tokens: checked once at the end, not assumed."""
+    if M.world_size == 1:
+        return
+    flat = torch.tensor([len(o) for o in out] + [t for o in out for t in o], dtype=torch.long, device=device)
+    n = torch.tensor([flat.numel()], dtype=torch.long, device=device)
+    if not bool((M.tp_gather(n) == n).all()):
+        raise RuntimeError("ranks generated different numbers of tokens")
+    if not bool((M.tp_gather(flat) == flat).all()):
+        raise RuntimeError("ranks generated different tokens")
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs
 
 
 def load_tokenizer(path: str):
@@ -77,7 +217,9 @@ def read_json(path: str):
             return json.load(f)
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
-    except json.JSONDecodeError as e:
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory, not a JSON file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not valid JSON ({e})") from None
 
 
@@ -95,44 +237,66 @@ def check_ids(ids, where: str, cfg: config.Step5Config, max_new_tokens: int) -> 
     return ids
 
 
-def prepare_requests(args, cfg: config.Step5Config, tok) -> list:
-    """Rank 0: [(prompt ids, image-inputs path or None)], validated."""
-    def chat(text):
+ID_FORMS = '[ids...] or {"prompt_ids": [ids...]}'
+REQUEST_FORMS = ('[ids...], {"prompt_ids": [ids...]} or {"prompt": "text"}, each dict optionally with '
+                 '"image_inputs": "file.safetensors"')
+
+
+def prepare_requests(a: dict, cfg: config.Step5Config, tok) -> list:
+    """Rank 0: [(prompt ids, image-inputs path or None)], validated; every bad batch request is listed."""
+    def chat(text, where):
+        if not isinstance(text, str):
+            raise UserError(f'{where}: "prompt" must be a string, got {type(text).__name__} {text!r}')
         if tok is None:
-            raise UserError("--prompt needs a tokenizer: none found in <tp-dir>/../tokenizer_files; pass --tokenizer")
-        if args.raw_prompt:
+            raise UserError(f"{where}: a text prompt needs a tokenizer: none found in <tp-dir>/../tokenizer_files; "
+                            "pass --tokenizer")
+        if a["raw_prompt"]:
             return tok(text, add_special_tokens=True)["input_ids"]
         if not tok.chat_template:
             raise UserError("the tokenizer has no chat template; use --raw-prompt to tokenize plain text")
         out = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
-    if args.prompt is not None:
-        return [(check_ids(chat(args.prompt), "--prompt", cfg, args.max_new_tokens), args.image_inputs)]
-    if args.prompt_json is not None:
-        d = read_json(args.prompt_json)
-        ids = d.get("prompt_ids") if isinstance(d, dict) else d
-        return [(check_ids(ids, args.prompt_json, cfg, args.max_new_tokens), args.image_inputs)]
-    d = read_json(args.prompt_json_batch)
+    new = a["max_new_tokens"]
+    if a["prompt"] is not None:
+        return [(check_ids(chat(a["prompt"], "--prompt"), "--prompt", cfg, new), a["image_inputs"])]
+    if a["prompt_json"] is not None:
+        path = a["prompt_json"]
+        d = read_json(path)
+        if isinstance(d, dict):
+            if set(d) != {"prompt_ids"}:
+                raise UserError(f"{path}: expected {ID_FORMS}, got an object with keys {sorted(d)}")
+            d = d["prompt_ids"]
+        return [(check_ids(d, path, cfg, new), a["image_inputs"])]
+    path = a["prompt_json_batch"]
+    d = read_json(path)
     entries = d.get("prompts") if isinstance(d, dict) else d
     if not isinstance(entries, list) or not entries:
-        raise UserError(f"{args.prompt_json_batch}: expected a non-empty list of requests or {{\"prompts\": [...]}}")
-    base = os.path.dirname(os.path.abspath(args.prompt_json_batch))
-    reqs = []
+        raise UserError(f'{path}: expected a non-empty list of requests or {{"prompts": [...]}}')
+    base = os.path.dirname(os.path.abspath(path))
+    reqs, bad = [], []
     for i, e in enumerate(entries):
-        where = f"{args.prompt_json_batch}: request {i}"
-        img = None
-        if isinstance(e, dict):
-            if "prompt" in e:
-                ids = chat(e["prompt"])
+        where = f"request {i}"
+        try:
+            img = None
+            if isinstance(e, dict):
+                unknown = sorted(set(e) - {"prompt", "prompt_ids", "image_inputs"})
+                if unknown or ("prompt" in e) == ("prompt_ids" in e):
+                    raise UserError(f"{where}: expected {REQUEST_FORMS}; got keys {sorted(e)}")
+                ids = chat(e["prompt"], where) if "prompt" in e else e["prompt_ids"]
+                img = e.get("image_inputs")
+                if img is not None:
+                    if not isinstance(img, str):
+                        raise UserError(f'{where}: "image_inputs" must be a file name, got {img!r}')
+                    img = os.path.join(base, img)
             else:
-                ids = e.get("prompt_ids")
-            img = e.get("image_inputs")
-            if img is not None:
-                img = os.path.join(base, img)
-        else:
-            ids = e
-        reqs.append((check_ids(ids, where, cfg, args.max_new_tokens), img))
+                ids = e
+            reqs.append((check_ids(ids, where, cfg, new), img))
+        except UserError as err:
+            bad.append(str(err))
+    if bad:
+        more = f"; and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
+        raise UserError(f"{path}: {len(bad)} of {len(entries)} requests are bad: " + "; ".join(bad[:MAX_LISTED]) + more)
     return reqs
 
 
@@ -155,11 +319,34 @@ def load_image_inputs(path: str) -> dict:
     return t
 
 
+# --------------------------------------------------------------------------------------------------
+# the CLI: phases that every rank runs, each ending in agreement
+
+
+def agree(err: str | None):
+    """Every rank learns whether any rank failed; all then stop with the first message (no rank left hanging)."""
+    errs = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    first = next((e for e in errs if e), None)
+    if first:
+        raise UserError(first)
+
+
+def phase(fn, *args, errors=(UserError, config.ConfigError, M.ShardError)):
+    """Run fn on this rank; the project's error types become one message, agreed on by every rank."""
+    out, err = None, None
+    try:
+        out = fn(*args)
+    except errors as e:
+        err = str(e)
+    agree(err)
+    return out
+
+
 def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None, prompt_json_batch: str | None = None,
-         image_inputs: str | None = None, max_new_tokens: int = 128, ep_size: int = 8, tokenizer: str | None = None,
-         raw_prompt: bool = False, print_ids: bool = False, as_json: bool = False, device: str = "auto",
-         cuda_graph: bool = True):
-    args = argparse.Namespace(**locals())
+         image_inputs: str | None = None, max_new_tokens: int = 128, ep_size: int | None = None,
+         tokenizer: str | None = None, raw_prompt: bool = False, print_ids: bool = False, as_json: bool = False,
+         device: str = "auto", cuda_graph: bool = True) -> list:
     for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         if v not in os.environ:
             raise UserError(f"environment variable {v} is not set: launch with torchrun "
@@ -172,8 +359,17 @@ def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None,
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
+    inputs = dict(prompt=prompt, prompt_json=prompt_json, prompt_json_batch=prompt_json_batch,
+                  image_inputs=image_inputs, max_new_tokens=max_new_tokens, tokenizer=tokenizer, raw_prompt=raw_prompt)
     try:
-        out = _run(args, rank, world, dev)
+        out, tok, reqs, eos, stats = _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say)
+        say(f"prefill: {stats['prefill_tokens']} tokens in {stats['prefill_s']:.3f} s "
+            f"({stats['prefill_tokens'] / max(stats['prefill_s'], 1e-9):.1f} tok/s); decode: "
+            f"{stats['decode_tokens']} tokens in {stats['decode_s']:.3f} s "
+            f"({stats['decode_tokens'] / max(stats['decode_s'], 1e-9):.1f} tok/s)")
+        if rank == 0:
+            report(out, tok, [len(ids) for ids, _ in reqs], eos, print_ids, as_json)
         dist.barrier()  # no rank tears the group down while another still talks to it
         return out
     finally:
@@ -181,117 +377,98 @@ def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None,
             dist.destroy_process_group()
 
 
-def _run(args, rank: int, world: int, dev: torch.device):
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
+def _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say):
     # 1. every rank: its own config, and the topology it implies
-    err, cfg, vl = None, None, None
-    try:
-        cfg_path = os.path.join(args.tp_dir, f"config-r{rank}.json")
+    def topology():
+        cfg_path = os.path.join(tp_dir, f"config-r{rank}.json")
         cfg, vl, _ = config.load_config(cfg_path)
         if cfg.tp_size != world:
             raise UserError(f"{cfg_path}: tp_size={cfg.tp_size} but WORLD_SIZE={world}: run with "
                             f"--nproc-per-node={cfg.tp_size} (TP comes from the shards, there is no --tp-size)")
-        if args.ep_size != cfg.expert_parallel_size:
-            raise UserError(f"--ep-size {args.ep_size} does not match the shards' expert_parallel_size="
+        if ep_size is not None and ep_size != cfg.expert_parallel_size:
+            raise UserError(f"--ep-size {ep_size} does not match the shards' expert_parallel_size="
                             f"{cfg.expert_parallel_size} (co-located EP equals TP)")
-        if args.max_new_tokens < 0:
-            raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
-        if args.image_inputs and vl is None:
+        if inputs["max_new_tokens"] < 0:
+            raise UserError(f"--max-new-tokens {inputs['max_new_tokens']} must be >= 0")
+        if inputs["image_inputs"] and vl is None:
             raise UserError(f"--image-inputs given but {cfg_path} is a text-only model")
-    except (UserError, config.ConfigError) as e:
-        err = str(e)
-    agree(err)
-    M.set_parallel(world, rank)
+        return cfg, vl
+    cfg, vl = phase(topology)
 
     # 2. rank 0: tokenizer, prompts, EOS set -> broadcast; every rank re-validates
-    payload, err, tok = [None], None, None
-    if rank == 0:
+    def requests():
         try:
-            try:
-                tok = find_tokenizer(args.tp_dir, args.tokenizer)
-            except UserError:
-                if args.tokenizer or args.prompt is not None:
-                    raise
-                tok = None  # ids-only prompts: an auto-discovered tokenizer is optional
-            reqs = prepare_requests(args, cfg, tok)
-            eos = set(cfg.eos_token_id) | ({tok.eos_token_id} if tok is not None and tok.eos_token_id is not None
-                                           else set())
-            if not eos or any(not isinstance(e, int) or e < 0 for e in eos):
-                raise UserError(f"invalid EOS id set {sorted(eos, key=str)}")
-            payload = [(reqs, sorted(eos))]
-        except (UserError, config.ConfigError) as e:
-            err = str(e)
-    agree(err)
+            tok = find_tokenizer(tp_dir, inputs["tokenizer"])
+        except UserError:
+            if inputs["tokenizer"] or inputs["prompt"] is not None:
+                raise
+            tok = None  # ids-only prompts: an auto-discovered tokenizer is optional
+        reqs = prepare_requests(inputs, cfg, tok)
+        eos = set(cfg.eos_token_id) | ({tok.eos_token_id} if tok is not None and tok.eos_token_id is not None
+                                       else set())
+        if not eos or any(not isinstance(e, int) or e < 0 for e in eos):
+            raise UserError(f"invalid EOS id set {sorted(eos, key=str)}")
+        return tok, reqs, sorted(eos)
+    tok, reqs, eos = phase(requests) if rank == 0 else (None, None, None)
+    if rank != 0:
+        agree(None)  # rank 0's phase ends in this agreement
+    payload = [(reqs, eos)]
     dist.broadcast_object_list(payload, src=0)
     reqs, eos = payload[0]
-    err, images = None, None
-    try:
+
+    def received():
         for i, (ids, img) in enumerate(reqs):
-            check_ids(ids, f"request {i}", cfg, args.max_new_tokens)
+            check_ids(ids, f"request {i}", cfg, inputs["max_new_tokens"])
             if img and vl is None:
                 raise UserError(f"request {i} has image inputs ({img}) but the shards hold a text-only model")
-        if any(img for _, img in reqs):
-            images = [load_image_inputs(img) if img else None for _, img in reqs]
-    except UserError as e:
-        err = str(e)
-    agree(err)
+        return [load_image_inputs(img) if img else None for _, img in reqs]
+    images = phase(received)
     n_tok = [len(ids) for ids, _ in reqs]
     say(f"loading Step-5 TP={world}, co-located EP={cfg.expert_parallel_size} on {dev.type} "
         + (f"({n_tok[0]} prompt tokens)" if len(reqs) == 1 else f"(batch={len(reqs)}, prompt tokens={n_tok})"))
 
     # 3. every rank: strict load of its shard
-    t0, err, m = time.perf_counter(), None, None
-    try:
-        m = M.Step5ForCausalLM.from_shard(os.path.join(args.tp_dir, f"model-r{rank}.safetensors"), cfg, dev, vl)
-    except (M.ShardError, config.ConfigError) as e:
-        err = str(e)
-    agree(err)
-    kernel.set_backend(dev.type == "cuda")
-    m.use_cuda_graph = args.cuda_graph
+    t0 = time.perf_counter()
+    m = phase(lambda: M.Step5ForCausalLM.from_shard(os.path.join(tp_dir, f"model-r{rank}.safetensors"), cfg, dev, vl,
+                                                    rank))
     say(f"loaded in {time.perf_counter() - t0:.1f} s; compute path: "
-        + (f"Triton kernels (kernel.py), decode as {'a CUDA graph' if args.cuda_graph else 'eager launches'}"
+        + (f"Triton kernels (kernel.py), decode as {'a CUDA graph' if cuda_graph else 'eager launches'}"
            if dev.type == "cuda" else "PyTorch reference (CPU)"))
 
-    # 4. image features per request (each request's placeholders are checked against its own rows)
-    kw, err = {}, None
-    try:
-        if images is not None:
-            feats = []
-            for i, ((ids, _), img) in enumerate(zip(reqs, images)):
-                f = m.image_embeds(**img) if img else None
-                n = sum(t == vl.image_token_id for t in ids)
-                rows = 0 if f is None else f.shape[0]
-                if n != rows:
-                    raise UserError(f"request {i}: {n} image placeholder(s) (id {vl.image_token_id}) but its image "
-                                    f"inputs give {rows} feature row(s)")
-                if f is not None:
-                    feats.append(f)
-            kw["image_embeds"] = torch.cat(feats)
-    except (UserError, ValueError) as e:
-        err = str(e)
-    agree(err)
+    # 4. every request's input rows: token embeddings, image features at its placeholders (checked per request)
+    with torch.inference_mode():
+        embeds = phase(prompt_embeds, m, [ids for ids, _ in reqs], images,
+                       errors=(UserError, config.ConfigError, ValueError))
 
-    # 5. generate
-    out = m.generate_greedy([ids for ids, _ in reqs], args.max_new_tokens, eos, **kw)
-    st = m.stats
-    say(f"prefill: {st['prefill_tokens']} tokens in {st['prefill_s']:.3f} s "
-        f"({st['prefill_tokens'] / max(st['prefill_s'], 1e-9):.1f} tok/s); decode: {st['decode_tokens']} tokens in "
-        f"{st['decode_s']:.3f} s ({st['decode_tokens'] / max(st['decode_s'], 1e-9):.1f} tok/s)")
-    if rank == 0:
-        texts = [tok.decode(o, skip_special_tokens=False) if tok is not None else None for o in out]
-        results = [{"prompt_token_count": n, "completion_token_ids": o, "completion": t}
-                   for n, o, t in zip(n_tok, out, texts)]
-        if args.as_json:
-            doc = ({**results[0], "eos_token_ids": eos} if len(results) == 1
-                   else {"batch_size": len(results), "eos_token_ids": eos, "results": results})
-            print(json.dumps(doc, ensure_ascii=False))
-        else:
-            for i, r in enumerate(results):
-                head = f"[{i}] " if len(results) > 1 else ""
-                print(f"{head}{r['completion'] if r['completion'] is not None else '(no tokenizer)'}")
-                if args.print_ids:
-                    print(f"{head}ids: {r['completion_token_ids']}")
-    return out
+    # 5. generate, with progress on rank 0 when the prefill is long
+    t_pre = time.perf_counter()
+
+    def progress(i, n):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()  # host time means device time only after a sync (92 per prefill: negligible)
+        el = time.perf_counter() - t_pre
+        if el > PROGRESS_AFTER_S and (i == n or el - progress.last > PROGRESS_AFTER_S):
+            progress.last = el
+            say(f"prefill: layer {i}/{n} after {el:.0f} s")
+    progress.last = 0.0
+    out, stats = generate(m, [ids for ids, _ in reqs], inputs["max_new_tokens"], eos, embeds, cuda_graph, progress)
+    return out, tok, reqs, eos, stats
+
+
+def report(out, tok, n_tok, eos, print_ids, as_json):
+    texts = [tok.decode(o, skip_special_tokens=False) if tok is not None else None for o in out]
+    results = [{"prompt_token_count": n, "completion_token_ids": o, "completion": t}
+               for n, o, t in zip(n_tok, out, texts)]
+    if as_json:
+        doc = ({**results[0], "eos_token_ids": eos} if len(results) == 1
+               else {"batch_size": len(results), "eos_token_ids": eos, "results": results})
+        print(json.dumps(doc, ensure_ascii=False))
+        return
+    for i, r in enumerate(results):
+        head = f"[{i}] " if len(results) > 1 else ""
+        print(f"{head}{r['completion'] if r['completion'] is not None else '(no tokenizer)'}")
+        if print_ids:
+            print(f"{head}ids: {r['completion_token_ids']}")
 
 
 if __name__ == "__main__":
@@ -299,14 +476,15 @@ if __name__ == "__main__":
     ap.add_argument("--tp-dir", required=True, help="directory with config-r{rank}.json and model-r{rank}.safetensors")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user text; the chat template is applied unless --raw-prompt")
-    src.add_argument("--prompt-json", help='exact ids: [ids...] or {"prompt_ids": [ids...]}')
+    src.add_argument("--prompt-json", help=f"exact ids: {ID_FORMS}")
     src.add_argument("--prompt-json-batch", help='[[ids...], ...] or {"prompts": [{"prompt_ids": [...], '
                      '"image_inputs": "file.safetensors"}, {"prompt": "text"}, ...]}')
     ap.add_argument("--image-inputs", help="safetensors with pixel_values [+ patch_pixel_values, num_patches] "
                     "or image_embeds, for --prompt / --prompt-json")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=8,
-                    help="must equal the shards' expert_parallel_size (= TP)")
+    ap.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=None,
+                    help="expert-parallel size; must equal the shards' expert_parallel_size (= TP), which is the "
+                    "default")
     ap.add_argument("--tokenizer", "--tokenizer-path", "--checkpoint", "--ckpt-path", dest="tokenizer",
                     help="tokenizer directory, e.g. the original checkpoint (default: tokenizer_files beside the "
                     "TP dir)")
@@ -323,7 +501,10 @@ if __name__ == "__main__":
         ap.error("--image-inputs applies to --prompt / --prompt-json; name image files inside the batch JSON instead")
     code = 0
     try:
-        main(**vars(a))
+        main(a.tp_dir, prompt=a.prompt, prompt_json=a.prompt_json, prompt_json_batch=a.prompt_json_batch,
+             image_inputs=a.image_inputs, max_new_tokens=a.max_new_tokens, ep_size=a.ep_size, tokenizer=a.tokenizer,
+             raw_prompt=a.raw_prompt, print_ids=a.print_ids, as_json=a.as_json, device=a.device,
+             cuda_graph=a.cuda_graph)
     except UserError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)

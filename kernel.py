@@ -991,15 +991,19 @@ def moe_experts(x, ids, weights, w1, w3, w2, s1, s3, s2, limit):
 # 4. router
 
 
-def route_ref(x, w, bias, k, scale, renorm=True):
+def route_ref(x, w, bias, k, scale, renorm=True, ids=None):
     """Sigmoid router with a selection-only bias. x [T, D] bf16, w [E, D] bf16, bias [E] fp32 -> ids [T, k] int64
-    (slot 0 = highest biased score), weights [T, k] fp32 = ((sigmoid + b) - b)[ids], renormalised (+1e-20), * scale."""
+    (slot 0 = highest biased score), weights [T, k] fp32 = ((sigmoid + b) - b)[ids], renormalised (+1e-20), * scale.
+    Given `ids` [T, k] (a pinned choice, see model.Pins), only the weights of those experts are computed."""
     # fp64 evaluation, rounded once to fp32: a row's routing must not depend on its batch or position (an fp32 BLAS
     # GEMM blocks its reduction by batch shape, and the CPU's vectorised fp32 sigmoid differs from its scalar path
     # in the last bit); fp64 then one rounding gives the correctly rounded fp32 value on any path
     z = (x.double() @ w.double().t()).float()
     sc = torch.sigmoid(z.double()).float() + bias
-    top, ids = torch.topk(sc, k, dim=-1)
+    if ids is None:
+        top, ids = torch.topk(sc, k, dim=-1)
+    else:
+        top = sc.gather(-1, ids)
     wts = top - bias[ids]
     if renorm:
         wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)

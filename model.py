@@ -7,7 +7,6 @@ Every number of the architecture comes from the checkpoint's config; nothing her
 """
 import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -15,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernel
-from config import LAYOUT_VERSION, Step5Config, Step5VLConfig
+from config import LAYOUT_VERSION, Step5Config, Step5VLConfig, group_window
 
 # --------------------------------------------------------------------------------------------------
 # distributed: every collective of the model is one of these two functions (grep "dist\.")
@@ -27,8 +26,11 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def set_parallel(ws: int, r: int):
-    """Set this process's TP/EP world size and rank, once, before building the model."""
+    """This process's TP/EP world size and rank. Step5ForCausalLM sets them from its config and rank when it is
+    built (the one place); standalone blocks (benchmarks) are single-rank unless set here first."""
     global world_size, rank
+    if not 0 <= r < ws:
+        raise ValueError(f"rank {r} is outside a TP world of {ws}")
     world_size, rank = ws, r
 
 
@@ -140,12 +142,66 @@ class Cache:
     def __init__(self, layers: list, B: int, cap: int, device):
         self.layers, self.cap = layers, cap
         self.lengths = torch.zeros(B, dtype=torch.long, device=device)
+        self.requests = torch.arange(B, device=device)  # request index of each row (compaction drops rows)
 
     def keep(self, rows: torch.Tensor):
         """Compaction: keep only the cache rows `rows` (requests that finished leave the batch)."""
         self.lengths = self.lengths.index_select(0, rows)
+        self.requests = self.requests.index_select(0, rows)
         for c in self.layers:
             c.keep(rows)
+
+
+class Pins:
+    """Test instrument: pins the two discrete top-k decisions (expert routing, DSA region selection) of one run into
+    another. Two correct computations that differ in last bits (prefill vs decode, another TP size, batch shape or
+    device) pick another expert or region where the k-th and (k+1)-th scores are one rounding apart, and that row's
+    residual then differs by O(1); with the decisions pinned they agree to rounding, which is what tests demand.
+
+    Recording (`Pins()`) stores every decision under (layer, request, position[, global KV group]); replaying
+    (`Pins(recorded.data)`) substitutes the stored decision (the router weights of pinned experts are recomputed by
+    the reference router). `requests` maps the replaying run's request indices to the recorded ones (e.g. one
+    request alone replaying its row of a batch). A decision missing in a replay is an error. Host reads here are
+    fine: pins are never installed outside tests.
+    """
+
+    def __init__(self, recorded: dict | None = None, requests: list | None = None):
+        self.replay = recorded is not None
+        self.data = dict(recorded) if recorded is not None else {}
+        self.requests = requests
+
+    def _key(self, *k):
+        kind, layer, req, *rest = k
+        return (kind, layer, self.requests[req] if self.requests is not None else req, *rest)
+
+    def _get(self, key):
+        if key not in self.data:
+            raise KeyError(f"no pinned decision for {key}: the replayed run visits a token the recording did not")
+        return self.data[key]
+
+    def experts(self, layer: int, req, pos, ids):
+        """req, pos [T]; ids [T, k] -> None (recording) or the pinned ids [T, k] (replay)."""
+        keys = [self._key("moe", layer, r, p) for r, p in zip(req.tolist(), pos.tolist())]
+        if not self.replay:
+            self.data.update(zip(keys, ids.cpu()))
+            return None
+        return torch.stack([self._get(k) for k in keys]).to(ids.device)
+
+    def regions(self, layer: int, req, pos, group0: int, ids, valid, n_regions: int):
+        """ids, valid [S, G, T, K] (ascending ids, invalid slots = n_regions); req [S]; pos [S, T] -> ids, valid."""
+        S, G, T, K = ids.shape
+        keys = [(s, g, t, self._key("dsa", layer, int(req[s]), int(pos[s, t]), group0 + g))
+                for s in range(S) for g in range(G) for t in range(T)]
+        if not self.replay:
+            for s, g, t, key in keys:
+                self.data[key] = ids[s, g, t][valid[s, g, t]].cpu()
+            return ids, valid
+        out = torch.full((S, G, T, K), n_regions, dtype=ids.dtype)
+        for s, g, t, key in keys:
+            sel = self._get(key)
+            out[s, g, t, :len(sel)] = sel
+        out = out.to(ids.device)
+        return out, out < n_regions
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,6 +237,8 @@ class Attention(nn.Module):
             self.ssmax_s = nn.Parameter(torch.empty(cfg.num_attention_heads, dtype=torch.float32),
                                         requires_grad=False)  # loaded for a clean key set; unused (spec §4.11)
         self.scale = hd ** -0.5
+        self.group0 = group_window(cfg.num_attention_groups, cfg.tp_size, rank)[0]  # first global KV group held here
+        self.pins = None
 
     def finalize(self):
         """After loading: one packed QKV weight (a single GEMM is what the deployed projection rounds like), and
@@ -207,9 +265,9 @@ class Attention(nn.Module):
                           pk=torch.zeros(B, sp.block, sp.proxy_dim, dtype=torch.bfloat16, device=device),
                           pz=torch.zeros(B, sp.block, sp.proxy_dim, dtype=torch.bfloat16, device=device))
 
-    def forward(self, h, pos, rope, spans, cache: LayerCache):
-        """h [T, D] bf16 -> [T, D] bf16 (TP-reduced). pos [T] absolute positions; spans: list of (start, n) request
-        token spans for prefill, or None for decode (one token per cache row)."""
+    def forward(self, h, pos, rope, spans, cache: LayerCache, req=None):
+        """h [T, D] bf16 -> this rank's partial [T, D] bf16. pos [T] absolute positions; spans: list of (start, n)
+        request token spans for prefill, or None for decode (one token per cache row)."""
         T = h.shape[0]
         H, G, hd = self.n_heads, self.n_groups, self.cfg.head_dim
         qkv = linear(h, self.wqkv)
@@ -220,14 +278,14 @@ class Attention(nn.Module):
         k = kernel.norm_rope(k.view(T, G, hd), self.k_norm.weight, cos, sin, eps)
         v = v.view(T, G, hd)
         if self.dsa:
-            o = self._dsa(h, q, k, v, pos, rope["indexer"], spans, cache)
+            o = self._dsa(h, q, k, v, pos, rope["indexer"], spans, cache, req)
         elif spans is None:
             o = self._sliding_decode(q, k, v, pos, cache)
         else:
             o = self._sliding_prefill(q, k, v, spans, cache)
         gate = torch.sigmoid(linear(h, self.g_proj.weight))  # [T, H] bf16
         o = o * gate[..., None]  # one rounding: the bf16 x bf16 product is exact in fp32
-        return tp_reduce(linear(o.reshape(T, H * hd), self.o_proj.weight))
+        return linear(o.reshape(T, H * hd), self.o_proj.weight)  # this rank's bf16 partial: Block reduces it
 
     # ---- sliding window
     def _sliding_prefill(self, q, k, v, spans, cache):
@@ -270,7 +328,7 @@ class Attention(nn.Module):
         wi = linear(h, self.idx_w).float() * self.idx_heads ** -0.5  # W_Iw rounded to bf16, result widened
         return qi, ki, zi, wi.view(T, self.n_groups, self.idx_heads)
 
-    def _dsa(self, h, q, k, v, pos, rope, spans, cache):
+    def _dsa(self, h, q, k, v, pos, rope, spans, cache, req=None):
         sp = self.cfg.sparse
         blk, P = sp.block, sp.proxy_dim
         qi, ki, zi, wi = self._indexer(h, pos, rope)
@@ -289,6 +347,9 @@ class Attention(nn.Module):
             cache.summ[rows, r] = torch.where(done, new, cache.summ[rows, r])
             scores = kernel.indexer_scores(qi[:, None], wi[:, None], cache.summ.view(kernel.FP8))  # [B, G, 1, R]
             ids, valid = kernel.select_regions(scores, r[:, None], sp.topk)
+            if self.pins is not None:
+                ids, valid = self.pins.regions(self.layer_id, req, pos[:, None], self.group0, ids, valid,
+                                               scores.shape[-1])
             o = kernel.sparse_attention(q[:, None], cache.k, cache.v, ids, valid, pos[:, None], blk, self.scale)
             return o[:, 0].reshape(T, H, hd)
         out = torch.empty_like(q)
@@ -305,6 +366,8 @@ class Attention(nn.Module):
                 scores = kernel.indexer_scores(qi[None, s + c0:s + c1], wi[None, s + c0:s + c1],
                                                cache.summ[b:b + 1, :nr].view(kernel.FP8))
                 ids, valid = kernel.select_regions(scores, pb // blk, sp.topk)
+                if self.pins is not None:
+                    ids, valid = self.pins.regions(self.layer_id, req[s:s + 1], pb, self.group0, ids, valid, nr)
                 out[s + c0:s + c1] = kernel.sparse_attention(q[None, s + c0:s + c1], cache.k[b:b + 1, :n],
                                                              cache.v[b:b + 1, :n], ids, valid, pb, blk, self.scale)[0]
         return out.view(T, H, hd)
@@ -351,13 +414,21 @@ class MoE(nn.Module):
         self.up_proj = Experts(self.n_local, Fi, D, fp8)
         self.down_proj = Experts(self.n_local, D, Fi, fp8)
         self.limit = cfg.clamp(layer_id)
+        self.layer_id, self.first_expert = layer_id, rank * self.n_local  # EP: this rank's contiguous expert range
+        self.pins = None
 
-    def forward(self, x):
-        """x [T, D] bf16 -> this rank's routed partial [T, D] bf16 (slots of other ranks' experts contribute 0)."""
+    def forward(self, x, pos, req=None):
+        """x [T, D] bf16 -> this rank's routed partial [T, D] bf16 (slots of other ranks' experts contribute 0).
+        req [T]: each token's request (only read by installed Pins)."""
         c = self.cfg
         ids, w = kernel.route(x, self.gate.weight, self.router_bias, c.moe_top_k, c.moe_router_scaling_factor,
                               c.norm_expert_weight)  # [T, k]
-        local = ids - rank * self.n_local
+        if self.pins is not None:
+            pinned = self.pins.experts(self.layer_id, req, pos, ids)
+            if pinned is not None:
+                ids, w = kernel.route_ref(x, self.gate.weight, self.router_bias, c.moe_top_k,
+                                          c.moe_router_scaling_factor, c.norm_expert_weight, ids=pinned)
+        local = ids - self.first_expert
         local = torch.where((local >= 0) & (local < self.n_local), local, -1)
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
         return kernel.moe_experts(x, local, w, g.weight, u.weight, d.weight, g.weight_scale_inv,
@@ -378,20 +449,21 @@ class Block(nn.Module):
             self.mlp = MLP(D, cfg.intermediate_size // cfg.tp_size, cfg.clamp(layer_id))
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, res, pos, rope, spans, cache):
-        """res [T, D] fp32 residual stream -> updated residual."""
+    def forward(self, res, pos, rope, spans, cache, req=None):
+        """res [T, D] fp32 residual stream -> updated residual. The block owns both TP reductions of the layer: its
+        sub-modules return this rank's partial sums. req [T]: each token's request, for installed Pins only."""
         h = kernel.rms_norm(res, self.input_layernorm.weight, self.eps, torch.bfloat16)  # fp32 norm, one rounding
-        res = res + self.self_attn(h, pos, rope, spans, cache).float()
+        res = res + tp_reduce(self.self_attn(h, pos, rope, spans, cache, req)).float()
         h = kernel.rms_norm(res, self.post_attention_layernorm.weight, self.eps, torch.bfloat16)
         if self.is_moe:  # routed + shared partials combined in fp32, then ONE fp32 reduction
-            y = tp_reduce(self.moe(h).float() + self.share_expert(h).float())
+            y = tp_reduce(self.moe(h, pos, req).float() + self.share_expert(h).float())
         else:
             y = tp_reduce(self.mlp(h)).float()
         return res + y
 
 
 # --------------------------------------------------------------------------------------------------
-# the model, strict loading, greedy generation
+# the model and its strict loading
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3", torch.float16: "F16",
               torch.uint8: "U8", torch.int64: "I64"}
@@ -411,22 +483,35 @@ class Step5Model(nn.Module):
 
 
 class Step5ForCausalLM(nn.Module):
-    """Step-5 text decoder on one TP/EP rank. Weights come pre-sharded from convert.py (one file per rank)."""
+    """Step-5 text decoder on one TP/EP rank. Weights come pre-sharded from convert.py (one file per rank).
 
-    def __init__(self, cfg: Step5Config, fp8_layers: set = frozenset()):
+    The model computes; generate.py decides (prefill, decode steps, CUDA graphs, token choice, stopping).
+    """
+
+    def __init__(self, cfg: Step5Config, fp8_layers: set = frozenset(), rank: int = 0):
         super().__init__()
+        # The one place the parallel state is set: the config's TP size and this rank; a running process group
+        # must agree with both (a shard set of another TP size would otherwise compute silently wrong sums).
+        set_parallel(cfg.tp_size, rank)
+        if dist.is_initialized() and (dist.get_world_size(), dist.get_rank()) != (cfg.tp_size, rank):
+            raise ValueError(f"the process group has world size {dist.get_world_size()} and rank {dist.get_rank()}, "
+                             f"but the model is built for tp_size={cfg.tp_size}, rank {rank}")
         self.cfg = cfg
         self.model = Step5Model(cfg, set(fp8_layers))
         self.lm_head = _lin(cfg.vocab_size // cfg.tp_size, cfg.hidden_size)  # this rank's vocabulary window
         self.rope = {}
-        self.use_cuda_graph = True  # decode steps on CUDA replay a captured graph (eager launches cost ~10x more)
+        self.pins = None
 
     # ---- loading
     @classmethod
-    def from_shard(cls, path: str, cfg: Step5Config, device="cpu", vl: "Step5VLConfig | None" = None):
+    def from_shard(cls, path: str, cfg: Step5Config, device="cpu", vl: "Step5VLConfig | None" = None,
+                   rank: int | None = None):
         """Strict load of one rank's shard: key set, shapes, dtypes and TP/EP/rank metadata are checked from the
-        header before any weight data is read; nothing falls back to random initialisation."""
+        header before any weight data is read; nothing falls back to random initialisation. The rank defaults to
+        the process group's (0 without one). A VL config gives the Step5ForConditionalGeneration."""
         from safetensors import safe_open
+        if rank is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
         if not os.path.isfile(path):
             raise ShardError(f"{path}: no such shard file")
         try:
@@ -451,7 +536,8 @@ class Step5ForCausalLM(nn.Module):
                 raise ShardError(f"{path}: FP8 expert layers {sorted(fp8_layers)} (by weight_scale_inv presence) "
                                  f"disagree with quantization_config {sorted(declared)}")
             with torch.device("meta"):
-                m = Step5ForConditionalGeneration(vl, fp8_layers) if vl is not None else Step5ForCausalLM(cfg, fp8_layers)
+                m = (Step5ForConditionalGeneration(vl, fp8_layers, rank) if vl is not None
+                     else Step5ForCausalLM(cfg, fp8_layers, rank))
             expect = {k: (tuple(t.shape), t.dtype) for k, t in m.state_dict().items()}
             expect["lm_head.weight"] = ((cfg.vocab_size, cfg.hidden_size), torch.bfloat16)  # stored whole
             missing, unexpected = sorted(expect.keys() - keys), sorted(keys - expect.keys())
@@ -482,6 +568,14 @@ class Step5ForCausalLM(nn.Module):
         self.requires_grad_(False)
         self.eval()
 
+    def set_pins(self, pins: "Pins | None"):
+        """Install (or remove, with None) a Pins test instrument in every MoE and attention layer."""
+        self.pins = pins
+        for layer in self.model.layers:
+            layer.self_attn.pins = pins
+            if layer.is_moe:
+                layer.moe.pins = pins
+
     # ---- forward
     def _rope_tables(self, n_pos: int, device):
         """The per-layer tables, rebuilt only when a cache needs more positions than built so far."""
@@ -500,9 +594,16 @@ class Step5ForCausalLM(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens.weight[ids]  # plain lookup in the replicated table
 
-    def forward(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None):
+    def input_embeds(self, ids: torch.Tensor, feats: "torch.Tensor | None" = None) -> torch.Tensor:
+        """A prompt's input rows [n, D] bf16. A text-only model has no image features to place."""
+        if feats is not None:
+            raise ValueError("image features given to a text-only model")
+        return self.embed(ids)
+
+    def forward(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None, progress=None):
         """Prefill (seq_lens given: ids [T] packed requests on an empty cache) or decode (ids [B], one token per
-        cache row). Returns this rank's logits window of each request's last token: [B, V/tp] fp32."""
+        cache row). Returns this rank's logits window of each request's last token: [B, V/tp] fp32.
+        progress(i, n), if given, is called after each of the n layers of a prefill (long prompts report from it)."""
         dev = ids.device
         if seq_lens is not None:
             if len(seq_lens) != cache.lengths.shape[0]:
@@ -521,123 +622,32 @@ class Step5ForCausalLM(nn.Module):
         else:
             spans, pos = None, cache.lengths.clone()
             cache.lengths.add_(1)  # in place: the decode step is replayable as a CUDA graph
-            last = None
+            last, progress = None, None
+        req = None
+        if self.pins is not None:  # each token's request, for the test instrument only
+            req = cache.requests if spans is None else torch.repeat_interleave(cache.requests, lens)
         x = self.embed(ids) if embeds is None else embeds
         res = x.float()
-        rope = self.rope["layers"]
-        for layer, lc, rp in zip(self.model.layers, cache.layers, rope):
-            res = layer(res, pos, rp, spans, lc)
+        layers = self.model.layers
+        for i, (layer, lc, rp) in enumerate(zip(layers, cache.layers, self.rope["layers"])):
+            res = layer(res, pos, rp, spans, lc, req)
+            if progress is not None:
+                progress(i + 1, len(layers))
         if last is not None:
             res = res[last]
         h = kernel.rms_norm(res.bfloat16(), self.model.norm.weight, self.cfg.rms_norm_eps)  # narrow first, then norm
         return linear(h, self.lm_head.weight).float()
 
-    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Global argmax over the rank-ordered vocabulary windows (lowest id on ties): [B] int64, same on all ranks."""
-        full = tp_gather(logits)  # [world, B, V/tp]
-        return full.permute(1, 0, 2).flatten(1).argmax(-1)
-
-    @torch.inference_mode()
-    def generate_greedy(self, prompts: list, max_new_tokens: int, eos_ids, embeds_fn=None) -> list:
-        """Greedy decoding of a packed batch. Returns each request's generated ids (EOS included when emitted).
-
-        A request that emits EOS leaves the batch: its cache rows are compacted away before the next step. The host
-        reads each step's tokens only after the next step has been queued, so the device never waits on it.
-        """
-        B = len(prompts)
-        if B == 0:
-            return []
-        lens = [len(p) for p in prompts]
-        dev = self.lm_head.weight.device
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-        t0 = time.perf_counter()
-        cache = self.new_cache(B, max(lens) + max_new_tokens)
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
-        embeds = embeds_fn(ids) if embeds_fn is not None else None
-        logits = self.forward(ids, cache, lens, embeds)
-        sync()
-        t1 = time.perf_counter()
-        out = [[] for _ in range(B)]
-        live = list(range(B))  # request index of each cache row
-        eos = set(int(e) for e in eos_ids)
-        tok = self.greedy(logits) if max_new_tokens > 0 else None
-        step_fn = None  # the decode step, as a CUDA graph for the current batch rows (re-captured on compaction)
-        for step in range(max_new_tokens):
-            last = step == max_new_tokens - 1
-            if not last:
-                if step_fn is None:
-                    step_fn = self._decode_graph(cache, tok) if self.use_cuda_graph and dev.type == "cuda" else (
-                        lambda t: self.forward(t, cache))
-                logits = step_fn(tok)
-            finished = []
-            for row, t in enumerate(tok.tolist()):
-                out[live[row]].append(t)
-                if t in eos:
-                    finished.append(row)
-            if last or len(finished) == len(live):
-                break
-            if finished:
-                keep = [r for r in range(len(live)) if r not in finished]
-                rows = torch.tensor(keep, device=dev)
-                cache.keep(rows)
-                logits, live = logits.index_select(0, rows), [live[r] for r in keep]
-                step_fn = None
-            tok = self.greedy(logits)
-        sync()
-        n_dec = sum(max(len(o) - 1, 0) for o in out)  # the first token of each request comes from the prefill
-        self.stats = {"prefill_tokens": sum(lens), "prefill_s": t1 - t0, "decode_tokens": n_dec,
-                      "decode_s": time.perf_counter() - t1}
-        check_same_on_all_ranks(out, dev)
-        return out
-
-
-    def _decode_graph(self, cache: Cache, tok: torch.Tensor):
-        """Capture one decode step (all layers, static shapes, no host sync) as a CUDA graph; returns step(tok).
-
-        The warm-up step writes K/V, pending indexer rows and ring slots at the next position, which the real step
-        overwrites, so restoring the lengths makes it invisible. Collectives are captured with the rest.
-        """
-        static_tok = tok.clone()
-        saved = cache.lengths.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: Triton compilation and library workspaces happen outside capture
-            self.forward(static_tok, cache)
-        torch.cuda.current_stream().wait_stream(side)
-        cache.lengths.copy_(saved)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_logits = self.forward(static_tok, cache)
-        cache.lengths.copy_(saved)  # capture records without running; keep the state exact anyway
-
-        def step(t):
-            static_tok.copy_(t)
-            graph.replay()
-            return static_logits
-        return step
-
-
-def check_same_on_all_ranks(out: list, device):
-    """P3.5: every rank must have produced the same tokens; checked once at the end, not assumed."""
-    if world_size == 1:
-        return
-    flat = torch.tensor([len(o) for o in out] + [t for o in out for t in o], dtype=torch.long, device=device)
-    n = torch.tensor([flat.numel()], dtype=torch.long, device=device)
-    if not bool((tp_gather(n) == n).all()):
-        raise RuntimeError("ranks generated different numbers of tokens")
-    if not bool((tp_gather(flat) == flat).all()):
-        raise RuntimeError("ranks generated different tokens")
-
 
 class Step5ForConditionalGeneration(Step5ForCausalLM):
     """Step-5 VL: the text decoder plus the perception encoder and projector, replicated on every rank.
 
-    Image features enter the packed prefill at the image-token placeholders (overwrite, no scaling); decode steps
-    never see images. Inputs cover the whole packed batch, images in prompt order across requests.
+    It only supplies input rows: image features overwrite the image-token placeholders of a prompt (no scaling);
+    decode steps never see images. Each image contributes its crops first, then its overview.
     """
 
-    def __init__(self, vl: Step5VLConfig, fp8_layers: set = frozenset()):
-        super().__init__(vl.text, fp8_layers)
+    def __init__(self, vl: Step5VLConfig, fp8_layers: set = frozenset(), rank: int = 0):
+        super().__init__(vl.text, fp8_layers, rank)
         from vision_encoder import VisionModel
         self.vl = vl
         vm = VisionModel(vl.vision, vl.text.hidden_size)
@@ -646,8 +656,8 @@ class Step5ForConditionalGeneration(Step5ForCausalLM):
         self._vision = [vm]  # a plain list: the container's modules are registered once, above
 
     @torch.inference_mode()
-    def image_embeds(self, pixel_values=None, patch_pixel_values=None, num_patches=None, image_embeds=None):
-        """Feature rows [n, D] bf16 for the whole batch, or None without image inputs."""
+    def image_features(self, pixel_values=None, patch_pixel_values=None, num_patches=None, image_embeds=None):
+        """Feature rows [n, D] bf16 of one request's images, or None without image inputs."""
         if image_embeds is not None:
             if pixel_values is not None or patch_pixel_values is not None or num_patches is not None:
                 raise ValueError("image_embeds is exclusive with pixel_values / patch_pixel_values / num_patches")
@@ -655,7 +665,7 @@ class Step5ForConditionalGeneration(Step5ForCausalLM):
             if e.shape[-1] != self.cfg.hidden_size:
                 raise ValueError(f"image_embeds has width {e.shape[-1]}, expected the text hidden size "
                                  f"{self.cfg.hidden_size}")
-            return e.reshape(-1, self.cfg.hidden_size).to(torch.bfloat16, copy=False)
+            return e.reshape(-1, self.cfg.hidden_size).to(self.lm_head.weight.device, torch.bfloat16)
         if pixel_values is None:
             if patch_pixel_values is not None or num_patches is not None:
                 raise ValueError("patch_pixel_values / num_patches given without pixel_values")
@@ -669,28 +679,13 @@ class Step5ForConditionalGeneration(Step5ForCausalLM):
         # Rank 0's copy is the one every rank keeps.
         return tp_gather(feats)[0]
 
-    def _embeds_fn(self, feats):
-        def fn(ids):
-            x = self.embed(ids)
-            slots = ids == self.vl.image_token_id
-            n = int(slots.sum())  # prefill only: a host read here costs nothing per decode step
-            rows = 0 if feats is None else feats.shape[0]
-            if n != rows:
-                raise ValueError(f"the prompt(s) hold {n} image placeholder(s) (id {self.vl.image_token_id}) but the "
-                                 f"image inputs give {rows} feature row(s)")
-            if rows:
-                x = x.masked_scatter(slots[:, None], feats.to(x.device))
-            return x
-        return fn
-
-    @torch.inference_mode()
-    def generate_greedy(self, prompts, max_new_tokens, eos_ids, pixel_values=None, patch_pixel_values=None,
-                        num_patches=None, image_embeds=None):
-        feats = self.image_embeds(pixel_values, patch_pixel_values, num_patches, image_embeds)
-        return super().generate_greedy(prompts, max_new_tokens, eos_ids, embeds_fn=self._embeds_fn(feats))
-
-    def forward(self, ids, cache, seq_lens=None, embeds=None, pixel_values=None, patch_pixel_values=None,
-                num_patches=None, image_embeds=None):
-        if seq_lens is not None and embeds is None:
-            embeds = self._embeds_fn(self.image_embeds(pixel_values, patch_pixel_values, num_patches, image_embeds))(ids)
-        return super().forward(ids, cache, seq_lens, embeds)
+    def input_embeds(self, ids: torch.Tensor, feats: "torch.Tensor | None" = None) -> torch.Tensor:
+        """A prompt's input rows [n, D] bf16: token embeddings, image features at the placeholders (in order).
+        The one check that a prompt's placeholders and its image features agree in number."""
+        x = self.embed(ids)
+        slots = ids == self.vl.image_token_id
+        n, rows = int(slots.sum()), 0 if feats is None else feats.shape[0]  # host read: prefill only
+        if n != rows:
+            raise ValueError(f"the prompt holds {n} image placeholder(s) (id {self.vl.image_token_id}) but its image "
+                             f"inputs give {rows} feature row(s)")
+        return x.masked_scatter(slots[:, None], feats.to(x.device)) if rows else x

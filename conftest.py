@@ -1,0 +1,71 @@
+"""Fixtures shared by tests/ and test_vision.py."""
+import os
+import sys
+
+# The Triton interpreter must be chosen before any @triton.jit decorates a kernel (kernel.py is imported by several
+# test files): CPU-only CI runs every Triton kernel under it. Set TRITON_INTERPRET=0 to run the kernels on a GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the scripts, and the tests' shared helpers (invariants.py)
+
+import pytest  # noqa: E402
+
+# Tiny checkpoints shared by the test files, each written once per session on first use. TINY_SEED_OFFSET shifts
+# every kind's seed: the suite must pass on checkpoints it was not written against (e.g. TINY_SEED_OFFSET=10).
+SEED_OFFSET = int(os.environ.get("TINY_SEED_OFFSET", "0"))
+CKPT_KINDS = {"fp8_vl": {}, "bf16_text": {"fp8": False, "vl": False, "seed": 1},
+              "fp8_text": {"vl": False, "seed": 1}, "bf16_vl": {"fp8": False},
+              "fp8_vl_seed1": {"seed": 1}, "fp8_vl_seed2": {"seed": 2}}
+
+
+class _Checkpoints(dict):
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+
+    def __missing__(self, kind):
+        from tiny_checkpoint import make_checkpoint
+        kw = dict(CKPT_KINDS[kind])
+        kw["seed"] = kw.get("seed", 0) + SEED_OFFSET
+        self[kind] = make_checkpoint(str(self.base / kind), **kw)
+        return self[kind]
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory):
+    """ckpts[kind] -> directory of a tiny original checkpoint (kinds: CKPT_KINDS)."""
+    return _Checkpoints(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="session")
+def converted(ckpts, tmp_path_factory):
+    """converted(kind, tp) -> OUT/tp{tp}, a clean conversion of ckpts[kind] (one OUT per kind, so the
+    tokenizer_files directory sits beside every tp dir of that kind)."""
+    import convert
+    outs, done = {}, set()
+
+    def get(kind, tp):
+        if kind not in outs:
+            outs[kind] = str(tmp_path_factory.mktemp(f"converted_{kind}"))
+        if (kind, tp) not in done:
+            convert.main(ckpts[kind], outs[kind], tp_size=tp, ep_size=tp)
+            done.add((kind, tp))
+        return os.path.join(outs[kind], f"tp{tp}")
+    return get
+
+
+@pytest.fixture(scope="session")
+def tp1_models(converted):
+    """tp1_models(kind, device="cpu") -> the TP=1 model of that kind, loaded once per session and device."""
+    import config
+    import model as M
+    loaded = {}
+
+    def get(kind, device="cpu"):
+        if (kind, device) not in loaded:
+            d = converted(kind, 1)
+            cfg, vl, _ = config.load_config(os.path.join(d, "config-r0.json"))
+            loaded[kind, device] = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg,
+                                                                 device, vl, rank=0)
+        return loaded[kind, device]
+    return get
