@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import convert  # noqa: E402
-from model import LAYOUT_VERSION, parse_config  # noqa: E402
+from config import LAYOUT_VERSION, parse_config  # noqa: E402
 from tiny_checkpoint import make_checkpoint  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
