@@ -197,10 +197,32 @@ class Source:
     vl: Step5VLConfig | None
     tensors: dict   # output name -> TInfo, MTP excluded
     n_mtp: int
+    warnings: list  # repeated in the conversion summary
 
 
-def inspect(ckpt: str, tp: int) -> Source:
+def out_dir_problems(ckpt: str, out_dir: str, tp: int) -> list[str]:
+    """The outputs must not be the checkpoint, lie inside it or contain it (a checkpoint named tp8 under OUT would be
+    overwritten by OUT/tp8). Real paths, so a symlinked OUT, OUT/tpN or OUT/tokenizer_files counts as its target."""
+    src, found = os.path.realpath(ckpt), []
+    for p in (out_dir, os.path.join(out_dir, f"tp{tp}"), os.path.join(out_dir, "tokenizer_files")):
+        real = os.path.realpath(p)
+        common = os.path.commonpath([src, real])
+        how = "is" if real == src else "is inside" if common == src else "contains" if common == real else None
+        if how:
+            found.append((("is", "is inside", "contains").index(how), p, real, how))
+    if not found:
+        return []
+    _, p, real, how = min(found)  # the most direct relation names the problem best
+    shown = p if real == os.path.abspath(p) else f"{p} (-> {real})"
+    return [f"--out-dir {out_dir}: the output {shown} {how} the checkpoint directory {src}; conversion would write "
+            "into the source, choose an --out-dir outside it"]
+
+
+def inspect(ckpt: str, tp: int, out_dir: str | None = None) -> Source:
     """Header-only check of a checkpoint against its config. Prints what was checked; exits listing every problem."""
+    if os.path.isfile(ckpt):
+        raise SystemExit(f"error: --checkpoint {ckpt} is a file, not a directory (give the directory that holds "
+                         "config.json)")
     if not os.path.isdir(ckpt):
         raise SystemExit(f"error: checkpoint directory {ckpt} does not exist")
     raw = load_json(os.path.join(ckpt, "config.json"))
@@ -256,26 +278,38 @@ def inspect(ckpt: str, tp: int) -> Source:
             n_fp8 += 1
             # 128 x 128 blocks: model.parse_config refuses any other weight_block_size
             s, grid = tensors.get(name + "_scale_inv"), [*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128)]
-            if s is None:
+            if s is None and name + "_scale_inv" not in unverified:
                 problems.append(f"{name} in {t.file}: FP8 weight without its {name}_scale_inv")
             elif s.shape != grid or s.dtype != "F32":
                 problems.append(f"{name}_scale_inv in {s.file}: {s.dtype} {s.shape}, expected F32 {grid} for {t.shape}")
-    have = {i for i in tc.moe_layers if f"model.layers.{i}.moe.gate_proj.weight_scale_inv" in tensors}
+    # experts in an unreadable file (already a problem) are unknown, not BF16: no second, false disagreement
+    unknown = {i for i in tc.moe_layers if any(n.startswith(f"model.layers.{i}.moe.") for n in unverified)}
+    have = {i for i in tc.moe_layers if f"model.layers.{i}.moe.gate_proj.weight_scale_inv" in tensors} - unknown
     want = tc.config_fp8_layers()
-    for i in sorted(have ^ want):
+    for i in sorted((have ^ want) - unknown):
         problems.append(f"model.layers.{i}.moe: experts are {'FP8' if i in have else 'BF16'} in the checkpoint "
                         f"(gate_proj.weight_scale_inv {'present' if i in have else 'absent'}) but quantization_config "
                         f"declares {'FP8' if i in want else 'BF16'}")
     problems += split_problems(tc, tp)
+    if out_dir:
+        problems += out_dir_problems(ckpt, out_dir, tp)
     ignored = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors") and f not in wm.values())
     print(f"checked {ckpt}: {'composite VL' if vl else 'text-only'} config ({raw.get('model_type')}), "
           f"{len(wm)} indexed tensors in {len(set(wm.values()))} files (headers only; not indexed, ignored: "
           f"{', '.join(ignored) or 'none'}); {len(expected)} expected tensors by name/shape/dtype, {n_mtp} MTP "
-          f"tensors skipped; FP8 experts on MoE layers {sorted(have) or 'none'}, {n_fp8} FP8 scale grids; "
+          f"tensors skipped; FP8 experts on MoE layers {sorted(have) or 'none'}"
+          f"{f' (not checked: {str(sorted(unknown))[1:-1]}, whose tensors could not be read)' if unknown else ''}, "
+          f"{n_fp8} FP8 scale grids; "
           f"TP=EP={tp} split of heads, KV/provider groups, dense/shared widths, experts, vocab")
+    # not an error: prompts given as token ids need no tokenizer
+    no_tok = [f for f in ("tokenizer.json", "tokenizer_config.json") if not os.path.isfile(os.path.join(ckpt, f))]
+    warnings = [f"warning: {ckpt} has no {' or '.join(no_tok)}: generate.py --prompt will fail without "
+                "--tokenizer DIR (token-id prompts still work)"] if no_tok else []
+    for w in warnings:
+        print(w, file=sys.stderr)
     if problems:
         raise SystemExit(f"error: {len(problems)} problem(s) in {ckpt}:\n" + "\n".join(f"  {p}" for p in problems))
-    return Source(ckpt, raw, tc, vl, tensors, n_mtp)
+    return Source(ckpt, raw, tc, vl, tensors, n_mtp, warnings)
 
 
 def fingerprint(src: Source) -> str:
@@ -430,7 +464,7 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         raise SystemExit(f"error: --tp-size={tp_size} and --ep-size={ep_size} must be equal and >= 1 (co-located TP/EP)")
     if not out_dir and not check_only:
         raise SystemExit("error: --out-dir is required unless --check-only")
-    src = inspect(checkpoint, tp_size)
+    src = inspect(checkpoint, tp_size, out_dir)
     if check_only:
         print("check passed; nothing written")
         return
@@ -474,6 +508,8 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         with open(os.path.join(checkpoint, f), "rb") as fh:
             write_bytes(os.path.join(tok_dir, f), fh.read())
     print(f"tokenizer files: {', '.join(copied) or 'none found in the checkpoint'} -> {tok_dir}")
+    for w in src.warnings:
+        print(w, file=sys.stderr)
     print(f"PASS: {tp_size} ranks in {tp_dir} ({time.time() - t0:.1f} s)")
 
 
