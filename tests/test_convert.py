@@ -443,6 +443,60 @@ def test_shards_of_another_source_are_rewritten(ckpts, converted, tmp_path, caps
     assert dir_bytes(out) == dir_bytes(converted("fp8_vl", 2))
 
 
+def _overwrite_4k(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"\x5a" * 4096)
+
+
+@pytest.mark.parametrize("damage", ["4 KB overwritten", "checksum missing", "checksum garbled"])
+def test_shard_whose_content_does_not_match_its_checksum_is_rewritten(ckpts, converted, tmp_path, capsys, damage):
+    clean = converted("fp8_vl", 2)
+    out = str(tmp_path / "out")
+    shutil.copytree(clean, out)
+    shard = os.path.join(out, "tp2", "model-r1.safetensors")
+    if damage == "4 KB overwritten":
+        _overwrite_4k(shard)
+    elif damage == "checksum missing":
+        os.remove(shard + ".sha256")
+    else:
+        open(shard + ".sha256", "w").write("not a checksum\n")
+    r0 = os.stat(os.path.join(out, "tp2", "model-r0.safetensors"))
+    capsys.readouterr()
+    convert.main(ckpts["fp8_vl"], out, tp_size=2)
+    printed = capsys.readouterr().out
+    assert f"rank 1: rewriting {shard}: " in printed and "sha256" in printed, printed
+    assert "rank 0:" in printed and "sha256 verified); kept" in printed, printed
+    assert dir_bytes(out) == dir_bytes(clean)
+    r0b = os.stat(os.path.join(out, "tp2", "model-r0.safetensors"))
+    assert (r0.st_ino, r0.st_mtime_ns) == (r0b.st_ino, r0b.st_mtime_ns)
+
+
+def test_checksum_sidecar_matches_the_shard(ckpts, converted):
+    """The recorded checksum is the sha256 of the whole file, in sha256sum's format."""
+    import hashlib
+    tp2 = os.path.join(converted("bf16_text", 2), "tp2")
+    for r in range(2):
+        name = f"model-r{r}.safetensors"
+        digest = hashlib.sha256(open(os.path.join(tp2, name), "rb").read()).hexdigest()
+        assert open(os.path.join(tp2, name + ".sha256")).read() == f"{digest}  {name}\n"
+
+
+def test_no_verify_existing_skips_the_hash_and_says_so(ckpts, converted, tmp_path):
+    clean = converted("fp8_vl", 2)
+    out = str(tmp_path / "out")
+    shutil.copytree(clean, out)
+    shard = os.path.join(out, "tp2", "model-r1.safetensors")
+    _overwrite_4k(shard)
+    damaged = open(shard, "rb").read()
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ckpts["fp8_vl"], "--out-dir", out,
+                        "--tp-size", "2", "--no-verify-existing"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "contents not verified (--no-verify-existing)" in r.stdout, r.stdout
+    assert "2 kept shard(s) were not checked against their sha256" in r.stderr, r.stderr
+    assert open(shard, "rb").read() == damaged, "the user asked to keep without re-hashing"
+
+
 def test_source_is_never_modified(ckpts, converted):
     before = dir_bytes(ckpts["bf16_text"])
     converted("bf16_text", 2)
