@@ -31,6 +31,21 @@ def group_window(n_groups: int, tp: int, rank: int) -> tuple[int, int]:
     raise ConfigError(f"tp_size={tp} neither divides nor is a multiple of the group count {n_groups}")
 
 
+_JSON_TYPE = {str: "string", bool: "boolean", type(None): "null", list: "array", dict: "object", float: "float",
+              int: "integer"}
+
+
+def _check_types(d: dict, ints: tuple, floats: tuple = (), prefix: str = ""):
+    """Refuse a present field of the wrong JSON type, by name, before int()/float() would accept "32" or truncate 32.5
+    (and before two spellings of a field are compared, which would report "32 differs from 32")."""
+    for keys, want, ok in ((ints, "an integer", (int,)), (floats, "a number", (int, float))):
+        for k in keys:
+            v = d.get(k, 0)
+            if isinstance(v, bool) or not isinstance(v, ok):
+                raise ConfigError(f"{prefix}{k}={json.dumps(v)} must be {want} "
+                                  f"(got a JSON {_JSON_TYPE.get(type(v), type(v).__name__)})")
+
+
 @dataclass
 class SparseConfig:
     """DSA parameters (`sparse_config`)."""
@@ -53,6 +68,8 @@ class SparseConfig:
         for k, v in expect.items():
             if k in d and d[k] != v:
                 raise ConfigError(f"sparse_config.{k}={d[k]!r} is not supported (only {v!r})")
+        _check_types(d, ("proxy_dim", "sparse_indexer_rope_dim", "sparse_indexer_num_heads", "num_provider_groups",
+                          "topk", "region_block_size"), prefix="sparse_config.")
         s = cls(proxy_dim=int(d["proxy_dim"]), rope_dim=int(d["sparse_indexer_rope_dim"]),
                 n_heads=int(d["sparse_indexer_num_heads"]), n_provider_groups=int(d["num_provider_groups"]),
                 topk=int(d["topk"]), block=int(d["region_block_size"]),
@@ -139,6 +156,14 @@ class Step5Config:
         missing = [k for k in req if k not in d]
         if missing:
             raise ConfigError(f"config is missing {', '.join(missing)}")
+        _check_types(d, ints=(*req, "sliding_window", "max_position_embeddings", "moe_num_experts", "moe_top_k",
+                              "moe_intermediate_size", "share_expert_dim", "num_nextn_predict_layers",
+                              # second spellings, compared with the first below
+                              "num_experts_per_tok", "num_key_value_heads", "n_routed_experts",
+                              "head_dim_full_attention", "head_dim_sliding_attention",
+                              "num_attention_groups_full_attention", "num_attention_groups_sliding_attention",
+                              "num_sliding_attention_heads"),
+                     floats=("rms_norm_eps", "moe_router_scaling_factor"))
         L = int(d["num_hidden_layers"])
         nextn = int(d.get("num_nextn_predict_layers", 1))
         layer_types = d.get("layer_types") or ["full_attention"] * (L + nextn)

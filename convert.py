@@ -5,7 +5,9 @@
 Writes OUT/tp{N}/model-r{rank}.safetensors, OUT/tp{N}/config-r{rank}.json, OUT/tp{N}/README.md and one shared
 OUT/tokenizer_files/. Before converting (and alone, with --check-only) it checks the checkpoint against its config
 from the safetensors headers only. Shards are streamed tensor by tensor, so host memory tracks the largest single
-tensor rather than the checkpoint; a rerun keeps every shard whose header already matches and rewrites the rest.
+tensor rather than the checkpoint. Each shard's sha256 is recorded beside it (model-r{rank}.safetensors.sha256) while
+it is written; a rerun keeps every shard whose header matches and whose bytes still hash to that value (re-hashing
+is skipped with --no-verify-existing) and rewrites the rest.
 """
 import argparse
 import hashlib
@@ -197,10 +199,32 @@ class Source:
     vl: Step5VLConfig | None
     tensors: dict   # output name -> TInfo, MTP excluded
     n_mtp: int
+    warnings: list  # repeated in the conversion summary
 
 
-def inspect(ckpt: str, tp: int) -> Source:
+def out_dir_problems(ckpt: str, out_dir: str, tp: int) -> list[str]:
+    """The outputs must not be the checkpoint, lie inside it or contain it (a checkpoint named tp8 under OUT would be
+    overwritten by OUT/tp8). Real paths, so a symlinked OUT, OUT/tpN or OUT/tokenizer_files counts as its target."""
+    src, found = os.path.realpath(ckpt), []
+    for p in (out_dir, os.path.join(out_dir, f"tp{tp}"), os.path.join(out_dir, "tokenizer_files")):
+        real = os.path.realpath(p)
+        common = os.path.commonpath([src, real])
+        how = "is" if real == src else "is inside" if common == src else "contains" if common == real else None
+        if how:
+            found.append((("is", "is inside", "contains").index(how), p, real, how))
+    if not found:
+        return []
+    _, p, real, how = min(found)  # the most direct relation names the problem best
+    shown = p if real == os.path.abspath(p) else f"{p} (-> {real})"
+    return [f"--out-dir {out_dir}: the output {shown} {how} the checkpoint directory {src}; conversion would write "
+            "into the source, choose an --out-dir outside it"]
+
+
+def inspect(ckpt: str, tp: int, out_dir: str | None = None) -> Source:
     """Header-only check of a checkpoint against its config. Prints what was checked; exits listing every problem."""
+    if os.path.isfile(ckpt):
+        raise SystemExit(f"error: --checkpoint {ckpt} is a file, not a directory (give the directory that holds "
+                         "config.json)")
     if not os.path.isdir(ckpt):
         raise SystemExit(f"error: checkpoint directory {ckpt} does not exist")
     raw = load_json(os.path.join(ckpt, "config.json"))
@@ -256,26 +280,38 @@ def inspect(ckpt: str, tp: int) -> Source:
             n_fp8 += 1
             # 128 x 128 blocks: model.parse_config refuses any other weight_block_size
             s, grid = tensors.get(name + "_scale_inv"), [*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128)]
-            if s is None:
+            if s is None and name + "_scale_inv" not in unverified:
                 problems.append(f"{name} in {t.file}: FP8 weight without its {name}_scale_inv")
             elif s.shape != grid or s.dtype != "F32":
                 problems.append(f"{name}_scale_inv in {s.file}: {s.dtype} {s.shape}, expected F32 {grid} for {t.shape}")
-    have = {i for i in tc.moe_layers if f"model.layers.{i}.moe.gate_proj.weight_scale_inv" in tensors}
+    # experts in an unreadable file (already a problem) are unknown, not BF16: no second, false disagreement
+    unknown = {i for i in tc.moe_layers if any(n.startswith(f"model.layers.{i}.moe.") for n in unverified)}
+    have = {i for i in tc.moe_layers if f"model.layers.{i}.moe.gate_proj.weight_scale_inv" in tensors} - unknown
     want = tc.config_fp8_layers()
-    for i in sorted(have ^ want):
+    for i in sorted((have ^ want) - unknown):
         problems.append(f"model.layers.{i}.moe: experts are {'FP8' if i in have else 'BF16'} in the checkpoint "
                         f"(gate_proj.weight_scale_inv {'present' if i in have else 'absent'}) but quantization_config "
                         f"declares {'FP8' if i in want else 'BF16'}")
     problems += split_problems(tc, tp)
+    if out_dir:
+        problems += out_dir_problems(ckpt, out_dir, tp)
     ignored = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors") and f not in wm.values())
     print(f"checked {ckpt}: {'composite VL' if vl else 'text-only'} config ({raw.get('model_type')}), "
           f"{len(wm)} indexed tensors in {len(set(wm.values()))} files (headers only; not indexed, ignored: "
           f"{', '.join(ignored) or 'none'}); {len(expected)} expected tensors by name/shape/dtype, {n_mtp} MTP "
-          f"tensors skipped; FP8 experts on MoE layers {sorted(have) or 'none'}, {n_fp8} FP8 scale grids; "
+          f"tensors skipped; FP8 experts on MoE layers {sorted(have) or 'none'}"
+          f"{f' (not checked: {str(sorted(unknown))[1:-1]}, whose tensors could not be read)' if unknown else ''}, "
+          f"{n_fp8} FP8 scale grids; "
           f"TP=EP={tp} split of heads, KV/provider groups, dense/shared widths, experts, vocab")
+    # not an error: prompts given as token ids need no tokenizer
+    no_tok = [f for f in ("tokenizer.json", "tokenizer_config.json") if not os.path.isfile(os.path.join(ckpt, f))]
+    warnings = [f"warning: {ckpt} has no {' or '.join(no_tok)}: generate.py --prompt will fail without "
+                "--tokenizer DIR (token-id prompts still work)"] if no_tok else []
+    for w in warnings:
+        print(w, file=sys.stderr)
     if problems:
         raise SystemExit(f"error: {len(problems)} problem(s) in {ckpt}:\n" + "\n".join(f"  {p}" for p in problems))
-    return Source(ckpt, raw, tc, vl, tensors, n_mtp)
+    return Source(ckpt, raw, tc, vl, tensors, n_mtp, warnings)
 
 
 def fingerprint(src: Source) -> str:
@@ -359,10 +395,46 @@ def stale_reason(path: str, head: bytes, size: int, plan: list[Piece], meta: dic
     return None
 
 
+def sha256_file(path: str, rank: int, tp: int) -> str:
+    h, size, buf = hashlib.sha256(), os.path.getsize(path), bytearray(1 << 24)
+    t0 = last = time.time()
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(memoryview(buf)[:n])
+            if time.time() - last > 15:
+                last = time.time()
+                print(f"  rank {rank}/{tp}: verifying sha256, {f.tell() / 2**30:.2f} of {size / 2**30:.2f} GiB, "
+                      f"{last - t0:.0f} s", file=sys.stderr)
+    return h.hexdigest()
+
+
+def checksum_problem(path: str, rank: int, tp: int) -> str | None:
+    """None when the shard's bytes still hash to the sha256 recorded when it was written (a header check cannot
+    see damage inside the data); otherwise why it must be rewritten."""
+    name = os.path.basename(path) + ".sha256"
+    try:
+        with open(path + ".sha256") as f:
+            want = (f.read().split() or [""])[0]
+    except FileNotFoundError:
+        return f"no sha256 recorded ({name} missing), so its contents cannot be verified"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{name} unreadable ({e}), so its contents cannot be verified"
+    if not re.fullmatch(r"[0-9a-f]{64}", want):
+        return f"{name} holds no sha256, so its contents cannot be verified"
+    got = sha256_file(path, rank, tp)
+    if got != want:
+        return f"its sha256 {got[:12]}... differs from the {want[:12]}... recorded in {name} (changed since written)"
+    return None
+
+
 def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: int, rank: int, tp: int):
-    """Stream the shard: header first, then each slice read through the memory map, one tensor at a time."""
+    """Stream the shard: header first, then each slice read through the memory map, one tensor at a time, hashing
+    the bytes as they go out (no second read) into a sha256sum-format sidecar: one small file per shard, written
+    after its shard, so there is no shared manifest to rewrite N times, and `sha256sum -c` checks it by hand.
+    A run killed between the two renames leaves a shard without a sidecar, which a resume rewrites."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
     t0 = last = time.time()
+    h = hashlib.sha256(head)
     with open(tmp, "wb") as out:
         out.write(head)
         for fname, pieces in groupby(plan, lambda p: p.src.file):
@@ -377,7 +449,9 @@ def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: in
                         t = sl[b:e] if d == 0 else sl[:, b:e]
                     if list(t.shape) != p.shape:  # the header was planned from the source headers read earlier
                         raise SystemExit(f"error: {fname}: {p.src.key} changed during the conversion")
-                    out.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                    data = t.contiguous().reshape(-1).view(torch.uint8).numpy().data
+                    out.write(data)
+                    h.update(data)
                     if time.time() - last > 15:
                         last = time.time()
                         print(f"  rank {rank}/{tp}: {out.tell() / 2**30:.2f} of {size / 2**30:.2f} GiB written, "
@@ -385,6 +459,7 @@ def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: in
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
+    write_bytes(path + ".sha256", f"{h.hexdigest()}  {os.path.basename(path)}\n".encode())
 
 
 def write_bytes(path: str, data: bytes):
@@ -418,19 +493,21 @@ def readme(src: Source, tp: int, fp: str, plan0: list[Piece]) -> str:
         rows.append(f"| `{kind}` | {p.src.dtype} | {p.src.shape} | {p.shape} | {p.rule} |")
     return (f"# Step-5 shards: TP = EP = {tp}, layout `{LAYOUT_VERSION}`\n\n"
             f"Source fingerprint `{fp}`; {len(plan0)} tensors per rank, {src.n_mtp} MTP tensors excluded. "
-            "`model-r{rank}.safetensors` + `config-r{rank}.json` per rank; `lm_head` is stored whole and narrowed "
+            "`model-r{rank}.safetensors` (its sha256 in `model-r{rank}.safetensors.sha256`) + "
+            "`config-r{rank}.json` per rank; `lm_head` is stored whole and narrowed "
             "to the rank's vocabulary rows at load; KV and indexer groups are duplicated on adjacent ranks when "
             "tp exceeds the group count.\n\n| tensor (first of its kind) | dtype | source shape | rank-0 shape | rule |\n|---|---|---|---|---|\n"
             + "\n".join(rows) + "\n")
 
 
-def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | None = None, check_only: bool = False):
+def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | None = None, check_only: bool = False,
+         verify_existing: bool = True):
     ep_size = tp_size if ep_size is None else ep_size
     if tp_size < 1 or ep_size != tp_size:
         raise SystemExit(f"error: --tp-size={tp_size} and --ep-size={ep_size} must be equal and >= 1 (co-located TP/EP)")
     if not out_dir and not check_only:
         raise SystemExit("error: --out-dir is required unless --check-only")
-    src = inspect(checkpoint, tp_size)
+    src = inspect(checkpoint, tp_size, out_dir)
     if check_only:
         print("check passed; nothing written")
         return
@@ -450,7 +527,7 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
     for f in os.listdir(tp_dir):  # a killed earlier run's leftovers; never mistaken for shards
         if f.endswith(".partial"):
             os.remove(os.path.join(tp_dir, f))
-    t0, plan0 = time.time(), None
+    t0, plan0, not_hashed = time.time(), None, 0
     for rank in range(tp_size):
         plan = rank_plan(src, tp_size, rank)
         plan0 = plan0 or plan
@@ -459,8 +536,14 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         head, size = shard_header(plan, meta)
         path = os.path.join(tp_dir, f"model-r{rank}.safetensors")
         why = stale_reason(path, head, size, plan, meta)
+        if why is None and not verify_existing:
+            not_hashed += 1
+            print(f"rank {rank}: {path} matches (header, metadata, length); kept, contents not verified "
+                  "(--no-verify-existing)")
+            continue
+        why = why or checksum_problem(path, rank, tp_size)
         if why is None:
-            print(f"rank {rank}: {path} is complete and matches (header, metadata, length); kept")
+            print(f"rank {rank}: {path} is complete and matches (header, metadata, length, sha256 verified); kept")
             continue
         if why != "missing":
             print(f"rank {rank}: rewriting {path}: {why}")
@@ -474,6 +557,11 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         with open(os.path.join(checkpoint, f), "rb") as fh:
             write_bytes(os.path.join(tok_dir, f), fh.read())
     print(f"tokenizer files: {', '.join(copied) or 'none found in the checkpoint'} -> {tok_dir}")
+    for w in src.warnings:
+        print(w, file=sys.stderr)
+    if not_hashed:
+        print(f"warning: {not_hashed} kept shard(s) were not checked against their sha256 (--no-verify-existing); "
+              "rerun without it to verify them", file=sys.stderr)
     print(f"PASS: {tp_size} ranks in {tp_dir} ({time.time() - t0:.1f} s)")
 
 
@@ -486,8 +574,11 @@ if __name__ == "__main__":
                     help="must equal --tp-size (default: the same)")
     ap.add_argument("--check-only", "--check_only", dest="check_only", action="store_true",
                     help="check the checkpoint from its safetensors headers only; write nothing")
+    ap.add_argument("--no-verify-existing", dest="verify_existing", action="store_false",
+                    help="on a rerun, keep shards whose header matches without re-hashing them against their "
+                         "recorded sha256 (faster; damage inside the data goes unnoticed)")
     a = ap.parse_args()
     try:
-        main(a.checkpoint, a.out_dir, a.tp_size, a.ep_size, a.check_only)
+        main(a.checkpoint, a.out_dir, a.tp_size, a.ep_size, a.check_only, a.verify_existing)
     except OSError as e:  # disk full, permissions, a file vanishing mid-run: name it, no traceback
         raise SystemExit(f"error: {e.filename or ''}: {e.strerror or e}") from None

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import convert  # noqa: E402
-from model import LAYOUT_VERSION, parse_config  # noqa: E402
+from config import LAYOUT_VERSION, parse_config  # noqa: E402
 from tiny_checkpoint import make_checkpoint  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
@@ -249,6 +249,43 @@ def test_fp8_layer_disagreeing_with_quantization_config(ckpts, tmp_path):
     assert "model.layers.2.moe: experts are FP8 in the checkpoint" in str(e.value)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_unreadable_source_file_is_the_only_problem_reported(ckpts, tmp_path, damage):
+    """The tensors of an unreadable file are unknown, not BF16: no false FP8/BF16 disagreement, no wrong summary."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    wm = json.load(open(os.path.join(ck, INDEX)))["weight_map"]
+    fname = wm["model.layers.4.moe.gate_proj.weight_scale_inv"]
+    path = os.path.join(ck, fname)
+    if damage == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 100)
+    else:
+        os.remove(path)
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--check-only", "--tp-size", "2"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "1 problem(s)" in r.stderr and fname in r.stderr, r.stderr
+    assert "experts are" not in r.stderr and "FP8 weight without" not in r.stderr, r.stderr
+    assert "FP8 experts on MoE layers [2, 3] (not checked: 4, 5" in r.stdout, r.stdout
+
+
+def test_checkpoint_without_tokenizer_json_warns(ckpts, tmp_path, capsys):
+    """Id-only prompts still work, so it is a warning, in the audit and in the conversion summary."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    os.remove(os.path.join(ck, "tokenizer.json"))
+    warning = (f"warning: {ck} has no tokenizer.json: generate.py --prompt will fail without --tokenizer DIR "
+               "(token-id prompts still work)")
+    capsys.readouterr()
+    convert.main(ck, None, tp_size=2, check_only=True)
+    printed = capsys.readouterr()
+    assert "check passed" in printed.out and warning in printed.err, printed
+    convert.main(ck, str(tmp_path / "out"), tp_size=2)
+    printed = capsys.readouterr()
+    assert "PASS" in printed.out and warning in printed.err, printed
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 def _bad_config(ck):
     open(os.path.join(ck, "config.json"), "w").write("{not json")
@@ -258,17 +295,32 @@ def _garbage_shard(ck):
     open(os.path.join(ck, "model-00002-of-00004.safetensors"), "wb").write(b"\x10" * 64)
 
 
+def _string_heads(ck):
+    cfg = json.load(open(os.path.join(ck, "config.json")))
+    cfg["text_config"]["num_attention_heads"] = "16"
+    json.dump(cfg, open(os.path.join(ck, "config.json"), "w"))
+
+
+def _file_not_dir(ck):
+    shutil.rmtree(ck)
+    open(ck, "w").write("{}")
+
+
 @pytest.mark.parametrize("case,args,needle", [
     ("missing dir", ["--tp-size", "2"], "does not exist"),
     ("malformed json", ["--tp-size", "2"], "config.json: not readable JSON"),
     ("ep != tp", ["--tp-size", "2", "--ep-size", "4"], "--ep-size=4"),
     ("garbage header", ["--tp-size", "2"], "model-00002-of-00004.safetensors: header length"),
+    ("string-typed field", ["--tp-size", "2"],
+     'config.json: num_attention_heads="16" must be an integer (got a JSON string)'),
+    ("checkpoint is a file", ["--tp-size", "2"], "is a file, not a directory"),
 ])
 def test_bad_input_is_one_clear_message(ckpts, tmp_path, case, args, needle):
     ck = str(tmp_path / "ck")
     if case != "missing dir":
         shutil.copytree(ckpts["fp8_vl"], ck)
-    {"malformed json": _bad_config, "garbage header": _garbage_shard}.get(case, lambda ck: None)(ck)
+    {"malformed json": _bad_config, "garbage header": _garbage_shard, "string-typed field": _string_heads,
+     "checkpoint is a file": _file_not_dir}.get(case, lambda ck: None)(ck)
     r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--out-dir", str(tmp_path / "out"), *args],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode != 0 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -281,6 +333,48 @@ def test_cli_accepts_the_spec_alias_spellings(ckpts, converted, tmp_path):
                         "--tp_size", "2", "--expert-parallel-size", "2"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert dir_bytes(out) == dir_bytes(converted("bf16_text", 2))
+
+
+def _overlap(tmp_path, how):
+    """(checkpoint, out dir) where the outputs would land in or around the checkpoint."""
+    if how == "same":
+        return "ck", "ck"
+    if how == "inside":
+        return "ck", "ck/converted"
+    if how == "checkpoint named tp2, out = its parent":  # OUT/tp2 is the checkpoint itself
+        return "tp2", "."
+    if how == "out is a symlink to the checkpoint":
+        os.symlink(tmp_path / "ck", tmp_path / "link")
+        return "ck", "link"
+    if how == "out/tokenizer_files is a symlink into the checkpoint":
+        os.makedirs(tmp_path / "out")
+        os.symlink(tmp_path / "ck", tmp_path / "out" / "tokenizer_files")
+        return "ck", "out"
+
+
+@pytest.mark.parametrize("check_only", [False, True])
+@pytest.mark.parametrize("how", ["same", "inside", "checkpoint named tp2, out = its parent",
+                                 "out is a symlink to the checkpoint",
+                                 "out/tokenizer_files is a symlink into the checkpoint"])
+def test_out_dir_overlapping_the_checkpoint_is_refused(ckpts, tmp_path, how, check_only):
+    ck_name, out_name = _overlap(tmp_path, how)
+    ck = str(tmp_path / ck_name)
+    shutil.copytree(ckpts["bf16_text"], ck)
+    before = dir_bytes(ck)
+    with pytest.raises(SystemExit) as e:
+        convert.main(ck, str(tmp_path / out_name), tp_size=2, check_only=check_only)
+    assert "--out-dir" in str(e.value) and "checkpoint" in str(e.value), e.value
+    if check_only:
+        assert "1 problem(s)" in str(e.value), e.value
+    assert dir_bytes(ck) == before
+    assert not os.path.exists(os.path.join(ck, "tp2")) and not os.path.exists(os.path.join(ck, "tokenizer_files"))
+
+
+def test_out_dir_beside_the_checkpoint_is_accepted(ckpts, tmp_path):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    convert.main(ck, str(tmp_path / "ck-out"), tp_size=2)  # a shared name prefix is not containment
+    assert os.path.exists(tmp_path / "ck-out" / "tp2" / "model-r1.safetensors")
 
 
 # ---------------------------------------------------------------------------------------------- resume
@@ -347,6 +441,60 @@ def test_shards_of_another_source_are_rewritten(ckpts, converted, tmp_path, caps
     printed = capsys.readouterr().out
     assert printed.count("source_fingerprint") == 2, printed
     assert dir_bytes(out) == dir_bytes(converted("fp8_vl", 2))
+
+
+def _overwrite_4k(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"\x5a" * 4096)
+
+
+@pytest.mark.parametrize("damage", ["4 KB overwritten", "checksum missing", "checksum garbled"])
+def test_shard_whose_content_does_not_match_its_checksum_is_rewritten(ckpts, converted, tmp_path, capsys, damage):
+    clean = converted("fp8_vl", 2)
+    out = str(tmp_path / "out")
+    shutil.copytree(clean, out)
+    shard = os.path.join(out, "tp2", "model-r1.safetensors")
+    if damage == "4 KB overwritten":
+        _overwrite_4k(shard)
+    elif damage == "checksum missing":
+        os.remove(shard + ".sha256")
+    else:
+        open(shard + ".sha256", "w").write("not a checksum\n")
+    r0 = os.stat(os.path.join(out, "tp2", "model-r0.safetensors"))
+    capsys.readouterr()
+    convert.main(ckpts["fp8_vl"], out, tp_size=2)
+    printed = capsys.readouterr().out
+    assert f"rank 1: rewriting {shard}: " in printed and "sha256" in printed, printed
+    assert "rank 0:" in printed and "sha256 verified); kept" in printed, printed
+    assert dir_bytes(out) == dir_bytes(clean)
+    r0b = os.stat(os.path.join(out, "tp2", "model-r0.safetensors"))
+    assert (r0.st_ino, r0.st_mtime_ns) == (r0b.st_ino, r0b.st_mtime_ns)
+
+
+def test_checksum_sidecar_matches_the_shard(ckpts, converted):
+    """The recorded checksum is the sha256 of the whole file, in sha256sum's format."""
+    import hashlib
+    tp2 = os.path.join(converted("bf16_text", 2), "tp2")
+    for r in range(2):
+        name = f"model-r{r}.safetensors"
+        digest = hashlib.sha256(open(os.path.join(tp2, name), "rb").read()).hexdigest()
+        assert open(os.path.join(tp2, name + ".sha256")).read() == f"{digest}  {name}\n"
+
+
+def test_no_verify_existing_skips_the_hash_and_says_so(ckpts, converted, tmp_path):
+    clean = converted("fp8_vl", 2)
+    out = str(tmp_path / "out")
+    shutil.copytree(clean, out)
+    shard = os.path.join(out, "tp2", "model-r1.safetensors")
+    _overwrite_4k(shard)
+    damaged = open(shard, "rb").read()
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ckpts["fp8_vl"], "--out-dir", out,
+                        "--tp-size", "2", "--no-verify-existing"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "contents not verified (--no-verify-existing)" in r.stdout, r.stdout
+    assert "2 kept shard(s) were not checked against their sha256" in r.stderr, r.stderr
+    assert open(shard, "rb").read() == damaged, "the user asked to keep without re-hashing"
 
 
 def test_source_is_never_modified(ckpts, converted):

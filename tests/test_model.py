@@ -277,6 +277,31 @@ def test_bad_configs_are_refused_by_name(over, needle):
         config.Step5Config.from_dict(real_config(**over))
 
 
+@pytest.mark.parametrize("key,value,needle", [
+    ("num_attention_heads", "64", 'num_attention_heads="64" must be an integer (got a JSON string)'),
+    ("hidden_size", 4096.0, "hidden_size=4096.0 must be an integer (got a JSON float)"),
+    ("moe_top_k", True, "moe_top_k=true must be an integer (got a JSON boolean)"),
+    ("sliding_window", None, "sliding_window=null must be an integer (got a JSON null)"),
+    ("num_key_value_heads", "4", 'num_key_value_heads="4" must be an integer (got a JSON string)'),
+    ("rms_norm_eps", "1e-5", 'rms_norm_eps="1e-5" must be a number (got a JSON string)'),
+    ("sparse_config.topk", [512], "sparse_config.topk=[512] must be an integer (got a JSON array)"),
+])
+def test_config_field_of_the_wrong_json_type_is_named(key, value, needle):
+    d = real_config()
+    if key.startswith("sparse_config."):
+        d["sparse_config"] = {**d["sparse_config"], key.split(".")[1]: value}
+    else:
+        d[key] = value
+    with pytest.raises(config.ConfigError) as e:
+        config.Step5Config.from_dict(d)
+    assert str(e.value) == needle
+
+
+def test_config_integer_valued_numbers_still_accepted_for_float_fields():
+    c = config.Step5Config.from_dict(real_config(moe_router_scaling_factor=3, rms_norm_eps=1e-5))
+    assert c.moe_router_scaling_factor == 3.0 and isinstance(c.moe_router_scaling_factor, float)
+
+
 def test_rope_tables_are_built_in_fp32():
     cos, sin = M.rope_table(192, 10000.0, None, 64, "cpu")
     inv = 1.0 / (10000.0 ** (torch.arange(0, 192, 2, dtype=torch.float64) / 192))
