@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import config
+import image_processing
 import model as M
 
 IMAGE_KEYS = ("pixel_values", "patch_pixel_values", "num_patches", "image_embeds")
@@ -238,28 +239,61 @@ def check_ids(ids, where: str, cfg: config.Step5Config, max_new_tokens: int) -> 
 
 
 ID_FORMS = '[ids...] or {"prompt_ids": [ids...]}'
-REQUEST_FORMS = ('[ids...], {"prompt_ids": [ids...]} or {"prompt": "text"}, each dict optionally with '
-                 '"image_inputs": "file.safetensors"')
+REQUEST_FORMS = ('[ids...], {"prompt_ids": [ids...], "image_inputs": "prepared.safetensors"} or '
+                 '{"prompt": "text", "images": ["photo.jpg", ...]} ("image_inputs" and "images" optional)')
+IMAGE_MARKER = "<image>"  # where a text prompt places an image block; without markers the images lead the text
 
 
-def prepare_requests(a: dict, cfg: config.Step5Config, tok) -> list:
-    """Rank 0: [(prompt ids, image-inputs path or None)], validated; every bad batch request is listed."""
-    def chat(text, where):
+def prepare_requests(a: dict, cfg: config.Step5Config, vl, tok) -> list:
+    """Rank 0: [(prompt ids, image inputs: a file path, a dict of prepared tensors, or None)], validated; every bad
+    batch request is listed."""
+    def chat(text, where, images=()):
         if not isinstance(text, str):
             raise UserError(f'{where}: "prompt" must be a string, got {type(text).__name__} {text!r}')
         if tok is None:
             raise UserError(f"{where}: a text prompt needs a tokenizer: none found in <tp-dir>/../tokenizer_files; "
                             "pass --tokenizer")
+        marks = text.count(IMAGE_MARKER)
+        if marks and marks != len(images):
+            raise UserError(f"{where}: the text holds {marks} {IMAGE_MARKER} marker(s) for {len(images)} image(s)")
+        if images and not marks:  # no markers: the images come first in the user turn, in order
+            text = IMAGE_MARKER * len(images) + text
         if a["raw_prompt"]:
-            return tok(text, add_special_tokens=True)["input_ids"]
-        if not tok.chat_template:
+            rendered = text
+        elif not tok.chat_template:
             raise UserError("the tokenizer has no chat template; use --raw-prompt to tokenize plain text")
-        out = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+        else:
+            rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                               add_generation_prompt=True)
+        if not images:
+            return tok(rendered, add_special_tokens=a["raw_prompt"])["input_ids"], None
+        # each marker becomes that image's placeholder block (crops, then the overview), built from the tokenizer
+        batch = image_processing.preprocess([image_processing.load_image(f) for f in images], vl.vision)
+        blocks = [image_processing.image_block_ids(tok, lay, vl.vision) for lay in batch.layouts]
+        pieces = rendered.split(IMAGE_MARKER)
+        ids = tok(pieces[0], add_special_tokens=a["raw_prompt"])["input_ids"]
+        for block, piece in zip(blocks, pieces[1:]):
+            ids += block + tok(piece, add_special_tokens=False)["input_ids"]
+        return ids, batch.model_inputs()
+
+    def text_request(text, images, where):
+        images = list(images or [])
+        if images and vl is None:
+            raise UserError(f"{where}: images given but the shards hold a text-only model")
+        if images and tok.convert_tokens_to_ids(image_processing.IMAGE_TOKENS[0]) != vl.image_token_id:
+            raise UserError(f"the tokenizer's {image_processing.IMAGE_TOKENS[0]} id differs from the config's "
+                            f"image_token_id={vl.image_token_id}")
+        try:
+            ids, inputs = chat(text, where, images)
+        except ValueError as e:  # image_processing: an unreadable file, or a tokenizer without the image tokens
+            raise UserError(f"{where}: {e}") from None
+        extra = f" (with {len(images)} image block(s))" if images else ""
+        return check_ids(ids, where + extra, cfg, new), inputs
 
     new = a["max_new_tokens"]
     if a["prompt"] is not None:
-        return [(check_ids(chat(a["prompt"], "--prompt"), "--prompt", cfg, new), a["image_inputs"])]
+        ids, inputs = text_request(a["prompt"], a["images"], "--prompt")
+        return [(ids, inputs or a["image_inputs"])]
     if a["prompt_json"] is not None:
         path = a["prompt_json"]
         d = read_json(path)
@@ -280,12 +314,18 @@ def prepare_requests(a: dict, cfg: config.Step5Config, tok) -> list:
         try:
             img = None
             if isinstance(e, dict):
-                unknown = sorted(set(e) - {"prompt", "prompt_ids", "image_inputs"})
-                if unknown or ("prompt" in e) == ("prompt_ids" in e):
+                unknown = sorted(set(e) - {"prompt", "prompt_ids", "image_inputs", "images"})
+                if (unknown or ("prompt" in e) == ("prompt_ids" in e) or ("images" in e and "prompt" not in e)
+                        or ("images" in e and "image_inputs" in e)):
                     raise UserError(f"{where}: expected {REQUEST_FORMS}; got keys {sorted(e)}")
-                ids = chat(e["prompt"], where) if "prompt" in e else e["prompt_ids"]
                 img = e.get("image_inputs")
-                if img is not None:
+                if "images" in e:
+                    if not isinstance(e["images"], list) or not all(isinstance(f, str) for f in e["images"]):
+                        raise UserError(f'{where}: "images" must be a list of file names, got {e["images"]!r}')
+                    ids, img = text_request(e["prompt"], [os.path.join(base, f) for f in e["images"]], where)
+                else:
+                    ids = text_request(e["prompt"], (), where)[0] if "prompt" in e else e["prompt_ids"]
+                if isinstance(img, str):
                     if not isinstance(img, str):
                         raise UserError(f'{where}: "image_inputs" must be a file name, got {img!r}')
                     img = os.path.join(base, img)
@@ -298,6 +338,24 @@ def prepare_requests(a: dict, cfg: config.Step5Config, tok) -> list:
         more = f"; and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
         raise UserError(f"{path}: {len(bad)} of {len(entries)} requests are bad: " + "; ".join(bad[:MAX_LISTED]) + more)
     return reqs
+
+
+def save_prepared(path: str, ids: list, img):
+    """--save-image-inputs: the prepared tensors to PATH and the prompt ids to PATH's .json sibling, written under
+    temporary names and renamed, replayable with --prompt-json PATH.json --image-inputs PATH."""
+    from safetensors.torch import save_file
+    if not isinstance(img, dict):
+        raise UserError("--save-image-inputs needs --image files to prepare")
+    ids_path = os.path.splitext(path)[0] + ".json"
+    t = {k: (torch.tensor(v, dtype=torch.long) if k == "num_patches" else v.contiguous()) for k, v in img.items()}
+    try:
+        save_file(t, path + ".tmp")
+        with open(ids_path + ".tmp", "w") as f:
+            json.dump({"prompt_ids": ids}, f)
+        os.replace(path + ".tmp", path)
+        os.replace(ids_path + ".tmp", ids_path)
+    except OSError as e:
+        raise UserError(f"--save-image-inputs {path}: cannot write ({e.strerror})") from None
 
 
 def load_image_inputs(path: str) -> dict:
@@ -344,9 +402,9 @@ def phase(fn, *args, errors=(UserError, config.ConfigError, M.ShardError)):
 
 
 def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None, prompt_json_batch: str | None = None,
-         image_inputs: str | None = None, max_new_tokens: int = 128, ep_size: int | None = None,
-         tokenizer: str | None = None, raw_prompt: bool = False, print_ids: bool = False, as_json: bool = False,
-         device: str = "auto", cuda_graph: bool = True) -> list:
+         image_inputs: str | None = None, images: list | None = None, save_image_inputs: str | None = None,
+         max_new_tokens: int = 128, ep_size: int | None = None, tokenizer: str | None = None, raw_prompt: bool = False,
+         print_ids: bool = False, as_json: bool = False, device: str = "auto", cuda_graph: bool = True) -> list:
     for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         if v not in os.environ:
             raise UserError(f"environment variable {v} is not set: launch with torchrun "
@@ -361,7 +419,8 @@ def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None,
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30))
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
     inputs = dict(prompt=prompt, prompt_json=prompt_json, prompt_json_batch=prompt_json_batch,
-                  image_inputs=image_inputs, max_new_tokens=max_new_tokens, tokenizer=tokenizer, raw_prompt=raw_prompt)
+                  image_inputs=image_inputs, images=images, save_image_inputs=save_image_inputs,
+                  max_new_tokens=max_new_tokens, tokenizer=tokenizer, raw_prompt=raw_prompt)
     try:
         out, tok, reqs, eos, stats = _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say)
         say(f"prefill: {stats['prefill_tokens']} tokens in {stats['prefill_s']:.3f} s "
@@ -390,8 +449,9 @@ def _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say):
                             f"{cfg.expert_parallel_size} (co-located EP equals TP)")
         if inputs["max_new_tokens"] < 0:
             raise UserError(f"--max-new-tokens {inputs['max_new_tokens']} must be >= 0")
-        if inputs["image_inputs"] and vl is None:
-            raise UserError(f"--image-inputs given but {cfg_path} is a text-only model")
+        if (inputs["image_inputs"] or inputs["images"]) and vl is None:
+            raise UserError(f"{'--image' if inputs['images'] else '--image-inputs'} given but {cfg_path} is a "
+                            "text-only model")
         return cfg, vl
     cfg, vl = phase(topology)
 
@@ -403,7 +463,9 @@ def _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say):
             if inputs["tokenizer"] or inputs["prompt"] is not None:
                 raise
             tok = None  # ids-only prompts: an auto-discovered tokenizer is optional
-        reqs = prepare_requests(inputs, cfg, tok)
+        reqs = prepare_requests(inputs, cfg, vl, tok)
+        if inputs["save_image_inputs"]:
+            save_prepared(inputs["save_image_inputs"], *reqs[0])
         eos = set(cfg.eos_token_id) | ({tok.eos_token_id} if tok is not None and tok.eos_token_id is not None
                                        else set())
         if not eos or any(not isinstance(e, int) or e < 0 for e in eos):
@@ -421,7 +483,7 @@ def _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say):
             check_ids(ids, f"request {i}", cfg, inputs["max_new_tokens"])
             if img and vl is None:
                 raise UserError(f"request {i} has image inputs ({img}) but the shards hold a text-only model")
-        return [load_image_inputs(img) if img else None for _, img in reqs]
+        return [load_image_inputs(img) if isinstance(img, str) else img for _, img in reqs]
     images = phase(received)
     n_tok = [len(ids) for ids, _ in reqs]
     say(f"loading Step-5 TP={world}, co-located EP={cfg.expert_parallel_size} on {dev.type} "
@@ -479,6 +541,11 @@ if __name__ == "__main__":
     src.add_argument("--prompt-json", help=f"exact ids: {ID_FORMS}")
     src.add_argument("--prompt-json-batch", help='[[ids...], ...] or {"prompts": [{"prompt_ids": [...], '
                      '"image_inputs": "file.safetensors"}, {"prompt": "text"}, ...]}')
+    ap.add_argument("--image", dest="images", action="append", metavar="FILE",
+                    help="an image file for --prompt (repeatable, in order); each goes where the text has an "
+                    f"{IMAGE_MARKER} marker, or before the text without markers")
+    ap.add_argument("--save-image-inputs", metavar="OUT.safetensors",
+                    help="also write the prepared image tensors there and the prompt ids to OUT.json")
     ap.add_argument("--image-inputs", help="safetensors with pixel_values [+ patch_pixel_values, num_patches] "
                     "or image_embeds, for --prompt / --prompt-json")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -499,10 +566,17 @@ if __name__ == "__main__":
         ap.error("--raw-prompt is only valid with --prompt")
     if a.image_inputs and a.prompt_json_batch:
         ap.error("--image-inputs applies to --prompt / --prompt-json; name image files inside the batch JSON instead")
+    if a.images and a.prompt is None:
+        ap.error("--image applies to --prompt; use \"images\" entries inside a --prompt-json-batch file")
+    if a.images and a.image_inputs:
+        ap.error("--image and --image-inputs are exclusive")
+    if a.save_image_inputs and not a.images:
+        ap.error("--save-image-inputs needs --image")
     code = 0
     try:
         main(a.tp_dir, prompt=a.prompt, prompt_json=a.prompt_json, prompt_json_batch=a.prompt_json_batch,
-             image_inputs=a.image_inputs, max_new_tokens=a.max_new_tokens, ep_size=a.ep_size, tokenizer=a.tokenizer,
+             image_inputs=a.image_inputs, images=a.images, save_image_inputs=a.save_image_inputs,
+             max_new_tokens=a.max_new_tokens, ep_size=a.ep_size, tokenizer=a.tokenizer,
              raw_prompt=a.raw_prompt, print_ids=a.print_ids, as_json=a.as_json, device=a.device,
              cuda_graph=a.cuda_graph)
     except UserError as e:

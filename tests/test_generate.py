@@ -310,6 +310,50 @@ def test_ep_size_defaults_to_the_shards(tp2, tmp_path):
     assert len(json.loads(res[0][1])["completion_token_ids"]) == 2
 
 
+def wide_image(path) -> str:
+    """A 900x300 RGB file: wide enough to be cut into a row of crops (the tiny tower keeps the 728/504 geometry)."""
+    from PIL import Image
+    g = torch.Generator().manual_seed(3)
+    Image.fromarray((torch.rand(300, 900, 3, generator=g) * 255).to(torch.uint8).numpy()).save(path)
+    return str(path)
+
+
+def test_image_file_and_prepared_inputs_give_the_same_tokens(tp2, tmp_path):
+    img = wide_image(tmp_path / "wide.png")
+    prep = tmp_path / "prep.safetensors"
+    res = launch_ranks(2, ["--tp-dir", tp2, "--prompt", "What is in <image> this picture?", "--image", img,
+                           "--save-image-inputs", prep, "--max-new-tokens", 4, "--json"])
+    assert all(rc == 0 for rc, _, _ in res), res[0][2][-3000:]
+    by_file = json.loads(res[0][1])
+    ids = json.load(open(tmp_path / "prep.json"))["prompt_ids"]
+    crops = ids.count(8)  # <patch_start>: the wide image is cut into crops (one row: no <patch_newline>, id 10)
+    assert by_file["prompt_token_count"] == len(ids) and crops >= 2 and ids.count(10) == 0
+    assert ids.count(5) == crops * 81 + 169 and ids.count(6) == 1  # placeholders: each crop, then the overview
+    res = launch_ranks(2, ["--tp-dir", tp2, "--prompt-json", tmp_path / "prep.json", "--image-inputs", prep,
+                           "--max-new-tokens", 4, "--json"])
+    assert all(rc == 0 for rc, _, _ in res), res[0][2][-3000:]
+    assert json.loads(res[0][1])["completion_token_ids"] == by_file["completion_token_ids"]
+    # the same request as a batch entry (image path relative to the batch file)
+    batch = write_json(tmp_path / "b.json", [{"prompt": "What is in <image> this picture?", "images": ["wide.png"]}])
+    res = launch_ranks(2, ["--tp-dir", tp2, "--prompt-json-batch", batch, "--max-new-tokens", 4, "--json"])
+    assert all(rc == 0 for rc, _, _ in res), res[0][2][-3000:]
+    assert json.loads(res[0][1])["completion_token_ids"] == by_file["completion_token_ids"]
+
+
+def test_bad_image_files_and_requests(tp2, converted, tmp_path):
+    img = wide_image(tmp_path / "wide.png")
+    fake = tmp_path / "fake.jpg"
+    fake.write_text("not an image")
+    run = lambda *a: launch_ranks(2, ["--tp-dir", tp2, "--max-new-tokens", 2, *a])  # noqa: E731  (a later flag wins)
+    assert_all_ranks_fail(run("--prompt", "hi", "--image", fake), str(fake), "not an image")
+    assert_all_ranks_fail(run("--prompt", "hi", "--image", tmp_path / "none.png"), "none.png", "no such image file")
+    assert_all_ranks_fail(run("--prompt", "<image> and <image>", "--image", img), "2 <image> marker(s) for 1 image")
+    assert_all_ranks_fail(run("--prompt", "hi", "--image", img, "--max-new-tokens", 1900),
+                          "with 1 image block(s)", "exceed max_position_embeddings=2048")
+    assert_all_ranks_fail(launch_ranks(2, ["--tp-dir", converted("bf16_text", 2), "--prompt", "hi", "--image", img]),
+                          "--image given", "text-only model")
+
+
 def test_bad_ep_size(tp2, tmp_path):
     p = write_json(tmp_path / "p.json", [11, 12, 13])
     assert_all_ranks_fail(launch_ranks(2, ["--tp-dir", tp2, "--ep-size", 4, "--prompt-json", p]),
