@@ -53,7 +53,8 @@ def same(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
-def window(G, tp, r):  # spec §6.2, written independently of model.group_window
+def window(G, tp, r):  # written independently of config.group_window
+    # rank r's (first, count): tp dividing G splits the groups; G dividing tp gives one group to tp/G adjacent ranks
     return (r * (G // tp), G // tp) if G % tp == 0 else (r // (tp // G), 1)
 
 
