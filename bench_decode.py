@@ -17,7 +17,7 @@ import config
 import model as M
 from generate import DecodeStep
 
-HBM_BPS = 4.28e12  # measured H200 copy bandwidth (ENVIRONMENT.md)
+HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 
 def real_rank_config(tp: int = 8) -> config.Step5Config:

@@ -173,7 +173,8 @@ class Step5Config:
         for i, t in enumerate(layer_types[:L]):
             if t not in ("full_attention", "sliding_attention"):
                 raise ConfigError(f"layer_types[{i}]={t!r} is not full_attention or sliding_attention")
-        # two spellings of one fact (P2.1): either is accepted, disagreement is refused
+        # the same fact under two field names (checkpoints in circulation carry either or both): either is
+        # accepted, disagreement is refused
         for a, b in (("moe_top_k", "num_experts_per_tok"), ("num_attention_groups", "num_key_value_heads"),
                      ("moe_num_experts", "n_routed_experts")):
             if a in d and b in d and d[a] != d[b]:

@@ -34,7 +34,8 @@ ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 
 VISION_PREFIXES = ("vision_model.", "vit_large_projector.")
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
-# Spec §6.3, first match wins. ("split", d): cut dim d into tp equal pieces; ("group", key): keep the group_window
+# Sharding rules of the layout, matched as substrings, first match wins (so ".sparse_indexer_" replicates only what
+# the q/w rules above it left). ("split", d): cut dim d into tp equal pieces; ("group", key): keep the group_window
 # rows of G groups (G from the config key); ("full",): replicate. A text name no rule matches is an error.
 RULES = [(".self_attn.q_proj.weight", ("split", 0)), (".self_attn.g_proj.weight", ("split", 0)),
          (".self_attn.o_proj.weight", ("split", 1)),
@@ -115,7 +116,8 @@ def load_json(path: str) -> dict:
 
 
 def expected_tensors(tc: Step5Config, vl: Step5VLConfig | None) -> dict:
-    """name -> (shape, dtype) the config implies (spec §3 and STEP5_VISION §3); MTP layers are not expected."""
+    """name -> (shape, dtype) the config implies: the text model's tensors and, for a VL checkpoint, the vision
+    tower's and projector's (all BF16); MTP layers are not expected."""
     D, V, H, G, hd = tc.hidden_size, tc.vocab_size, tc.num_attention_heads, tc.num_attention_groups, tc.head_dim
     E, F, S, I = tc.moe_num_experts, tc.moe_intermediate_size, tc.share_expert_dim, tc.intermediate_size
     fp8 = tc.config_fp8_layers()
@@ -278,7 +280,7 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None) -> Source:
     for name, t in tensors.items():
         if t.dtype.startswith("F8_"):
             n_fp8 += 1
-            # 128 x 128 blocks: model.parse_config refuses any other weight_block_size
+            # 128 x 128 blocks: config.parse_config refuses any other weight_block_size
             s, grid = tensors.get(name + "_scale_inv"), [*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128)]
             if s is None and name + "_scale_inv" not in unverified:
                 problems.append(f"{name} in {t.file}: FP8 weight without its {name}_scale_inv")
@@ -470,9 +472,10 @@ def write_bytes(path: str, data: bytes):
 
 
 def rank_config(raw: dict, tp: int, fp: str) -> dict:
-    """Source config + the layout fields (§2.6). The VL form keeps its nesting and identity; the three layout
-    keys and source_fingerprint go both at the top and into text_config so either reader finds them. No auto_map:
-    nothing points at remote code."""
+    """Source config + the layout fields (tp_size, expert_parallel_size, tp_layout_version; no rank field, so every
+    rank's copy is identical). The VL form keeps its nesting and identity; the three layout keys and
+    source_fingerprint go both at the top and into text_config so either reader finds them. No auto_map: nothing
+    points at remote code."""
     cfg = json.loads(json.dumps(raw))
     add = {"tp_size": tp, "expert_parallel_size": tp, "tp_layout_version": LAYOUT_VERSION}
     for d in (cfg, cfg.get("text_config")):

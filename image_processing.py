@@ -1,4 +1,4 @@
-"""Raw images -> the vision path's inputs (STEP5_VISION.md section 6) and their placeholder blocks (section 5.2).
+"""Raw images -> the vision path's inputs (the Step3-VL preprocessing policy) and their prompt placeholder blocks.
 
     img = load_image("cat.jpg")                           # RGB PIL image; one clear ImageError per bad file
     batch = preprocess([img], vcfg)                       # pixel_values, patch_pixel_values, num_patches, layouts
@@ -7,7 +7,7 @@
 Legend: S = overview side (728), s = crop side (504), P = patch (14), w x h = image width x height in pixels,
 window = side of one tile cut from the crop canvas (resized to s x s afterwards).
 
-Geometry: section 6 states its pixel constants for the released 728/14 tower. `geometry(vcfg)` derives each one
+Geometry: the preprocessing policy states its pixel constants for the released 728/14 tower. `geometry(vcfg)` derives each one
 from (image_size, patch_size) so that a smaller test tower makes the same decisions at its own scale; the released
 config gives back exactly 728 / 504 / 3024 / 32. The ratios (aspect limits 1.5 and 4, rounding 0.2) are scale-free.
 """
@@ -103,7 +103,7 @@ def plan(w: int, h: int, geo: Geometry) -> ImageLayout:
     if max(w, h) > geo.max_side:
         f = geo.max_side / max(w, h)
         w, h = max(1, int(w * f)), max(1, int(h * f))
-    # 3. window. `<=` at the overview side (spec's choice): a 728x728 image is overview-only, vLLM's `<` gives 4 crops
+    # 3. window. `<=` at the overview side (the release's rule): a 728x728 image is overview-only; `<` would give 4 crops
     L, s = max(w, h), min(w, h)
     if L <= geo.overview:
         window = s if L / s > WIDE else 0
@@ -171,7 +171,7 @@ class ImageBatch:
 
 
 def preprocess(images, vcfg) -> ImageBatch:
-    """PIL images (or paths) in prompt order -> the tensors the vision path takes (section 6.2 steps 1-9)."""
+    """PIL images (or paths) in prompt order -> the tensors the vision path takes (the numbered steps below)."""
     geo = geometry(vcfg)
     overviews, crops, layouts = [], [], []
     for i, img in enumerate(images):
@@ -209,7 +209,7 @@ def preprocess(images, vcfg) -> ImageBatch:
 
 
 # --------------------------------------------------------------------------------------------------
-# placeholder block (section 5.2)
+# placeholder block: crops in row-major order, then the overview, one <im_patch> per feature row
 def image_token_ids(tok) -> dict:
     """The six wrapper/placeholder ids, looked up by string in the tokenizer (never hard-coded)."""
     ids = {}

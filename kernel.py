@@ -1,9 +1,10 @@
 """Compute kernels of the Step-5 decoder, each beside its pure-PyTorch reference.
 
-model.py calls only the public functions below. Each one runs its Triton kernel when the tensors live on a CUDA
-device and Triton kernels are enabled (`set_backend`), and the `*_ref` PyTorch reference otherwise. The references
-are the numerical contract: they follow the spec's rounding points literally (STEP5_TEXT.md §4-§5) and every
-kernel is tested against them (tests/test_kernels.py; speed and real-shape checks: bench_kernels.py).
+model.py calls only the public functions below. Triton kernels run for CUDA tensors unless set_backend(False)
+chose the references; CPU tensors always take the `*_ref` PyTorch reference. The references are the numerical
+contract: they round to bf16 / e4m3 exactly where the deployed kernels do (those points decide the last bits and,
+through DSA region selection and greedy argmax, eventually the tokens), and every kernel is tested against them
+(tests/test_kernels.py; speed and real-shape checks: bench_kernels.py).
 Each Triton kernel `_name_kernel` sits beside its reference with a `name_triton` launcher that checks shapes,
 dtypes and contiguity, allocates, builds the grid and launches. Region selection stays on torch ops (a top-K of
 distinct int64 keys: exact, on the GPU, no host sync). Decode launches many small kernels: capture the decode step in a CUDA graph to see the kernel
@@ -23,11 +24,12 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 QBLOCK = 128  # FP8 block: activations 1x128 along K, weights 128x128
 
-_backend = {"triton": False}
+_backend = {"triton": True}
 
 
 def set_backend(triton: bool):
-    """Enable the Triton kernels for CUDA tensors (the model turns this on once at start-up on GPUs)."""
+    """Triton kernels (True, the default) or the `*_ref` references (False) for CUDA tensors; CPU tensors always
+    take the references."""
     _backend["triton"] = bool(triton)
 
 
@@ -108,9 +110,10 @@ def _exp(x, PRECISE: tl.constexpr):
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """fp32/bf16 -> float8_e4m3fn, round-to-nearest-even, saturating at +-448.
 
-    Choice (spec §11.9 leaves it open): saturate. The CUDA cast turns |x| >= 464 into NaN while the CPU cast
-    saturates; clamping first gives one answer on both devices and matches Hopper's saturating in-register
-    conversion. Post-norm indexer values sit far below 448, so this never fires on sane inputs.
+    Overflow is our choice (the deployed code casts without clamping, so its overflow depends on the device):
+    saturate. The CUDA cast turns |x| >= 464 into NaN while the CPU cast saturates; clamping first gives one
+    answer on both devices and matches Hopper's saturating in-register conversion. Post-norm indexer values sit
+    far below 448, so this never fires on sane inputs.
     """
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
@@ -291,7 +294,8 @@ def region_summary_ref(k, z):
     """k, z [N, blk, P] bf16 (one completed region per row) -> e4m3 [N, P].
 
     Softmax over the region's tokens taken independently per dimension; the single per-region max shift m cancels
-    mathematically but is reproduced for the last bits; fp32 -> bf16 -> e4m3 double rounding is required.
+    mathematically but is reproduced for the last bits; fp32 -> bf16 -> e4m3 double rounding is required (a direct
+    fp32 -> e4m3 cast flips values near e4m3 midpoints, and summaries must match the deployed ones byte for byte).
     """
     zf = z.float()
     m = zf.amax(dim=(1, 2), keepdim=True)  # [N, 1, 1]
@@ -397,7 +401,8 @@ def indexer_scores_triton(q, w, summ):
     R = summ.shape[1]
     _check(tuple(w.shape) == (S, T, G, HG), f"w must be [S, T, G, Hg] = {(S, T, G, HG)}, got {tuple(w.shape)}")
     _check(summ.shape[0] == S and summ.shape[2] == P, f"summ must be [S={S}, R, P={P}], got {tuple(summ.shape)}")
-    qe = to_e4m3(q)  # the spec's host-side torch cast (an in-kernel fp8 convert was seen to differ)
+    qe = to_e4m3(q)  # torch's cast before the launch, as the deployed indexer does (Triton's in-register fp8
+    # convert did not match torch's on some backends)
     out = torch.empty(S, G, T, R, dtype=torch.float32, device=q.device)
     BLOCK_T = 16 if T <= 16 else 64
     BLOCK_R = 64 if not _INTERPRET else 128
@@ -417,7 +422,8 @@ def indexer_scores(q, w, summ):
 
 
 def select_regions_ref(scores, n_hist, topk):
-    """Exact top-k of history regions with the spec's tie-break.
+    """Exact top-k of history regions with the deployed selector's tie-break: equal scores go to the lower region
+    id. Ties are common, not a corner case: a score is exactly 0 whenever all of its heads' dots are <= 0 (ReLU).
 
     scores [S, G, T, R] fp32; n_hist [S, T] int = number of history regions of each query (floor(p / blk)).
     Returns ids [S, G, T, K] int64 in ascending region id with invalid slots (budget min(topk, n_hist) exhausted)
@@ -444,7 +450,8 @@ def select_regions_ref(scores, n_hist, topk):
 
 def select_regions(scores, n_hist, topk):
     # No Triton top-k yet: the reference's top-K of distinct int64 keys already runs on the GPU, is exact with the
-    # spec's tie-break and needs no host sync; a radix-select kernel (spec §5.5) is the planned replacement.
+    # lower-id tie-break and needs no host sync; a radix-select kernel (4 passes of 8 bits over the score keys plus
+    # a tie counter, as the deployed selector works) is the planned replacement.
     return select_regions_ref(scores, n_hist, topk)
 
 
@@ -1021,7 +1028,8 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, K_SPLIT_LEN,
                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                           DOT_DTYPE: tl.constexpr):
     """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
-    bf16 MMA with fp32 accumulation computes the fp32 GEMM of the spec; K is split so decode fills the GPU."""
+    bf16 MMA with fp32 accumulation computes route_ref's fp32 GEMM (bf16 x and w widened to fp32); K is split so
+    decode fills the GPU."""
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     ks0 = tl.program_id(2) * K_SPLIT_LEN

@@ -46,7 +46,7 @@ def tp_gather(x: torch.Tensor) -> torch.Tensor:
 def tp_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of the ranks' partials, added in rank order 0, 1, ... with one fp32 accumulator, rounded once to x.dtype.
 
-    P3.6: unlike a backend all-reduce, the summation order is fixed, so results do not depend on the collective
+    Unlike a backend all-reduce, the summation order is fixed, so results do not depend on the collective
     algorithm or topology, and every rank holds bit-identical sums (which the replicated router relies on).
     """
     if world_size == 1:
@@ -235,7 +235,7 @@ class Attention(nn.Module):
             self.sparse_indexer_z = _lin(P, D)
             self.sparse_indexer_w = _lin(self.n_groups * self.idx_heads, D, dtype=torch.float32)
             self.ssmax_s = nn.Parameter(torch.empty(cfg.num_attention_heads, dtype=torch.float32),
-                                        requires_grad=False)  # loaded for a clean key set; unused (spec §4.11)
+                                        requires_grad=False)  # loaded for a clean key set; no kernel reads it (one init constant)
         self.scale = hd ** -0.5
         self.group0 = group_window(cfg.num_attention_groups, cfg.tp_size, rank)[0]  # first global KV group held here
         self.pins = None

@@ -2,21 +2,39 @@
 # Set-up and entry points.  bash run.sh demo   -> tiny checkpoint -> convert (TP=2) -> torchrun generate on CPU
 #                           bash run.sh test   -> the whole test suite
 # Both create .venv on first use: CPU torch 2.13.0 first, so the requirement ranges never pull a CUDA build.
+# Python: $PYTHON if set, else the first of python3.11, python3.12, python3.10, python3 that is 3.10-3.12.
 set -euo pipefail
 cd "$(dirname "$0")"
-PY=${PYTHON:-python3.11}
+find_python() {
+  local c
+  for c in ${PYTHON:-} python3.11 python3.12 python3.10 python3; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 12))'; then
+      echo "$c"
+      return
+    fi
+  done
+  echo "run.sh: no Python 3.10-3.12 found; install one or set PYTHON=/path/to/python3.x" >&2
+  exit 2
+}
 if [ ! -x .venv/bin/python ]; then
+  PY=$(find_python)
   "$PY" -m venv .venv
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
   .venv/bin/python -m pip install --quiet -r requirements.txt
 fi
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per rank (and no torchrun banner about it)
 case "${1:-}" in
   demo)
     TP=${TP:-2}
     .venv/bin/python tiny_checkpoint.py out/tiny-ckpt
     .venv/bin/python convert.py --checkpoint out/tiny-ckpt --out-dir out/converted --tp-size "$TP" --ep-size "$TP"
     .venv/bin/torchrun --standalone --nproc-per-node="$TP" generate.py --tp-dir "out/converted/tp$TP" \
-      --ep-size "$TP" --prompt "请介绍一下张量并行。" --max-new-tokens 16 --print-ids
+      --prompt "请介绍一下张量并行。" --max-new-tokens 16 --print-ids
+    # an image request: a synthetic 900x300 picture, cut into crops + an overview by image_processing.py
+    .venv/bin/python -c "import numpy as np; from PIL import Image; Image.fromarray((np.random.default_rng(0)
+      .random((300, 900, 3)) * 255).astype('uint8')).save('out/demo.png')"
+    .venv/bin/torchrun --standalone --nproc-per-node="$TP" generate.py --tp-dir "out/converted/tp$TP" \
+      --prompt "What is in this picture?" --image out/demo.png --max-new-tokens 8 --print-ids
     ;;
   test)
     shift

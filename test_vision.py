@@ -1,22 +1,34 @@
-"""Tests of the Step-5 vision path (STEP5_VISION.md section 7).
+"""Tests of the Step-5 vision path.
 
-Part 1 (this file so far): the perception encoder of vision_encoder.py -- configuration guards, real-geometry
-shapes and tensor inventory (on the meta device: the 47-layer tower never runs on CPU), an independent
-plain-PyTorch reference written here from the spec and compared on the tiny checkpoint's encoder, the
-position-table resize, 2D RoPE, the downsampler layout and image_features ordering / bad inputs.
-Part 2 (to come): model-level multimodal tests (placeholder placement, image_embeds path, TP).
+The perception encoder of vision_encoder.py: configuration guards, real-geometry shapes and the 667-tensor
+inventory (on the meta device: the 47-layer tower never runs on CPU), an independent plain-PyTorch reference
+written here and compared on the tiny checkpoint's encoder (with a negative control), the position-table resize,
+2D RoPE, the downsampler layout and image_features ordering / bad inputs.
+The multimodal model (the FP8 VL tiny checkpoint through convert.py and model.py): the pixel path equals the
+image_embeds path, bad multimodal inputs raise one ValueError, an image request gets the in-process tokens through
+generate.py under torchrun and its own tokens in a batch with a text request (decisions pinned), and an unsupported
+vision mode fails at load. (conftest.py at the repository root sets TRITON_INTERPRET before kernel.py is imported.)
 """
 import json
 import math
 import os
+import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from safetensors.torch import save_file
 
+import config
+import generate
+import model as M
 import tiny_checkpoint
 from config import ConfigError, VisionConfig
+from invariants import NOISE, pinned, tokens_agree_up_to_near_tie
 from vision_encoder import VisionModel, apply_rope2d, rope_cos_sin, tokens_per_view
 
 BF16 = torch.bfloat16
@@ -67,7 +79,7 @@ def test_missing_width_raises():
 
 
 # ==================================================================================================
-# 2. Real geometry on the meta device: tensor inventory (spec 3, Appendix A) and token counts
+# 2. Real geometry on the meta device: tensor inventory (the release's 667 BF16 tensors) and token counts
 def expected_real_inventory() -> dict:
     W, I, Htxt = 1536, 8960, 4096
     inv = {"vision_model.conv1.weight": (W, 3, 14, 14), "vision_model.positional_embedding": (2704, W),
@@ -91,7 +103,7 @@ def test_real_state_dict_matches_inventory():
     assert len(inv) == 667 and len(sd) == 667
     assert {k: tuple(v.shape) for k, v in sd.items()} == inv
     assert all(v.dtype == BF16 for v in sd.values())
-    assert sum(v.numel() for v in sd.values()) == 1_981_014_784  # spec 3.4
+    assert sum(v.numel() for v in sd.values()) == 1_981_014_784  # the release's total: 3,962,029,568 bytes in BF16
 
 
 @pytest.mark.parametrize("batch", [1, 2, 7])
@@ -112,13 +124,14 @@ def test_real_geometry_image_features_rows():
 
 
 # ==================================================================================================
-# 3. Independent reference (written from the spec, FP32 math with BF16 rounding at the spec's rounding points)
+# 3. Independent reference (the math written out, not vision_encoder.py's modules): FP32 math, rounded to BF16 where
+# a BF16 module rounds its output (linears, convs, norms, RoPE, attention, QuickGELU, LayerScale, residual adds)
 def rnd(t):  # round to BF16, keep FP32 storage
     return t.to(BF16).float()
 
 
 def ref_resize_matrix(n_in: int, n_out: int) -> torch.Tensor:
-    """[n_out, n_in] 1-D bilinear weights, align_corners=False (spec 4.3 per-axis formula)."""
+    """[n_out, n_in] 1-D bilinear weights, align_corners=False (F.interpolate's per-axis rule written out)."""
     m = torch.zeros(n_out, n_in, dtype=torch.float64)
     s = n_in / n_out
     for i in range(n_out):
@@ -158,7 +171,8 @@ def ref_layernorm(x, w, b, eps):
 
 
 def ref_conv3x3_s2(x, wt, b):
-    """x [N, Ci, G, G] -> [N, Co, ceil(G/2)^2] by the spec's cross-correlation sum with zero padding."""
+    """x [N, Ci, G, G] -> [N, Co, ceil(G/2)^2] by the cross-correlation sum
+    y[o, i, j] = b[o] + sum_{c,u,v} W[o, c, u, v] * x[c, 2i+u-1, 2j+v-1], zero outside the grid."""
     G = x.shape[-1]
     go = (G + 1) // 2
     xp = F.pad(x, (1, 1, 1, 1))                                         # index 2i+u-1 of x is 2i+u of xp
@@ -281,7 +295,7 @@ def test_pos_table_36_is_bilinear_align_corners_false(tiny):
     got = enc.pos_table(36)
     assert got.shape == (1296, pe.shape[1]) and got.dtype == BF16
     assert torch.equal(got, want.to(BF16))                                   # exact: one rounding of the FP32 result
-    manual = ref_pos_table(pe, 52, 36)                                       # the spec's per-axis formula
+    manual = ref_pos_table(pe, 52, 36)                                       # the per-axis rule written out
     assert (manual - want).abs().max() < 1e-5
     assert enc.pos_table(36) is got                                          # cached per grid size
     corners = F.interpolate(img, size=(36, 36), mode="bilinear", align_corners=True).reshape(-1, 1296).T
@@ -291,7 +305,7 @@ def test_pos_table_36_is_bilinear_align_corners_false(tiny):
 
 
 def test_resize_matrix_source_coordinates():
-    m = ref_resize_matrix(52, 36)                                            # spec: 0.2222, 1.6667, 3.1111, ...
+    m = ref_resize_matrix(52, 36)                            # (i + 0.5) * 52/36 - 0.5 = 0.2222, 1.6667, 3.1111, ...
     src = (m * torch.arange(52, dtype=torch.float64)).sum(1)
     assert torch.allclose(src[:3], torch.tensor([2 / 9, 5 / 3, 28 / 9], dtype=torch.float64))
     assert abs(src[-1].item() - 50.7778) < 1e-4
@@ -306,7 +320,7 @@ def test_rope_origin_unchanged_and_matches_pair_loop():
     x = torch.randn(2, 3, G * G, D).to(BF16)
     y = apply_rope2d(x, cos, sin)
     assert torch.equal(y[:, :, 0], x[:, :, 0])
-    # naive per-pair loop from the spec's formulas
+    # naive per-pair loop: pair j of the first half turns by c * w_k, of the second half by r * w_k
     xf, want = x.float(), torch.empty(2, 3, G * G, D)
     for t in range(G * G):
         r, c = divmod(t, G)
@@ -407,24 +421,12 @@ def test_image_features_bad_input(tiny, args, match):
 
 
 # ==================================================================================================
-# 8. Model-level multimodal tests (Step5ForConditionalGeneration): to be added here.
+# 8. Model-level multimodal tests (Step5ForConditionalGeneration)
 #
 # With the FP8 VL tiny checkpoint converted by convert.py and loaded by model.py: the pixel path and the image_embeds
 # path give the same tokens; bad multimodal inputs raise one clear ValueError; through generate.py under torchrun
-# an image request gives the same tokens at TP = 1, 2 and 4, and in a batch with a text request each gets the
-# tokens it gets alone; an unsupported vision mode in the per-rank config fails at load.
-import shutil  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # kernel.py is imported through model.py (CPU: reference path)
-import config  # noqa: E402
-import generate  # noqa: E402
-import model as M  # noqa: E402
-from invariants import NOISE, pinned, tokens_agree_up_to_near_tie  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
+# an image request gives the in-process tokens, and in a batch with a text request each gets the tokens it gets
+# alone; an unsupported vision mode in the per-rank config fails at load.
 ROOT8 = os.path.dirname(os.path.abspath(__file__))
 IM_START, IM_PATCH, IM_END = 6, 5, 7
 EOS8 = [1, 2, 4]

@@ -1,6 +1,8 @@
 """Step-5 perception encoder (vision tower, two stride-2 downsamplers, projector), BF16, replicated per rank.
 
-Math: STEP5_VISION.md section 4. Legend: N = views in a batch, S = view side in pixels, P = patch (14),
+Math: patch conv (no bias) -> + absolute positions (bilinearly resized for crops) -> ln_pre -> pre-LN blocks with
+2D RoPE and LayerScale -> last block's output (no ln_post) -> two 3x3 stride-2 convs -> projector (no bias).
+Legend: N = views in a batch, S = view side in pixels, P = patch (14),
 G = S / P patch grid per side (52 overview, 36 crop), T = G*G tokens, W = width (1536), H = heads,
 D = head dim (96), G2 = grid after both downsamplers (13 / 9), Htxt = text hidden size.
 
@@ -18,7 +20,7 @@ DTYPE = torch.bfloat16  # every vision weight is BF16 on disk and in memory
 
 
 # --------------------------------------------------------------------------------------------------
-# 2D RoPE, "lang" frequencies (spec 4.6)
+# 2D RoPE, "lang" frequencies: w_k = theta^(-2k / (D/2)) per axis, the same angles for every head
 def rope_cos_sin(grid: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 cos/sin, each [G*G, D]. Dims [0, D/2) rotate by column (x), dims [D/2, D) by row (y); the two dims
     of each interleaved pair share one angle. FP32 because angles reach ~51 rad, far beyond BF16 resolution."""

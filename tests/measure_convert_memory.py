@@ -1,4 +1,5 @@
-"""Peak host memory of convert.py against the checkpoint size (P2.7). Not a CI test: run it by hand.
+"""Peak host memory of convert.py against the checkpoint size (it must stay bounded: tensors are read and sliced
+one at a time, never the whole checkpoint). Not a CI test: run it by hand.
 
     .venv/bin/python tests/measure_convert_memory.py [--tp 2] [--keep DIR]
 

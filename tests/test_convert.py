@@ -53,7 +53,8 @@ def same(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
-def window(G, tp, r):  # spec §6.2, written independently of model.group_window
+def window(G, tp, r):  # written independently of config.group_window
+    # rank r's (first, count): tp dividing G splits the groups; G dividing tp gives one group to tp/G adjacent ranks
     return (r * (G // tp), G // tp) if G % tp == 0 else (r // (tp // G), 1)
 
 
@@ -327,7 +328,7 @@ def test_bad_input_is_one_clear_message(ckpts, tmp_path, case, args, needle):
     assert not (tmp_path / "out" / "tp2").exists()
 
 
-def test_cli_accepts_the_spec_alias_spellings(ckpts, converted, tmp_path):
+def test_cli_accepts_underscore_and_long_flag_spellings(ckpts, converted, tmp_path):
     out = str(tmp_path / "out")
     r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ckpts["bf16_text"], "--out_dir", out,
                         "--tp_size", "2", "--expert-parallel-size", "2"], cwd=ROOT, capture_output=True, text=True)

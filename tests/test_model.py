@@ -77,7 +77,8 @@ def test_sparse_attention_equals_dense_while_every_region_is_selected():
 
 
 def brute_force_selection(scores, p, blk, topk):
-    """Spec §5.5 written directly: history regions of p, ordered by (score desc, id asc), first min(topk, n)."""
+    """Region selection written directly: history regions of p (the current region excluded), ordered by
+    (score desc, id asc), the first min(topk, n)."""
     n = p // blk
     cand = sorted(range(n), key=lambda r: (-(scores[r] + 0.0), r))
     return sorted(cand[:min(topk, n)])
@@ -307,7 +308,7 @@ def test_rope_tables_are_built_in_fp32():
     inv = 1.0 / (10000.0 ** (torch.arange(0, 192, 2, dtype=torch.float64) / 192))
     f64 = torch.outer(torch.arange(64, dtype=torch.float64), inv)
     diff = (f64.cos().to(torch.bfloat16) != cos) | (f64.sin().to(torch.bfloat16) != sin)
-    assert diff.any() and not diff[:24].any()  # a float64 build first differs at position 24 (spec §4.5.1)
+    assert diff.any() and not diff[:24].any()  # a float64 build rounds to other bf16 values from position 24 on
 
 
 def test_llama3_rescale_applies_only_to_listed_layer_types():
