@@ -283,7 +283,7 @@ def test_bad_batch_lists_every_bad_request(tp2, tmp_path):
     err = assert_all_ranks_fail(
         launch_ranks(2, ["--tp-dir", tp2, "--prompt-json-batch", write_json(tmp_path / "b.json", reqs)]),
         "4 of 6 requests are bad", 'request 1: "prompt" must be a string', "request 2: expected",
-        '{"prompt_ids": [ids...]}', "got keys ['ids']", "request 3: token 1 is 'x'", "request 5: expected")
+        '{"prompt_ids": [ids...]', "got keys ['ids']", "request 3: token 1 is 'x'", "request 5: expected")
     assert "request 0" not in err and "request 4" not in err
     # a long list is capped, with the count of the rest
     err = assert_all_ranks_fail(
