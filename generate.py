@@ -104,16 +104,32 @@ def prompt_embeds(model: M.Step5ForCausalLM, prompts: list, images: list | None 
     return torch.cat(rows)
 
 
-def prefill(model: M.Step5ForCausalLM, cache: M.Cache, prompts: list, embeds=None, progress=None) -> torch.Tensor:
-    """Packed prefill of all prompts on an empty cache -> this rank's logits of each prompt's last token [B, V/tp]."""
+def prefill(model: M.Step5ForCausalLM, cache: M.Cache, prompts: list, embeds=None, progress=None,
+            chunk: int | None = None) -> torch.Tensor:
+    """Packed prefill of every prompt on top of what the cache holds -> this rank's logits of each prompt's last
+    token [B, V/tp]. With `chunk`, at most that many tokens of each prompt go through the model per pass, so the
+    activation memory is set by the chunk, not the prompt. embeds: the packed prompts' input rows [T, D] or None;
+    an image block may straddle chunks (its rows are sliced like the ids). progress(first token, layer, layers)."""
     dev = model.lm_head.weight.device
-    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
-    return model.forward(ids, cache, [len(p) for p in prompts], embeds, progress)
+    lens = [len(p) for p in prompts]
+    starts = [sum(lens[:b]) for b in range(len(lens))]
+    step = chunk or max(lens)
+    final = [None] * len(prompts)
+    for o in range(0, max(lens), step):
+        n = [min(max(L - o, 0), step) for L in lens]  # this pass's tokens of each prompt (0: that prompt is done)
+        ids = torch.tensor([t for p, k in zip(prompts, n) for t in p[o:o + k]], dtype=torch.long, device=dev)
+        rows = None if embeds is None else torch.cat([embeds[s + o:s + o + k] for s, k in zip(starts, n)])
+        hook = None if progress is None else (lambda i, layers, o=o: progress(o, i, layers))
+        out = model.forward(ids, cache, n, rows, hook)  # [prompts with tokens in this pass, V/tp]
+        for r, b in enumerate(b for b, k in enumerate(n) if k):
+            if o + n[b] == lens[b]:
+                final[b] = out[r]
+    return torch.stack(final)
 
 
 @torch.inference_mode()
 def generate(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_ids, embeds=None,
-             cuda_graph: bool = True, progress=None) -> tuple[list, dict]:
+             cuda_graph: bool = True, progress=None, prefill_chunk: int | None = None) -> tuple[list, dict]:
     """Greedy decoding of a packed batch -> (each request's generated ids, EOS included when emitted; timings).
 
     embeds: the packed prompts' input rows [T, D] (prompt_embeds: image features placed), or None for plain token
@@ -127,7 +143,7 @@ def generate(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     cache = model.new_cache(B, max(len(p) for p in prompts) + max_new_tokens)
-    logits = prefill(model, cache, prompts, embeds, progress)
+    logits = prefill(model, cache, prompts, embeds, progress, prefill_chunk)
     sync()
     t1 = time.perf_counter()
     out = [[] for _ in range(B)]
@@ -403,7 +419,8 @@ def phase(fn, *args, errors=(UserError, config.ConfigError, M.ShardError)):
 
 def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None, prompt_json_batch: str | None = None,
          image_inputs: str | None = None, images: list | None = None, save_image_inputs: str | None = None,
-         max_new_tokens: int = 128, ep_size: int | None = None, tokenizer: str | None = None, raw_prompt: bool = False,
+         max_new_tokens: int = 128, prefill_chunk: int = 8192, ep_size: int | None = None,
+         tokenizer: str | None = None, raw_prompt: bool = False,
          print_ids: bool = False, as_json: bool = False, device: str = "auto", cuda_graph: bool = True) -> list:
     for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         if v not in os.environ:
@@ -420,7 +437,8 @@ def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None,
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
     inputs = dict(prompt=prompt, prompt_json=prompt_json, prompt_json_batch=prompt_json_batch,
                   image_inputs=image_inputs, images=images, save_image_inputs=save_image_inputs,
-                  max_new_tokens=max_new_tokens, tokenizer=tokenizer, raw_prompt=raw_prompt)
+                  max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, tokenizer=tokenizer,
+                  raw_prompt=raw_prompt)
     try:
         out, tok, reqs, eos, stats = _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say)
         say(f"prefill: {stats['prefill_tokens']} tokens in {stats['prefill_s']:.3f} s "
@@ -449,6 +467,8 @@ def _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say):
                             f"{cfg.expert_parallel_size} (co-located EP equals TP)")
         if inputs["max_new_tokens"] < 0:
             raise UserError(f"--max-new-tokens {inputs['max_new_tokens']} must be >= 0")
+        if inputs["prefill_chunk"] < 1:
+            raise UserError(f"--prefill-chunk {inputs['prefill_chunk']} must be >= 1")
         if (inputs["image_inputs"] or inputs["images"]) and vl is None:
             raise UserError(f"{'--image' if inputs['images'] else '--image-inputs'} given but {cfg_path} is a "
                             "text-only model")
@@ -505,15 +525,19 @@ def _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say):
     # 5. generate, with progress on rank 0 when the prefill is long
     t_pre = time.perf_counter()
 
-    def progress(i, n):
+    longest = max(n_tok)
+
+    def progress(first, i, n):
         if dev.type == "cuda":
-            torch.cuda.synchronize()  # host time means device time only after a sync (92 per prefill: negligible)
+            torch.cuda.synchronize()  # host time means device time only after a sync (once per layer: negligible)
         el = time.perf_counter() - t_pre
-        if el > PROGRESS_AFTER_S and (i == n or el - progress.last > PROGRESS_AFTER_S):
+        if el > PROGRESS_AFTER_S and el - progress.last > PROGRESS_AFTER_S:
             progress.last = el
-            say(f"prefill: layer {i}/{n} after {el:.0f} s")
+            say(f"prefill: tokens {first}-{min(first + chunk, longest)} of {longest}, layer {i}/{n} after {el:.0f} s")
     progress.last = 0.0
-    out, stats = generate(m, [ids for ids, _ in reqs], inputs["max_new_tokens"], eos, embeds, cuda_graph, progress)
+    chunk = inputs["prefill_chunk"]
+    out, stats = generate(m, [ids for ids, _ in reqs], inputs["max_new_tokens"], eos, embeds, cuda_graph, progress,
+                          chunk)
     return out, tok, reqs, eos, stats
 
 
@@ -549,6 +573,8 @@ if __name__ == "__main__":
     ap.add_argument("--image-inputs", help="safetensors with pixel_values [+ patch_pixel_values, num_patches] "
                     "or image_embeds, for --prompt / --prompt-json")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--prefill-chunk", type=int, default=8192, metavar="N",
+                    help="prefill at most N tokens of each prompt per pass (bounds activation memory; default 8192)")
     ap.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=None,
                     help="expert-parallel size; must equal the shards' expert_parallel_size (= TP), which is the "
                     "default")
@@ -576,7 +602,7 @@ if __name__ == "__main__":
     try:
         main(a.tp_dir, prompt=a.prompt, prompt_json=a.prompt_json, prompt_json_batch=a.prompt_json_batch,
              image_inputs=a.image_inputs, images=a.images, save_image_inputs=a.save_image_inputs,
-             max_new_tokens=a.max_new_tokens, ep_size=a.ep_size, tokenizer=a.tokenizer,
+             max_new_tokens=a.max_new_tokens, prefill_chunk=a.prefill_chunk, ep_size=a.ep_size, tokenizer=a.tokenizer,
              raw_prompt=a.raw_prompt, print_ids=a.print_ids, as_json=a.as_json, device=a.device,
              cuda_graph=a.cuda_graph)
     except UserError as e:

@@ -266,8 +266,9 @@ class Attention(nn.Module):
                           pz=torch.zeros(B, sp.block, sp.proxy_dim, dtype=torch.bfloat16, device=device))
 
     def forward(self, h, pos, rope, spans, cache: LayerCache, req=None):
-        """h [T, D] bf16 -> this rank's partial [T, D] bf16. pos [T] absolute positions; spans: list of (start, n)
-        request token spans for prefill, or None for decode (one token per cache row)."""
+        """h [T, D] bf16 -> this rank's partial [T, D] bf16. pos [T] absolute positions; spans: per cache row
+        (start in the packed tokens, n tokens, first position p0) for prefill (n may be 0), or None for decode (one
+        token per cache row)."""
         T = h.shape[0]
         H, G, hd = self.n_heads, self.n_groups, self.cfg.head_dim
         qkv = linear(h, self.wqkv)
@@ -289,19 +290,27 @@ class Attention(nn.Module):
 
     # ---- sliding window
     def _sliding_prefill(self, q, k, v, spans, cache):
+        """Each request's chunk of n tokens at positions p0.. sees the last W-1 cached keys and its own (causal, banded);
+        the ring then keeps the chunk's last W keys. q [T, H, hd], k/v [T, G, hd]."""
         W, out = self.cfg.sliding_window, torch.empty_like(q)
-        for b, (s, n) in enumerate(spans):
+        for b, (s, n, p0) in enumerate(spans):
+            if n == 0:
+                continue
             qb, kb, vb = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [H|G, n, hd]
-            for c0 in range(0, n, 2048):  # query chunks; each sees keys [c0 - W + 1, c1)
-                c1, k0 = min(n, c0 + 2048), max(0, c0 - W + 1)
-                dq = torch.arange(c0, c1, device=q.device)[:, None] - torch.arange(k0, c1, device=q.device)
+            m = min(p0, W - 1)  # cached keys in the window of the chunk's first query: positions p0-m .. p0-1
+            if m:
+                old = torch.arange(p0 - m, p0, device=q.device) % W
+                kb, vb = torch.cat([cache.k[b][:, old], kb], 1), torch.cat([cache.v[b][:, old], vb], 1)
+            for c0 in range(0, n, 2048):  # query chunks; query i (key index m + i) sees keys (m + i - W, m + i]
+                c1, k0 = min(n, c0 + 2048), max(0, m + c0 - W + 1)
+                dq = torch.arange(m + c0, m + c1, device=q.device)[:, None] - torch.arange(k0, m + c1, device=q.device)
                 mask = (dq >= 0) & (dq < W)
-                o = F.scaled_dot_product_attention(qb[:, c0:c1], kb[:, k0:c1], vb[:, k0:c1], attn_mask=mask,
+                o = F.scaled_dot_product_attention(qb[:, c0:c1], kb[:, k0:m + c1], vb[:, k0:m + c1], attn_mask=mask,
                                                    scale=self.scale, enable_gqa=True)
                 out[s + c0:s + c1] = o.transpose(0, 1)
-            keep = torch.arange(max(0, n - W), n, device=q.device)
-            cache.k[b, :, keep % W] = kb[:, keep]
-            cache.v[b, :, keep % W] = vb[:, keep]
+            keep = torch.arange(max(0, n - W), n, device=q.device)  # the ring keeps the last W positions
+            cache.k[b, :, (p0 + keep) % W] = kb[:, m + keep]
+            cache.v[b, :, (p0 + keep) % W] = vb[:, m + keep]
         return out
 
     def _sliding_decode(self, q, k, v, pos, cache):
@@ -353,13 +362,22 @@ class Attention(nn.Module):
             o = kernel.sparse_attention(q[:, None], cache.k, cache.v, ids, valid, pos[:, None], blk, self.scale)
             return o[:, 0].reshape(T, H, hd)
         out = torch.empty_like(q)
-        for b, (s, n) in enumerate(spans):  # prefill on an empty cache: positions 0..n-1
-            cache.k[b, :n], cache.v[b, :n] = k[s:s + n], v[s:s + n]
-            nr = n // blk
-            if nr:
-                cache.summ[b, :nr] = kernel.region_summary(ki[s:s + nr * blk].view(nr, blk, P),
-                                                           zi[s:s + nr * blk].view(nr, blk, P)).view(torch.uint8)
-            cache.pk[b, :n - nr * blk], cache.pz[b, :n - nr * blk] = ki[s + nr * blk:s + n], zi[s + nr * blk:s + n]
+        for b, (s, n, p0) in enumerate(spans):  # prefill of positions p0 .. p0+n-1 on top of p0 cached tokens
+            if n == 0:
+                continue
+            end = p0 + n
+            cache.k[b, p0:end], cache.v[b, p0:end] = k[s:s + n], v[s:s + n]
+            # the indexer rows of the unfinished region (q pending tokens) continue with the chunk's own
+            r0, q0 = p0 // blk, p0 % blk
+            kr = torch.cat([cache.pk[b, :q0], ki[s:s + n]])  # [q0 + n, P]: positions r0*blk .. end-1
+            zr = torch.cat([cache.pz[b, :q0], zi[s:s + n]])
+            done = (q0 + n) // blk  # regions completed by this chunk: r0 .. r0+done-1
+            if done:
+                cache.summ[b, r0:r0 + done] = kernel.region_summary(kr[:done * blk].view(done, blk, P),
+                                                                    zr[:done * blk].view(done, blk, P)).view(torch.uint8)
+            tail = q0 + n - done * blk
+            cache.pk[b, :tail], cache.pz[b, :tail] = kr[done * blk:], zr[done * blk:]
+            nr = end // blk  # every region completed so far; a query at p selects among regions < p // blk
             for c0 in range(0, n, 256):  # query chunks bound the reference's gathered keys
                 c1 = min(n, c0 + 256)
                 pb = pos[s + c0:s + c1][None]
@@ -368,8 +386,8 @@ class Attention(nn.Module):
                 ids, valid = kernel.select_regions(scores, pb // blk, sp.topk)
                 if self.pins is not None:
                     ids, valid = self.pins.regions(self.layer_id, req[s:s + 1], pb, self.group0, ids, valid, nr)
-                out[s + c0:s + c1] = kernel.sparse_attention(q[None, s + c0:s + c1], cache.k[b:b + 1, :n],
-                                                             cache.v[b:b + 1, :n], ids, valid, pb, blk, self.scale)[0]
+                out[s + c0:s + c1] = kernel.sparse_attention(q[None, s + c0:s + c1], cache.k[b:b + 1, :end],
+                                                             cache.v[b:b + 1, :end], ids, valid, pb, blk, self.scale)[0]
         return out.view(T, H, hd)
 
 
@@ -601,24 +619,26 @@ class Step5ForCausalLM(nn.Module):
         return self.embed(ids)
 
     def forward(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None, progress=None):
-        """Prefill (seq_lens given: ids [T] packed requests on an empty cache) or decode (ids [B], one token per
-        cache row). Returns this rank's logits window of each request's last token: [B, V/tp] fp32.
+        """Prefill (seq_lens given: ids [T], each cache row's next seq_lens[b] tokens packed, on top of what the
+        cache holds: a whole prompt, or one chunk of it; 0 for rows without tokens in this call) or decode (ids [B],
+        one token per cache row). Returns this rank's logits window of the last token of each row that received
+        tokens: [B', V/tp] fp32 (B' = B in decode).
         progress(i, n), if given, is called after each of the n layers of a prefill (long prompts report from it)."""
         dev = ids.device
         if seq_lens is not None:
             if len(seq_lens) != cache.lengths.shape[0]:
                 raise ValueError(f"{len(seq_lens)} prompts for a cache of {cache.lengths.shape[0]} rows")
-            if bool(cache.lengths.any()):  # a host read, but prefill only
-                raise ValueError("prefill needs an empty cache (prefill on top of cached tokens is not supported)")
+            p0 = cache.lengths.tolist()  # a host read, but prefill only: where each row's chunk starts
+            if any(p + n > cache.cap for p, n in zip(p0, seq_lens)):
+                raise ValueError(f"prefill of {seq_lens} tokens on {p0} cached ones exceeds the cache of {cache.cap}")
             starts = [0]
             for n in seq_lens:
                 starts.append(starts[-1] + n)
-            spans = list(zip(starts[:-1], seq_lens))
+            spans = list(zip(starts[:-1], seq_lens, p0))
             lens = torch.tensor(seq_lens, device=dev)
-            pos = torch.arange(ids.shape[0], device=dev) - torch.repeat_interleave(
-                torch.tensor(starts[:-1], device=dev), lens)
-            cache.lengths.copy_(lens)
-            last = torch.tensor(starts[1:], device=dev) - 1
+            pos = torch.cat([torch.arange(p, p + n) for p, n in zip(p0, seq_lens)]).to(dev)
+            cache.lengths.add_(lens)
+            last = torch.tensor([e - 1 for e, n in zip(starts[1:], seq_lens) if n], device=dev)
         else:
             spans, pos = None, cache.lengths.clone()
             cache.lengths.add_(1)  # in place: the decode step is replayable as a CUDA graph

@@ -67,7 +67,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(n: int, args: list, timeout: int = 60, env_extra: dict | None = None):
+def launch_ranks(n: int, args: list, timeout: int = 180, env_extra: dict | None = None):
     """The environment torchrun gives each rank, but every rank a process of its own, so each rank's exit code and
     stderr can be checked (torchrun SIGTERMs the survivors of the first failure). -> [(rc, stdout, stderr)]."""
     port = free_port()

@@ -113,7 +113,7 @@ def test_model_dsa_layer_equals_dense_attention_before_pruning(lm):
     h = torch.randn(n, cfg.hidden_size).bfloat16()
     pos = torch.arange(n)
     rope = lm.rope["layers"][i]
-    got = att(h, pos, rope, [(0, n)], cache.layers[i])
+    got = att(h, pos, rope, [(0, n, 0)], cache.layers[i])
     orig = att._dsa
     try:
         def dense(h_, q, k, v, pos_, rope_, spans, c, req=None):
@@ -121,7 +121,7 @@ def test_model_dsa_layer_equals_dense_attention_before_pruning(lm):
             return dense_causal(q.view(T, att.n_groups, H // att.n_groups, hd), k, v, att.scale).to(
                 torch.bfloat16).reshape(T, H, hd)
         att._dsa = dense
-        want = att(h, pos, rope, [(0, n)], cache.layers[i])
+        want = att(h, pos, rope, [(0, n, 0)], cache.layers[i])
     finally:
         att._dsa = orig
     assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
@@ -155,11 +155,11 @@ def test_decode_summaries_equal_prefill_summaries_bit_for_bit(lm):
     att._indexer = lambda h_, pos, r: tuple(t[pos] for t in full)
     try:
         stream = lm.new_cache(1, N).layers[i]
-        att(h[:n0], torch.arange(n0), rope, [(0, n0)], stream)
+        att(h[:n0], torch.arange(n0), rope, [(0, n0, 0)], stream)
         for p in range(n0, N):
             att(h[p:p + 1], torch.tensor([p]), rope, None, stream)
         pre = lm.new_cache(1, N).layers[i]
-        att(h, torch.arange(N), rope, [(0, N)], pre)
+        att(h, torch.arange(N), rope, [(0, N, 0)], pre)
     finally:
         att._indexer = orig
     done = N // cfg.sparse.block
@@ -190,6 +190,44 @@ def test_prefill_then_decode_equals_longer_prefill(tp1_models, kind, n):
             top2 = ref[0].topk(2).values
             if top2[0] - top2[1] > 2 * d:
                 assert int(step.argmax()) == int(ref.argmax())
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("kind,chunk", [("bf16_text", 1), ("fp8_text", 5), ("bf16_text", 8), ("fp8_text", 13),
+                                        ("bf16_text", 16), ("fp8_text", 33)])  # a token, odd, a region, the ring
+def test_chunked_prefill_equals_one_shot(tp1_models, kind, chunk):
+    """Prefill in chunks on a growing cache (ring continuation, DSA pending rows carried across chunks, summaries of
+    regions completed inside a chunk, selection over all history) equals the one-shot prefill, for a batch whose
+    prompts end in different chunks; three decode steps on each cache then agree too. The one-shot run's routing and
+    region decisions are pinned into the chunked run (other GEMM row counts round differently)."""
+    lm = tp1_models(kind)
+    ps = [prompt(37, seed=5), prompt(42, seed=6), prompt(9, seed=7)]  # past the ring and topk*8 regions; short
+    cont = [prompt(3, seed=8 + b) for b in range(3)]
+    tol = NOISE[kind.split("_")[0]]
+
+    def run(chunk_):
+        cache = lm.new_cache(3, 42 + 4)
+        out = [generate.prefill(lm, cache, ps, chunk=chunk_)]
+        for j in range(3):
+            out.append(lm.forward(torch.tensor([c[j] for c in cont]), cache))
+        return torch.stack(out), cache
+
+    with pinned(lm, M.Pins()) as rec:
+        whole, cw = run(None)
+    with pinned(lm, M.Pins(rec.data)):
+        chunked, cc = run(chunk)
+    assert torch.equal(cw.lengths, cc.lengths) and cc.lengths.tolist() == [37 + 3, 42 + 3, 9 + 3]
+    d = (chunked - whole).abs().amax(-1) / whole.std(-1)  # [4, 3]
+    assert d.max() < tol, d
+
+
+def test_prefill_on_a_full_cache_is_refused(tp1_models):
+    lm = tp1_models("bf16_text")
+    cache = lm.new_cache(1, 16)
+    with torch.inference_mode():
+        lm.forward(torch.tensor(prompt(12)), cache, [12])
+        with pytest.raises(ValueError, match="exceeds the cache"):
+            lm.forward(torch.tensor(prompt(8)), cache, [8])
 
 
 def test_pins_change_the_decisions_they_replay(tp1_models):
