@@ -1,6 +1,7 @@
-"""Greedy generation with Step-5 on converted per-rank shards, under torchrun.
+"""Generation with Step-5 on converted per-rank shards, under torchrun: greedy, or sampled with --temperature > 0.
 
     torchrun --standalone --nproc-per-node=N generate.py --tp-dir OUT/tpN --prompt "..."
+    torchrun ... generate.py --tp-dir OUT/tpN --prompt "..." --temperature 0.7 --top-p 0.9 [--top-k 50] [--seed 0]
     torchrun ... generate.py --tp-dir OUT/tpN --prompt-json ids.json [--image-inputs image-inputs.safetensors]
     torchrun ... generate.py --tp-dir OUT/tpN --prompt-json-batch batch.json
 
@@ -37,11 +38,63 @@ class UserError(Exception):
 # decoding
 
 
+def full_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """This rank's logits window [B, V/tp] -> the full-vocabulary logits [B, V], bit-identical on every rank (every
+    rank gathers the same windows in rank order)."""
+    return M.tp_gather(logits).permute(1, 0, 2).flatten(1)  # [world, B, V/tp] -> [B, V]
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Global argmax over the rank-ordered vocabulary windows (lowest id on ties): [B, V/tp] -> [B] int64, the same
-    on every rank (every rank gathers the same windows)."""
-    full = M.tp_gather(logits)  # [world, B, V/tp]
-    return full.permute(1, 0, 2).flatten(1).argmax(-1)
+    on every rank."""
+    return full_vocab(logits).argmax(-1)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+           generator: torch.Generator) -> torch.Tensor:
+    """A draw from softmax(logits / temperature) restricted to the top_k most likely tokens (0: no limit), then to
+    the top_p nucleus of what is left (1: no limit): [B, V/tp] -> [B] int64, the same on every rank.
+
+    The nucleus is the smallest set of most likely tokens whose probability mass reaches top_p (at least one token).
+    Every rank holds the same full-vocabulary logits and a generator seeded the same way, so every rank draws the
+    same token without a broadcast. Torch ops with shapes fixed by the arguments: no host sync. The random streams
+    of CPU and CUDA generators differ: a seed reproduces a run on the same device type, not across them.
+    """
+    x = full_vocab(logits).float()  # [B, V] fp32
+    x = (x - x.amax(-1, keepdim=True)) / temperature  # largest 0: a tiny temperature gives -inf, never inf - inf
+    ids = None
+    if top_k > 0 or top_p < 1:
+        # most likely first; stable, so tied logits keep the lowest id first (as greedy's argmax)
+        x, ids = x.sort(dim=-1, descending=True, stable=True)
+        if top_k > 0:
+            x, ids = x[:, :top_k], ids[:, :top_k]  # [B, min(k, V)]
+    probs = x.softmax(-1)
+    if top_p < 1:
+        # The mass of the more likely tokens (0 for the first, which always stays), summed in 2^-48 fixed point:
+        # integer sums are exact in any order, while a float cumsum on CUDA may round differently between runs and
+        # so move the nucleus boundary on one rank.
+        q = (probs * 2.0 ** 48).long()
+        probs = probs.masked_fill(q.cumsum(-1) - q >= int(top_p * 2 ** 48), 0.0)
+    # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i / sum(p), so the masked
+    # probabilities need no renormalising. The clamp keeps a (rare) exact 0 draw from dividing by zero.
+    e = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    choice = (probs / e).argmax(-1)  # [B], an index into x's columns
+    return choice if ids is None else ids.gather(-1, choice[:, None])[:, 0]
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, seed: int):
+    """The sampling settings, validated: UserError naming the flag and its value."""
+    if not 0 <= temperature < float("inf"):
+        raise UserError(f"--temperature {temperature} must be a finite number >= 0 (0 is greedy decoding)")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--top-p {top_p} must be in (0, 1] (1 keeps every token)")
+    if top_k < 0:
+        raise UserError(f"--top-k {top_k} must be >= 0 (0 keeps every token)")
+    if temperature == 0 and (top_k != 0 or top_p != 1):
+        flag = f"--top-k {top_k}" if top_k != 0 else f"--top-p {top_p}"
+        raise UserError(f"{flag} needs --temperature > 0 (temperature 0 is greedy decoding)")
+    if not 0 <= seed < 2 ** 64:
+        raise UserError(f"--seed {seed} must be in [0, 2**64)")
 
 
 class DecodeStep:
@@ -129,17 +182,28 @@ def prefill(model: M.Step5ForCausalLM, cache: M.Cache, prompts: list, embeds=Non
 
 @torch.inference_mode()
 def generate(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_ids, embeds=None,
-             cuda_graph: bool = True, progress=None, prefill_chunk: int | None = None) -> tuple[list, dict]:
-    """Greedy decoding of a packed batch -> (each request's generated ids, EOS included when emitted; timings).
+             cuda_graph: bool = True, progress=None, prefill_chunk: int | None = None, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> tuple[list, dict]:
+    """Decoding of a packed batch -> (each request's generated ids, EOS included when emitted; timings).
 
+    Greedy when temperature is 0 (the default), else `sample` with one generator seeded with `seed`: the same
+    seed reproduces the batch's tokens (on the same device type; a request's draws depend on the batch it is in).
     embeds: the packed prompts' input rows [T, D] (prompt_embeds: image features placed), or None for plain token
     embeddings. A request that emits EOS leaves the batch: its cache rows are compacted away before the next
     step. The host reads each step's tokens only after the next step has been queued, so the device never waits.
     """
+    check_sampling(temperature, top_k, top_p, seed)
     B = len(prompts)
     if B == 0:
         return [], {}
     dev = model.lm_head.weight.device
+    if temperature == 0:
+        choose = greedy
+    else:
+        gen = torch.Generator(device=dev).manual_seed(seed)  # one stream per run, seeded alike on every rank
+
+        def choose(logits):
+            return sample(logits, temperature, top_k, top_p, gen)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     cache = model.new_cache(B, max(len(p) for p in prompts) + max_new_tokens)
@@ -151,7 +215,7 @@ def generate(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_
     eos = set(int(e) for e in eos_ids)
     step = DecodeStep(lambda t: model.forward(t, cache), cuda_graph and dev.type == "cuda",
                       state=lambda: (cache.lengths,))
-    tok = greedy(logits) if max_new_tokens > 0 else None
+    tok = choose(logits) if max_new_tokens > 0 else None
     for i in range(max_new_tokens):
         last = i == max_new_tokens - 1
         if not last:
@@ -169,7 +233,7 @@ def generate(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_
             cache.keep(rows)
             step.reset()
             logits, live = logits.index_select(0, rows), [live[r] for r in keep]
-        tok = greedy(logits)
+        tok = choose(logits)
     sync()
     n_dec = sum(max(len(o) - 1, 0) for o in out)  # the first token of each request comes from the prefill
     stats = {"prefill_tokens": sum(len(p) for p in prompts), "prefill_s": t1 - t0, "decode_tokens": n_dec,
@@ -420,8 +484,10 @@ def phase(fn, *args, errors=(UserError, config.ConfigError, M.ShardError)):
 def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None, prompt_json_batch: str | None = None,
          image_inputs: str | None = None, images: list | None = None, save_image_inputs: str | None = None,
          max_new_tokens: int = 128, prefill_chunk: int = 8192, ep_size: int | None = None,
-         tokenizer: str | None = None, raw_prompt: bool = False,
-         print_ids: bool = False, as_json: bool = False, device: str = "auto", cuda_graph: bool = True) -> list:
+         tokenizer: str | None = None, raw_prompt: bool = False, print_ids: bool = False, as_json: bool = False,
+         device: str = "auto", cuda_graph: bool = True, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+         seed: int = 0) -> list:
+    check_sampling(temperature, top_k, top_p, seed)  # same flags on every rank: all fail alike, before any collective
     for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         if v not in os.environ:
             raise UserError(f"environment variable {v} is not set: launch with torchrun "
@@ -439,8 +505,9 @@ def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None,
                   image_inputs=image_inputs, images=images, save_image_inputs=save_image_inputs,
                   max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, tokenizer=tokenizer,
                   raw_prompt=raw_prompt)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     try:
-        out, tok, reqs, eos, stats = _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say)
+        out, tok, reqs, eos, stats = _run(tp_dir, inputs, ep_size, dev, cuda_graph, sampling, rank, world, say)
         say(f"prefill: {stats['prefill_tokens']} tokens in {stats['prefill_s']:.3f} s "
             f"({stats['prefill_tokens'] / max(stats['prefill_s'], 1e-9):.1f} tok/s); decode: "
             f"{stats['decode_tokens']} tokens in {stats['decode_s']:.3f} s "
@@ -454,7 +521,7 @@ def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None,
             dist.destroy_process_group()
 
 
-def _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say):
+def _run(tp_dir, inputs, ep_size, dev, cuda_graph, sampling, rank, world, say):
     # 1. every rank: its own config, and the topology it implies
     def topology():
         cfg_path = os.path.join(tp_dir, f"config-r{rank}.json")
@@ -523,6 +590,10 @@ def _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say):
                        errors=(UserError, config.ConfigError, ValueError))
 
     # 5. generate, with progress on rank 0 when the prefill is long
+    if sampling["temperature"] > 0:
+        say(f"sampling: temperature {sampling['temperature']}, top-k {sampling['top_k'] or 'off'}, top-p "
+            f"{sampling['top_p'] if sampling['top_p'] < 1 else 'off'}, seed {sampling['seed']} (reproducible on "
+            f"{dev.type} with this seed)")
     t_pre = time.perf_counter()
 
     longest = max(n_tok)
@@ -537,7 +608,7 @@ def _run(tp_dir, inputs, ep_size, dev, cuda_graph, rank, world, say):
     progress.last = 0.0
     chunk = inputs["prefill_chunk"]
     out, stats = generate(m, [ids for ids, _ in reqs], inputs["max_new_tokens"], eos, embeds, cuda_graph, progress,
-                          chunk)
+                          chunk, **sampling)
     return out, tok, reqs, eos, stats
 
 
@@ -575,6 +646,14 @@ if __name__ == "__main__":
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prefill-chunk", type=int, default=8192, metavar="N",
                     help="prefill at most N tokens of each prompt per pass (bounds activation memory; default 8192)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample from softmax(logits / T); 0 (the default) is greedy decoding")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0: no limit; "
+                    "needs --temperature)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sample within the smallest set of most likely tokens "
+                    "whose probability reaches P (1: no limit; needs --temperature)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0): the same seed "
+                    "gives the same tokens on the same device type")
     ap.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=None,
                     help="expert-parallel size; must equal the shards' expert_parallel_size (= TP), which is the "
                     "default")
@@ -604,7 +683,7 @@ if __name__ == "__main__":
              image_inputs=a.image_inputs, images=a.images, save_image_inputs=a.save_image_inputs,
              max_new_tokens=a.max_new_tokens, prefill_chunk=a.prefill_chunk, ep_size=a.ep_size, tokenizer=a.tokenizer,
              raw_prompt=a.raw_prompt, print_ids=a.print_ids, as_json=a.as_json, device=a.device,
-             cuda_graph=a.cuda_graph)
+             cuda_graph=a.cuda_graph, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     except UserError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)

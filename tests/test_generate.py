@@ -1,5 +1,6 @@
 """generate.py end to end (torchrun on gloo) and the greedy loop's batch contract (identical tokens on all ranks,
-position-independent batch rows, EOS compaction, bad input).
+position-independent batch rows, EOS compaction, bad input), and seeded sampling (--temperature, --top-k, --top-p,
+--seed: the same tokens on every rank, reproducible with the seed).
 
 Cross-TP: the same packed batch (prompts of 12, 45 and 70 tokens: below and above topk*region_block_size = 32, so
 the DSA layers really prune) is generated at TP = 1, 2 and 4 on the FP8 VL and the BF16 text-only tiny checkpoints.
@@ -410,3 +411,95 @@ def test_tokenizer_loads_directly_and_keeps_long_prompts(converted):
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, add_generation_prompt=True)
     chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
     assert chat[0] == tok.convert_tokens_to_ids("<|im_start|>") and tok.eos_token_id == 4
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def test_sample_top_k_1_and_tiny_top_p_are_the_argmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 100, generator=g)
+    logits[0, [9, 7]] = logits[0].max() + 1  # a tie: the lowest id wins, as in greedy
+    want = generate.greedy(logits)
+    assert want[0] == 7
+    for t in (0.5, 5.0):
+        assert torch.equal(generate.sample(logits, t, 1, 1.0, g), want)
+        assert torch.equal(generate.sample(logits, t, 0, 1e-6, g), want)
+
+
+def test_sample_top_k_restricts_the_support():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4000, 50, generator=g)
+    got = generate.sample(logits, 3.0, 5, 1.0, g)  # a high temperature: the whole top 5 gets drawn
+    hit = logits.topk(5, dim=-1).indices == got[:, None]  # [4000, 5]
+    assert hit.any(-1).all(), "a token outside the top 5 was drawn"
+    assert set(hit.float().argmax(-1).tolist()) == set(range(5))
+
+
+def test_sample_top_p_keeps_the_nucleus():
+    # ids 1 and 3 hold 0.5 + 0.3: the nucleus of 0.75 (clear of 0.8, where fp32 rounding of the softmax decides)
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
+    n = 20000
+    got = generate.sample(probs.log().expand(n, 4), 1.0, 0, 0.75, torch.Generator().manual_seed(2))
+    counts = torch.bincount(got, minlength=4)
+    assert counts[0] == counts[2] == 0 and counts[1] > 0 and counts[3] > 0, counts
+    assert abs(counts[1].item() / n - 0.5 / 0.8) < 0.02, counts  # renormalised within the nucleus
+
+
+def test_sample_follows_the_tempered_softmax():
+    logits = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    n, g = 20000, torch.Generator().manual_seed(3)
+    top = {}
+    for t in (0.5, 5.0):
+        freq = torch.bincount(generate.sample(logits.expand(n, 4), t, 0, 1.0, g), minlength=4) / n
+        assert (freq - (logits / t).softmax(-1)).abs().max() < 0.02, (t, freq)
+        top[t] = freq[3].item()
+    assert top[5.0] < 0.4 < 0.8 < top[0.5]  # a high temperature spreads the draws
+
+
+def test_sampling_temperature_0_and_top_k_1_give_the_greedy_tokens(tp1_model):
+    want = generate.generate(tp1_model, PROMPTS, NEW, EOS)[0]
+    assert generate.generate(tp1_model, PROMPTS, NEW, EOS, temperature=0.0, seed=7)[0] == want
+    assert generate.generate(tp1_model, PROMPTS, NEW, EOS, temperature=1.0, top_k=1, seed=7)[0] == want
+
+
+def test_sampling_is_reproducible_with_its_seed(tp1_model):
+    # temperature 5 on the tiny model's logits (std ~8 over 1024 ids): near-flat, so two seeds agreeing on all
+    # 18 tokens is out of the question
+    run = lambda seed: generate.generate(tp1_model, PROMPTS, NEW, EOS, temperature=5.0, seed=seed)[0]  # noqa: E731
+    a = run(3)
+    assert run(3) == a
+    assert run(4) != a
+
+
+def test_sampling_at_tp2_is_the_same_on_every_rank_and_reproducible(converted, tmp_path):
+    batch = write_json(tmp_path / "b.json", PROMPTS)
+
+    def run():
+        r = torchrun(2, "--tp-dir", converted("fp8_vl", 2), "--prompt-json-batch", batch, "--max-new-tokens", NEW,
+                     "--json", "--temperature", 1, "--seed", 3)
+        assert r.returncode == 0, r.stderr[-3000:]  # generate.py fails when the ranks' tokens differ
+        assert r.stderr.count("sampling: temperature 1.0, top-k off, top-p off, seed 3") == 1, r.stderr[-3000:]
+        return [x["completion_token_ids"] for x in json.loads(r.stdout)["results"]]
+    assert run() == run()
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"temperature": -0.5}, ["--temperature -0.5", "finite number >= 0"]),
+    ({"temperature": float("nan")}, ["--temperature nan"]),
+    ({"temperature": 1.0, "top_p": 0.0}, ["--top-p 0.0", "(0, 1]"]),
+    ({"temperature": 1.0, "top_p": 1.5}, ["--top-p 1.5", "(0, 1]"]),
+    ({"temperature": 1.0, "top_k": -1}, ["--top-k -1", ">= 0"]),
+    ({"top_k": 5}, ["--top-k 5", "needs --temperature > 0"]),
+    ({"top_p": 0.9}, ["--top-p 0.9", "needs --temperature > 0"]),
+])
+def test_bad_sampling_settings(kw, words):
+    with pytest.raises(generate.UserError) as e:
+        generate.main("unused", **kw)  # refused first: before torchrun's environment or any file is read
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_bad_sampling_flags_end_every_rank_with_one_message(tmp_path):
+    p = write_json(tmp_path / "p.json", [11, 12, 13])
+    run = lambda *a: launch_ranks(2, ["--tp-dir", tmp_path, "--prompt-json", p, *a])  # noqa: E731  (dir never read)
+    assert_all_ranks_fail(run("--temperature", -1), "--temperature -1.0", "finite number >= 0")
+    assert_all_ranks_fail(run("--top-p", 0.9), "--top-p 0.9", "needs --temperature > 0")
