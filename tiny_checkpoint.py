@@ -3,7 +3,7 @@
 Same tensor names, dtypes, FP8 block scales, config.json forms, safetensors index and tokenizer files as the
 real 604B release, at a geometry small enough for CPU tests yet faithful in structure:
 full attention every 4th layer (DSA), dense first layers and last layer, MoE in between, 4 KV groups,
-every width divisible by TP = 1, 2, 4 and 8, a DSA top-k of 4 regions (prompts > 40 tokens prune regions),
+every width divisible by TP = 1, 2, 4, 8 and 16, a DSA top-k of 4 regions (prompts > 40 tokens prune regions),
 MTP layers after the main stack, a perception-encoder vision tower and projector.
 
     python tiny_checkpoint.py OUT [--bf16] [--text-only] [--seed N] [--set key=value ...]
