@@ -360,6 +360,10 @@ def test_llama3_rescale_applies_only_to_listed_layer_types():
     assert torch.equal(plain[:, 0], scaled[:, 0])
     wl = 2 * math.pi * 1e7 ** (14 / 16)
     assert wl > s["original_max_position_embeddings"] / s["low_freq_factor"]
+    inv = 1.0 / (1e7 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))  # the table's own fp32 frequencies
+    lowest = (torch.arange(300, dtype=torch.float32) * (inv[-1] / s["factor"])).sin().to(torch.bfloat16)
+    plain_sin, scaled_sin = M.rope_table(16, 1e7, None, 300, "cpu")[1], M.rope_table(16, 1e7, s, 300, "cpu")[1]
+    assert torch.equal(scaled_sin[:, -1], lowest) and not torch.equal(plain_sin[:, -1], lowest)
 
 
 # ------------------------------------------------------------------------------------------------ strict loading
