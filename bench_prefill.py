@@ -1,0 +1,169 @@
+"""Prefill benchmark of real-geometry Step-5 layers on one GPU, as one TP=EP=8 rank holds them.
+
+Builds the sliding-window MoE layer (4) and the DSA MoE layer (7) with one rank's real shapes (8 query heads, 1 KV
+group, 44 FP8 experts, indexer 4 heads x 256) and random weights, and prefills N tokens of one request in chunks of
+C tokens on a growing cache, as generate.prefill does. Per case: time, tokens/s per rank (every rank sees every
+token, so this is also the 8-GPU rate with collectives excluded), peak memory and the share of the FLOP roofline
+(bf16 767 TFLOP/s, fp8 1263 TFLOP/s). Then the projected 92-layer prefill (69 sliding + 23 DSA layers), and for the
+DSA layer at the largest N the time of the sparse-attention pieces of its last chunk.
+
+    python bench_prefill.py [--tokens 8192 32768 131072] [--chunk 8192] [--layers sliding dsa] [--profile]
+"""
+import argparse
+import time
+
+import torch
+
+import kernel
+import model as M
+from bench_decode import real_rank_config, randomise, HBM_BPS  # noqa: F401  (HBM_BPS: the decode bench's ceiling)
+
+BF16_FLOPS, FP8_FLOPS = 767e12, 1263e12  # H200 dense GEMM ceilings measured with PyTorch (ENVIRONMENT.md)
+LAYER_ID = {"sliding": 4, "dsa": 7}
+
+
+def flops(block: M.Block, cfg, kind: str, N: int) -> tuple[float, float]:
+    """(bf16, fp8) FLOPs of prefilling positions 0..N-1 in this layer on this rank: useful work only (the masked
+    SDPA tiles of the sliding layer and the GEMM rows of other ranks' experts are not counted)."""
+    a = block.self_attn
+    # every 2-D weight is one bf16 GEMM per token (o/g proj, indexer q/k/z/w, shared expert, router); experts are 3-D
+    dense = a.wqkv.numel() + sum(p.numel() for p in block.parameters() if p.dim() == 2)
+    per_expert = sum(getattr(block.moe, n).weight[0].numel() for n in ("gate_proj", "up_proj", "down_proj"))
+    fp8 = 2 * N * per_expert * cfg.moe_top_k * cfg.n_local_experts / cfg.moe_num_experts  # mean experts hit here
+    p = torch.arange(N, dtype=torch.float64)
+    H, hd = cfg.n_local_heads, cfg.head_dim
+    if kind == "sliding":  # QK^T and PV: 2 * 2 * hd per key per head; a query sees min(W, p + 1) keys
+        attn = (4 * H * hd * p.add(1).clamp(max=cfg.sliding_window)).sum()
+    else:
+        sp = cfg.sparse
+        keys = torch.clamp(p // sp.block + 1, max=sp.topk + 1) * sp.block  # selected regions + the current one
+        heads = a.n_groups * a.idx_heads
+        attn = (4 * H * hd * keys).sum() + (2 * heads * sp.proxy_dim * (p // sp.block)).sum()  # + indexer scores
+    return 2 * N * dense + float(attn), fp8
+
+
+def prefill(block, cache, rope, res, N: int, C: int):
+    """Chunks of C tokens on top of the cache, as Step5ForCausalLM.forward builds spans/pos. res [C, D] fp32."""
+    for p0 in range(0, N, C):
+        n = min(C, N - p0)
+        pos = torch.arange(p0, p0 + n, device="cuda")
+        block(res[:n], pos, rope, [(0, n, p0)], cache)
+
+
+def timed(fn, reps=1):
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
+    """The DSA pieces of the last chunk (positions N-C..N-1, the cache full), each called as _dsa calls it, so each
+    time includes its launches. Sparse attention reads the selection the real scores give; its q is random (the
+    kernel's time depends on the shapes and the selected ids, not on the values)."""
+    a, sp = block.self_attn, cfg.sparse
+    blk, p0 = sp.block, N - C
+    pos = torch.arange(p0, N, device="cuda")
+    h = kernel.rms_norm(res[:C], block.input_layernorm.weight, cfg.rms_norm_eps, torch.bfloat16)  # [C, D]
+    summ = lc.summ[:1, :N // blk].view(kernel.FP8)  # [1, R, P] every region completed by the chunk's end
+
+    def indexer():  # projections, norm + RoPE, and the summaries of the chunk's C/blk regions
+        qi, ki, zi, wi = a._indexer(h, pos, rope["indexer"])
+        kernel.region_summary(ki.view(-1, blk, sp.proxy_dim), zi.view(-1, blk, sp.proxy_dim))
+        return qi, wi
+    qi, wi = indexer()
+    subs = [(c0, min(C, c0 + 256)) for c0 in range(0, C, 256)]  # the 256-query chunks of model._dsa
+    scores = [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ) for c0, c1 in subs]  # [1, G, 256, R]
+    sel = [kernel.select_regions(s, pos[None, c0:c1] // blk, sp.topk) for s, (c0, c1) in zip(scores, subs)]
+    q = torch.randn(1, C, a.n_groups, a.n_heads // a.n_groups, cfg.head_dim, device="cuda").bfloat16()
+    pieces = {
+        "indexer proj+summ": indexer,
+        "scores": lambda: [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ) for c0, c1 in subs],
+        "selection": lambda: [kernel.select_regions(s, pos[None, c0:c1] // blk, sp.topk)
+                              for s, (c0, c1) in zip(scores, subs)],
+        "sparse attention": lambda: [kernel.sparse_attention(q[:, c0:c1], lc.k[:1, :N], lc.v[:1, :N], i, v,
+                                                             pos[None, c0:c1], blk, a.scale)
+                                     for (i, v), (c0, c1) in zip(sel, subs)],
+        # the whole layer on that chunk again (rewrites the same cache rows with the same values)
+        "whole layer chunk": lambda: block(res[:C], pos, rope, [(0, C, p0)], lc),
+    }
+    t = {k: timed(f, 3) for k, f in pieces.items()}
+    t["rest (QKV, o_proj, MoE...)"] = t["whole layer chunk"] - sum(v for k, v in t.items() if k != "whole layer chunk")
+    print(f"dsa breakdown, chunk of {C} at positions {p0}..{N - 1} ({N // blk} regions, {len(subs)} query chunks "
+          f"of 256): " + " | ".join(f"{k} {v * 1e3:.2f} ms" for k, v in t.items()))
+
+
+def main(tokens: list, C: int, layers: list, reps: int, profile: bool = False):
+    torch.manual_seed(0)
+    cfg = real_rank_config()
+    M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
+    kernel.set_backend(True)
+    results = {}  # (kind, N) -> seconds
+    for kind in layers:
+        layer_id = LAYER_ID[kind]
+        with torch.device("cuda"):
+            block = M.Block(cfg, layer_id, fp8=True)
+        randomise(block)
+        block.self_attn.finalize()
+        blk = cfg.sparse.block
+        rope = M.rope_tables(cfg, -(-max(tokens) // 128) * 128, "cuda")[layer_id]
+        res = torch.randn(C, cfg.hidden_size, device="cuda")  # [C, D] fp32 residual rows, reused by every chunk
+        for N in tokens:
+            cap = -(-N // 128) * 128  # a multiple of 16 and of the region size, as new_cache rounds
+            cache = None
+            try:
+                with torch.inference_mode():
+                    cache = block.self_attn.new_cache(1, cap, "cuda")
+                    prefill(block, cache, rope, res, min(N, 2 * C), C)  # warm-up: Triton compiles, p0=0 and p0>0
+                    torch.cuda.reset_peak_memory_stats()
+                    t = timed(lambda: prefill(block, cache, rope, res, N, C), reps)  # restarts at p0=0: overwrites
+                    peak = torch.cuda.max_memory_allocated() / 2 ** 30
+                    if kind == "dsa" and N == max(tokens):
+                        dsa_breakdown(block, cache, rope, res, N, min(C, N), cfg)
+                    if profile and N == max(tokens):  # device time per kernel of the last chunk, run again
+                        from torch.profiler import ProfilerActivity, profile as prof
+                        with prof(activities=[ProfilerActivity.CUDA]) as pr:
+                            c = min(C, N)
+                            block(res[:c], torch.arange(N - c, N, device="cuda"), rope, [(0, c, N - c)], cache)
+                            torch.cuda.synchronize()
+                        print(pr.key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                                      max_name_column_width=50))
+            except torch.cuda.OutOfMemoryError as e:
+                print(f"{kind:8s} N={N:7d}: out of memory ({str(e)[:120]})")
+                cache = None
+                torch.cuda.empty_cache()
+                continue
+            results[kind, N] = t
+            fb, f8 = flops(block, cfg, kind, N)
+            ideal = fb / BF16_FLOPS + f8 / FP8_FLOPS
+            print(f"{kind:8s} N={N:7d} chunk {C}: {t * 1e3:9.1f} ms  {N / t:9.0f} tok/s/rank  peak {peak:6.2f} GiB  "
+                  f"{(fb + f8) / t / 1e12:6.1f} TFLOP/s ({fb / N / 1e6:.0f} bf16 + {f8 / N / 1e6:.0f} fp8 MFLOP/token)"
+                  f"  roofline {ideal * 1e3:7.1f} ms = {ideal / t:5.1%}")
+            del cache
+            torch.cuda.empty_cache()
+        block = None
+        torch.cuda.empty_cache()
+    n_dsa = sum(cfg.is_dsa(i) for i in range(cfg.num_hidden_layers))
+    n_sl = cfg.num_hidden_layers - n_dsa
+    for N in tokens:
+        if ("sliding", N) in results and ("dsa", N) in results:
+            t = n_sl * results["sliding", N] + n_dsa * results["dsa", N]
+            print(f"projected prefill of {N} tokens, {n_sl} sliding + {n_dsa} DSA MoE-shaped layers, chunk {C}: "
+                  f"{t:.2f} s = {N / t:.0f} tok/s per rank (collectives, embedding and head excluded)")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--layers", nargs="+", choices=list(LAYER_ID), default=list(LAYER_ID))
+    ap.add_argument("--reps", type=int, default=1, help="time each prefill this many times, keep the best")
+    ap.add_argument("--profile", action="store_true", help="print the device time of each kernel of the last chunk")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_prefill.py needs a CUDA device")
+    main(a.tokens, a.chunk, a.layers, a.reps, a.profile)
