@@ -144,6 +144,7 @@ class Step5Config:
     tp_size: int = 1
     expert_parallel_size: int = 1
     tp_layout_version: str | None = None
+    mtp_layers_kept: int = 0  # MTP layers convert.py --keep-mtp wrote into the shards (0: none, the default)
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -158,6 +159,7 @@ class Step5Config:
             raise ConfigError(f"config is missing {', '.join(missing)}")
         _check_types(d, ints=(*req, "sliding_window", "max_position_embeddings", "moe_num_experts", "moe_top_k",
                               "moe_intermediate_size", "share_expert_dim", "num_nextn_predict_layers",
+                              "mtp_layers_kept",
                               # second spellings, compared with the first below
                               "num_experts_per_tok", "num_key_value_heads", "n_routed_experts",
                               "head_dim_full_attention", "head_dim_sliding_attention",
@@ -229,7 +231,7 @@ class Step5Config:
             num_nextn_predict_layers=nextn,
             sparse=SparseConfig.from_dict(d.get("sparse_config"), int(d["num_attention_groups"])),
             eos_token_id=eos, quantization_config=q, tp_size=tp, expert_parallel_size=ep,
-            tp_layout_version=d.get("tp_layout_version"), raw=d)
+            tp_layout_version=d.get("tp_layout_version"), mtp_layers_kept=int(d.get("mtp_layers_kept", 0)), raw=d)
         c.validate()
         return c
 
@@ -253,6 +255,9 @@ class Step5Config:
         if self.n_local_heads % self.n_local_groups:
             raise ConfigError(f"tp_size={tp}: {self.n_local_heads} local query heads do not divide over "
                               f"{self.n_local_groups} local KV groups")
+        if not 0 <= self.mtp_layers_kept <= self.num_nextn_predict_layers:
+            raise ConfigError(f"mtp_layers_kept={self.mtp_layers_kept} must be between 0 and "
+                              f"num_nextn_predict_layers={self.num_nextn_predict_layers}")
         for i in self.moe_layers:
             if not 0 <= i < L:
                 raise ConfigError(f"MoE layer {i} is outside 0..num_hidden_layers-1={L - 1}")
@@ -326,7 +331,7 @@ def parse_config(d: dict, source: str = "config.json") -> tuple[Step5Config, "St
                 raise ConfigError(f"model_type={d.get('model_type')!r} with a text_config is not a Step-5 VL "
                                   f"composite ({', '.join(VL_MODEL_TYPES)})")
             text = dict(d["text_config"])
-            for k in ("tp_size", "expert_parallel_size", "tp_layout_version"):
+            for k in ("tp_size", "expert_parallel_size", "tp_layout_version", "mtp_layers_kept"):
                 if k in d and k not in text:
                     text[k] = d[k]
             tc = Step5Config.from_dict(text, d.get("quantization_config"))

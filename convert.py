@@ -7,7 +7,8 @@ OUT/tokenizer_files/. Before converting (and alone, with --check-only) it checks
 from the safetensors headers only. Shards are streamed tensor by tensor, so host memory tracks the largest single
 tensor rather than the checkpoint. Each shard's sha256 is recorded beside it (model-r{rank}.safetensors.sha256) while
 it is written; a rerun keeps every shard whose header matches and whose bytes still hash to that value (re-hashing
-is skipped with --no-verify-existing) and rewrites the rest.
+is skipped with --no-verify-existing) and rewrites the rest. MTP layers (index >= num_hidden_layers) are dropped unless
+--keep-mtp writes them into every rank's shard for speculative decoding.
 """
 import argparse
 import hashlib
@@ -51,6 +52,11 @@ RULES += [(".moe.gate.weight", ("full",)), (".moe.router_bias", ("full",)),
           (".q_norm.weight", ("full",)), (".k_norm.weight", ("full",)), (".k_norm.bias", ("full",)),
           (".input_layernorm.weight", ("full",)), (".post_attention_layernorm.weight", ("full",)),
           ("model.embed_tokens.weight", ("full",)), ("model.norm.weight", ("full",)), ("lm_head.weight", ("full",))]
+# MTP layers (--keep-mtp) are sliding-attention layers with a dense MLP, so the rules above shard their attention, MLP
+# and norms; these cover the rest. Each MTP layer's own head is stored as this rank's contiguous vocabulary rows, not
+# whole like lm_head, so the kept layers cost a rank V/tp head rows each instead of V.
+RULES += [(".eh_proj.weight", ("full",)), (".enorm.weight", ("full",)), (".hnorm.weight", ("full",)),
+          (".transformer.shared_head.norm.weight", ("full",)), (".transformer.shared_head.output.weight", ("split", 0))]
 
 
 class BadFile(Exception):
@@ -115,16 +121,21 @@ def load_json(path: str) -> dict:
     return d
 
 
-def expected_tensors(tc: Step5Config, vl: Step5VLConfig | None) -> dict:
-    """name -> (shape, dtype) the config implies: the text model's tensors and, for a VL checkpoint, the vision
-    tower's and projector's (all BF16); MTP layers are not expected."""
+def is_mtp(name: str, tc: Step5Config) -> bool:
+    m = LAYER_RE.match(name)
+    return bool(m) and int(m.group(1)) >= tc.num_hidden_layers
+
+
+def expected_tensors(tc: Step5Config, vl: Step5VLConfig | None, mtp: int = 0) -> dict:
+    """name -> (shape, dtype) the config implies: the text model's tensors, the first `mtp` MTP layers' 17 each and,
+    for a VL checkpoint, the vision tower's and projector's (all BF16)."""
     D, V, H, G, hd = tc.hidden_size, tc.vocab_size, tc.num_attention_heads, tc.num_attention_groups, tc.head_dim
     E, F, S, I = tc.moe_num_experts, tc.moe_intermediate_size, tc.share_expert_dim, tc.intermediate_size
     fp8 = tc.config_fp8_layers()
     blk = (tc.quantization_config or {}).get("weight_block_size", [128, 128])
     e = {"model.embed_tokens.weight": ([V, D], "BF16"), "model.norm.weight": ([D], "F32"),
          "lm_head.weight": ([V, D], "BF16")}
-    for i in range(tc.num_hidden_layers):
+    for i in range(tc.num_hidden_layers + mtp):
         p = f"model.layers.{i}."
         for k, shape in (("input_layernorm.weight", [D]), ("post_attention_layernorm.weight", [D]),
                          ("self_attn.q_norm.weight", [hd]), ("self_attn.k_norm.weight", [hd])):
@@ -132,7 +143,11 @@ def expected_tensors(tc: Step5Config, vl: Step5VLConfig | None) -> dict:
         for k, shape in (("q_proj", [H * hd, D]), ("k_proj", [G * hd, D]), ("v_proj", [G * hd, D]),
                          ("o_proj", [D, H * hd]), ("g_proj", [H, D])):
             e[p + f"self_attn.{k}.weight"] = (shape, "BF16")
-        if tc.is_dsa(i):
+        if i >= tc.num_hidden_layers:  # MTP (§3.6 gives shapes; dtypes as the main layers': norms F32, linears BF16)
+            e.update({p + "eh_proj.weight": ([D, 2 * D], "BF16"), p + "enorm.weight": ([D], "F32"),
+                      p + "hnorm.weight": ([D], "F32"), p + "transformer.shared_head.norm.weight": ([D], "F32"),
+                      p + "transformer.shared_head.output.weight": ([V, D], "BF16")})
+        elif tc.is_dsa(i):
             P, IH, a = tc.sparse.proxy_dim, tc.sparse.n_heads, p + "self_attn."
             e.update({a + "sparse_indexer_q.weight": ([IH * P, D], "BF16"), a + "sparse_indexer_k.weight": ([P, D], "BF16"),
                       a + "sparse_indexer_z.weight": ([P, D], "BF16"), a + "sparse_indexer_w.weight": ([IH, D], "F32"),
@@ -199,8 +214,9 @@ class Source:
     raw: dict
     tc: Step5Config
     vl: Step5VLConfig | None
-    tensors: dict   # output name -> TInfo, MTP excluded
-    n_mtp: int
+    tensors: dict   # output name -> TInfo; of the MTP layers only those kept
+    n_mtp: int      # MTP tensors skipped
+    mtp: int        # MTP layers kept (--keep-mtp: num_nextn_predict_layers; else 0)
     warnings: list  # repeated in the conversion summary
 
 
@@ -222,7 +238,7 @@ def out_dir_problems(ckpt: str, out_dir: str, tp: int) -> list[str]:
             "into the source, choose an --out-dir outside it"]
 
 
-def inspect(ckpt: str, tp: int, out_dir: str | None = None) -> Source:
+def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = False) -> Source:
     """Header-only check of a checkpoint against its config. Prints what was checked; exits listing every problem."""
     if os.path.isfile(ckpt):
         raise SystemExit(f"error: --checkpoint {ckpt} is a file, not a directory (give the directory that holds "
@@ -250,9 +266,13 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None) -> Source:
             except BadFile as e:
                 problems.append(str(e))
     L, tensors, n_mtp, unverified = tc.num_hidden_layers, {}, 0, set()
+    mtp = tc.num_nextn_predict_layers if keep_mtp else 0
+    if keep_mtp and not mtp:  # an error, not a warning: shards lacking what was asked for would fail later, at load
+        problems.append("--keep-mtp: num_nextn_predict_layers=0 in config.json, the checkpoint declares no MTP layers "
+                        "to keep (convert without --keep-mtp)")
     for key, fname in sorted(wm.items()):
         m = LAYER_RE.match(key)
-        if m and int(m.group(1)) >= L:
+        if m and int(m.group(1)) >= L + mtp:
             n_mtp += 1
             continue
         # some packagings prefix the vision tower and projector with "model."; the shards use one spelling
@@ -267,7 +287,7 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None) -> Source:
         else:
             h = headers[fname][0][key]
             tensors[name] = TInfo(fname, key, h["dtype"], list(h["shape"]), headers[fname][2] + h["data_offsets"][0])
-    expected = expected_tensors(tc, vl)
+    expected = expected_tensors(tc, vl, mtp)
     for name, (shape, dtype) in expected.items():
         t = tensors.get(name)
         if t is None:
@@ -298,10 +318,11 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None) -> Source:
     if out_dir:
         problems += out_dir_problems(ckpt, out_dir, tp)
     ignored = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors") and f not in wm.values())
+    kept = f"{sum(is_mtp(n, tc) for n in tensors)} MTP tensors kept (layers {L}..{L + mtp - 1}), " if mtp else ""
     print(f"checked {ckpt}: {'composite VL' if vl else 'text-only'} config ({raw.get('model_type')}), "
           f"{len(wm)} indexed tensors in {len(set(wm.values()))} files (headers only; not indexed, ignored: "
-          f"{', '.join(ignored) or 'none'}); {len(expected)} expected tensors by name/shape/dtype, {n_mtp} MTP "
-          f"tensors skipped; FP8 experts on MoE layers {sorted(have) or 'none'}"
+          f"{', '.join(ignored) or 'none'}); {len(expected)} expected tensors by name/shape/dtype, {kept}"
+          f"{n_mtp} MTP tensors skipped; FP8 experts on MoE layers {sorted(have) or 'none'}"
           f"{f' (not checked: {str(sorted(unknown))[1:-1]}, whose tensors could not be read)' if unknown else ''}, "
           f"{n_fp8} FP8 scale grids; "
           f"TP=EP={tp} split of heads, KV/provider groups, dense/shared widths, experts, vocab")
@@ -313,14 +334,17 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None) -> Source:
         print(w, file=sys.stderr)
     if problems:
         raise SystemExit(f"error: {len(problems)} problem(s) in {ckpt}:\n" + "\n".join(f"  {p}" for p in problems))
-    return Source(ckpt, raw, tc, vl, tensors, n_mtp, warnings)
+    return Source(ckpt, raw, tc, vl, tensors, n_mtp, mtp, warnings)
 
 
 def fingerprint(src: Source) -> str:
     """Identity of the source for the shard metadata: config, tensor inventory and the first bytes of every
-    tensor (a few KB of reads), so a checkpoint with the same geometry but other weights gets another value."""
+    tensor (a few KB of reads), so a checkpoint with the same geometry but other weights gets another value. Kept MTP
+    tensors are left out: the value names the source whatever --keep-mtp says (a flag switch shows as a key-set change
+    on resume), at the price of not seeing a source whose MTP weights alone changed."""
     h = hashlib.sha256(json.dumps(src.raw, sort_keys=True).encode())
-    for fname, group in groupby(sorted(src.tensors.items(), key=lambda kv: (kv[1].file, kv[0])), lambda kv: kv[1].file):
+    body = sorted(((n, t) for n, t in src.tensors.items() if not is_mtp(n, src.tc)), key=lambda kv: (kv[1].file, kv[0]))
+    for fname, group in groupby(body, lambda kv: kv[1].file):
         with open(os.path.join(src.path, fname), "rb") as f:
             for name, t in group:
                 f.seek(t.start)
@@ -471,13 +495,16 @@ def write_bytes(path: str, data: bytes):
     os.replace(tmp, path)
 
 
-def rank_config(raw: dict, tp: int, fp: str) -> dict:
+def rank_config(raw: dict, tp: int, fp: str, mtp: int = 0) -> dict:
     """Source config + the layout fields (tp_size, expert_parallel_size, tp_layout_version; no rank field, so every
-    rank's copy is identical). The VL form keeps its nesting and identity; the three layout keys and
+    rank's copy is identical), and mtp_layers_kept when --keep-mtp wrote MTP layers (absent otherwise, so a default
+    conversion's configs are unchanged). The VL form keeps its nesting and identity; these keys and
     source_fingerprint go both at the top and into text_config so either reader finds them. No auto_map: nothing
     points at remote code."""
     cfg = json.loads(json.dumps(raw))
     add = {"tp_size": tp, "expert_parallel_size": tp, "tp_layout_version": LAYOUT_VERSION}
+    if mtp:
+        add["mtp_layers_kept"] = mtp
     for d in (cfg, cfg.get("text_config")):
         if isinstance(d, dict):
             d.pop("auto_map", None)
@@ -494,8 +521,12 @@ def readme(src: Source, tp: int, fp: str, plan0: list[Piece]) -> str:
             continue
         seen.add(kind)
         rows.append(f"| `{kind}` | {p.src.dtype} | {p.src.shape} | {p.shape} | {p.rule} |")
+    L, m = src.tc.num_hidden_layers, src.mtp
+    kept = (f"MTP layers {L}..{L + m - 1} kept ({sum(is_mtp(p.name, src.tc) for p in plan0)} tensors, "
+            f"`mtp_layers_kept: {m}` in the configs; each `transformer.shared_head.output` stored as the rank's "
+            "vocabulary rows), " if m else "")
     return (f"# Step-5 shards: TP = EP = {tp}, layout `{LAYOUT_VERSION}`\n\n"
-            f"Source fingerprint `{fp}`; {len(plan0)} tensors per rank, {src.n_mtp} MTP tensors excluded. "
+            f"Source fingerprint `{fp}`; {len(plan0)} tensors per rank, {kept}{src.n_mtp} MTP tensors excluded. "
             "`model-r{rank}.safetensors` (its sha256 in `model-r{rank}.safetensors.sha256`) + "
             "`config-r{rank}.json` per rank; `lm_head` is stored whole and narrowed "
             "to the rank's vocabulary rows at load; KV and indexer groups are duplicated on adjacent ranks when "
@@ -504,18 +535,18 @@ def readme(src: Source, tp: int, fp: str, plan0: list[Piece]) -> str:
 
 
 def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | None = None, check_only: bool = False,
-         verify_existing: bool = True):
+         verify_existing: bool = True, keep_mtp: bool = False):
     ep_size = tp_size if ep_size is None else ep_size
     if tp_size < 1 or ep_size != tp_size:
         raise SystemExit(f"error: --tp-size={tp_size} and --ep-size={ep_size} must be equal and >= 1 (co-located TP/EP)")
     if not out_dir and not check_only:
         raise SystemExit("error: --out-dir is required unless --check-only")
-    src = inspect(checkpoint, tp_size, out_dir)
+    src = inspect(checkpoint, tp_size, out_dir, keep_mtp)
     if check_only:
         print("check passed; nothing written")
         return
     fp = fingerprint(src)
-    cfg = rank_config(src.raw, tp_size, fp)
+    cfg = rank_config(src.raw, tp_size, fp, src.mtp)
     try:
         parse_config(cfg, "per-rank config")  # what the runtime will read must parse, with its tp checks
     except ConfigError as e:
@@ -580,8 +611,11 @@ if __name__ == "__main__":
     ap.add_argument("--no-verify-existing", dest="verify_existing", action="store_false",
                     help="on a rerun, keep shards whose header matches without re-hashing them against their "
                          "recorded sha256 (faster; damage inside the data goes unnoticed)")
+    ap.add_argument("--keep-mtp", "--keep_mtp", dest="keep_mtp", action="store_true",
+                    help="also write the checkpoint's MTP layers (num_nextn_predict_layers of them) into every "
+                         "rank's shard, for generate.py --speculative")
     a = ap.parse_args()
     try:
-        main(a.checkpoint, a.out_dir, a.tp_size, a.ep_size, a.check_only, a.verify_existing)
+        main(a.checkpoint, a.out_dir, a.tp_size, a.ep_size, a.check_only, a.verify_existing, a.keep_mtp)
     except OSError as e:  # disk full, permissions, a file vanishing mid-run: name it, no traceback
         raise SystemExit(f"error: {e.filename or ''}: {e.strerror or e}") from None

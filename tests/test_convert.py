@@ -60,7 +60,8 @@ def window(G, tp, r):  # written independently of config.group_window
 
 SPLIT0 = (".q_proj.weight", ".g_proj.weight", ".mlp.gate_proj.weight", ".mlp.up_proj.weight",
           ".share_expert.gate_proj.weight", ".share_expert.up_proj.weight", ".moe.gate_proj.weight",
-          ".moe.up_proj.weight", ".moe.down_proj.weight", "_proj.weight_scale_inv")
+          ".moe.up_proj.weight", ".moe.down_proj.weight", "_proj.weight_scale_inv",
+          ".transformer.shared_head.output.weight")  # an MTP layer's head: vocabulary rows, unlike the whole lm_head
 SPLIT1 = (".o_proj.weight", ".mlp.down_proj.weight", ".share_expert.down_proj.weight")
 GROUPED = (".k_proj.weight", ".v_proj.weight", ".sparse_indexer_q.weight", ".sparse_indexer_w.weight")
 
@@ -89,7 +90,15 @@ def test_shards_reassemble_to_the_source_bit_for_bit(ckpts, converted, kind, tp)
     keep = set(src) - mtp
     for r, sh in enumerate(shards):
         assert set(sh) == keep, f"rank {r}: key set differs: {sorted(set(sh) ^ keep)[:5]}"
-    for name in sorted(keep):
+    assert_slices(src, shards, keep, G, tp)
+    if kind == "fp8_vl":
+        assert any(n.startswith("vision_model.") for n in keep) and "vit_large_projector.weight" in keep
+        assert any(s.dtype == torch.float8_e4m3fn for s in shards[0].values())
+
+
+def assert_slices(src, shards, names, G, tp):
+    """Each rank's tensor is its slice of the source, bit for bit, by the layout's rules (restated here)."""
+    for name in sorted(names):
         s, parts = src[name], [sh[name] for sh in shards]
         if name.endswith(SPLIT0):
             assert same(torch.cat(parts, 0), s), name
@@ -104,9 +113,6 @@ def test_shards_reassemble_to_the_source_bit_for_bit(ckpts, converted, kind, tp)
                 assert all(same(parts[r], parts[r + 1]) for r in range(0, tp, 2)), name
         else:  # replicated, vision and projector included
             assert all(same(p, s) for p in parts), name
-    if kind == "fp8_vl":
-        assert any(n.startswith("vision_model.") for n in keep) and "vit_large_projector.weight" in keep
-        assert any(s.dtype == torch.float8_e4m3fn for s in shards[0].values())
 
 
 @pytest.mark.parametrize("kind,tp", [("fp8_vl", 8), ("bf16_text", 2)])
@@ -502,6 +508,153 @@ def test_source_is_never_modified(ckpts, converted):
     before = dir_bytes(ckpts["bf16_text"])
     converted("bf16_text", 2)
     assert dir_bytes(ckpts["bf16_text"]) == before
+
+
+# ---------------------------------------------------------------------------------------------- --keep-mtp
+@pytest.fixture(scope="session")
+def converted_mtp(ckpts, tmp_path_factory):
+    """converted_mtp(kind, tp) -> out dir of a clean --keep-mtp conversion, made once per session."""
+    cache = {}
+
+    def get(kind, tp):
+        if (kind, tp) not in cache:
+            out = str(tmp_path_factory.mktemp(f"out_mtp_{kind}_tp{tp}"))
+            convert.main(ckpts[kind], out, tp_size=tp, keep_mtp=True)
+            cache[kind, tp] = out
+        return cache[kind, tp]
+    return get
+
+
+def mtp_names(src, text):
+    L, n = text["num_hidden_layers"], text["num_nextn_predict_layers"]
+    return {k for k in src if k.startswith("model.layers.") and L <= int(k.split(".")[2]) < L + n}
+
+
+@pytest.mark.parametrize("kind,tp", [("bf16_text", 1), ("bf16_text", 2), ("fp8_vl", 2)])
+def test_keep_mtp_writes_the_mtp_layers_sliced_bit_for_bit(ckpts, converted, converted_mtp, kind, tp):
+    ckpt, out = ckpts[kind], os.path.join(converted_mtp(kind, tp), f"tp{tp}")
+    src = source_tensors(ckpt)
+    text = json.load(open(os.path.join(ckpt, "config.json")))
+    text = text.get("text_config", text)
+    L, n, G, V = (text[k] for k in ("num_hidden_layers", "num_nextn_predict_layers", "num_attention_groups",
+                                    "vocab_size"))
+    mtp = mtp_names(src, text)
+    assert len(mtp) == 17 * n and n == 2
+    shards = [load_file(os.path.join(out, f"model-r{r}.safetensors")) for r in range(tp)]
+    plain = [load_file(os.path.join(converted(kind, tp), f"tp{tp}", f"model-r{r}.safetensors")) for r in range(tp)]
+    for r, (sh, pl) in enumerate(zip(shards, plain)):
+        assert set(sh) == set(pl) | mtp, f"rank {r}: {sorted(set(sh) ^ (set(pl) | mtp))[:5]}"
+        assert all(same(sh[k], pl[k]) for k in pl), f"rank {r}: a main tensor differs from the default conversion"
+    assert_slices(src, shards, mtp, G, tp)
+    for i in range(L, L + n):  # the MTP head is this rank's vocabulary window, not the whole head like lm_head
+        name = f"model.layers.{i}.transformer.shared_head.output.weight"
+        for r, sh in enumerate(shards):
+            assert same(sh[name], src[name][r * V // tp:(r + 1) * V // tp]), (name, r)
+        assert all(same(sh[f"model.layers.{i}.eh_proj.weight"], src[f"model.layers.{i}.eh_proj.weight"])
+                   for sh in shards)
+    assert {shards[0][k].dtype for k in mtp} == {torch.bfloat16, torch.float32}  # kept as stored, never quantized
+    readme = open(os.path.join(out, "README.md")).read()
+    assert f"MTP layers {L}..{L + n - 1} kept ({17 * n} tensors" in readme, readme
+
+
+@pytest.mark.parametrize("kind,tp", [("fp8_vl", 2), ("bf16_text", 1)])
+def test_keep_mtp_configs_carry_mtp_layers_kept_and_nothing_else_changes(ckpts, converted, converted_mtp, kind, tp):
+    """Only the configs' mtp_layers_kept differs from a default conversion: the fingerprint names the source whatever
+    the flag, and the shard metadata is the same; a default conversion's configs have no such key."""
+    out, plain = os.path.join(converted_mtp(kind, tp), f"tp{tp}"), os.path.join(converted(kind, tp), f"tp{tp}")
+    for r in range(tp):
+        cfg = json.load(open(os.path.join(out, f"config-r{r}.json")))
+        base = json.load(open(os.path.join(plain, f"config-r{r}.json")))
+        readers = [(cfg, base), (cfg["text_config"], base["text_config"])] if kind == "fp8_vl" else [(cfg, base)]
+        for d, b in readers:
+            assert d["mtp_layers_kept"] == 2 and "mtp_layers_kept" not in b
+            assert {k: v for k, v in d.items() if k not in ("mtp_layers_kept", "text_config")} == \
+                {k: v for k, v in b.items() if k != "text_config"}
+        assert parse_config(cfg)[0].mtp_layers_kept == 2 and parse_config(base)[0].mtp_layers_kept == 0
+        with safe_open(os.path.join(out, f"model-r{r}.safetensors"), "pt") as f, \
+                safe_open(os.path.join(plain, f"model-r{r}.safetensors"), "pt") as g:
+            assert f.metadata() == g.metadata()
+    assert "kept" not in open(os.path.join(plain, "README.md")).read().split("\n\n")[1]
+
+
+@pytest.mark.parametrize("value,needle", [
+    (2, None), (0, None),
+    ("2", 'mtp_layers_kept="2" must be an integer (got a JSON string)'),
+    (True, "mtp_layers_kept=true must be an integer (got a JSON boolean)"),
+    (-1, "mtp_layers_kept=-1 must be between 0 and num_nextn_predict_layers=2"),
+    (3, "mtp_layers_kept=3 must be between 0 and num_nextn_predict_layers=2"),
+], ids=["2", "0", "string", "boolean", "negative", "above num_nextn_predict_layers"])
+def test_config_mtp_layers_kept_is_validated(value, needle):
+    from config import ConfigError, Step5Config
+    from tiny_checkpoint import tiny_text_config
+    d = tiny_text_config(mtp_layers_kept=value)
+    if needle is None:
+        assert Step5Config.from_dict(d).mtp_layers_kept == value
+        return
+    with pytest.raises(ConfigError) as e:
+        Step5Config.from_dict(d)
+    assert str(e.value) == needle
+
+
+def test_check_only_with_keep_mtp_audits_the_mtp_layers(ckpts, tmp_path):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    idx = json.load(open(os.path.join(ck, INDEX)))
+    wm = idx["weight_map"]
+    missing, shape, dtype = ("model.layers.9.eh_proj.weight", "model.layers.8.transformer.shared_head.output.weight",
+                             "model.layers.9.enorm.weight")
+
+    def edit(d):
+        d.pop(missing, None)
+        if shape in d:
+            d[shape] = d[shape][:, :128].contiguous()
+        if dtype in d:
+            d[dtype] = d[dtype].to(torch.bfloat16)
+        return d
+    for fname in {wm[missing], wm[shape], wm[dtype]}:
+        rewrite_file(ck, fname, edit)
+    del wm[missing]
+    json.dump(idx, open(os.path.join(ck, INDEX), "w"))
+    cli = [sys.executable, "convert.py", "--checkpoint", ck, "--check-only", "--tp-size", "2"]
+    r = subprocess.run(cli + ["--keep-mtp"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "3 problem(s)" in r.stderr, r.stderr
+    assert f"{missing}: missing (expected BF16 [256, 512])" in r.stderr
+    assert f"{shape} in {wm[shape]}: BF16 [1024, 128], expected BF16 [1024, 256]" in r.stderr
+    assert f"{dtype} in {wm[dtype]}: BF16 [256], expected F32 [256]" in r.stderr
+    assert "33 MTP tensors kept (layers 8..9), 0 MTP tensors skipped" in r.stdout, r.stdout
+    r = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True)  # not kept: not audited, only counted
+    assert r.returncode == 0 and "33 MTP tensors skipped" in r.stdout and "kept" not in r.stdout, r.stderr
+
+
+def test_check_only_with_keep_mtp_passes_and_counts(ckpts, capsys):
+    convert.main(ckpts["fp8_vl"], None, tp_size=4, check_only=True, keep_mtp=True)
+    assert "34 MTP tensors kept (layers 8..9), 0 MTP tensors skipped" in capsys.readouterr().out
+
+
+def test_keep_mtp_on_a_checkpoint_without_mtp_layers_is_refused(tmp_path):
+    ck = make_checkpoint(str(tmp_path / "ck"), fp8=False, vl=False, text_overrides={"num_nextn_predict_layers": 0})
+    with pytest.raises(SystemExit) as e:
+        convert.main(ck, str(tmp_path / "out"), tp_size=2, keep_mtp=True)
+    assert "1 problem(s)" in str(e.value) and "--keep-mtp: num_nextn_predict_layers=0" in str(e.value), e.value
+    assert not (tmp_path / "out").exists()
+    convert.main(ck, str(tmp_path / "out"), tp_size=2)  # the same checkpoint converts without the flag
+
+
+def test_resume_switching_keep_mtp_rewrites_every_shard(ckpts, converted, converted_mtp, tmp_path, capsys):
+    """A shard without the MTP layers is not complete for a --keep-mtp run, and the other way round."""
+    out = str(tmp_path / "out")
+    shutil.copytree(converted("bf16_text", 2), out)
+    for keep, clean, why in ((True, converted_mtp("bf16_text", 2), "key set differs (34 missing, 0 unexpected)"),
+                             (False, converted("bf16_text", 2), "key set differs (0 missing, 34 unexpected)")):
+        capsys.readouterr()
+        convert.main(ckpts["bf16_text"], out, tp_size=2, keep_mtp=keep)
+        printed = capsys.readouterr().out
+        for r in range(2):
+            assert f"rank {r}: rewriting {os.path.join(out, 'tp2', f'model-r{r}.safetensors')}: {why}" in printed
+        assert dir_bytes(out) == dir_bytes(clean)
+    convert.main(ckpts["bf16_text"], out, tp_size=2, keep_mtp=False)
+    assert capsys.readouterr().out.count("sha256 verified); kept") == 2
 
 
 # ---------------------------------------------------------------------------------------------- memory
