@@ -487,6 +487,12 @@ _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn:
               torch.uint8: "U8", torch.int64: "I64"}
 
 
+def _layer_index(name: str) -> int | None:
+    """The N of a `model.layers.N.*` tensor name, else None."""
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else None
+
+
 class ShardError(ValueError):
     """A shard does not match its config: the message names the file and the key(s)."""
 
@@ -558,7 +564,10 @@ class Step5ForCausalLM(nn.Module):
                      else Step5ForCausalLM(cfg, fp8_layers, rank))
             expect = {k: (tuple(t.shape), t.dtype) for k, t in m.state_dict().items()}
             expect["lm_head.weight"] = ((cfg.vocab_size, cfg.hidden_size), torch.bfloat16)  # stored whole
-            missing, unexpected = sorted(expect.keys() - keys), sorted(keys - expect.keys())
+            # MTP layers kept by `convert.py --keep-mtp` are checked there; nothing here executes them yet
+            L, n_mtp = cfg.num_hidden_layers, cfg.mtp_layers_kept
+            mtp = {k for k in keys if _layer_index(k) in range(L, L + n_mtp)}
+            missing, unexpected = sorted(expect.keys() - keys), sorted(keys - expect.keys() - mtp)
             problems = []
             if missing:
                 problems.append(f"missing {len(missing)} key(s): {', '.join(missing[:8])}")
