@@ -101,10 +101,11 @@ def _moe_layers(d: dict) -> list[int]:
     return sorted(int(i) for i in layers)
 
 
-def _per_layer(d: dict, key: str, n: int, default):
+def _per_layer(d: dict, key: str, n: int, default, total: int | None = None):
+    """A per-layer list of at least n entries; a scalar is broadcast to `total` (main + MTP layers) entries."""
     v = d.get(key, default)
     if not isinstance(v, list):
-        v = [v] * n
+        v = [v] * (total or n)
     if len(v) < n:
         raise ConfigError(f"{key} has {len(v)} entries, fewer than num_hidden_layers={n}")
     return list(v)
@@ -217,8 +218,8 @@ class Step5Config:
             head_dim=int(d["head_dim"]), rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
             sliding_window=int(d.get("sliding_window", 512)),
             max_position_embeddings=int(d.get("max_position_embeddings", 524288)),
-            layer_types=list(layer_types), rope_theta=_per_layer(d, "rope_theta", L, 10000.0),
-            partial_rotary_factors=_per_layer(d, "partial_rotary_factors", L, 1.0),
+            layer_types=list(layer_types), rope_theta=_per_layer(d, "rope_theta", L, 10000.0, L + nextn),
+            partial_rotary_factors=_per_layer(d, "partial_rotary_factors", L, 1.0, L + nextn),
             rope_scaling=rs or None, yarn_only_types=list(d.get("yarn_only_types", [])),
             moe_layers=_moe_layers(d), moe_num_experts=int(d.get("moe_num_experts", 352)),
             moe_top_k=int(d.get("moe_top_k", 8)), moe_intermediate_size=int(d.get("moe_intermediate_size", 1536)),
@@ -255,6 +256,10 @@ class Step5Config:
         if self.n_local_heads % self.n_local_groups:
             raise ConfigError(f"tp_size={tp}: {self.n_local_heads} local query heads do not divide over "
                               f"{self.n_local_groups} local KV groups")
+        for name in ("rope_theta", "partial_rotary_factors"):  # the kept MTP layers need their entries too
+            if len(getattr(self, name)) < L + self.mtp_layers_kept:
+                raise ConfigError(f"{name} has {len(getattr(self, name))} entries; the {self.mtp_layers_kept} kept MTP "
+                                  f"layers need num_hidden_layers + mtp_layers_kept = {L + self.mtp_layers_kept}")
         if not 0 <= self.mtp_layers_kept <= self.num_nextn_predict_layers:
             raise ConfigError(f"mtp_layers_kept={self.mtp_layers_kept} must be between 0 and "
                               f"num_nextn_predict_layers={self.num_nextn_predict_layers}")
@@ -283,8 +288,10 @@ class Step5Config:
         return self.rope_scaling is not None and (not self.yarn_only_types or self.layer_types[i] in self.yarn_only_types)
 
     def clamp(self, i: int, shared: bool = False) -> float | None:
-        """SwiGLU limit of layer i; a 0/null entry means no clamp (Step-family convention)."""
-        v = (self.swiglu_limits_shared if shared else self.swiglu_limits)[i]
+        """SwiGLU limit of layer i; a 0/null entry means no clamp (Step-family convention). Whether the lists cover
+        the MTP layers is open in the release; an MTP layer without an entry takes the default limit, 7."""
+        limits = self.swiglu_limits_shared if shared else self.swiglu_limits
+        v = limits[i] if i < len(limits) else 7.0
         return float(v) if v else None
 
     def config_fp8_layers(self) -> set[int]:

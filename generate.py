@@ -242,6 +242,101 @@ def generate(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_
     return out, stats
 
 
+@torch.inference_mode()
+def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_ids, k: int, embeds=None,
+                draft_hook=None) -> tuple[list, dict]:
+    """Greedy decoding with the checkpoint's own MTP layers as the drafter -> (ids per request, stats).
+
+    Each round feeds the pending token and k drafts as one extend step of the main model; the longest prefix of
+    drafts equal to the main model's argmax is accepted, plus the main model's next token, so every emitted token is
+    the main model's greedy choice at its position whatever the drafts. Rejected rows are rolled back by resetting
+    the cache lengths: the sliding rings carry k spare slots, so a rejected row never overwrote a key that a kept
+    row still needs; K/V, pending indexer rows and region summaries at rejected positions are rewritten before any
+    kept query reads them. MTP layer j absorbs every kept row: at position i it reads depth j-1's residual there
+    and the token at i + j + 1; for the last j positions that token is one of this round's drafts, which a later
+    rejection does not revisit (an approximation that can only lower acceptance, never change the output).
+    Requests accept independently. draft_hook(requests, emitted, drafts [B, k]) -> drafts lets tests force drafts.
+    Not yet: CUDA graphs for the draft and verify steps (both run eagerly), sampling.
+    """
+    B = len(prompts)
+    if not 1 <= k <= model.cfg.mtp_layers_kept:
+        raise ValueError(f"speculative decoding with {k} drafts needs {k} MTP layers; the shards keep "
+                         f"{model.cfg.mtp_layers_kept} (convert.py --keep-mtp)")
+    dev = model.lm_head.weight.device
+    t0 = time.perf_counter()
+    cap = max(len(p) for p in prompts) + max_new_tokens + k + 1
+    cache, mtps = model.new_cache(B, cap, slack=k), model.new_mtp_caches(B, cap)
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
+    logits, hidden = model.forward_rows(ids, cache, [len(p) for p in prompts], embeds)
+    ends = torch.tensor([sum(len(p) for p in prompts[:b + 1]) - 1 for b in range(B)], device=dev)
+    pending = greedy(logits[ends]).tolist()  # [B]: the main model's next token, emitted, not yet fed
+
+    def absorb(hidden, seqs, counts):
+        """Every MTP depth over the kept rows (counts[b] per live request, packed in `hidden`); seqs[b] holds the
+        tokens that follow those rows' positions (the next token of row i is seqs[b][i + 1]). Returns the k drafts
+        [B, k], each depth's draft appended to seqs for the depth after it."""
+        drafts, last = [], torch.tensor([sum(counts[:b + 1]) - 1 for b in range(len(counts))], device=dev)
+        for j in range(k):
+            nxt = torch.tensor([t for s, n in zip(seqs, counts) for t in s[j + 1:j + 1 + n]], device=dev)
+            hidden, lg = model.mtp(j, hidden, nxt, mtps[j], counts)
+            d = greedy(lg[last]).tolist()
+            for s, t in zip(seqs, d):
+                s.append(t)
+            drafts.append(d)
+        return [list(x) for x in zip(*drafts)]
+
+    drafts = absorb(hidden, [p[:] + [t] for p, t in zip(prompts, pending)], [len(p) for p in prompts])
+    t1 = time.perf_counter()
+    out = [[t] if max_new_tokens > 0 else [] for t in pending]
+    live = [b for b in range(B) if max_new_tokens > 0]
+    eos = set(int(e) for e in eos_ids)
+    stats = {"prefill_tokens": sum(len(p) for p in prompts), "prefill_s": t1 - t0, "verify_steps": 0,
+             "verify_rows": 0, "proposed": [0] * k, "accepted": [0] * k}
+
+    def finished(b):
+        return len(out[b]) >= max_new_tokens or out[b][-1] in eos
+
+    rows = [r for r, b in enumerate(live) if not finished(b)]
+    while rows:
+        if len(rows) < len(live):  # requests that finished leave the batch: compact every cache
+            keep = torch.tensor(rows, dtype=torch.long, device=dev)
+            for c in [cache] + mtps:
+                c.keep(keep)
+            live, pending, drafts = [live[r] for r in rows], [pending[r] for r in rows], [drafts[r] for r in rows]
+        if draft_hook is not None:
+            drafts = draft_hook(live, out, drafts)
+        fed = [[pending[r]] + drafts[r] for r in range(len(live))]  # [live, k + 1]
+        start = cache.lengths.clone()
+        logits, hidden = model.forward_rows(torch.tensor([t for f in fed for t in f], device=dev), cache,
+                                            [k + 1] * len(live))
+        main = greedy(logits).view(len(live), k + 1).tolist()  # main[r][j]: the argmax after fed[r][:j + 1]
+        stats["verify_steps"] += 1
+        stats["verify_rows"] += len(live)  # one request verified
+        counts, seqs, picked = [], [], []
+        for r, b in enumerate(live):
+            a = 0
+            while a < k and drafts[r][a] == main[r][a]:
+                a += 1
+            for j in range(k):
+                stats["proposed"][j] += 1
+                stats["accepted"][j] += j < a
+            new = main[r][:a + 1]  # the accepted drafts (equal to the main model's argmax) and its next token
+            for t in new:
+                if not finished(b):
+                    out[b].append(t)
+            counts.append(a + 1)
+            seqs.append(fed[r][:a + 1] + [main[r][a]])
+            picked += [r * (k + 1) + j for j in range(a + 1)]
+            pending[r] = main[r][a]
+        cache.lengths.copy_(start + torch.tensor(counts, device=dev))  # roll back the rejected rows
+        drafts = absorb(hidden[torch.tensor(picked, device=dev)], seqs, counts)
+        rows = [r for r, b in enumerate(live) if not finished(b)]
+    stats["decode_tokens"] = sum(max(len(o) - 1, 0) for o in out)
+    stats["decode_s"] = time.perf_counter() - t1
+    check_same_on_all_ranks(out, dev)
+    return out, stats
+
+
 def check_same_on_all_ranks(out: list, device):
     """Every rank must have produced the same tokens: checked once at the end, not assumed."""
     if M.world_size == 1:
@@ -486,8 +581,12 @@ def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None,
          max_new_tokens: int = 128, prefill_chunk: int = 8192, ep_size: int | None = None,
          tokenizer: str | None = None, raw_prompt: bool = False, print_ids: bool = False, as_json: bool = False,
          device: str = "auto", cuda_graph: bool = True, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-         seed: int = 0) -> list:
+         seed: int = 0, speculative: int = 0) -> list:
     check_sampling(temperature, top_k, top_p, seed)  # same flags on every rank: all fail alike, before any collective
+    if speculative and not 1 <= speculative <= 3:
+        raise UserError(f"--speculative {speculative}: the checkpoint has at most 3 MTP layers (1..3 drafts)")
+    if speculative and temperature > 0:
+        raise UserError("--speculative with --temperature > 0 is not supported yet (the draft/verify rule is greedy)")
     for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         if v not in os.environ:
             raise UserError(f"environment variable {v} is not set: launch with torchrun "
@@ -504,7 +603,7 @@ def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None,
     inputs = dict(prompt=prompt, prompt_json=prompt_json, prompt_json_batch=prompt_json_batch,
                   image_inputs=image_inputs, images=images, save_image_inputs=save_image_inputs,
                   max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, tokenizer=tokenizer,
-                  raw_prompt=raw_prompt)
+                  raw_prompt=raw_prompt, speculative=speculative)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     try:
         out, tok, reqs, eos, stats = _run(tp_dir, inputs, ep_size, dev, cuda_graph, sampling, rank, world, say)
@@ -536,6 +635,9 @@ def _run(tp_dir, inputs, ep_size, dev, cuda_graph, sampling, rank, world, say):
             raise UserError(f"--max-new-tokens {inputs['max_new_tokens']} must be >= 0")
         if inputs["prefill_chunk"] < 1:
             raise UserError(f"--prefill-chunk {inputs['prefill_chunk']} must be >= 1")
+        if inputs["speculative"] > cfg.mtp_layers_kept:
+            raise UserError(f"--speculative {inputs['speculative']} needs {inputs['speculative']} MTP layer(s) but "
+                            f"{cfg_path} keeps {cfg.mtp_layers_kept}: convert with --keep-mtp")
         if (inputs["image_inputs"] or inputs["images"]) and vl is None:
             raise UserError(f"{'--image' if inputs['images'] else '--image-inputs'} given but {cfg_path} is a "
                             "text-only model")
@@ -607,8 +709,15 @@ def _run(tp_dir, inputs, ep_size, dev, cuda_graph, sampling, rank, world, say):
             say(f"prefill: tokens {first}-{min(first + chunk, longest)} of {longest}, layer {i}/{n} after {el:.0f} s")
     progress.last = 0.0
     chunk = inputs["prefill_chunk"]
-    out, stats = generate(m, [ids for ids, _ in reqs], inputs["max_new_tokens"], eos, embeds, cuda_graph, progress,
-                          chunk, **sampling)
+    prompts = [ids for ids, _ in reqs]
+    if inputs["speculative"]:
+        out, stats = speculative(m, prompts, inputs["max_new_tokens"], eos, inputs["speculative"], embeds)
+        acc = ", ".join(f"depth {j + 1}: {a}/{p}" for j, (a, p) in enumerate(zip(stats["accepted"], stats["proposed"])))
+        say(f"speculative: {inputs['speculative']} MTP draft(s) per step; accepted {acc}; "
+            f"{stats['decode_tokens'] / max(stats['verify_rows'], 1):.2f} tokens per request and verify step")
+    else:
+        out, stats = generate(m, prompts, inputs["max_new_tokens"], eos, embeds, cuda_graph, progress, chunk,
+                              **sampling)
     return out, tok, reqs, eos, stats
 
 
@@ -654,6 +763,9 @@ if __name__ == "__main__":
                     "whose probability reaches P (1: no limit; needs --temperature)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0): the same seed "
                     "gives the same tokens on the same device type")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="draft K tokens per step with the checkpoint's MTP layers (1..3; shards converted with "
+                    "--keep-mtp); greedy output is unchanged. Prompts are prefilled in one pass")
     ap.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=None,
                     help="expert-parallel size; must equal the shards' expert_parallel_size (= TP), which is the "
                     "default")
@@ -683,7 +795,8 @@ if __name__ == "__main__":
              image_inputs=a.image_inputs, images=a.images, save_image_inputs=a.save_image_inputs,
              max_new_tokens=a.max_new_tokens, prefill_chunk=a.prefill_chunk, ep_size=a.ep_size, tokenizer=a.tokenizer,
              raw_prompt=a.raw_prompt, print_ids=a.print_ids, as_json=a.as_json, device=a.device,
-             cuda_graph=a.cuda_graph, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+             cuda_graph=a.cuda_graph, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+             speculative=a.speculative)
     except UserError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)

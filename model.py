@@ -116,7 +116,7 @@ def rope_tables(c: Step5Config, n_pos: int, device) -> list:
             built[key] = rope_table(span, key[1], c.rope_scaling if key[2] else None, n_pos, device)
         return built[key]
 
-    for i in range(c.num_hidden_layers):
+    for i in range(c.num_hidden_layers + c.mtp_layers_kept):
         t = {"main": table(c.rope_span(i), i)}
         if c.is_dsa(i):
             t["indexer"] = table(c.sparse.rope_dim, i)
@@ -161,21 +161,24 @@ class Pins:
     Recording (`Pins()`) stores every decision under (layer, request, position[, global KV group]); replaying
     (`Pins(recorded.data)`) substitutes the stored decision (the router weights of pinned experts are recomputed by
     the reference router). `requests` maps the replaying run's request indices to the recorded ones (e.g. one
-    request alone replaying its row of a batch). A decision missing in a replay is an error. Host reads here are
-    fine: pins are never installed outside tests.
+    request alone replaying its row of a batch). A decision missing in a replay is an error, unless `strict=False`
+    lets such rows keep their own (rows the compared run discards, e.g. rejected speculative drafts). Host reads
+    here are fine: pins are never installed outside tests.
     """
 
-    def __init__(self, recorded: dict | None = None, requests: list | None = None):
+    def __init__(self, recorded: dict | None = None, requests: list | None = None, strict: bool = True):
         self.replay = recorded is not None
         self.data = dict(recorded) if recorded is not None else {}
-        self.requests = requests
+        self.requests, self.strict = requests, strict
 
     def _key(self, *k):
         kind, layer, req, *rest = k
         return (kind, layer, self.requests[req] if self.requests is not None else req, *rest)
 
-    def _get(self, key):
+    def _get(self, key, own):
         if key not in self.data:
+            if not self.strict:
+                return own
             raise KeyError(f"no pinned decision for {key}: the replayed run visits a token the recording did not")
         return self.data[key]
 
@@ -185,7 +188,7 @@ class Pins:
         if not self.replay:
             self.data.update(zip(keys, ids.cpu()))
             return None
-        return torch.stack([self._get(k) for k in keys]).to(ids.device)
+        return torch.stack([self._get(key, own) for key, own in zip(keys, ids.cpu())]).to(ids.device)
 
     def regions(self, layer: int, req, pos, group0: int, ids, valid, n_regions: int):
         """ids, valid [S, G, T, K] (ascending ids, invalid slots = n_regions); req [S]; pos [S, T] -> ids, valid."""
@@ -198,7 +201,7 @@ class Pins:
             return ids, valid
         out = torch.full((S, G, T, K), n_regions, dtype=ids.dtype)
         for s, g, t, key in keys:
-            sel = self._get(key)
+            sel = self._get(key, ids[s, g, t][valid[s, g, t]].cpu())
             out[s, g, t, :len(sel)] = sel
         out = out.to(ids.device)
         return out, out < n_regions
@@ -251,12 +254,14 @@ class Attention(nn.Module):
             self.idx_k_norm_b = self.sparse_indexer_k_norm.bias.bfloat16().float()
             self.idx_w = self.sparse_indexer_w.weight.bfloat16()
 
-    def new_cache(self, B: int, cap: int, device) -> LayerCache:
+    def new_cache(self, B: int, cap: int, device, slack: int = 0) -> LayerCache:
+        """slack: extra ring slots, so that rows written past the kept length (rejected speculative rows, rolled back
+        by resetting the lengths) never overwrite a key that a kept row's window still needs."""
         G, hd = self.n_groups, self.cfg.head_dim
         if not self.dsa:
-            W = self.cfg.sliding_window
-            return LayerCache(k=torch.zeros(B, G, W, hd, dtype=torch.bfloat16, device=device),
-                              v=torch.zeros(B, G, W, hd, dtype=torch.bfloat16, device=device))
+            R = self.cfg.sliding_window + slack
+            return LayerCache(k=torch.zeros(B, G, R, hd, dtype=torch.bfloat16, device=device),
+                              v=torch.zeros(B, G, R, hd, dtype=torch.bfloat16, device=device))
         sp = self.cfg.sparse
         return LayerCache(k=torch.zeros(B, cap, G, hd, dtype=torch.bfloat16, device=device),
                           v=torch.zeros(B, cap, G, hd, dtype=torch.bfloat16, device=device),
@@ -291,15 +296,16 @@ class Attention(nn.Module):
     # ---- sliding window
     def _sliding_prefill(self, q, k, v, spans, cache):
         """Each request's chunk of n tokens at positions p0.. sees the last W-1 cached keys and its own (causal, banded);
-        the ring then keeps the chunk's last W keys. q [T, H, hd], k/v [T, G, hd]."""
-        W, out = self.cfg.sliding_window, torch.empty_like(q)
+        the ring (R >= W slots, position p in slot p mod R) then keeps the chunk's last R keys. q [T, H, hd], k/v
+        [T, G, hd]."""
+        W, R, out = self.cfg.sliding_window, cache.k.shape[2], torch.empty_like(q)
         for b, (s, n, p0) in enumerate(spans):
             if n == 0:
                 continue
             qb, kb, vb = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [H|G, n, hd]
             m = min(p0, W - 1)  # cached keys in the window of the chunk's first query: positions p0-m .. p0-1
             if m:
-                old = torch.arange(p0 - m, p0, device=q.device) % W
+                old = torch.arange(p0 - m, p0, device=q.device) % R
                 kb, vb = torch.cat([cache.k[b][:, old], kb], 1), torch.cat([cache.v[b][:, old], vb], 1)
             for c0 in range(0, n, 2048):  # query chunks; query i (key index m + i) sees keys (m + i - W, m + i]
                 c1, k0 = min(n, c0 + 2048), max(0, m + c0 - W + 1)
@@ -308,17 +314,19 @@ class Attention(nn.Module):
                 o = F.scaled_dot_product_attention(qb[:, c0:c1], kb[:, k0:m + c1], vb[:, k0:m + c1], attn_mask=mask,
                                                    scale=self.scale, enable_gqa=True)
                 out[s + c0:s + c1] = o.transpose(0, 1)
-            keep = torch.arange(max(0, n - W), n, device=q.device)  # the ring keeps the last W positions
-            cache.k[b, :, (p0 + keep) % W] = kb[:, m + keep]
-            cache.v[b, :, (p0 + keep) % W] = vb[:, m + keep]
+            keep = torch.arange(max(0, n - R), n, device=q.device)  # the ring keeps the last R positions
+            cache.k[b, :, (p0 + keep) % R] = kb[:, m + keep]
+            cache.v[b, :, (p0 + keep) % R] = vb[:, m + keep]
         return out
 
     def _sliding_decode(self, q, k, v, pos, cache):
-        B, W = q.shape[0], self.cfg.sliding_window
+        B, W, R = q.shape[0], self.cfg.sliding_window, cache.k.shape[2]
         rows = torch.arange(B, device=q.device)
-        cache.k[rows, :, pos % W] = k  # the new token first, then attend over the valid slots
-        cache.v[rows, :, pos % W] = v
-        valid = torch.arange(W, device=q.device) <= pos[:, None]  # slots < min(p + 1, W)
+        cache.k[rows, :, pos % R] = k  # the new token first, then attend over the valid slots
+        cache.v[rows, :, pos % R] = v
+        # slot s holds position p - d with d = (p - s) mod R: inside the window when d < W, written when d <= p
+        d = (pos[:, None] - torch.arange(R, device=q.device)) % R
+        valid = (d < W) & (d <= pos[:, None])
         o = F.scaled_dot_product_attention(q[:, :, None], cache.k, cache.v, attn_mask=valid[:, None, None, :],
                                            scale=self.scale, enable_gqa=True)  # [B, H, 1, hd]
         return o[:, :, 0]
@@ -480,17 +488,26 @@ class Block(nn.Module):
         return res + y
 
 
+class MTPLayer(Block):
+    """A multi-token-prediction layer of the checkpoint (index num_hidden_layers + k): a sliding-attention block
+    with a dense MLP, plus the input projection of (next token, hidden) and its own head (Step5ForCausalLM.mtp)."""
+
+    def __init__(self, cfg: Step5Config, layer_id: int):
+        super().__init__(cfg, layer_id, fp8=False)
+        D = cfg.hidden_size
+        self.eh_proj = _lin(D, 2 * D)
+        self.enorm, self.hnorm = Norm(D), Norm(D)
+        self.transformer = nn.Module()  # the checkpoint's names: transformer.shared_head.{norm, output}
+        self.transformer.shared_head = nn.Module()
+        self.transformer.shared_head.norm = Norm(D)
+        self.transformer.shared_head.output = _lin(cfg.vocab_size // cfg.tp_size, D)  # this rank's vocabulary rows
+
+
 # --------------------------------------------------------------------------------------------------
 # the model and its strict loading
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3", torch.float16: "F16",
               torch.uint8: "U8", torch.int64: "I64"}
-
-
-def _layer_index(name: str) -> int | None:
-    """The N of a `model.layers.N.*` tensor name, else None."""
-    parts = name.split(".")
-    return int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else None
 
 
 class ShardError(ValueError):
@@ -502,7 +519,9 @@ class Step5Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(Block(cfg, i, i in fp8_layers) for i in range(cfg.num_hidden_layers))
+        L = cfg.num_hidden_layers  # kept MTP layers follow the main stack, under their checkpoint indices
+        self.layers = nn.ModuleList([Block(cfg, i, i in fp8_layers) for i in range(L)]
+                                    + [MTPLayer(cfg, L + k) for k in range(cfg.mtp_layers_kept)])
         self.norm = Norm(cfg.hidden_size)
 
 
@@ -564,10 +583,7 @@ class Step5ForCausalLM(nn.Module):
                      else Step5ForCausalLM(cfg, fp8_layers, rank))
             expect = {k: (tuple(t.shape), t.dtype) for k, t in m.state_dict().items()}
             expect["lm_head.weight"] = ((cfg.vocab_size, cfg.hidden_size), torch.bfloat16)  # stored whole
-            # MTP layers kept by `convert.py --keep-mtp` are checked there; nothing here executes them yet
-            L, n_mtp = cfg.num_hidden_layers, cfg.mtp_layers_kept
-            mtp = {k for k in keys if _layer_index(k) in range(L, L + n_mtp)}
-            missing, unexpected = sorted(expect.keys() - keys), sorted(keys - expect.keys() - mtp)
+            missing, unexpected = sorted(expect.keys() - keys), sorted(keys - expect.keys())
             problems = []
             if missing:
                 problems.append(f"missing {len(missing)} key(s): {', '.join(missing[:8])}")
@@ -610,13 +626,16 @@ class Step5ForCausalLM(nn.Module):
             self.rope = {"n_pos": n_pos, "layers": rope_tables(self.cfg, n_pos, device)}
         return self.rope["layers"]
 
-    def new_cache(self, B: int, max_tokens: int) -> Cache:
+    def new_cache(self, B: int, max_tokens: int, slack: int = 0) -> Cache:
+        """Caches for B requests of at most max_tokens positions; slack: extra sliding-ring slots for rows that may
+        be rolled back (speculative decoding writes up to `slack` rows past what it keeps)."""
         blk = self.cfg.sparse.block if self.cfg.sparse else 1
-        cap = -(-max_tokens // 16) * 16
+        cap = -(-(max_tokens + slack) // 16) * 16
         cap = -(-cap // blk) * blk
         dev = self.lm_head.weight.device
         self._rope_tables(cap, dev)
-        return Cache([layer.self_attn.new_cache(B, cap, dev) for layer in self.model.layers], B, cap, dev)
+        return Cache([layer.self_attn.new_cache(B, cap, dev, slack)
+                      for layer in self.model.layers[:self.cfg.num_hidden_layers]], B, cap, dev)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens.weight[ids]  # plain lookup in the replicated table
@@ -627,45 +646,87 @@ class Step5ForCausalLM(nn.Module):
             raise ValueError("image features given to a text-only model")
         return self.embed(ids)
 
+    def _rows(self, cache: Cache, seq_lens: list | None, dev):
+        """Where this call's tokens go: (spans, pos [T], lens [B] or None) for a prefill of seq_lens[b] tokens per
+        row on top of the cache (a host read of the lengths: prefill only), or for a decode step (one token per row,
+        the lengths advanced in place so the step is replayable as a CUDA graph)."""
+        if seq_lens is None:
+            pos = cache.lengths.clone()
+            cache.lengths.add_(1)
+            return None, pos, None
+        if len(seq_lens) != cache.lengths.shape[0]:
+            raise ValueError(f"{len(seq_lens)} prompts for a cache of {cache.lengths.shape[0]} rows")
+        p0 = cache.lengths.tolist()
+        if any(p + n > cache.cap for p, n in zip(p0, seq_lens)):
+            raise ValueError(f"prefill of {seq_lens} tokens on {p0} cached ones exceeds the cache of {cache.cap}")
+        starts = [sum(seq_lens[:b]) for b in range(len(seq_lens))]
+        lens = torch.tensor(seq_lens, device=dev)
+        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(p0, seq_lens)]).to(dev)
+        cache.lengths.add_(lens)
+        return list(zip(starts, seq_lens, p0)), pos, lens
+
+    def _trunk(self, ids, cache: Cache, seq_lens, embeds, progress):
+        """The main layers -> the residual stream [T, D] fp32 of every token (before the final norm)."""
+        spans, pos, lens = self._rows(cache, seq_lens, ids.device)
+        req = None
+        if self.pins is not None:  # each token's request, for the test instrument only
+            req = cache.requests if spans is None else torch.repeat_interleave(cache.requests, lens)
+        res = (self.embed(ids) if embeds is None else embeds).float()
+        L = self.cfg.num_hidden_layers
+        for i, (layer, lc, rp) in enumerate(zip(self.model.layers[:L], cache.layers, self.rope["layers"])):
+            res = layer(res, pos, rp, spans, lc, req)
+            if progress is not None and spans is not None:
+                progress(i + 1, L)
+        return res
+
+    def _head(self, res: torch.Tensor, norm: Norm, out: torch.Tensor) -> torch.Tensor:
+        h = kernel.rms_norm(res.bfloat16(), norm.weight, self.cfg.rms_norm_eps)  # narrow first, then norm
+        return linear(h, out).float()
+
     def forward(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None, progress=None):
         """Prefill (seq_lens given: ids [T], each cache row's next seq_lens[b] tokens packed, on top of what the
         cache holds: a whole prompt, or one chunk of it; 0 for rows without tokens in this call) or decode (ids [B],
         one token per cache row). Returns this rank's logits window of the last token of each row that received
         tokens: [B', V/tp] fp32 (B' = B in decode).
         progress(i, n), if given, is called after each of the n layers of a prefill (long prompts report from it)."""
-        dev = ids.device
+        res = self._trunk(ids, cache, seq_lens, embeds, progress)
         if seq_lens is not None:
-            if len(seq_lens) != cache.lengths.shape[0]:
-                raise ValueError(f"{len(seq_lens)} prompts for a cache of {cache.lengths.shape[0]} rows")
-            p0 = cache.lengths.tolist()  # a host read, but prefill only: where each row's chunk starts
-            if any(p + n > cache.cap for p, n in zip(p0, seq_lens)):
-                raise ValueError(f"prefill of {seq_lens} tokens on {p0} cached ones exceeds the cache of {cache.cap}")
-            starts = [0]
-            for n in seq_lens:
-                starts.append(starts[-1] + n)
-            spans = list(zip(starts[:-1], seq_lens, p0))
-            lens = torch.tensor(seq_lens, device=dev)
-            pos = torch.cat([torch.arange(p, p + n) for p, n in zip(p0, seq_lens)]).to(dev)
-            cache.lengths.add_(lens)
-            last = torch.tensor([e - 1 for e, n in zip(starts[1:], seq_lens) if n], device=dev)
-        else:
-            spans, pos = None, cache.lengths.clone()
-            cache.lengths.add_(1)  # in place: the decode step is replayable as a CUDA graph
-            last, progress = None, None
-        req = None
-        if self.pins is not None:  # each token's request, for the test instrument only
-            req = cache.requests if spans is None else torch.repeat_interleave(cache.requests, lens)
-        x = self.embed(ids) if embeds is None else embeds
-        res = x.float()
-        layers = self.model.layers
-        for i, (layer, lc, rp) in enumerate(zip(layers, cache.layers, self.rope["layers"])):
-            res = layer(res, pos, rp, spans, lc, req)
-            if progress is not None:
-                progress(i + 1, len(layers))
-        if last is not None:
-            res = res[last]
-        h = kernel.rms_norm(res.bfloat16(), self.model.norm.weight, self.cfg.rms_norm_eps)  # narrow first, then norm
-        return linear(h, self.lm_head.weight).float()
+            ends = [sum(seq_lens[:b + 1]) - 1 for b, n in enumerate(seq_lens) if n]
+            res = res[torch.tensor(ends, device=ids.device)]
+        return self._head(res, self.model.norm, self.lm_head.weight)
+
+    def forward_rows(self, ids, cache: Cache, seq_lens: list, embeds=None):
+        """A prefill-style extend that keeps every row: (logits window of every token [T, V/tp] fp32, residual of
+        every token [T, D] fp32). Speculative verification reads both (the residual feeds the MTP layers)."""
+        res = self._trunk(ids, cache, seq_lens, embeds, None)
+        return self._head(res, self.model.norm, self.lm_head.weight), res
+
+    # ---- multi-token prediction (layers num_hidden_layers .. + mtp_layers_kept - 1 of the checkpoint)
+    def new_mtp_caches(self, B: int, max_tokens: int, slack: int = 0) -> list:
+        """One cache per MTP layer, each with its own lengths (an MTP layer lags the main stack)."""
+        L, n = self.cfg.num_hidden_layers, self.cfg.mtp_layers_kept
+        cap = -(-(max_tokens + slack) // 16) * 16
+        dev = self.lm_head.weight.device
+        self._rope_tables(cap, dev)
+        return [Cache([self.model.layers[L + k].self_attn.new_cache(B, cap, dev, slack)], B, cap, dev)
+                for k in range(n)]
+
+    def mtp(self, k: int, hidden, next_ids, cache: Cache, seq_lens: list):
+        """MTP layer k over seq_lens[b] rows per request, extending its own cache: each row combines the residual of
+        the previous depth at its position (hidden [T, D] fp32: the main stack's before the final norm, or MTP
+        layer k-1's) with the embedding of the token that follows that position (next_ids [T]) as
+        eh_proj(concat[enorm(embed(next)), hnorm(hidden)]) -- this order: the reverse predicts almost nothing --
+        then a sliding-attention block with a dense MLP and its own head. -> (residual [T, D] fp32, logits window
+        of every row [T, V/tp] fp32: the prediction of the token after next)."""
+        layer = self.model.layers[self.cfg.num_hidden_layers + k]
+        eps = self.cfg.rms_norm_eps
+        spans, pos, lens = self._rows(cache, seq_lens, next_ids.device)
+        e = kernel.rms_norm(self.embed(next_ids).float(), layer.enorm.weight, eps, torch.bfloat16)
+        h = kernel.rms_norm(hidden, layer.hnorm.weight, eps, torch.bfloat16)
+        x = linear(torch.cat([e, h], -1), layer.eh_proj.weight)  # [T, D] bf16
+        res = layer(x.float(), pos, self.rope["layers"][self.cfg.num_hidden_layers + k], spans, cache.layers[0])
+        head = layer.transformer.shared_head
+        return res, self._head(res, head.norm, head.output.weight)
 
 
 class Step5ForConditionalGeneration(Step5ForCausalLM):

@@ -501,3 +501,84 @@ def test_bad_sampling_flags_end_every_rank_with_one_message(tmp_path):
     run = lambda *a: launch_ranks(2, ["--tp-dir", tmp_path, "--prompt-json", p, *a])  # noqa: E731  (dir never read)
     assert_all_ranks_fail(run("--temperature", -1), "--temperature -1.0", "finite number >= 0")
     assert_all_ranks_fail(run("--top-p", 0.9), "--top-p 0.9", "needs --temperature > 0")
+
+
+# ---------------------------------------------------------------------------------------------- speculative (MTP)
+@pytest.fixture(scope="module")
+def mtp_out(ckpts, tmp_path_factory):
+    """mtp_out(tp) -> OUT/tp{tp} of the BF16 text checkpoint converted with --keep-mtp."""
+    import convert
+    out, done = str(tmp_path_factory.mktemp("mtp_out")), set()
+
+    def get(tp):
+        if tp not in done:
+            convert.main(ckpts["bf16_text"], out, tp_size=tp, ep_size=tp, keep_mtp=True)
+            done.add(tp)
+        return os.path.join(out, f"tp{tp}")
+    return get
+
+
+@pytest.fixture(scope="module")
+def mtp_model(mtp_out):
+    import config
+    d = mtp_out(1)
+    cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
+    return M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg)
+
+
+SPEC_NEW = 10
+
+
+def forced(ref: list, shift: int):
+    """A draft hook that proposes plain greedy's own next tokens (shift 0) or wrong ones (shift 1)."""
+    def hook(live, emitted, drafts):
+        return [[(ref[b][len(emitted[b]) + j] + shift) % 1024 if len(emitted[b]) + j < len(ref[b]) else 0
+                 for j in range(len(drafts[0]))] for b in live]
+    return hook
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("drafts", ["mtp", "right", "wrong"])
+def test_speculative_output_is_plain_greedy(mtp_model, k, drafts):
+    """Whatever the drafts, every emitted token is the main model's argmax: the output equals plain greedy. With
+    plain greedy's own tokens as drafts every draft is accepted; with wrong ones none is, and the rolled-back rows
+    leave no trace. The verify step's extend rounds differently from 1-row decode steps, so plain greedy's routing and
+    region decisions are pinned into it (rejected rows keep their own) and a token may differ only at a near-tie."""
+    m = mtp_model
+    with pinned(m, M.Pins()) as rec:
+        ref = generate.generate(m, PROMPTS, SPEC_NEW, [])[0]
+    hook = {"mtp": None, "right": forced(ref, 0), "wrong": forced(ref, 1)}[drafts]
+    with pinned(m, M.Pins(rec.data, strict=False)):
+        out, st = generate.speculative(m, PROMPTS, SPEC_NEW, [], k, draft_hook=hook)
+    for p, o, r in zip(PROMPTS, out, ref):
+        tokens_agree_up_to_near_tie(m, p, o, r)
+    assert len(st["proposed"]) == k and st["verify_steps"] >= 1
+    if out == ref and drafts == "right":
+        assert st["accepted"] == st["proposed"]  # all accepted: (k + 1) tokens per verify step
+        assert st["verify_steps"] == -(-(SPEC_NEW - 1) // (k + 1))
+    if drafts == "wrong":
+        assert st["accepted"] == [0] * k and st["verify_steps"] == SPEC_NEW - 1
+
+
+def test_speculative_eos_inside_an_accepted_run_stops_the_request(mtp_model):
+    m = mtp_model
+    ref = generate.generate(m, PROMPTS, SPEC_NEW, [])[0]
+    s, eos = next((s, ref[1][s]) for s in (3, 4, 2, 5) if ref[1][s] not in ref[1][:s] + ref[0] + ref[2])
+    out, _ = generate.speculative(m, PROMPTS, SPEC_NEW, [eos], 2, draft_hook=forced(ref, 0))
+    assert out[1] == ref[1][:s + 1]  # the EOS ends it even when accepted drafts follow in the same step
+    for b in (0, 2):  # the others go on in a compacted batch (other row counts: up to a near-tie)
+        tokens_agree_up_to_near_tie(m, PROMPTS[b], out[b], ref[b])
+
+
+def test_speculative_cli_and_bad_flags(mtp_out, converted, tmp_path):
+    batch = write_json(tmp_path / "b.json", PROMPTS[:2])
+    res = launch_ranks(2, ["--tp-dir", mtp_out(2), "--prompt-json-batch", batch, "--max-new-tokens", 6, "--json",
+                           "--speculative", 2])
+    assert all(rc == 0 for rc, _, _ in res), res[0][2][-3000:]
+    assert "speculative: 2 MTP draft(s) per step; accepted depth 1:" in res[0][2]
+    plain = launch_ranks(2, ["--tp-dir", mtp_out(2), "--prompt-json-batch", batch, "--max-new-tokens", 6, "--json"])
+    assert json.loads(res[0][1])["batch_size"] == json.loads(plain[0][1])["batch_size"] == 2
+    assert_all_ranks_fail(launch_ranks(2, ["--tp-dir", converted("bf16_text", 2), "--prompt-json-batch", batch,
+                                           "--speculative", 1]), "--speculative 1 needs 1 MTP layer", "--keep-mtp")
+    assert_all_ranks_fail(launch_ranks(2, ["--tp-dir", mtp_out(2), "--prompt-json-batch", batch, "--speculative", 1,
+                                           "--temperature", 1]), "--speculative with --temperature")

@@ -4,6 +4,7 @@ DSA equals dense attention while every region is selected; an independent brute-
 selector; streamed (decode) region summaries equal prefill summaries bit for bit; prefill N + one decode step equals
 prefill N+1; the sliding ring cache matches banded prefill past its wrap-around; config and strict-loading guards.
 """
+import json
 import math
 import os
 import shutil
@@ -452,11 +453,17 @@ def test_tp_reduce_chunked_equals_whole_and_is_identical_on_all_ranks(tmp_path):
 
 
 def test_shards_with_kept_mtp_layers_load(ckpts, tmp_path):
-    """`convert.py --keep-mtp` shards load (their MTP tensors are audited by the converter, not executed here)."""
+    """`convert.py --keep-mtp` shards load with their MTP layers."""
     import convert
     convert.main(ckpts["bf16_text"], str(tmp_path), tp_size=1, ep_size=1, keep_mtp=True)
     d = os.path.join(str(tmp_path), "tp1")
     cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
     assert cfg.mtp_layers_kept == cfg.num_nextn_predict_layers > 0
     m = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg)
-    assert len(m.model.layers) == cfg.num_hidden_layers
+    L = cfg.num_hidden_layers
+    assert len(m.model.layers) == L + cfg.mtp_layers_kept
+    name = f"model.layers.{L}.eh_proj.weight"
+    with open(os.path.join(ckpts["bf16_text"], "model.safetensors.index.json")) as f:
+        file = json.load(f)["weight_map"][name]
+    with safe_open(os.path.join(ckpts["bf16_text"], file), "pt") as f:
+        assert torch.equal(m.model.layers[L].eh_proj.weight, f.get_tensor(name))
