@@ -142,3 +142,26 @@ def test_bench_kernels_checks_and_gemm_run_clean():
                         "bench_kernels.py"), "--only", "check", "gemm"], capture_output=True, text=True, timeout=900,
                        env=dict(os.environ, TRITON_INTERPRET="0"))
     assert r.returncode == 0 and "illegal" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-4000:]
+
+
+@cuda
+def test_cuda_speculative_and_chunked_prefill_give_plain_greedy(ckpts, tmp_path_factory):
+    """On CUDA with the Triton kernels: speculative decoding (MTP drafts; forced right drafts) and a chunked prefill
+    give plain greedy's tokens (plain greedy's decisions pinned; a token may differ only at a near-tie)."""
+    import config
+    import convert
+    from invariants import pinned, tokens_agree_up_to_near_tie
+    out = str(tmp_path_factory.mktemp("gpu_mtp"))
+    convert.main(ckpts["bf16_text"], out, tp_size=1, ep_size=1, keep_mtp=True)
+    cfg = config.load_config(os.path.join(out, "tp1", "config-r0.json"))[0]
+    gpu = M.Step5ForCausalLM.from_shard(os.path.join(out, "tp1", "model-r0.safetensors"), cfg, "cuda")
+    with pinned(gpu, M.Pins()) as rec:
+        ref = generate.generate(gpu, PROMPTS, 10, [])[0]
+    with pinned(gpu, M.Pins(rec.data, strict=False)):
+        mtp = generate.speculative(gpu, PROMPTS, 10, [], 2)[0]
+        right = generate.speculative(gpu, PROMPTS, 10, [], 2, draft_hook=lambda live, emitted, d: [
+            [ref[b][min(len(emitted[b]) + j, 9)] for j in range(2)] for b in live])[0]
+        chunked = generate.generate(gpu, PROMPTS, 10, [], prefill_chunk=7)[0]
+    for got in (mtp, right, chunked):
+        for p, g, r in zip(PROMPTS, got, ref):
+            tokens_agree_up_to_near_tie(gpu, p, g, r)
