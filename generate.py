@@ -213,7 +213,8 @@ def generate(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_
     out = [[] for _ in range(B)]
     live = list(range(B))  # request index of each cache row
     eos = set(int(e) for e in eos_ids)
-    step = DecodeStep(lambda t: model.forward(t, cache), cuda_graph and dev.type == "cuda",
+    # installed test Pins read decisions on the host, which a replayed graph would skip: they run the steps eagerly
+    step = DecodeStep(lambda t: model.forward(t, cache), cuda_graph and dev.type == "cuda" and model.pins is None,
                       state=lambda: (cache.lengths,))
     tok = choose(logits) if max_new_tokens > 0 else None
     for i in range(max_new_tokens):
