@@ -39,18 +39,19 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def converted(ckpts, tmp_path_factory):
-    """converted(kind, tp) -> OUT/tp{tp}, a clean conversion of ckpts[kind] (one OUT per kind, so the
-    tokenizer_files directory sits beside every tp dir of that kind)."""
+    """converted(kind, tp, keep_mtp=False) -> OUT/tp{tp}, a clean conversion of ckpts[kind] (one OUT per kind and
+    keep_mtp, so the tokenizer_files directory sits beside every tp dir of that kind)."""
     import convert
     outs, done = {}, set()
 
-    def get(kind, tp):
-        if kind not in outs:
-            outs[kind] = str(tmp_path_factory.mktemp(f"converted_{kind}"))
-        if (kind, tp) not in done:
-            convert.main(ckpts[kind], outs[kind], tp_size=tp, ep_size=tp)
-            done.add((kind, tp))
-        return os.path.join(outs[kind], f"tp{tp}")
+    def get(kind, tp, keep_mtp=False):
+        key = (kind, keep_mtp)
+        if key not in outs:
+            outs[key] = str(tmp_path_factory.mktemp(f"converted_{kind}{'_mtp' if keep_mtp else ''}"))
+        if (key, tp) not in done:
+            convert.main(ckpts[kind], outs[key], tp_size=tp, ep_size=tp, keep_mtp=keep_mtp)
+            done.add((key, tp))
+        return os.path.join(outs[key], f"tp{tp}")
     return get
 
 

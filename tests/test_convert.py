@@ -21,18 +21,22 @@ INDEX = "model.safetensors.index.json"
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="session")
-def converted(ckpts, tmp_path_factory):
-    """converted(kind, tp) -> out dir of a clean conversion, made once per session."""
+def conversions(ckpts, tmp_path_factory, keep_mtp: bool):
+    """get(kind, tp) -> out dir of a clean conversion (one out dir per kind and TP), made once per session."""
     cache = {}
 
     def get(kind, tp):
         if (kind, tp) not in cache:
-            out = str(tmp_path_factory.mktemp(f"out_{kind}_tp{tp}"))
-            convert.main(ckpts[kind], out, tp_size=tp, ep_size=tp)
+            out = str(tmp_path_factory.mktemp(f"out_{'mtp_' if keep_mtp else ''}{kind}_tp{tp}"))
+            convert.main(ckpts[kind], out, tp_size=tp, ep_size=tp, keep_mtp=keep_mtp)
             cache[kind, tp] = out
         return cache[kind, tp]
     return get
+
+
+@pytest.fixture(scope="session")
+def converted(ckpts, tmp_path_factory):
+    return conversions(ckpts, tmp_path_factory, keep_mtp=False)
 
 
 def source_tensors(ckpt):
@@ -513,16 +517,7 @@ def test_source_is_never_modified(ckpts, converted):
 # ---------------------------------------------------------------------------------------------- --keep-mtp
 @pytest.fixture(scope="session")
 def converted_mtp(ckpts, tmp_path_factory):
-    """converted_mtp(kind, tp) -> out dir of a clean --keep-mtp conversion, made once per session."""
-    cache = {}
-
-    def get(kind, tp):
-        if (kind, tp) not in cache:
-            out = str(tmp_path_factory.mktemp(f"out_mtp_{kind}_tp{tp}"))
-            convert.main(ckpts[kind], out, tp_size=tp, keep_mtp=True)
-            cache[kind, tp] = out
-        return cache[kind, tp]
-    return get
+    return conversions(ckpts, tmp_path_factory, keep_mtp=True)
 
 
 def mtp_names(src, text):

@@ -505,17 +505,9 @@ def test_bad_sampling_flags_end_every_rank_with_one_message(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- speculative (MTP)
 @pytest.fixture(scope="module")
-def mtp_out(ckpts, tmp_path_factory):
+def mtp_out(converted):
     """mtp_out(tp) -> OUT/tp{tp} of the BF16 text checkpoint converted with --keep-mtp."""
-    import convert
-    out, done = str(tmp_path_factory.mktemp("mtp_out")), set()
-
-    def get(tp):
-        if tp not in done:
-            convert.main(ckpts["bf16_text"], out, tp_size=tp, ep_size=tp, keep_mtp=True)
-            done.add(tp)
-        return os.path.join(out, f"tp{tp}")
-    return get
+    return lambda tp: converted("bf16_text", tp, keep_mtp=True)
 
 
 @pytest.fixture(scope="module")

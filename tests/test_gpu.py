@@ -145,16 +145,14 @@ def test_bench_kernels_checks_and_gemm_run_clean():
 
 
 @cuda
-def test_cuda_speculative_and_chunked_prefill_give_plain_greedy(ckpts, tmp_path_factory):
+def test_cuda_speculative_and_chunked_prefill_give_plain_greedy(converted):
     """On CUDA with the Triton kernels: speculative decoding (MTP drafts; forced right drafts) and a chunked prefill
     give plain greedy's tokens (plain greedy's decisions pinned; a token may differ only at a near-tie)."""
     import config
-    import convert
     from invariants import pinned, tokens_agree_up_to_near_tie
-    out = str(tmp_path_factory.mktemp("gpu_mtp"))
-    convert.main(ckpts["bf16_text"], out, tp_size=1, ep_size=1, keep_mtp=True)
-    cfg = config.load_config(os.path.join(out, "tp1", "config-r0.json"))[0]
-    gpu = M.Step5ForCausalLM.from_shard(os.path.join(out, "tp1", "model-r0.safetensors"), cfg, "cuda")
+    d = converted("bf16_text", 1, keep_mtp=True)
+    cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
+    gpu = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg, "cuda")
     with pinned(gpu, M.Pins()) as rec:
         ref = generate.generate(gpu, PROMPTS, 10, [])[0]
     with pinned(gpu, M.Pins(rec.data, strict=False)):

@@ -452,11 +452,9 @@ def test_tp_reduce_chunked_equals_whole_and_is_identical_on_all_ranks(tmp_path):
     assert r.stdout.count("ok") == 4
 
 
-def test_shards_with_kept_mtp_layers_load(ckpts, tmp_path):
+def test_shards_with_kept_mtp_layers_load(ckpts, converted):
     """`convert.py --keep-mtp` shards load with their MTP layers."""
-    import convert
-    convert.main(ckpts["bf16_text"], str(tmp_path), tp_size=1, ep_size=1, keep_mtp=True)
-    d = os.path.join(str(tmp_path), "tp1")
+    d = converted("bf16_text", 1, keep_mtp=True)
     cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
     assert cfg.mtp_layers_kept == cfg.num_nextn_predict_layers > 0
     m = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg)
