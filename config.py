@@ -256,13 +256,13 @@ class Step5Config:
         if self.n_local_heads % self.n_local_groups:
             raise ConfigError(f"tp_size={tp}: {self.n_local_heads} local query heads do not divide over "
                               f"{self.n_local_groups} local KV groups")
+        if not 0 <= self.mtp_layers_kept <= self.num_nextn_predict_layers:
+            raise ConfigError(f"mtp_layers_kept={self.mtp_layers_kept} must be between 0 and "
+                              f"num_nextn_predict_layers={self.num_nextn_predict_layers}")
         for name in ("rope_theta", "partial_rotary_factors"):  # the kept MTP layers need their entries too
             if len(getattr(self, name)) < L + self.mtp_layers_kept:
                 raise ConfigError(f"{name} has {len(getattr(self, name))} entries; the {self.mtp_layers_kept} kept MTP "
                                   f"layers need num_hidden_layers + mtp_layers_kept = {L + self.mtp_layers_kept}")
-        if not 0 <= self.mtp_layers_kept <= self.num_nextn_predict_layers:
-            raise ConfigError(f"mtp_layers_kept={self.mtp_layers_kept} must be between 0 and "
-                              f"num_nextn_predict_layers={self.num_nextn_predict_layers}")
         for i in self.moe_layers:
             if not 0 <= i < L:
                 raise ConfigError(f"MoE layer {i} is outside 0..num_hidden_layers-1={L - 1}")
