@@ -324,9 +324,11 @@ class Attention(nn.Module):
         rows = torch.arange(B, device=q.device)
         cache.k[rows, :, pos % R] = k  # the new token first, then attend over the valid slots
         cache.v[rows, :, pos % R] = v
-        # slot s holds position p - d with d = (p - s) mod R: inside the window when d < W, written when d <= p
-        d = (pos[:, None] - torch.arange(R, device=q.device)) % R
-        valid = (d < W) & (d <= pos[:, None])
+        if R == W:  # every written slot is inside the window: slots < min(p + 1, W)
+            valid = torch.arange(W, device=q.device) <= pos[:, None]
+        else:  # spare slots: slot s holds position p - d, d = (p - s) mod R; in the window when d < W, written if d <= p
+            d = (pos[:, None] - torch.arange(R, device=q.device)) % R
+            valid = (d < W) & (d <= pos[:, None])
         o = F.scaled_dot_product_attention(q[:, :, None], cache.k, cache.v, attn_mask=valid[:, None, None, :],
                                            scale=self.scale, enable_gqa=True)  # [B, H, 1, hd]
         return o[:, :, 0]
