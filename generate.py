@@ -245,7 +245,7 @@ def generate(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_
 
 @torch.inference_mode()
 def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_ids, k: int, embeds=None,
-                draft_hook=None) -> tuple[list, dict]:
+                draft_hook=None, state: dict | None = None) -> tuple[list, dict]:
     """Greedy decoding with the checkpoint's own MTP layers as the drafter -> (ids per request, stats).
 
     Each round feeds the pending token and k drafts as one extend step of the main model; the longest prefix of
@@ -253,10 +253,9 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
     the main model's greedy choice at its position whatever the drafts. Rejected rows are rolled back by resetting
     the cache lengths: the sliding rings carry k spare slots, so a rejected row never overwrote a key that a kept
     row still needs; K/V, pending indexer rows and region summaries at rejected positions are rewritten before any
-    kept query reads them. MTP layer j absorbs every kept row: at position i it reads depth j-1's residual there
-    and the token at i + j + 1; for the last j positions that token is one of this round's drafts, which a later
-    rejection does not revisit (an approximation that can only lower acceptance, never change the output).
-    Requests accept independently. draft_hook(requests, emitted, drafts [B, k]) -> drafts lets tests force drafts.
+    kept query reads them. The MTP layers absorb every kept row (see absorb: a depth's last rows are provisional
+    until the tokens they read are final, and are then computed again). Requests accept independently. draft_hook(requests, emitted, drafts [B, k]) -> drafts lets tests force drafts;
+    a `state` dict receives the final caches (tests compare them with a one-pass absorb).
     Not yet: CUDA graphs for the draft and verify steps (both run eagerly), sampling.
     """
     B = len(prompts)
@@ -272,21 +271,46 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
     ends = torch.tensor([sum(len(p) for p in prompts[:b + 1]) - 1 for b in range(B)], device=dev)
     pending = greedy(logits[ends]).tolist()  # [B]: the main model's next token, emitted, not yet fed
 
-    def absorb(hidden, seqs, counts):
-        """Every MTP depth over the kept rows (counts[b] per live request, packed in `hidden`); seqs[b] holds the
-        tokens that follow those rows' positions (the next token of row i is seqs[b][i + 1]). Returns the k drafts
-        [B, k], each depth's draft appended to seqs for the depth after it."""
-        drafts, last = [], torch.tensor([sum(counts[:b + 1]) - 1 for b in range(len(counts))], device=dev)
-        for j in range(k):
-            nxt = torch.tensor([t for s, n in zip(seqs, counts) for t in s[j + 1:j + 1 + n]], device=dev)
-            hidden, lg = model.mtp(j, hidden, nxt, mtps[j], counts)
-            d = greedy(lg[last]).tolist()
-            for s, t in zip(seqs, d):
-                s.append(t)
-            drafts.append(d)
-        return [list(x) for x in zip(*drafts)]
+    # MTP depth j's row at position p reads depth j-1's residual at p and the token at p + j + 1: for the last j
+    # kept positions that token is still a draft, so those rows are provisional and are computed again (the cache
+    # length of depth j rolled back to fin[j][r]) once the verify step has made the tokens final.
+    fin = [[0] * B for _ in range(k)]  # depth j, live row r: rows at positions < fin are final
+    kept = [[{} for _ in range(B)] for _ in range(k)]  # depth j, live row r: {position: residual} of the last rows
 
-    drafts = absorb(hidden, [p[:] + [t] for p, t in zip(prompts, pending)], [len(p) for p in prompts])
+    def absorb(main_rows: list, tokens: list) -> list:
+        """main_rows[r]: {position: main residual [D]} of this round's kept rows (None: row r is done); tokens[r]:
+        its final tokens by position, through the pending one. Runs every depth from its first provisional row to
+        the last kept position; returns the k drafts of each row (depth j's from its last row), [R, k]."""
+        todo = [r for r, m in enumerate(main_rows) if m is not None]
+        ext = {r: tokens[r][:] for r in todo}
+        last = {r: len(tokens[r]) - 2 for r in todo}  # the last kept position (the pending token is not fed yet)
+        prev = {r: main_rows[r] for r in todo}
+        drafts = [[0] * k for _ in main_rows]
+        for j in range(k if todo else 0):
+            starts = [fin[j][r] if r in prev else 0 for r in range(len(main_rows))]
+            counts = [last[r] - starts[r] + 1 if r in prev else 0 for r in range(len(main_rows))]
+            hid = [prev[r][p] if p in prev[r] else kept[j - 1][r][p] for r in todo for p in range(starts[r], last[r] + 1)]
+            nxt = [ext[r][p + j + 1] for r in todo for p in range(starts[r], last[r] + 1)]
+            mtps[j].lengths.copy_(torch.tensor(starts, device=dev))  # provisional rows are written again
+            res, lg = model.mtp(j, torch.stack(hid), torch.tensor(nxt, device=dev), mtps[j], counts)
+            ends = torch.tensor([sum(counts[:r + 1]) - 1 for r in todo], device=dev)
+            for r, d in zip(todo, greedy(lg[ends]).tolist()):
+                drafts[r][j] = d
+                ext[r].append(d)
+            out_rows, o = {}, 0
+            for r in todo:
+                out_rows[r] = {p: res[o + i] for i, p in enumerate(range(starts[r], last[r] + 1))}
+                o += counts[r]
+                kept[j][r] = {**kept[j][r], **out_rows[r]}
+                fin[j][r] = max(0, last[r] - j + 1)
+            prev = out_rows
+        for j in range(k):  # the next round re-reads depth j at positions >= last - j only: drop the rest
+            for r in todo:
+                kept[j][r] = {p: v for p, v in kept[j][r].items() if p >= last[r] - k}
+        return drafts
+
+    drafts = absorb([{p: hidden[s + p] for p in range(len(pr))} for s, pr in zip(
+        [sum(len(q) for q in prompts[:b]) for b in range(B)], prompts)], [p + [t] for p, t in zip(prompts, pending)])
     t1 = time.perf_counter()
     out = [[t] if max_new_tokens > 0 else [] for t in pending]
     live = [b for b in range(B) if max_new_tokens > 0]
@@ -304,6 +328,7 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
             for c in [cache] + mtps:
                 c.keep(keep)
             live, pending, drafts = [live[r] for r in rows], [pending[r] for r in rows], [drafts[r] for r in rows]
+            fin, kept = [[f[r] for r in rows] for f in fin], [[c[r] for r in rows] for c in kept]
         if draft_hook is not None:
             drafts = draft_hook(live, out, drafts)
         fed = [[pending[r]] + drafts[r] for r in range(len(live))]  # [live, k + 1]
@@ -313,7 +338,7 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
         main = greedy(logits).view(len(live), k + 1).tolist()  # main[r][j]: the argmax after fed[r][:j + 1]
         stats["verify_steps"] += 1
         stats["verify_rows"] += len(live)  # one request verified
-        counts, seqs, picked = [], [], []
+        counts, main_rows = [], []
         for r, b in enumerate(live):
             a = 0
             while a < k and drafts[r][a] == main[r][a]:
@@ -326,14 +351,16 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
                 if not finished(b):
                     out[b].append(t)
             counts.append(a + 1)
-            seqs.append(fed[r][:a + 1] + [main[r][a]])
-            picked += [r * (k + 1) + j for j in range(a + 1)]
+            p0 = int(start[r])  # the position of the pending token fed in this step
+            main_rows.append(None if finished(b) else {p0 + j: hidden[r * (k + 1) + j] for j in range(a + 1)})
             pending[r] = main[r][a]
         cache.lengths.copy_(start + torch.tensor(counts, device=dev))  # roll back the rejected rows
-        drafts = absorb(hidden[torch.tensor(picked, device=dev)], seqs, counts)
+        drafts = absorb(main_rows, [prompts[b] + out[b] for b in live])
         rows = [r for r, b in enumerate(live) if not finished(b)]
     stats["decode_tokens"] = sum(max(len(o) - 1, 0) for o in out)
     stats["decode_s"] = time.perf_counter() - t1
+    if state is not None:
+        state.update(cache=cache, mtps=mtps, fin=fin, live=live)
     check_same_on_all_ranks(out, dev)
     return out, stats
 

@@ -574,3 +574,36 @@ def test_speculative_cli_and_bad_flags(mtp_out, converted, tmp_path):
                                            "--speculative", 1]), "--speculative 1 needs 1 MTP layer", "--keep-mtp")
     assert_all_ranks_fail(launch_ranks(2, ["--tp-dir", mtp_out(2), "--prompt-json-batch", batch, "--speculative", 1,
                                            "--temperature", 1]), "--speculative with --temperature")
+
+
+@torch.inference_mode()
+def test_speculative_mtp_caches_equal_one_pass_absorb(mtp_model):
+    """Rollback of the MTP caches: after speculative rounds whose drafts are all rejected (every round leaves each
+    depth j >= 1 with j provisional rows that read drafts), every final row of every depth equals the row a one-pass
+    absorb of the final tokens writes. The main model's decisions of the speculative run are pinned into the one-pass
+    reference (its residual rows round differently in last bits); the tolerance is rounding noise, while a row that
+    kept a rejected draft's token differs by O(1)."""
+    m, k, new = mtp_model, 2, 8
+    ref = generate.generate(m, PROMPTS[:2], new, [])[0]
+    st = {}
+    with pinned(m, M.Pins()) as rec:
+        out, _ = generate.speculative(m, PROMPTS[:2], new, [], k, draft_hook=forced(ref, 1), state=st)
+    W = m.cfg.sliding_window
+    for b, (p, o) in enumerate(zip(PROMPTS[:2], out)):
+        seq = p + o  # final tokens; the last one was never fed
+        cache = m.new_cache(1, len(seq) + 1)
+        with pinned(m, M.Pins(rec.data, requests=[b], strict=False)):
+            _, hidden = m.forward_rows(torch.tensor(seq[:-1]), cache, [len(seq) - 1])
+        mtps = m.new_mtp_caches(1, len(seq) + k + 1)
+        n = len(seq) - 1  # positions fed to the main model
+        r = st["live"].index(b)
+        for j in range(k):
+            # the run's final rows of depth j: positions < done (its last round was not absorbed: it ended there)
+            done = st["fin"][j][r]
+            assert len(p) <= done <= n - j  # generated positions are compared; none reads a draft
+            hidden, _ = m.mtp(j, hidden[:done], torch.tensor(seq[j + 1:j + 1 + done]), mtps[j], [done])
+            got, want = st["mtps"][j].layers[0].k[r], mtps[j].layers[0].k[0]  # [G, R, hd] rings
+            # the final positions the run's ring still holds (its j provisional rows past them took j slots)
+            for pos in range(max(0, done + j - W), done):
+                a, w = got[:, pos % got.shape[1]].float(), want[:, pos % want.shape[1]].float()
+                assert (a - w).abs().max() <= 0.1 * w.abs().max() + 1e-3, (b, j, pos)
