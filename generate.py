@@ -254,8 +254,9 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
     the cache lengths: the sliding rings carry k spare slots, so a rejected row never overwrote a key that a kept
     row still needs; K/V, pending indexer rows and region summaries at rejected positions are rewritten before any
     kept query reads them. The MTP layers absorb every kept row (see absorb: a depth's last rows are provisional
-    until the tokens they read are final, and are then computed again). Requests accept independently. draft_hook(requests, emitted, drafts [B, k]) -> drafts lets tests force drafts;
-    a `state` dict receives the final caches (tests compare them with a one-pass absorb).
+    until the tokens they read are final, and are then computed again). Requests accept independently.
+    draft_hook(requests, emitted, drafts [B, k]) -> drafts lets tests force drafts; a `state` dict receives the final
+    caches (tests compare them with a one-pass absorb).
     Not yet: CUDA graphs for the draft and verify steps (both run eagerly), sampling.
     """
     B = len(prompts)
@@ -289,7 +290,8 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
         for j in range(k if todo else 0):
             starts = [fin[j][r] if r in prev else 0 for r in range(len(main_rows))]
             counts = [last[r] - starts[r] + 1 if r in prev else 0 for r in range(len(main_rows))]
-            hid = [prev[r][p] if p in prev[r] else kept[j - 1][r][p] for r in todo for p in range(starts[r], last[r] + 1)]
+            hid = [prev[r][p] if p in prev[r] else kept[j - 1][r][p]
+                   for r in todo for p in range(starts[r], last[r] + 1)]
             nxt = [ext[r][p + j + 1] for r in todo for p in range(starts[r], last[r] + 1)]
             mtps[j].lengths.copy_(torch.tensor(starts, device=dev))  # provisional rows are written again
             res, lg = model.mtp(j, torch.stack(hid), torch.tensor(nxt, device=dev), mtps[j], counts)
@@ -338,7 +340,7 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
         main = greedy(logits).view(len(live), k + 1).tolist()  # main[r][j]: the argmax after fed[r][:j + 1]
         stats["verify_steps"] += 1
         stats["verify_rows"] += len(live)  # one request verified
-        counts, main_rows = [], []
+        counts, main_rows, p0 = [], [], start.tolist()  # p0[r]: the position of the pending token fed this step
         for r, b in enumerate(live):
             a = 0
             while a < k and drafts[r][a] == main[r][a]:
@@ -351,8 +353,7 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
                 if not finished(b):
                     out[b].append(t)
             counts.append(a + 1)
-            p0 = int(start[r])  # the position of the pending token fed in this step
-            main_rows.append(None if finished(b) else {p0 + j: hidden[r * (k + 1) + j] for j in range(a + 1)})
+            main_rows.append(None if finished(b) else {p0[r] + j: hidden[r * (k + 1) + j] for j in range(a + 1)})
             pending[r] = main[r][a]
         cache.lengths.copy_(start + torch.tensor(counts, device=dev))  # roll back the rejected rows
         drafts = absorb(main_rows, [prompts[b] + out[b] for b in live])
