@@ -338,12 +338,13 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = Fal
 
 
 def fingerprint(src: Source) -> str:
-    """Identity of the source for the shard metadata: config, tensor inventory and the first bytes of every
-    tensor (a few KB of reads), so a checkpoint with the same geometry but other weights gets another value. Kept MTP
-    tensors are left out: the value names the source whatever --keep-mtp says (a flag switch shows as a key-set change
-    on resume), at the price of not seeing a source whose MTP weights alone changed."""
+    """Identity of what the shards are made of, for the shard metadata: config, tensor inventory and the first bytes
+    of every converted tensor (a few KB of reads), so a checkpoint with the same geometry but other weights gets
+    another value. Kept MTP tensors count when --keep-mtp keeps them, so a source whose MTP weights alone changed is
+    rewritten on resume too; without the flag the value is the one earlier conversions wrote."""
     h = hashlib.sha256(json.dumps(src.raw, sort_keys=True).encode())
-    body = sorted(((n, t) for n, t in src.tensors.items() if not is_mtp(n, src.tc)), key=lambda kv: (kv[1].file, kv[0]))
+    body = sorted(((n, t) for n, t in src.tensors.items() if src.mtp or not is_mtp(n, src.tc)),
+                  key=lambda kv: (kv[1].file, kv[0]))
     for fname, group in groupby(body, lambda kv: kv[1].file):
         with open(os.path.join(src.path, fname), "rb") as f:
             for name, t in group:

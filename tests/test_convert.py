@@ -554,8 +554,8 @@ def test_keep_mtp_writes_the_mtp_layers_sliced_bit_for_bit(ckpts, converted, con
 
 @pytest.mark.parametrize("kind,tp", [("fp8_vl", 2), ("bf16_text", 1)])
 def test_keep_mtp_configs_carry_mtp_layers_kept_and_nothing_else_changes(ckpts, converted, converted_mtp, kind, tp):
-    """Only the configs' mtp_layers_kept differs from a default conversion: the fingerprint names the source whatever
-    the flag, and the shard metadata is the same; a default conversion's configs have no such key."""
+    """Only the configs' mtp_layers_kept and the fingerprint (which then covers the MTP tensors too) differ from a
+    default conversion; a default conversion's configs have no such key."""
     out, plain = os.path.join(converted_mtp(kind, tp), f"tp{tp}"), os.path.join(converted(kind, tp), f"tp{tp}")
     for r in range(tp):
         cfg = json.load(open(os.path.join(out, f"config-r{r}.json")))
@@ -563,12 +563,14 @@ def test_keep_mtp_configs_carry_mtp_layers_kept_and_nothing_else_changes(ckpts, 
         readers = [(cfg, base), (cfg["text_config"], base["text_config"])] if kind == "fp8_vl" else [(cfg, base)]
         for d, b in readers:
             assert d["mtp_layers_kept"] == 2 and "mtp_layers_kept" not in b
-            assert {k: v for k, v in d.items() if k not in ("mtp_layers_kept", "text_config")} == \
-                {k: v for k, v in b.items() if k != "text_config"}
+            skip = ("mtp_layers_kept", "text_config", "source_fingerprint")
+            assert {k: v for k, v in d.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
+            assert d.get("source_fingerprint") != b.get("source_fingerprint") or "source_fingerprint" not in b
         assert parse_config(cfg)[0].mtp_layers_kept == 2 and parse_config(base)[0].mtp_layers_kept == 0
         with safe_open(os.path.join(out, f"model-r{r}.safetensors"), "pt") as f, \
                 safe_open(os.path.join(plain, f"model-r{r}.safetensors"), "pt") as g:
-            assert f.metadata() == g.metadata()
+            fm, gm = f.metadata(), g.metadata()
+            assert fm.pop("source_fingerprint") != gm.pop("source_fingerprint") and fm == gm
     assert "kept" not in open(os.path.join(plain, "README.md")).read().split("\n\n")[1]
 
 
@@ -637,11 +639,12 @@ def test_keep_mtp_on_a_checkpoint_without_mtp_layers_is_refused(tmp_path):
 
 
 def test_resume_switching_keep_mtp_rewrites_every_shard(ckpts, converted, converted_mtp, tmp_path, capsys):
-    """A shard without the MTP layers is not complete for a --keep-mtp run, and the other way round."""
+    """A shard without the MTP layers is not complete for a --keep-mtp run, and the other way round (the fingerprint,
+    which covers kept MTP tensors, differs; so does the key set)."""
     out = str(tmp_path / "out")
     shutil.copytree(converted("bf16_text", 2), out)
-    for keep, clean, why in ((True, converted_mtp("bf16_text", 2), "key set differs (34 missing, 0 unexpected)"),
-                             (False, converted("bf16_text", 2), "key set differs (0 missing, 34 unexpected)")):
+    for keep, clean, why in ((True, converted_mtp("bf16_text", 2), "metadata source_fingerprint="),
+                             (False, converted("bf16_text", 2), "metadata source_fingerprint=")):
         capsys.readouterr()
         convert.main(ckpts["bf16_text"], out, tp_size=2, keep_mtp=keep)
         printed = capsys.readouterr().out
@@ -669,3 +672,23 @@ def test_conversion_memory_stays_below_one_rank_shard(tmp_path):
     idle = _peak_mib("import convert")
     peak = _peak_mib(f"import convert; convert.main({ck!r}, {str(tmp_path / 'out')!r}, tp_size=1)")
     assert size > 60 and peak - idle < 0.6 * size, f"conversion added {peak - idle:.0f} MiB for a {size:.0f} MiB checkpoint"
+
+
+def test_keep_mtp_resume_sees_a_source_whose_mtp_weights_alone_changed(ckpts, tmp_path, capsys):
+    """With --keep-mtp the fingerprint covers the MTP tensors: shards of a source that differs only there are
+    rewritten on resume, not kept."""
+    src = str(tmp_path / "ckpt")
+    shutil.copytree(ckpts["bf16_text"], src)
+    out = str(tmp_path / "out")
+    convert.main(src, out, tp_size=1, keep_mtp=True)
+    name = "model.layers.8.eh_proj.weight"
+    with open(os.path.join(src, INDEX)) as f:
+        path = os.path.join(src, json.load(f)["weight_map"][name])
+    with safe_open(path, "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors[name] = -tensors[name]
+    save_file(tensors, path, metadata=meta)
+    capsys.readouterr()
+    convert.main(src, out, tp_size=1, keep_mtp=True)
+    printed = capsys.readouterr().out
+    assert "rank 0: rewriting" in printed and "source_fingerprint" in printed, printed
