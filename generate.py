@@ -4,6 +4,8 @@
     torchrun ... generate.py --tp-dir OUT/tpN --prompt "..." --temperature 0.7 --top-p 0.9 [--top-k 50] [--seed 0]
     torchrun ... generate.py --tp-dir OUT/tpN --prompt-json ids.json [--image-inputs image-inputs.safetensors]
     torchrun ... generate.py --tp-dir OUT/tpN --prompt-json-batch batch.json
+    torchrun ... generate.py --tp-dir OUT/tpN --prompt "What is in <image>?" --image photo.jpg
+    torchrun ... generate.py --tp-dir OUT/tpN --prompt "..." --speculative 3   # shards from convert.py --keep-mtp
 
 TP comes from the shard config and must equal WORLD_SIZE. NCCL on GPUs, gloo on CPU. Rank 0 prepares the prompts
 and prints; every rank validates what it receives. Any failure on any rank ends every rank with one message.
