@@ -15,6 +15,7 @@ logits; this file chooses tokens, captures the decode step as a CUDA graph, stop
 """
 import argparse
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -167,7 +168,7 @@ def prefill(model: M.Step5ForCausalLM, cache: M.Cache, prompts: list, embeds=Non
     an image block may straddle chunks (its rows are sliced like the ids). progress(first token, layer, layers)."""
     dev = model.lm_head.weight.device
     lens = [len(p) for p in prompts]
-    starts = [sum(lens[:b]) for b in range(len(lens))]
+    starts = [e - n for e, n in zip(itertools.accumulate(lens), lens)]
     step = chunk or max(lens)
     final = [None] * len(prompts)
     for o in range(0, max(lens), step):
@@ -270,9 +271,11 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
     cap = max(len(p) for p in prompts) + max_new_tokens + k + 1
     cache, mtps = model.new_cache(B, cap, slack=k), model.new_mtp_caches(B, cap)
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
-    logits, hidden = model.forward_rows(ids, cache, [len(p) for p in prompts], embeds)
-    ends = torch.tensor([sum(len(p) for p in prompts[:b + 1]) - 1 for b in range(B)], device=dev)
-    pending = greedy(logits[ends]).tolist()  # [B]: the main model's next token, emitted, not yet fed
+    lens = [len(p) for p in prompts]
+    starts = [e - n for e, n in zip(itertools.accumulate(lens), lens)]
+    hidden = model.forward_rows(ids, cache, lens, embeds)  # [T, D]: every prompt row feeds the first MTP layer
+    ends = torch.tensor([s + n - 1 for s, n in zip(starts, lens)], device=dev)
+    pending = greedy(model.logits(hidden[ends])).tolist()  # [B]: the main model's next token, emitted, not fed
 
     # MTP depth j's row at position p reads depth j-1's residual at p and the token at p + j + 1: for the last j
     # kept positions that token is still a draft, so those rows are provisional and are computed again (the cache
@@ -290,20 +293,20 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
         prev = {r: main_rows[r] for r in todo}
         drafts = [[0] * k for _ in main_rows]
         for j in range(k if todo else 0):
-            starts = [fin[j][r] if r in prev else 0 for r in range(len(main_rows))]
-            counts = [last[r] - starts[r] + 1 if r in prev else 0 for r in range(len(main_rows))]
+            first = [fin[j][r] if r in prev else 0 for r in range(len(main_rows))]
+            counts = [last[r] - first[r] + 1 if r in prev else 0 for r in range(len(main_rows))]
             hid = [prev[r][p] if p in prev[r] else kept[j - 1][r][p]
-                   for r in todo for p in range(starts[r], last[r] + 1)]
-            nxt = [ext[r][p + j + 1] for r in todo for p in range(starts[r], last[r] + 1)]
-            mtps[j].lengths.copy_(torch.tensor(starts, device=dev))  # provisional rows are written again
+                   for r in todo for p in range(first[r], last[r] + 1)]
+            nxt = [ext[r][p + j + 1] for r in todo for p in range(first[r], last[r] + 1)]
+            mtps[j].lengths.copy_(torch.tensor(first, device=dev))  # provisional rows are written again
             res, lg = model.mtp(j, torch.stack(hid), torch.tensor(nxt, device=dev), mtps[j], counts)
-            ends = torch.tensor([sum(counts[:r + 1]) - 1 for r in todo], device=dev)
+            ends = torch.tensor([e - 1 for e, c in zip(itertools.accumulate(counts), counts) if c], device=dev)
             for r, d in zip(todo, greedy(lg[ends]).tolist()):
                 drafts[r][j] = d
                 ext[r].append(d)
             out_rows, o = {}, 0
             for r in todo:
-                out_rows[r] = {p: res[o + i] for i, p in enumerate(range(starts[r], last[r] + 1))}
+                out_rows[r] = {p: res[o + i] for i, p in enumerate(range(first[r], last[r] + 1))}
                 o += counts[r]
                 kept[j][r] = {**kept[j][r], **out_rows[r]}
                 fin[j][r] = max(0, last[r] - j + 1)
@@ -313,13 +316,13 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
                 kept[j][r] = {p: v for p, v in kept[j][r].items() if p >= last[r] - k}
         return drafts
 
-    drafts = absorb([{p: hidden[s + p] for p in range(len(pr))} for s, pr in zip(
-        [sum(len(q) for q in prompts[:b]) for b in range(B)], prompts)], [p + [t] for p, t in zip(prompts, pending)])
+    drafts = absorb([{p: hidden[s + p] for p in range(n)} for s, n in zip(starts, lens)],
+                    [p + [t] for p, t in zip(prompts, pending)])
     t1 = time.perf_counter()
     out = [[t] if max_new_tokens > 0 else [] for t in pending]
     live = [b for b in range(B) if max_new_tokens > 0]
     eos = set(int(e) for e in eos_ids)
-    stats = {"prefill_tokens": sum(len(p) for p in prompts), "prefill_s": t1 - t0, "verify_steps": 0,
+    stats = {"prefill_tokens": sum(lens), "prefill_s": t1 - t0, "verify_steps": 0,
              "verify_rows": 0, "proposed": [0] * k, "accepted": [0] * k}
 
     def finished(b):
@@ -337,9 +340,8 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
             drafts = draft_hook(live, out, drafts)
         fed = [[pending[r]] + drafts[r] for r in range(len(live))]  # [live, k + 1]
         start = cache.lengths.clone()
-        logits, hidden = model.forward_rows(torch.tensor([t for f in fed for t in f], device=dev), cache,
-                                            [k + 1] * len(live))
-        main = greedy(logits).view(len(live), k + 1).tolist()  # main[r][j]: the argmax after fed[r][:j + 1]
+        hidden = model.forward_rows(torch.tensor([t for f in fed for t in f], device=dev), cache, [k + 1] * len(live))
+        main = greedy(model.logits(hidden)).view(len(live), k + 1).tolist()  # main[r][j]: argmax after fed[r][:j+1]
         stats["verify_steps"] += 1
         stats["verify_rows"] += len(live)  # one request verified
         counts, main_rows, p0 = [], [], start.tolist()  # p0[r]: the position of the pending token fed this step

@@ -5,6 +5,7 @@ Dimension legend used in shape comments:
   hd = head dim, E = local experts, k = experts per token, P = indexer proxy dim, R = regions, V = local vocab.
 Every number of the architecture comes from the checkpoint's config; nothing here is a literal of the real model.
 """
+import itertools
 import math
 import os
 
@@ -628,14 +629,18 @@ class Step5ForCausalLM(nn.Module):
             self.rope = {"n_pos": n_pos, "layers": rope_tables(self.cfg, n_pos, device)}
         return self.rope["layers"]
 
+    def _capacity(self, max_tokens: int) -> int:
+        """Cache positions for max_tokens: a multiple of 16 and of the DSA region size; RoPE tables that long."""
+        blk = self.cfg.sparse.block if self.cfg.sparse else 1
+        cap = -(-max_tokens // 16) * 16
+        cap = -(-cap // blk) * blk
+        self._rope_tables(cap, self.lm_head.weight.device)
+        return cap
+
     def new_cache(self, B: int, max_tokens: int, slack: int = 0) -> Cache:
         """Caches for B requests of at most max_tokens positions; slack: extra sliding-ring slots for rows that may
         be rolled back (speculative decoding writes up to `slack` rows past what it keeps)."""
-        blk = self.cfg.sparse.block if self.cfg.sparse else 1
-        cap = -(-(max_tokens + slack) // 16) * 16
-        cap = -(-cap // blk) * blk
-        dev = self.lm_head.weight.device
-        self._rope_tables(cap, dev)
+        cap, dev = self._capacity(max_tokens + slack), self.lm_head.weight.device
         return Cache([layer.self_attn.new_cache(B, cap, dev, slack)
                       for layer in self.model.layers[:self.cfg.num_hidden_layers]], B, cap, dev)
 
@@ -661,7 +666,7 @@ class Step5ForCausalLM(nn.Module):
         p0 = cache.lengths.tolist()
         if any(p + n > cache.cap for p, n in zip(p0, seq_lens)):
             raise ValueError(f"prefill of {seq_lens} tokens on {p0} cached ones exceeds the cache of {cache.cap}")
-        starts = [sum(seq_lens[:b]) for b in range(len(seq_lens))]
+        starts = [e - n for e, n in zip(itertools.accumulate(seq_lens), seq_lens)]
         lens = torch.tensor(seq_lens, device=dev)
         pos = torch.cat([torch.arange(p, p + n) for p, n in zip(p0, seq_lens)]).to(dev)
         cache.lengths.add_(lens)
@@ -693,25 +698,26 @@ class Step5ForCausalLM(nn.Module):
         progress(i, n), if given, is called after each of the n layers of a prefill (long prompts report from it)."""
         res = self._trunk(ids, cache, seq_lens, embeds, progress)
         if seq_lens is not None:
-            ends = [sum(seq_lens[:b + 1]) - 1 for b, n in enumerate(seq_lens) if n]
+            ends = [e - 1 for e, n in zip(itertools.accumulate(seq_lens), seq_lens) if n]
             res = res[torch.tensor(ends, device=ids.device)]
+        return self.logits(res)
+
+    def forward_rows(self, ids, cache: Cache, seq_lens: list, embeds=None) -> torch.Tensor:
+        """A prefill-style extend that keeps every row: the residual of every token [T, D] fp32 (before the final
+        norm). Speculative decoding feeds it to the MTP layers and takes `logits` of the rows it needs."""
+        return self._trunk(ids, cache, seq_lens, embeds, None)
+
+    def logits(self, res: torch.Tensor) -> torch.Tensor:
+        """Residual rows [N, D] fp32 -> this rank's logits window [N, V/tp] fp32."""
         return self._head(res, self.model.norm, self.lm_head.weight)
 
-    def forward_rows(self, ids, cache: Cache, seq_lens: list, embeds=None):
-        """A prefill-style extend that keeps every row: (logits window of every token [T, V/tp] fp32, residual of
-        every token [T, D] fp32). Speculative verification reads both (the residual feeds the MTP layers)."""
-        res = self._trunk(ids, cache, seq_lens, embeds, None)
-        return self._head(res, self.model.norm, self.lm_head.weight), res
-
     # ---- multi-token prediction (layers num_hidden_layers .. + mtp_layers_kept - 1 of the checkpoint)
-    def new_mtp_caches(self, B: int, max_tokens: int, slack: int = 0) -> list:
-        """One cache per MTP layer, each with its own lengths (an MTP layer lags the main stack)."""
-        L, n = self.cfg.num_hidden_layers, self.cfg.mtp_layers_kept
-        cap = -(-(max_tokens + slack) // 16) * 16
-        dev = self.lm_head.weight.device
-        self._rope_tables(cap, dev)
-        return [Cache([self.model.layers[L + k].self_attn.new_cache(B, cap, dev, slack)], B, cap, dev)
-                for k in range(n)]
+    def new_mtp_caches(self, B: int, max_tokens: int) -> list:
+        """One cache per MTP layer, each with its own lengths (an MTP layer lags the main stack). No spare ring slots:
+        an MTP layer only ever rewrites positions it already holds."""
+        L, cap, dev = self.cfg.num_hidden_layers, self._capacity(max_tokens), self.lm_head.weight.device
+        return [Cache([self.model.layers[L + k].self_attn.new_cache(B, cap, dev)], B, cap, dev)
+                for k in range(self.cfg.mtp_layers_kept)]
 
     def mtp(self, k: int, hidden, next_ids, cache: Cache, seq_lens: list):
         """MTP layer k over seq_lens[b] rows per request, extending its own cache: each row combines the residual of
@@ -722,7 +728,7 @@ class Step5ForCausalLM(nn.Module):
         of every row [T, V/tp] fp32: the prediction of the token after next)."""
         layer = self.model.layers[self.cfg.num_hidden_layers + k]
         eps = self.cfg.rms_norm_eps
-        spans, pos, lens = self._rows(cache, seq_lens, next_ids.device)
+        spans, pos, _ = self._rows(cache, seq_lens, next_ids.device)
         e = kernel.rms_norm(self.embed(next_ids).float(), layer.enorm.weight, eps, torch.bfloat16)
         h = kernel.rms_norm(hidden, layer.hnorm.weight, eps, torch.bfloat16)
         x = linear(torch.cat([e, h], -1), layer.eh_proj.weight)  # [T, D] bf16

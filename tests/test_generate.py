@@ -599,7 +599,7 @@ def test_speculative_mtp_caches_equal_one_pass_absorb(mtp_model):
         seq = p + o  # final tokens; the last one was never fed
         cache = m.new_cache(1, len(seq) + 1)
         with pinned(m, M.Pins(rec.data, requests=[b], strict=False)):
-            _, hidden = m.forward_rows(torch.tensor(seq[:-1]), cache, [len(seq) - 1])
+            hidden = m.forward_rows(torch.tensor(seq[:-1]), cache, [len(seq) - 1])
         mtps = m.new_mtp_caches(1, len(seq) + k + 1)
         n = len(seq) - 1  # positions fed to the main model
         r = st["live"].index(b)

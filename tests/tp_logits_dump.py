@@ -29,18 +29,14 @@ import model as M  # noqa: E402
 DEVICE = os.environ.get("DUMP_DEVICE", "cpu")  # cuda: NCCL and the GPU kernels
 
 
-def full_vocab(logits: torch.Tensor) -> torch.Tensor:
-    return M.tp_gather(logits.contiguous()).permute(1, 0, 2).flatten(1).cpu()  # [B, V] in rank order
-
-
 @torch.inference_mode()
 def replay(m, prompts: list, images: list, forced: list) -> torch.Tensor:
     steps = len(forced[0])
     assert all(len(f) == steps for f in forced)
     cache = m.new_cache(len(prompts), max(len(p) for p in prompts) + steps + 1)
-    out = [full_vocab(generate.prefill(m, cache, prompts, generate.prompt_embeds(m, prompts, images)))]
+    out = [generate.full_vocab(generate.prefill(m, cache, prompts, generate.prompt_embeds(m, prompts, images))).cpu()]
     for s in range(steps):
-        out.append(full_vocab(m.forward(torch.tensor([f[s] for f in forced], device=DEVICE), cache)))
+        out.append(generate.full_vocab(m.forward(torch.tensor([f[s] for f in forced], device=DEVICE), cache)).cpu())
     return torch.stack(out).float()
 
 
