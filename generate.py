@@ -734,10 +734,11 @@ def _run(tp_dir, inputs, ep_size, dev, cuda_graph, sampling, rank, world, say):
     longest = max(n_tok)
 
     def progress(first, i, n):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()  # host time means device time only after a sync (once per layer: negligible)
-        el = time.perf_counter() - t_pre
+        el = time.perf_counter() - t_pre  # host time: the launch queue keeps it close behind the device's
         if el > PROGRESS_AFTER_S and el - progress.last > PROGRESS_AFTER_S:
+            if dev.type == "cuda":  # only when a line is due: a sync per layer would stall the launch queue
+                torch.cuda.synchronize()
+                el = time.perf_counter() - t_pre
             progress.last = el
             say(f"prefill: tokens {first}-{min(first + chunk, longest)} of {longest}, layer {i}/{n} after {el:.0f} s")
     progress.last = 0.0
