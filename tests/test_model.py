@@ -465,3 +465,14 @@ def test_shards_with_kept_mtp_layers_load(ckpts, converted):
         file = json.load(f)["weight_map"][name]
     with safe_open(os.path.join(ckpts["bf16_text"], file), "pt") as f:
         assert torch.equal(m.model.layers[L].eh_proj.weight, f.get_tensor(name))
+
+
+@torch.inference_mode()
+def test_chunked_prefill_reports_progress_per_chunk_and_layer(tp1_models):
+    """generate.py prints long prefills' progress from this hook: (first token of the chunk, layer, layers)."""
+    lm = tp1_models("bf16_text")
+    calls = []
+    generate.prefill(lm, lm.new_cache(2, 24), [prompt(20, 1), prompt(9, 2)], progress=lambda *a: calls.append(a),
+                     chunk=8)
+    L = lm.cfg.num_hidden_layers
+    assert calls == [(first, i, L) for first in (0, 8, 16) for i in range(1, L + 1)]
