@@ -343,8 +343,7 @@ def fingerprint(src: Source) -> str:
     another value. Kept MTP tensors count when --keep-mtp keeps them, so a source whose MTP weights alone changed is
     rewritten on resume too; without the flag the value is the one earlier conversions wrote."""
     h = hashlib.sha256(json.dumps(src.raw, sort_keys=True).encode())
-    body = sorted(((n, t) for n, t in src.tensors.items() if src.mtp or not is_mtp(n, src.tc)),
-                  key=lambda kv: (kv[1].file, kv[0]))
+    body = sorted(src.tensors.items(), key=lambda kv: (kv[1].file, kv[0]))  # holds only the MTP layers kept
     for fname, group in groupby(body, lambda kv: kv[1].file):
         with open(os.path.join(src.path, fname), "rb") as f:
             for name, t in group:
