@@ -1,11 +1,13 @@
-"""Decode-step benchmark of real-geometry Step-5 layers on one GPU, as one TP=8 rank holds them.
+"""Decode-step benchmark of real-geometry Step-5 on one GPU, as one TP=EP=8 rank holds it (random weights).
 
-Builds a sliding-window MoE layer and a DSA MoE layer with the real shapes of one TP=EP=8 rank (8 query heads,
-1 KV group, 44 FP8 experts, indexer 4 heads x 256) and random weights, fills a KV cache of CONTEXT tokens, and times
-one decode step per layer (eager, then replayed as a CUDA graph). Prints per-layer times, the projected 92-layer step
-(69 sliding + 23 DSA layers; collectives excluded) and its ratio to the HBM floor of the bytes one step must read.
+Default: a sliding-window MoE layer and a DSA MoE layer with the real shapes of one rank (8 query heads, 1 KV group,
+44 FP8 experts, indexer 4 heads x 256), a KV cache of CONTEXT tokens, one decode step per layer (eager, then
+replayed as a CUDA graph), the kernels of one step (profiler), and the 92-layer step projected from the two.
+--whole-rank: the whole rank instead (92 layers, final norm, lm_head window, argmax; ~75 GB of FP8 experts), one
+decode step replayed as a CUDA graph and measured, not projected. Both print the ratio to the HBM floor of the
+bytes one step must read. The TP reductions are not part of either (one GPU): see --help of bench_reduce.py.
 
-    python bench_decode.py [--batch 1] [--context 4096] [--torch-ref]
+    python bench_decode.py [--batch 1] [--context 4096] [--whole-rank] [--torch-ref] [--profile]
 """
 import argparse
 import time
@@ -26,34 +28,62 @@ def real_rank_config(tp: int = 8) -> config.Step5Config:
                                                          tp_layout_version=config.LAYOUT_VERSION))
 
 
-def randomise(mod: torch.nn.Module):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for name, p in mod.named_parameters():
-        if p.dtype == kernel.FP8:
-            p.data = (torch.randn(p.shape, device="cuda", generator=g) * 64).clamp(-448, 448).to(kernel.FP8)
-        elif name.endswith("weight_scale_inv"):
-            p.data = torch.full(p.shape, 1e-3 / 64, device="cuda")
-        elif p.dim() == 1:
-            p.data = torch.randn(p.shape, device="cuda", generator=g) * 0.1
-        else:
-            p.data = (torch.randn(p.shape, device="cuda", generator=g) * p.shape[-1] ** -0.5).to(p.dtype)
+def randomise(mod: torch.nn.Module, seed: int = 0, device="cuda"):
+    """Random weights on `device` for every parameter of mod (also parameters still on the meta device)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    for sub in mod.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            if p.dtype == kernel.FP8:  # |x| <= 448 before the cast: CUDA turns larger values into NaN
+                t = (torch.randn(p.shape, device=device, generator=g) * 64).clamp(-448, 448).to(kernel.FP8)
+            elif name.endswith("weight_scale_inv"):
+                t = torch.full(p.shape, 1e-3 / 64, device=device)
+            elif p.dim() == 1:
+                t = torch.randn(p.shape, device=device, generator=g) * 0.1
+            else:
+                t = (torch.randn(p.shape, device=device, generator=g) * p.shape[-1] ** -0.5).to(p.dtype)
+            sub._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
 
 
-def layer_bytes(block: M.Block, batch: int, cfg: config.Step5Config) -> int:
-    """Bytes one decode step must read: every non-expert weight once, the experts the batch routes to (expected
-    distinct local experts for batch*top_k uniform picks), and the KV cache it attends to."""
-    total = 0
-    for name, p in block.named_parameters():
-        if ".moe." in f".{name}" and (name.startswith("moe.gate_proj") or name.startswith("moe.up_proj")
-                                      or name.startswith("moe.down_proj")):
-            continue
-        total += p.numel() * p.element_size()
-    a = block.self_attn
-    total += a.wqkv.numel() * a.wqkv.element_size()
+def fill_cache(cache: M.Cache, context: int):
+    """A context of `context` tokens of random keys, values and region summaries in every layer's cache."""
+    for lc in cache.layers:
+        lc.k.normal_()
+        lc.v.normal_()
+        if hasattr(lc, "summ"):
+            lc.summ.copy_(torch.randn(lc.summ.shape, device="cuda").clamp(-4, 4).to(kernel.FP8).view(torch.uint8))
+    cache.lengths.fill_(context)
+
+
+def count_kernels(fn) -> int:
+    """Device activities (kernels, copies, memsets) of one eager call: the nodes a CUDA graph of it replays."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def weight_bytes(mod: torch.nn.Module, batch: int, cfg: config.Step5Config) -> int:
+    """Weight bytes one decode step of mod (a block or the whole model) must read: every non-expert weight once
+    (not the embedding table: a step reads `batch` rows of it), and of each MoE layer the experts the batch routes
+    to (the expected number of distinct local experts for batch*top_k uniform picks, one byte per e4m3 weight)."""
     E, k = cfg.moe_num_experts, cfg.moe_top_k
-    hit = cfg.n_local_experts * (1 - (1 - 1 / E) ** (batch * k))  # expected distinct local experts touched
-    per_expert = sum(getattr(block.moe, n).weight[0].numel() for n in ("gate_proj", "up_proj", "down_proj"))
-    total += int(hit * per_expert)  # e4m3: one byte per weight
+    hit = cfg.n_local_experts * (1 - (1 - 1 / E) ** (batch * k))
+    total = 0
+    for name, p in mod.named_parameters():
+        if "embed_tokens" in name:
+            total += batch * p.shape[1] * p.element_size()
+        n = f".{name}"
+        if not any(s in n for s in ("embed_tokens", ".moe.gate_proj.", ".moe.up_proj.", ".moe.down_proj.")):
+            total += p.numel() * p.element_size()
+    for sub in mod.modules():
+        if isinstance(sub, M.Attention):  # the packed projection finalize() built (not a parameter)
+            total += sub.wpack.numel() * sub.wpack.element_size()
+        if isinstance(sub, M.MoE):
+            total += int(hit * sum(getattr(sub, n).weight[0].numel() for n in ("gate_proj", "up_proj", "down_proj")))
     return total
 
 
@@ -67,25 +97,19 @@ def time_step(fn, iters=20):
     return (time.perf_counter() - t) / iters
 
 
-def main(batch: int, context: int, torch_ref: bool, profile: bool = False):
-    torch.manual_seed(0)
-    cfg = real_rank_config()
-    M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
-    kernel.set_backend(not torch_ref)  # Triton for CUDA tensors unless the reference is asked for
+def bench_layers(cfg, batch: int, context: int, profile: bool):
+    """One sliding and one DSA MoE layer: per-layer eager and graph times, kernels per layer, the projected step."""
     results = {}
     for kind, layer_id in (("sliding", 4), ("dsa", 7)):
-        with torch.device("cuda"):
+        with torch.device("meta"):
             block = M.Block(cfg, layer_id, fp8=True)
         randomise(block)
         block.self_attn.finalize()
         cap = -(-(context + 64) // 16) * 16
         rope = M.rope_tables(cfg, cap, "cuda")[layer_id]
         cache = M.Cache([block.self_attn.new_cache(batch, cap, "cuda")], batch, cap, "cuda")
+        fill_cache(cache, context)
         lc = cache.layers[0]
-        if kind == "dsa":  # a filled context: random keys/values and region summaries
-            lc.k.normal_()
-            lc.v.normal_()
-            lc.summ.copy_(torch.randn(lc.summ.shape, device="cuda").clamp(-4, 4).to(kernel.FP8).view(torch.uint8))
         pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
         res = torch.randn(batch, cfg.hidden_size, device="cuda")
 
@@ -94,12 +118,13 @@ def main(batch: int, context: int, torch_ref: bool, profile: bool = False):
                 return block(res, pos, rope, None, lc)
 
         eager = time_step(step)
+        kernels = count_kernels(step)
         if profile:  # device time per kernel of one eager step: where the step's time goes
             from torch.profiler import ProfilerActivity, profile as prof
             with prof(activities=[ProfilerActivity.CUDA]) as p:
                 step()
                 torch.cuda.synchronize()
-            print(p.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+            print(p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
         graph_t = None
         try:  # the decode loop's own graph object (generate.DecodeStep), replayed alone
             replay = DecodeStep(lambda r: block(r, pos, rope, None, lc), graph=True)
@@ -108,15 +133,10 @@ def main(batch: int, context: int, torch_ref: bool, profile: bool = False):
             graph_t = time_step(replay.graph.replay)
         except Exception as e:  # report, do not hide: a capture failure means a host sync crept into decode
             print(f"{kind}: CUDA graph capture failed: {type(e).__name__}: {str(e)[:200]}")
-        nbytes = layer_bytes(block, batch, cfg)
-        if kind == "dsa":
-            sel = min(cfg.sparse.topk + 1, context // cfg.sparse.block + 1) * cfg.sparse.block
-            nbytes += batch * (sel * 2 * 192 * 2 + (context // cfg.sparse.block) * 256)  # selected K/V + summaries
-        else:
-            nbytes += batch * min(context, cfg.sliding_window) * 2 * 192 * 2
+        nbytes = weight_bytes(block, batch, cfg) + kv_bytes(cfg, kind, batch, context)
         results[kind] = (eager, graph_t, nbytes)
         best = graph_t or eager
-        print(f"{kind:8s} layer: eager {eager * 1e6:8.1f} us | graph "
+        print(f"{kind:8s} layer: {kernels:3d} kernels | eager {eager * 1e6:8.1f} us | graph "
               + (f"{graph_t * 1e6:8.1f} us" if graph_t else "   n/a    ")
               + f" | {nbytes / 1e6:6.1f} MB -> floor {nbytes / HBM_BPS * 1e6:6.1f} us | "
               f"{nbytes / best / 1e9:7.1f} GB/s = {nbytes / best / HBM_BPS:5.1%} of HBM")
@@ -126,7 +146,70 @@ def main(batch: int, context: int, torch_ref: bool, profile: bool = False):
     n_sl = cfg.num_hidden_layers - n_dsa
     step_t = n_sl * (results["sliding"][1] or results["sliding"][0]) + n_dsa * (results["dsa"][1] or results["dsa"][0])
     floor = (n_sl * results["sliding"][2] + n_dsa * results["dsa"][2]) / HBM_BPS
-    print(f"projected decode step, 92 MoE-shaped layers, batch {batch}, context {context}, "
+    return step_t, floor
+
+
+def kv_bytes(cfg, kind: str, batch: int, context: int) -> int:
+    """Cache bytes one decode step of a layer reads: the window (sliding) or the selected regions plus the summaries
+    (DSA), keys and values of one KV group of head_dim bf16."""
+    row = 2 * cfg.head_dim * 2 * cfg.n_local_groups
+    if kind == "dsa":
+        sel = min(cfg.sparse.topk + 1, context // cfg.sparse.block + 1) * cfg.sparse.block
+        return batch * (sel * row + (context // cfg.sparse.block) * cfg.sparse.proxy_dim)
+    return batch * min(context, cfg.sliding_window) * row
+
+
+def bench_rank(cfg, batch: int, context: int, profile: bool):
+    """The whole rank: embed, 92 layers, final norm, lm_head window, argmax; one decode step as a CUDA graph."""
+    import generate
+    with torch.device("meta"):
+        m = M.Step5ForCausalLM(cfg, set(cfg.moe_layers), 0)
+    M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
+    t0 = time.perf_counter()
+    randomise(m)
+    m.finalize()
+    cache = m.new_cache(batch, context + 64)
+    fill_cache(cache, context)
+    torch.cuda.synchronize()
+    print(f"built the rank in {time.perf_counter() - t0:.0f} s: {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
+          f"(weights and a {batch} x {cache.cap} cache)")
+    ids = torch.zeros(batch, dtype=torch.long, device="cuda")
+
+    def step(x):
+        with torch.inference_mode():
+            return generate.greedy(m(x, cache))
+
+    eager = time_step(lambda: step(ids), iters=3)
+    cache.lengths.fill_(context)
+    kernels = count_kernels(lambda: step(ids))
+    cache.lengths.fill_(context)
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            step(ids)
+            torch.cuda.synchronize()
+        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+        cache.lengths.fill_(context)
+    replay = generate.DecodeStep(step, graph=True, state=lambda: (cache.lengths,))
+    replay(ids)
+    cache.lengths.fill_(context)
+    graph_t = time_step(replay.graph.replay, iters=20)  # 21 replays: the context grows by 21 of its 64 spare slots
+    nbytes = weight_bytes(m, batch, cfg) + sum(kv_bytes(cfg, "dsa" if cfg.is_dsa(i) else "sliding", batch, context)
+                                               for i in range(cfg.num_hidden_layers))
+    print(f"whole rank: {kernels} kernels per step ({kernels / cfg.num_hidden_layers:.1f} per layer) | eager "
+          f"{eager * 1e3:8.2f} ms | graph {graph_t * 1e3:7.3f} ms | {nbytes / 1e9:5.2f} GB -> floor "
+          f"{nbytes / HBM_BPS * 1e3:5.2f} ms | {nbytes / graph_t / 1e9:7.1f} GB/s = {nbytes / graph_t / HBM_BPS:5.1%} of HBM")
+    return graph_t, nbytes / HBM_BPS
+
+
+def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False):
+    torch.manual_seed(0)
+    cfg = real_rank_config()
+    M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
+    kernel.set_backend(not torch_ref)  # Triton for CUDA tensors unless the reference is asked for
+    step_t, floor = (bench_rank if whole_rank else bench_layers)(cfg, batch, context, profile)
+    what = "measured" if whole_rank else "projected from the two layers"
+    print(f"decode step {what}, 92 MoE-shaped layers, batch {batch}, context {context}, "
           f"{'torch reference' if torch_ref else 'Triton kernels'}: {step_t * 1e3:.2f} ms "
           f"(HBM floor {floor * 1e3:.2f} ms, ratio {floor / step_t:.1%}); collectives excluded")
 
@@ -137,7 +220,8 @@ if __name__ == "__main__":
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--torch-ref", action="store_true", help="time the PyTorch reference path instead of Triton")
     ap.add_argument("--profile", action="store_true", help="print the device time of each kernel of one step")
+    ap.add_argument("--whole-rank", action="store_true", help="build and time the whole rank (~80 GB of HBM)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
-    main(a.batch, a.context, a.torch_ref, a.profile)
+    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank)

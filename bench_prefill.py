@@ -27,7 +27,7 @@ def flops(block: M.Block, cfg, kind: str, N: int) -> tuple[float, float]:
     SDPA tiles of the sliding layer and the GEMM rows of other ranks' experts are not counted)."""
     a = block.self_attn
     # every 2-D weight is one bf16 GEMM per token (o/g proj, indexer q/k/z/w, shared expert, router); experts are 3-D
-    dense = a.wqkv.numel() + sum(p.numel() for p in block.parameters() if p.dim() == 2)
+    dense = a.wpack.numel() + sum(p.numel() for p in block.parameters() if p.dim() == 2)
     per_expert = sum(getattr(block.moe, n).weight[0].numel() for n in ("gate_proj", "up_proj", "down_proj"))
     fp8 = 2 * N * per_expert * cfg.moe_top_k * cfg.n_local_experts / cfg.moe_num_experts  # mean experts hit here
     p = torch.arange(N, dtype=torch.float64)
@@ -72,7 +72,7 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
     summ = lc.summ[:1, :N // blk].view(kernel.FP8)  # [1, R, P] every region completed by the chunk's end
 
     def indexer():  # projections, norm + RoPE, and the summaries of the chunk's C/blk regions
-        qi, ki, zi, wi = a._indexer(h, pos, rope["indexer"])
+        qi, ki, zi, wi = a._indexer(a.project(h)[4:], pos, rope["indexer"])
         kernel.region_summary(ki.view(-1, blk, sp.proxy_dim), zi.view(-1, blk, sp.proxy_dim))
         return qi, wi
     qi, wi = indexer()

@@ -286,6 +286,65 @@ def rms_norm(x, w, eps, out_dtype=None):
     return rms_norm_ref(x, w, eps, out_dtype)
 
 
+def add_norm_ref(res, parts, w, eps):
+    """The residual update of a layer, with the next norm: y = bf( rank-ordered fp32 sum of parts ) (the TP sum,
+    rounded once to the partials' dtype), res' = res + f32(y), h = rms_norm_ref(res', w) in bf16.
+
+    res [T, D] fp32; parts [W, T, D] bf16 or fp32 (this rank's and the other ranks' partials, rank order); w [D]
+    fp32 or None (no norm). Returns (res' [T, D] fp32, h [T, D] bf16 or None)."""
+    acc = parts[0].float()
+    for r in range(1, parts.shape[0]):
+        acc = acc + parts[r].float()
+    res = res + acc.to(parts.dtype).float()
+    return res, None if w is None else rms_norm_ref(res, w, eps, torch.bfloat16)
+
+
+@triton.jit
+def _add_norm_kernel(res_ptr, parts_ptr, w_ptr, res_out_ptr, h_ptr, W, T, D, eps,
+                     PARTS_BF16: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row per program: the rank-ordered fp32 sum of the W partials, rounded to their dtype, added to the fp32
+    residual; then _rms_norm_kernel's arithmetic on the new residual. Replaces the cast, add and norm launches
+    (and, at W > 1, the elementwise rank-order sum) between two GEMMs of a decode layer."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    acc = tl.load(parts_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)
+    for r in range(1, W):
+        acc = acc + tl.load(parts_ptr + (r * T + row) * D + d, mask=ok, other=0.0).to(tl.float32)
+    if PARTS_BF16:
+        acc = _bf16_round(acc)
+    x = tl.load(res_ptr + row * D + d, mask=ok, other=0.0) + acc
+    tl.store(res_out_ptr + row * D + d, x, mask=ok)
+    if NORM:
+        r_ = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
+        y = x * r_ * (tl.load(w_ptr + d, mask=ok, other=0.0) + 1.0)
+        tl.store(h_ptr + row * D + d, _bf16_round(y).to(tl.bfloat16), mask=ok)
+
+
+def add_norm_triton(res, parts, w, eps):
+    _check_tensor("res", res, torch.float32, ndim=2)
+    T, D = res.shape
+    _check_tensor("parts", parts, parts.dtype, ndim=3)
+    _check(parts.dtype in (torch.bfloat16, torch.float32) and tuple(parts.shape[1:]) == (T, D),
+           f"parts must be bf16/fp32 [W, T={T}, D={D}], got {parts.dtype} {tuple(parts.shape)}")
+    if w is not None:
+        _check_tensor("w", w, torch.float32, ndim=1)
+        _check(w.numel() == D, f"w must be [{D}], got {tuple(w.shape)}")
+    out = torch.empty_like(res)
+    h = torch.empty(T, D, dtype=torch.bfloat16, device=res.device) if w is not None else None
+    if T:
+        _add_norm_kernel[(T,)](res, parts, w if w is not None else res, out, h if h is not None else out,
+                               parts.shape[0], T, D, float(eps), PARTS_BF16=parts.dtype == torch.bfloat16,
+                               NORM=w is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4)
+    return out, h
+
+
+def add_norm(res, parts, w, eps):
+    if _triton(res):
+        return add_norm_triton(res, parts, w, eps)
+    return add_norm_ref(res, parts, w, eps)
+
+
 # --------------------------------------------------------------------------------------------------
 # 2. DSA: region summaries, indexer scores, exact top-k, sparse attention
 

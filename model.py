@@ -21,7 +21,7 @@ from config import LAYOUT_VERSION, Step5Config, Step5VLConfig, group_window
 # distributed: every collective of the model is one of these two functions (grep "dist\.")
 
 world_size, rank = 1, 0
-_REDUCE_BYTES = 1 << 30  # bound on the gathered partials of one tp_reduce call
+_REDUCE_BYTES = 1 << 30  # bound on the gathered partials of one tp_reduce_add call
 # torch >= 2.13 renamed all_gather_into_tensor (the GPU machine runs 2.11)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -44,24 +44,21 @@ def tp_gather(x: torch.Tensor) -> torch.Tensor:
     return out.view(world_size, *x.shape)
 
 
-def tp_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum of the ranks' partials, added in rank order 0, 1, ... with one fp32 accumulator, rounded once to x.dtype.
+def tp_reduce_add(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None = None, eps: float = 0.0):
+    """A layer's residual update: res [T, D] fp32 + the sum of the ranks' partials x [T, D] (bf16 or fp32), added in
+    rank order 0, 1, ... with one fp32 accumulator and rounded once to x.dtype; with w, also the RMSNorm of the new
+    residual (the next sub-layer's input). -> (res' fp32, h bf16 or None); one kernel after the gather.
 
     Unlike a backend all-reduce, the summation order is fixed, so results do not depend on the collective
     algorithm or topology, and every rank holds bit-identical sums (which the replicated router relies on).
     """
-    if world_size == 1:
-        return x
     # Long prefills reduce in row chunks so the gathered partials stay bounded (128k tokens at TP=8 would
     # otherwise gather 16 GiB of fp32 per MoE layer); decode batches take the single-chunk path.
     rows = max(1, _REDUCE_BYTES // (world_size * x[0].numel() * x.element_size()))
     if x.shape[0] > rows:
-        return torch.cat([tp_reduce(c) for c in x.split(rows)])
-    parts = tp_gather(x)
-    acc = parts[0].float()
-    for r in range(1, world_size):
-        acc = acc + parts[r].float()
-    return acc.to(x.dtype)
+        out = [tp_reduce_add(r, c, w, eps) for r, c in zip(res.split(rows), x.split(rows))]
+        return torch.cat([o[0] for o in out]), None if w is None else torch.cat([o[1] for o in out])
+    return kernel.add_norm(res, tp_gather(x), w, eps)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,15 +242,25 @@ class Attention(nn.Module):
         self.pins = None
 
     def finalize(self):
-        """After loading: one packed QKV weight (a single GEMM is what the deployed projection rounds like), and
-        the indexer's bf16-rounded norm weights / head weights."""
-        self.wqkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        del self.q_proj, self.k_proj, self.v_proj
+        """After loading: every projection of the layer input packed into one weight `wpack`, rows
+        [q | k | v | gate (| indexer q | k | z | w on DSA layers)], so a decode step reads the input once in one
+        GEMM (each output is still one dot over D rounded once to bf16, as the separate projections round), and the
+        indexer's bf16-rounded norm weights."""
+        parts = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.g_proj.weight]
+        del self.q_proj, self.k_proj, self.v_proj, self.g_proj
         if self.dsa:
+            parts += [self.sparse_indexer_q.weight, self.sparse_indexer_k.weight, self.sparse_indexer_z.weight,
+                      self.sparse_indexer_w.weight.bfloat16()]  # W_Iw rounded to bf16, like the deployed GEMM
+            del self.sparse_indexer_q, self.sparse_indexer_k, self.sparse_indexer_z, self.sparse_indexer_w
             self.idx_q_norm_w = self.sparse_indexer_q_norm.weight.bfloat16().float()
             self.idx_k_norm_w = self.sparse_indexer_k_norm.weight.bfloat16().float()
             self.idx_k_norm_b = self.sparse_indexer_k_norm.bias.bfloat16().float()
-            self.idx_w = self.sparse_indexer_w.weight.bfloat16()
+        self.split = [p.shape[0] for p in parts]  # column widths of the packed output
+        self.wpack = torch.cat(parts)
+
+    def project(self, h: torch.Tensor) -> list:
+        """h [T, D] bf16 -> the packed projections' column slices [q, k, v, gate (, indexer q, k, z, w)], bf16."""
+        return linear(h, self.wpack).split(self.split, dim=-1)
 
     def new_cache(self, B: int, cap: int, device, slack: int = 0) -> LayerCache:
         """slack: extra ring slots, so that rows written past the kept length (rejected speculative rows, rolled back
@@ -277,20 +284,19 @@ class Attention(nn.Module):
         token per cache row)."""
         T = h.shape[0]
         H, G, hd = self.n_heads, self.n_groups, self.cfg.head_dim
-        qkv = linear(h, self.wqkv)
-        q, k, v = qkv.split([H * hd, G * hd, G * hd], dim=-1)
+        q, k, v, g, *idx = self.project(h)
         cos, sin = rope["main"][0][pos], rope["main"][1][pos]
         eps = self.cfg.rms_norm_eps
         q = kernel.norm_rope(q.view(T, H, hd), self.q_norm.weight, cos, sin, eps)
         k = kernel.norm_rope(k.view(T, G, hd), self.k_norm.weight, cos, sin, eps)
         v = v.view(T, G, hd)
         if self.dsa:
-            o = self._dsa(h, q, k, v, pos, rope["indexer"], spans, cache, req)
+            o = self._dsa(idx, q, k, v, pos, rope["indexer"], spans, cache, req)
         elif spans is None:
             o = self._sliding_decode(q, k, v, pos, cache)
         else:
             o = self._sliding_prefill(q, k, v, spans, cache)
-        gate = torch.sigmoid(linear(h, self.g_proj.weight))  # [T, H] bf16
+        gate = torch.sigmoid(g)  # [T, H] bf16
         o = o * gate[..., None]  # one rounding: the bf16 x bf16 product is exact in fp32
         return linear(o.reshape(T, H * hd), self.o_proj.weight)  # this rank's bf16 partial: Block reduces it
 
@@ -335,29 +341,27 @@ class Attention(nn.Module):
         return o[:, :, 0]
 
     # ---- DSA
-    def _indexer(self, h, pos, rope):
-        """Indexer projections: q [T, G, Hg, P] and k [T, P] normalised + rotated (bf16), z [T, P] raw, w [T, G, Hg]."""
-        T, sp = h.shape[0], self.cfg.sparse
-        P, eps = sp.proxy_dim, self.cfg.rms_norm_eps
+    def _indexer(self, idx, pos, rope):
+        """Indexer projections (column slices of the packed GEMM) -> q [T, G, Hg, P] and k [T, P] normalised +
+        rotated (bf16), z [T, P] raw, w [T, G, Hg] fp32."""
+        qi, ki, zi, wi = idx
+        T, P, eps = pos.shape[0], self.cfg.sparse.proxy_dim, self.cfg.rms_norm_eps
         cos, sin = rope[0][pos], rope[1][pos]
-        qi = linear(h, self.sparse_indexer_q.weight).view(T, self.n_groups * self.idx_heads, P)
-        qi = kernel.norm_rope(qi, self.idx_q_norm_w, cos, sin, eps).view(T, self.n_groups, self.idx_heads, P)
-        ki = kernel.norm_rope(linear(h, self.sparse_indexer_k.weight)[:, None], self.idx_k_norm_w, cos, sin, eps,
-                              bias=self.idx_k_norm_b)[:, 0]
-        zi = linear(h, self.sparse_indexer_z.weight)
-        wi = linear(h, self.idx_w).float() * self.idx_heads ** -0.5  # W_Iw rounded to bf16, result widened
-        return qi, ki, zi, wi.view(T, self.n_groups, self.idx_heads)
+        qi = kernel.norm_rope(qi.view(T, self.n_groups * self.idx_heads, P), self.idx_q_norm_w, cos, sin, eps)
+        ki = kernel.norm_rope(ki[:, None], self.idx_k_norm_w, cos, sin, eps, bias=self.idx_k_norm_b)[:, 0]
+        wi = wi.float() * self.idx_heads ** -0.5
+        return qi.view(T, self.n_groups, self.idx_heads, P), ki, zi, wi.view(T, self.n_groups, self.idx_heads)
 
-    def _dsa(self, h, q, k, v, pos, rope, spans, cache, req=None):
+    def _dsa(self, idx, q, k, v, pos, rope, spans, cache, req=None):
         sp = self.cfg.sparse
         blk, P = sp.block, sp.proxy_dim
-        qi, ki, zi, wi = self._indexer(h, pos, rope)
+        qi, ki, zi, wi = self._indexer(idx, pos, rope)
         T, H, hd = q.shape
         G = self.n_groups
         q = q.view(T, G, H // G, hd)
         if spans is None:  # decode: one token per row at position pos[b]; static shapes, no host sync
             B = T
-            rows = torch.arange(B, device=h.device)
+            rows = torch.arange(B, device=q.device)
             cache.k[rows, pos], cache.v[rows, pos] = k, v
             cache.pk[rows, pos % blk], cache.pz[rows, pos % blk] = ki, zi
             # a region completes when its last token arrives: summarise the pending tokens, store only then
@@ -482,13 +486,13 @@ class Block(nn.Module):
         """res [T, D] fp32 residual stream -> updated residual. The block owns both TP reductions of the layer: its
         sub-modules return this rank's partial sums. req [T]: each token's request, for installed Pins only."""
         h = kernel.rms_norm(res, self.input_layernorm.weight, self.eps, torch.bfloat16)  # fp32 norm, one rounding
-        res = res + tp_reduce(self.self_attn(h, pos, rope, spans, cache, req)).float()
-        h = kernel.rms_norm(res, self.post_attention_layernorm.weight, self.eps, torch.bfloat16)
+        res, h = tp_reduce_add(res, self.self_attn(h, pos, rope, spans, cache, req), self.post_attention_layernorm.weight,
+                               self.eps)
         if self.is_moe:  # routed + shared partials combined in fp32, then ONE fp32 reduction
-            y = tp_reduce(self.moe(h, pos, req).float() + self.share_expert(h).float())
+            y = self.moe(h, pos, req).float() + self.share_expert(h).float()
         else:
-            y = tp_reduce(self.mlp(h)).float()
-        return res + y
+            y = self.mlp(h)
+        return tp_reduce_add(res, y)[0]
 
 
 class MTPLayer(Block):

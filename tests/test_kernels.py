@@ -200,6 +200,22 @@ def test_rms_norm(T, D, src, out):
     assert (d > 0).float().mean() < 0.05 and d.max() <= step * ref.float().abs().max()
 
 
+@pytest.mark.parametrize("T,D,W,dtype,norm", [(1, 256, 1, torch.bfloat16, True), (3, 200, 2, torch.bfloat16, True),
+                                              (2, 256, 4, torch.float32, True), (2, 96, 3, torch.float32, False)])
+def test_add_norm(T, D, W, dtype, norm):
+    res = randn(T, D, seed=T, scale=3.0, dtype=torch.float32)
+    parts = randn(W, T, D, seed=7, scale=0.5, dtype=dtype)
+    w = randn(D, seed=1, scale=0.2, dtype=torch.float32) if norm else None
+    got_res, got_h = K.add_norm_triton(res, parts, w, 1e-5)
+    ref_res, ref_h = K.add_norm_ref(res, parts, w, 1e-5)
+    assert torch.equal(got_res, ref_res)  # the rank-ordered sum, its rounding and the add: elementwise, exact
+    if not norm:
+        assert got_h is None and ref_h is None
+        return
+    d = report("add_norm", got_h, ref_h)  # the norm's sum of squares: as test_rms_norm
+    assert (d > 0).float().mean() < 0.05 and d.max() <= 2 ** -7 * ref_h.float().abs().max()
+
+
 def test_norm_rope_token_strided_input():
     """q and k arrive as column slices of the packed QKV output: heads contiguous, tokens strided."""
     T, n, D, half = 4, 3, 48, 8

@@ -151,7 +151,7 @@ def test_decode_summaries_equal_prefill_summaries_bit_for_bit(lm):
     h = torch.randn(N, cfg.hidden_size).bfloat16()
     lm.new_cache(1, N)
     rope = lm.rope["layers"][i]
-    full = att._indexer(h, torch.arange(N), rope["indexer"])
+    full = att._indexer(att.project(h)[4:], torch.arange(N), rope["indexer"])
     orig = att._indexer
     att._indexer = lambda h_, pos, r: tuple(t[pos] for t in full)
     try:
@@ -424,14 +424,19 @@ import model as M
 dist.init_process_group("gloo")
 M.set_parallel(dist.get_world_size(), dist.get_rank())
 g = torch.Generator().manual_seed(100 + M.rank)
+res = torch.randn(37, 64, generator=torch.Generator().manual_seed(1))  # the replicated residual
+w = torch.randn(64, generator=torch.Generator().manual_seed(2)) * 0.1
 for dt in (torch.float32, torch.bfloat16):
     x = (torch.randn(37, 64, generator=g) * 100).to(dt)
-    whole = M.tp_reduce(x)
+    whole = M.tp_reduce_add(res, x, w, 1e-5)
     M._REDUCE_BYTES = 3 * 64 * 4 * M.world_size  # forces chunks of a few rows
-    chunked = M.tp_reduce(x)
+    chunked = M.tp_reduce_add(res, x, w, 1e-5)
     M._REDUCE_BYTES = 1 << 30
-    assert torch.equal(whole, chunked), dt
-    assert torch.equal(M.tp_gather(whole)[0], whole)  # every rank holds the same bits
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a, b), dt
+        assert torch.equal(M.tp_gather(a)[0], a)  # every rank holds the same bits
+    parts = M.tp_gather(x)
+    assert torch.equal(whole[0], res + (parts[0].float() + parts[1].float()).to(dt).float())  # rank order
     print("ok", dt)
 dist.barrier()
 dist.destroy_process_group()
@@ -440,7 +445,7 @@ os._exit(0)
 """
 
 
-def test_tp_reduce_chunked_equals_whole_and_is_identical_on_all_ranks(tmp_path):
+def test_tp_reduce_add_chunked_equals_whole_and_is_identical_on_all_ranks(tmp_path):
     import subprocess
     import sys
     script = tmp_path / "reduce.py"
