@@ -5,14 +5,17 @@ Default: a sliding-window MoE layer and a DSA MoE layer with the real shapes of 
 replayed as a CUDA graph), the kernels of one step (profiler), and the 92-layer step projected from the two.
 --whole-rank: the whole rank instead (92 layers, final norm, lm_head window, argmax; ~75 GB of FP8 experts), one
 decode step replayed as a CUDA graph and measured, not projected. Both print the ratio to the HBM floor of the
-bytes one step must read. The TP reductions are not part of either (one GPU): see --help of bench_reduce.py.
+bytes one step must read. Under `torchrun --nproc-per-node=W` --whole-rank also times the step with the real TP reductions between W GPUs.
 
     python bench_decode.py [--batch 1] [--context 4096] [--whole-rank] [--torch-ref] [--profile]
+    torchrun --nproc-per-node=2 bench_decode.py --whole-rank
 """
 import argparse
+import os
 import time
 
 import torch
+import torch.distributed as dist
 
 import kernel
 import config
@@ -160,25 +163,44 @@ def kv_bytes(cfg, kind: str, batch: int, context: int) -> int:
 
 
 def bench_rank(cfg, batch: int, context: int, profile: bool):
-    """The whole rank: embed, 92 layers, final norm, lm_head window, argmax; one decode step as a CUDA graph."""
+    """The whole rank: embed, 92 layers, final norm, lm_head window, argmax; one decode step as a CUDA graph.
+    Under torchrun (one process per GPU, NCCL) the step includes the real TP reductions between the GPUs (each GPU
+    holds one TP=8 rank's shapes; the sums are of W partials instead of 8), timed with and without them."""
     import generate
-    with torch.device("meta"):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    torch.cuda.set_device(rank)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    with torch.device("meta"):  # before the process group: the model checks a group's size against tp_size
         m = M.Step5ForCausalLM(cfg, set(cfg.moe_layers), 0)
-    M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
+    if world > 1:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     t0 = time.perf_counter()
-    randomise(m)
+    randomise(m, seed=rank)
     m.finalize()
     cache = m.new_cache(batch, context + 64)
     fill_cache(cache, context)
     torch.cuda.synchronize()
-    print(f"built the rank in {time.perf_counter() - t0:.0f} s: {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
-          f"(weights and a {batch} x {cache.cap} cache)")
+    say(f"built the rank in {time.perf_counter() - t0:.0f} s: {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
+        f"(weights and a {batch} x {cache.cap} cache)")
     ids = torch.zeros(batch, dtype=torch.long, device="cuda")
 
     def step(x):
         with torch.inference_mode():
             return generate.greedy(m(x, cache))
 
+    def timed_graph(ws):
+        M.set_parallel(ws, rank if ws > 1 else 0)
+        replay = generate.DecodeStep(step, graph=True, state=lambda: (cache.lengths,))
+        replay(ids)
+        cache.lengths.fill_(context)
+        if ws > 1:
+            dist.barrier()
+        t = time_step(replay.graph.replay, iters=20)  # 21 replays: the context grows by 21 of its 64 spare slots
+        cache.lengths.fill_(context)
+        return t
+
+    M.set_parallel(1, 0)
     eager = time_step(lambda: step(ids), iters=3)
     cache.lengths.fill_(context)
     kernels = count_kernels(lambda: step(ids))
@@ -188,17 +210,21 @@ def bench_rank(cfg, batch: int, context: int, profile: bool):
         with prof(activities=[ProfilerActivity.CUDA]) as p:
             step(ids)
             torch.cuda.synchronize()
-        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+        say(p.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
         cache.lengths.fill_(context)
-    replay = generate.DecodeStep(step, graph=True, state=lambda: (cache.lengths,))
-    replay(ids)
-    cache.lengths.fill_(context)
-    graph_t = time_step(replay.graph.replay, iters=20)  # 21 replays: the context grows by 21 of its 64 spare slots
+    graph_t = timed_graph(1)
     nbytes = weight_bytes(m, batch, cfg) + sum(kv_bytes(cfg, "dsa" if cfg.is_dsa(i) else "sliding", batch, context)
                                                for i in range(cfg.num_hidden_layers))
-    print(f"whole rank: {kernels} kernels per step ({kernels / cfg.num_hidden_layers:.1f} per layer) | eager "
-          f"{eager * 1e3:8.2f} ms | graph {graph_t * 1e3:7.3f} ms | {nbytes / 1e9:5.2f} GB -> floor "
-          f"{nbytes / HBM_BPS * 1e3:5.2f} ms | {nbytes / graph_t / 1e9:7.1f} GB/s = {nbytes / graph_t / HBM_BPS:5.1%} of HBM")
+    say(f"whole rank: {kernels} kernels per step ({kernels / cfg.num_hidden_layers:.1f} per layer) | eager "
+        f"{eager * 1e3:8.2f} ms | graph {graph_t * 1e3:7.3f} ms | {nbytes / 1e9:5.2f} GB -> floor "
+        f"{nbytes / HBM_BPS * 1e3:5.2f} ms | {nbytes / graph_t / 1e9:7.1f} GB/s = {nbytes / graph_t / HBM_BPS:5.1%} of HBM")
+    if world > 1:
+        with_tp = timed_graph(world)
+        say(f"with the TP reductions between {world} GPUs (2 per layer + the logits gather): {with_tp * 1e3:7.3f} ms; "
+            f"reductions {(with_tp - graph_t) * 1e3:.3f} ms = {(with_tp - graph_t) / with_tp:.1%} of the step, "
+            f"{(with_tp - graph_t) / (2 * cfg.num_hidden_layers + 1) * 1e6:.1f} us per reduction")
+        graph_t = with_tp
+        dist.destroy_process_group()
     return graph_t, nbytes / HBM_BPS
 
 
@@ -209,9 +235,12 @@ def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole
     kernel.set_backend(not torch_ref)  # Triton for CUDA tensors unless the reference is asked for
     step_t, floor = (bench_rank if whole_rank else bench_layers)(cfg, batch, context, profile)
     what = "measured" if whole_rank else "projected from the two layers"
-    print(f"decode step {what}, 92 MoE-shaped layers, batch {batch}, context {context}, "
-          f"{'torch reference' if torch_ref else 'Triton kernels'}: {step_t * 1e3:.2f} ms "
-          f"(HBM floor {floor * 1e3:.2f} ms, ratio {floor / step_t:.1%}); collectives excluded")
+    world = int(os.environ.get("WORLD_SIZE", "1")) if whole_rank else 1
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"decode step {what}, 92 MoE-shaped layers, batch {batch}, context {context}, "
+              f"{'torch reference' if torch_ref else 'Triton kernels'}: {step_t * 1e3:.2f} ms "
+              f"(HBM floor {floor * 1e3:.2f} ms, ratio {floor / step_t:.1%}); "
+              + (f"TP reductions between {world} GPUs included" if world > 1 else "collectives excluded"))
 
 
 if __name__ == "__main__":

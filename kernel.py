@@ -409,6 +409,96 @@ def region_summary(k, z):
     return region_summary_ref(k, z)
 
 
+def dsa_cache_write_ref(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
+    """A DSA decode step's cache writes, in place: token pos[b]'s key/value rows, its indexer key/z as pending row
+    pos % blk, and, when that row completes its region, the region's summary (region_summary_ref of the pending
+    rows) at region pos // blk; other summaries are untouched.
+
+    k, v [B, G, hd] bf16; ki, zi [B, P] bf16; pos [B] int64; ck, cv [B, cap, G, hd] bf16; pk, pz [B, blk, P] bf16;
+    summ [B, R, P] uint8 (e4m3 bytes)."""
+    B, blk = pos.shape[0], pk.shape[1]
+    rows = torch.arange(B, device=pos.device)
+    ck[rows, pos], cv[rows, pos] = k, v
+    pk[rows, pos % blk], pz[rows, pos % blk] = ki, zi
+    done = (pos % blk == blk - 1)[:, None]
+    r = pos // blk
+    new = region_summary_ref(pk, pz).view(torch.uint8)
+    summ[rows, r] = torch.where(done, new, summ[rows, r])
+
+
+@triton.jit
+def _dsa_cache_write_kernel(k_ptr, v_ptr, ki_ptr, zi_ptr, pos_ptr, ck_ptr, cv_ptr, pk_ptr, pz_ptr, summ_ptr,
+                            k_stride, v_stride, ki_stride, zi_stride, cap, R, P,
+                            GHD: tl.constexpr, BLK: tl.constexpr, BLOCK_GHD: tl.constexpr, BLOCK_P: tl.constexpr,
+                            PRECISE: tl.constexpr):
+    """One request per program: the row writes, then, on the region's last token, _region_summary_kernel's
+    arithmetic over the pending rows with the new row taken from registers (never re-read after this program's own
+    store)."""
+    b = tl.program_id(0).to(tl.int64)
+    p = tl.load(pos_ptr + b)
+    slot = p % BLK
+    c = tl.arange(0, BLOCK_GHD)
+    c_ok = c < GHD
+    tl.store(ck_ptr + (b * cap + p) * GHD + c, tl.load(k_ptr + b * k_stride + c, mask=c_ok), mask=c_ok)
+    tl.store(cv_ptr + (b * cap + p) * GHD + c, tl.load(v_ptr + b * v_stride + c, mask=c_ok), mask=c_ok)
+    d = tl.arange(0, BLOCK_P)
+    d_ok = d < P
+    kn = tl.load(ki_ptr + b * ki_stride + d, mask=d_ok, other=0.0)
+    zn = tl.load(zi_ptr + b * zi_stride + d, mask=d_ok, other=0.0)
+    base = b * BLK * P
+    tl.store(pk_ptr + base + slot * P + d, kn, mask=d_ok)
+    tl.store(pz_ptr + base + slot * P + d, zn, mask=d_ok)
+    if slot == BLK - 1:
+        m = tl.max(tl.where(d_ok, zn.to(tl.float32), float("-inf")), axis=0)
+        for i in tl.static_range(BLK - 1):
+            z = tl.load(pz_ptr + base + i * P + d, mask=d_ok, other=float("-inf")).to(tl.float32)
+            m = tl.maximum(m, tl.max(z, axis=0))
+        num = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        den = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        for i in tl.static_range(BLK):  # token order, as the reference sums
+            if i == BLK - 1:
+                z, kv = zn.to(tl.float32), kn.to(tl.float32)
+            else:
+                z = tl.load(pz_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
+                kv = tl.load(pk_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
+            e = _exp(z - m, PRECISE)
+            den = den + e
+            num = num + e * kv
+        s = tl.math.div_rn(num, tl.maximum(den, 1e-20))
+        s = tl.where(den > 0, s, 0.0)
+        tl.store(summ_ptr + (b * R + p // BLK) * P + d, _e4m3_bits(_bf16_round(s)), mask=d_ok)
+
+
+def dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
+    B, G, hd = k.shape
+    for name, t in (("k", k), ("v", v)):
+        _check_tensor(name, t, torch.bfloat16, ndim=3, contiguous=False)
+        _check(tuple(t.shape) == (B, G, hd) and t.stride(2) == 1 and t.stride(1) == hd,
+               f"{name} must be [B, G, hd] with contiguous rows, got {tuple(t.shape)} strides {t.stride()}")
+    P = pk.shape[2]
+    for name, t in (("ki", ki), ("zi", zi)):
+        _check_tensor(name, t, torch.bfloat16, ndim=2, contiguous=False)
+        _check(tuple(t.shape) == (B, P) and t.stride(1) == 1, f"{name} must be [B={B}, P={P}] with unit stride")
+    _check_tensor("pos", pos, torch.int64, ndim=1)
+    for name, t, dt in (("ck", ck, torch.bfloat16), ("cv", cv, torch.bfloat16), ("pk", pk, torch.bfloat16),
+                        ("pz", pz, torch.bfloat16), ("summ", summ, torch.uint8)):
+        _check_tensor(name, t, dt)
+    _check(ck.shape == cv.shape and tuple(ck.shape[2:]) == (G, hd) and pk.shape == pz.shape
+           and summ.shape[0] == pk.shape[0] == ck.shape[0] == B and summ.shape[2] == P,
+           "cache shapes: ck, cv [B, cap, G, hd], pk, pz [B, blk, P], summ [B, R, P]")
+    if B:
+        _dsa_cache_write_kernel[(B,)](k, v, ki, zi, pos, ck, cv, pk, pz, summ, k.stride(0), v.stride(0),
+                                      ki.stride(0), zi.stride(0), ck.shape[1], summ.shape[1], P, GHD=G * hd,
+                                      BLK=pk.shape[1], BLOCK_GHD=triton.next_power_of_2(G * hd),
+                                      BLOCK_P=triton.next_power_of_2(P), PRECISE=_PRECISE, num_warps=2, **_NO_FMA)
+
+
+def dsa_cache_write(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
+    if _triton(k):
+        return dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ)
+    return dsa_cache_write_ref(k, v, ki, zi, pos, ck, cv, pk, pz, summ)
+
+
 def indexer_scores_ref(q, w, summ):
     """q [S, T, G, Hg, P] bf16, w [S, T, G, Hg] fp32, summ [S, R, P] e4m3 -> scores [S, G, T, R] fp32.
 

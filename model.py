@@ -360,15 +360,9 @@ class Attention(nn.Module):
         G = self.n_groups
         q = q.view(T, G, H // G, hd)
         if spans is None:  # decode: one token per row at position pos[b]; static shapes, no host sync
-            B = T
-            rows = torch.arange(B, device=q.device)
-            cache.k[rows, pos], cache.v[rows, pos] = k, v
-            cache.pk[rows, pos % blk], cache.pz[rows, pos % blk] = ki, zi
-            # a region completes when its last token arrives: summarise the pending tokens, store only then
-            done = (pos % blk == blk - 1)[:, None]
+            # K/V rows, the pending indexer row and, when it completes a region, the region's summary
+            kernel.dsa_cache_write(k, v, ki, zi, pos, cache.k, cache.v, cache.pk, cache.pz, cache.summ)
             r = pos // blk
-            new = kernel.region_summary(cache.pk, cache.pz).view(torch.uint8)
-            cache.summ[rows, r] = torch.where(done, new, cache.summ[rows, r])
             scores = kernel.indexer_scores(qi[:, None], wi[:, None], cache.summ.view(kernel.FP8))  # [B, G, 1, R]
             ids, valid = kernel.select_regions(scores, r[:, None], sp.topk)
             if self.pins is not None:

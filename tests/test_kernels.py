@@ -247,6 +247,25 @@ def test_region_summary_bytes(N, blk, P):
     assert out.dtype == K.FP8 and bytes_equal(out, ref)
 
 
+@pytest.mark.parametrize("G,hd,blk,P", [(1, 32, 8, 64), (2, 16, 4, 24)])
+def test_dsa_cache_write(G, hd, blk, P):
+    """Decode's cache writes: rows at each request's position, the pending indexer row, and the summary of a region
+    that the row completes (rows 0 and 2 complete one, row 1 does not), byte for byte like the reference."""
+    B, cap = 3, 4 * blk
+    pos = torch.tensor([blk - 1, blk + 1, 3 * blk - 1], device=DEV)
+    packed = randn(B, 3 * G * hd, seed=1)  # v is a column slice of the packed projection, as in the model
+    k, v = randn(B, G, hd, seed=2), packed[:, G * hd:2 * G * hd].view(B, G, hd)
+    ki, zi = randn(B, P, seed=3), randn(B, 2 * P, seed=4, scale=3.0)[:, :P]
+    caches = [randn(B, cap, G, hd, seed=5), randn(B, cap, G, hd, seed=6), randn(B, blk, P, seed=7),
+              randn(B, blk, P, seed=8, scale=3.0), randn(B, cap // blk, P, seed=9).view(torch.uint8)[..., :P].contiguous()]
+    ref, orig = [c.clone() for c in caches], caches[4].clone()
+    K.dsa_cache_write_triton(k, v, ki, zi, pos, *caches)
+    K.dsa_cache_write_ref(k, v, ki, zi, pos, *ref)
+    for got, want in zip(caches, ref):
+        assert bytes_equal(got, want)
+    assert not bytes_equal(ref[4][0], orig[0]) and bytes_equal(ref[4][1], orig[1])  # completed regions only
+
+
 @pytest.mark.parametrize("S,T,G,Hg,P,R", [(2, 3, 2, 4, 64, 37), (1, 1, 1, 4, 256, 200)])
 def test_indexer_scores(S, T, G, Hg, P, R):
     q = randn(S, T, G, Hg, P, seed=1)
