@@ -122,15 +122,18 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
 # 1. per-head norm + partial NEOX RoPE
 
 
-def norm_rope_ref(x, weight, cos, sin, eps, bias=None):
+def norm_rope_ref(x, weight, cos, sin, eps, bias=None, pos=None):
     """Per-head norm, rounded to bf16, then NEOX RoPE on the leading `2 * cos.shape[-1]` dims.
 
-    x [T, n, d] bf16; weight (and bias) [d] fp32; cos, sin [T, half] bf16 (table rows of each token's position).
+    x [T, n, d] bf16; weight (and bias) [d] fp32; cos, sin [T, half] bf16 (table rows of each token's position),
+    or with pos [T] int64 the whole tables [n_pos, half] (row pos[t] for token t: no gather before the kernel).
     bias None: zero-centred RMSNorm  y = x * rsqrt(mean(x^2) + eps) * (1 + w)      (main q/k, indexer q)
     bias set : LayerNorm with one-pass variance E[x^2] - E[x]^2, y = (x - mu) * rsqrt(var + eps) * w + b  (indexer k)
     The norm output is rounded to bf16 and re-read before the rotation (the deployed kernel materialises it);
     rotation in fp32: first = a*c - b*s (products rounded separately), second = fma(a, s, b*c); each rounded to bf16.
     """
+    if pos is not None:
+        cos, sin = cos[pos], sin[pos]
     xf = x.float()
     if bias is None:
         ms = (xf * xf).mean(-1, keepdim=True)
@@ -149,9 +152,10 @@ def norm_rope_ref(x, weight, cos, sin, eps, bias=None):
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, out_ptr, ROWS, NH, stride_xt, eps,
-                      D: tl.constexpr, HALF: tl.constexpr, LAYERNORM: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, ROWS, NH, stride_xt, eps,
+                      D: tl.constexpr, HALF: tl.constexpr, LAYERNORM: tl.constexpr, GATHER: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                      BLOCK_REST: tl.constexpr):
     """BLOCK_R head rows (token t = row // NH) per program: norm, round to bf16, NEOX-rotate the first 2*HALF dims.
 
     RMS: n = bf((x * r) * (w + 1)), r = 1/sqrt(mean(x^2) + eps); LayerNorm: n = bf(((x - mu) * r) * w + b),
@@ -178,8 +182,9 @@ def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, out_ptr, ROWS, NH, 
         r = tl.math.div_rn(one, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
     j = tl.arange(0, BLOCK_HALF)
     j_ok = r_ok[:, None] & (j[None, :] < HALF)
-    c = tl.load(cos_ptr + tok[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + tok[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
+    trow = tl.load(pos_ptr + tok, mask=r_ok, other=0) if GATHER else tok  # the table row of each token
+    c = tl.load(cos_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
     a = _norm_slice(x_ptr, w_ptr, b_ptr, xbase, j, r_ok, D, mu, r, LAYERNORM)
     b = _norm_slice(x_ptr, w_ptr, b_ptr, xbase, HALF + j, r_ok, D, mu, r, LAYERNORM)
     first = a * c - b * s
@@ -205,7 +210,7 @@ def _norm_slice(x_ptr, w_ptr, b_ptr, base, cols, r_ok, D: tl.constexpr, mu, r, L
     return _bf16_round(n)
 
 
-def norm_rope_triton(x, weight, cos, sin, eps, bias=None):
+def norm_rope_triton(x, weight, cos, sin, eps, bias=None, pos=None):
     _check_tensor("x", x, torch.bfloat16, ndim=3, contiguous=False)
     T, NH, D = x.shape
     _check(x.stride(2) == 1 and x.stride(1) == D, f"x must have contiguous heads (strides {x.stride()})")
@@ -217,24 +222,29 @@ def norm_rope_triton(x, weight, cos, sin, eps, bias=None):
     _check_tensor("cos", cos, torch.bfloat16, ndim=2)
     _check_tensor("sin", sin, torch.bfloat16, ndim=2)
     half = cos.shape[1]
-    _check(cos.shape == sin.shape and cos.shape[0] == T and 2 * half <= D,
-           f"cos/sin must be [T={T}, half <= {D // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if pos is not None:
+        _check_tensor("pos", pos, torch.int64, ndim=1)
+        _check(pos.numel() == T, f"pos must be [T={T}], got {tuple(pos.shape)}")
+    _check(cos.shape == sin.shape and (pos is not None or cos.shape[0] == T) and 2 * half <= D,
+           f"cos/sin must be [T={T} (or the whole table with pos), half <= {D // 2}], got {tuple(cos.shape)}, "
+           f"{tuple(sin.shape)}")
     out = torch.empty((T, NH, D), dtype=x.dtype, device=x.device)
     rows = T * NH
     BLOCK_R = 16
     if rows:
         _norm_rope_kernel[(triton.cdiv(rows, BLOCK_R),)](
-            x, weight, bias if bias is not None else weight, cos, sin, out, rows, NH, x.stride(0), float(eps),
-            D=D, HALF=half, LAYERNORM=bias is not None, BLOCK_R=BLOCK_R, BLOCK_D=triton.next_power_of_2(D),
+            x, weight, bias if bias is not None else weight, cos, sin, pos if pos is not None else out, out, rows, NH,
+            x.stride(0), float(eps), D=D, HALF=half, LAYERNORM=bias is not None, GATHER=pos is not None,
+            BLOCK_R=BLOCK_R, BLOCK_D=triton.next_power_of_2(D),
             BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
             BLOCK_REST=triton.next_power_of_2(D - 2 * half) if D > 2 * half else 0, num_warps=4, **_NO_FMA)
     return out
 
 
-def norm_rope(x, weight, cos, sin, eps, bias=None):
+def norm_rope(x, weight, cos, sin, eps, bias=None, pos=None):
     if _triton(x):
-        return norm_rope_triton(x, weight, cos, sin, eps, bias)
-    return norm_rope_ref(x, weight, cos, sin, eps, bias)
+        return norm_rope_triton(x, weight, cos, sin, eps, bias, pos)
+    return norm_rope_ref(x, weight, cos, sin, eps, bias, pos)
 
 
 def rms_norm_ref(x, w, eps, out_dtype=None):

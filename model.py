@@ -285,10 +285,10 @@ class Attention(nn.Module):
         T = h.shape[0]
         H, G, hd = self.n_heads, self.n_groups, self.cfg.head_dim
         q, k, v, g, *idx = self.project(h)
-        cos, sin = rope["main"][0][pos], rope["main"][1][pos]
+        cos, sin = rope["main"]  # whole tables: the kernels read row pos[t]
         eps = self.cfg.rms_norm_eps
-        q = kernel.norm_rope(q.view(T, H, hd), self.q_norm.weight, cos, sin, eps)
-        k = kernel.norm_rope(k.view(T, G, hd), self.k_norm.weight, cos, sin, eps)
+        q = kernel.norm_rope(q.view(T, H, hd), self.q_norm.weight, cos, sin, eps, pos=pos)
+        k = kernel.norm_rope(k.view(T, G, hd), self.k_norm.weight, cos, sin, eps, pos=pos)
         v = v.view(T, G, hd)
         if self.dsa:
             o = self._dsa(idx, q, k, v, pos, rope["indexer"], spans, cache, req)
@@ -346,9 +346,11 @@ class Attention(nn.Module):
         rotated (bf16), z [T, P] raw, w [T, G, Hg] fp32."""
         qi, ki, zi, wi = idx
         T, P, eps = pos.shape[0], self.cfg.sparse.proxy_dim, self.cfg.rms_norm_eps
-        cos, sin = rope[0][pos], rope[1][pos]
-        qi = kernel.norm_rope(qi.view(T, self.n_groups * self.idx_heads, P), self.idx_q_norm_w, cos, sin, eps)
-        ki = kernel.norm_rope(ki[:, None], self.idx_k_norm_w, cos, sin, eps, bias=self.idx_k_norm_b)[:, 0]
+        cos, sin = rope
+        qi = kernel.norm_rope(qi.view(T, self.n_groups * self.idx_heads, P), self.idx_q_norm_w, cos, sin, eps,
+                              pos=pos)
+        ki = kernel.norm_rope(ki[:, None], self.idx_k_norm_w, cos, sin, eps, bias=self.idx_k_norm_b,
+                              pos=pos)[:, 0]
         wi = wi.float() * self.idx_heads ** -0.5
         return qi.view(T, self.n_groups, self.idx_heads, P), ki, zi, wi.view(T, self.n_groups, self.idx_heads)
 

@@ -183,6 +183,12 @@ def test_norm_rope(T, n, D, half, layernorm):
         assert torch.equal(out, ref)
     else:  # fp32 sum order of mean(x^2) differs: rarely one bf16 step
         assert (d > 0).float().mean() < 0.02 and d.max() <= 2 ** -6 * ref.float().abs().max()
+    # the same rows read from whole tables by position (decode and prefill pass the tables, not gathered rows)
+    pos = torch.randperm(3 * T, generator=_gen(4))[:T].to(DEV)
+    tab_c, tab_s = (torch.zeros(3 * T, half, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+    tab_c[pos], tab_s[pos] = cos, sin
+    assert torch.equal(K.norm_rope_triton(x, w, tab_c, tab_s, 1e-5, b, pos=pos), out)
+    assert torch.equal(K.norm_rope_ref(x, w, tab_c, tab_s, 1e-5, b, pos=pos), ref)
 
 
 @pytest.mark.parametrize("T,D,src,out", [(1, 256, torch.float32, torch.bfloat16), (5, 200, torch.float32, torch.bfloat16),
