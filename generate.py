@@ -248,7 +248,7 @@ def generate(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_
 
 @torch.inference_mode()
 def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, eos_ids, k: int, embeds=None,
-                draft_hook=None, state: dict | None = None) -> tuple[list, dict]:
+                draft_hook=None, state: dict | None = None, cuda_graph: bool = True) -> tuple[list, dict]:
     """Greedy decoding with the checkpoint's own MTP layers as the drafter -> (ids per request, stats).
 
     Each round feeds the pending token and k drafts as one extend step of the main model; the longest prefix of
@@ -260,7 +260,8 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
     until the tokens they read are final, and are then computed again). Requests accept independently.
     draft_hook(requests, emitted, drafts [B, k]) -> drafts lets tests force drafts; a `state` dict receives the final
     caches (tests compare them with a one-pass absorb).
-    Not yet: CUDA graphs for the draft and verify steps (both run eagerly), sampling.
+    The verify step is a decode step of k + 1 tokens per row (static shapes), replayed as a CUDA graph on GPUs.
+    Not yet: a CUDA graph for the drafts (the MTP rows per request vary in number), sampling.
     """
     B = len(prompts)
     if not 1 <= k <= model.cfg.mtp_layers_kept:
@@ -328,20 +329,29 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
     def finished(b):
         return len(out[b]) >= max_new_tokens or out[b][-1] in eos
 
+    def verify_fn(fed_ids):  # [R, k + 1] -> residuals [R*(k+1), D], the main model's argmax after each row [R*(k+1)]
+        h = model.forward_rows(fed_ids, cache)
+        return h, greedy(model.logits(h))
+    # installed test Pins read decisions on the host, which a replayed graph would skip: they run the steps eagerly
+    verify = DecodeStep(verify_fn, cuda_graph and dev.type == "cuda" and model.pins is None,
+                        state=lambda: (cache.lengths,))
+
     rows = [r for r, b in enumerate(live) if not finished(b)]
     while rows:
         if len(rows) < len(live):  # requests that finished leave the batch: compact every cache
             keep = torch.tensor(rows, dtype=torch.long, device=dev)
             for c in [cache] + mtps:
                 c.keep(keep)
+            verify.reset()
             live, pending, drafts = [live[r] for r in rows], [pending[r] for r in rows], [drafts[r] for r in rows]
             fin, kept = [[f[r] for r in rows] for f in fin], [[c[r] for r in rows] for c in kept]
         if draft_hook is not None:
             drafts = draft_hook(live, out, drafts)
         fed = [[pending[r]] + drafts[r] for r in range(len(live))]  # [live, k + 1]
         start = cache.lengths.clone()
-        hidden = model.forward_rows(torch.tensor([t for f in fed for t in f], device=dev), cache, [k + 1] * len(live))
-        main = greedy(model.logits(hidden)).view(len(live), k + 1).tolist()  # main[r][j]: argmax after fed[r][:j+1]
+        hidden, main = verify(torch.tensor(fed, device=dev))
+        hidden = hidden.clone()  # a replayed graph's output buffer: the MTP rows below keep rows of it
+        main = main.view(len(live), k + 1).tolist()  # main[r][j]: the main model's argmax after fed[r][:j+1]
         stats["verify_steps"] += 1
         stats["verify_rows"] += len(live)  # one request verified
         counts, main_rows, p0 = [], [], start.tolist()  # p0[r]: the position of the pending token fed this step
@@ -745,7 +755,8 @@ def _run(tp_dir, inputs, ep_size, dev, cuda_graph, sampling, rank, world, say):
     chunk = inputs["prefill_chunk"]
     prompts = [ids for ids, _ in reqs]
     if inputs["speculative"]:
-        out, stats = speculative(m, prompts, inputs["max_new_tokens"], eos, inputs["speculative"], embeds)
+        out, stats = speculative(m, prompts, inputs["max_new_tokens"], eos, inputs["speculative"], embeds,
+                                 cuda_graph=cuda_graph)
         acc = ", ".join(f"depth {j + 1}: {a}/{p}" for j, (a, p) in enumerate(zip(stats["accepted"], stats["proposed"])))
         say(f"speculative: {inputs['speculative']} MTP draft(s) per step; accepted {acc}; "
             f"{stats['decode_tokens'] / max(stats['verify_rows'], 1):.2f} tokens per request and verify step")

@@ -327,18 +327,24 @@ class Attention(nn.Module):
         return out
 
     def _sliding_decode(self, q, k, v, pos, cache):
-        B, W, R = q.shape[0], self.cfg.sliding_window, cache.k.shape[2]
-        rows = torch.arange(B, device=q.device)
-        cache.k[rows, :, pos % R] = k  # the new token first, then attend over the valid slots
+        """Q = T / B tokens per cache row at positions pos (row-major [B, Q]): write their keys, then each query
+        attends to the window of its own position. Rings of R >= W + Q - 1 slots: a chunk's later keys never
+        overwrite a key an earlier query of the chunk still sees."""
+        B, W, R = cache.k.shape[0], self.cfg.sliding_window, cache.k.shape[2]
+        T, H, hd = q.shape
+        Q = T // B
+        if R < W + Q - 1:
+            raise ValueError(f"a decode step of {Q} tokens per row needs a ring of {W + Q - 1} slots, not {R}")
+        rows = torch.arange(B, device=q.device).repeat_interleave(Q)
+        cache.k[rows, :, pos % R] = k  # the new tokens first, then attend over the valid slots
         cache.v[rows, :, pos % R] = v
-        if R == W:  # every written slot is inside the window: slots < min(p + 1, W)
-            valid = torch.arange(W, device=q.device) <= pos[:, None]
-        else:  # spare slots: slot s holds position p - d, d = (p - s) mod R; in the window when d < W, written if d <= p
-            d = (pos[:, None] - torch.arange(R, device=q.device)) % R
-            valid = (d < W) & (d <= pos[:, None])
-        o = F.scaled_dot_product_attention(q[:, :, None], cache.k, cache.v, attn_mask=valid[:, None, None, :],
-                                           scale=self.scale, enable_gqa=True)  # [B, H, 1, hd]
-        return o[:, :, 0]
+        # slot s holds position p - d, d = (p - s) mod R: in the window when d < W, written if d <= p
+        p = pos.view(B, Q, 1)
+        d = (p - torch.arange(R, device=q.device)) % R
+        valid = (d < W) & (d <= p)  # [B, Q, R]
+        o = F.scaled_dot_product_attention(q.view(B, Q, H, hd).transpose(1, 2), cache.k, cache.v,
+                                           attn_mask=valid[:, None], scale=self.scale, enable_gqa=True)  # [B, H, Q, hd]
+        return o.transpose(1, 2).reshape(T, H, hd)
 
     # ---- DSA
     def _indexer(self, idx, pos, rope):
@@ -361,17 +367,23 @@ class Attention(nn.Module):
         T, H, hd = q.shape
         G = self.n_groups
         q = q.view(T, G, H // G, hd)
-        if spans is None:  # decode: one token per row at position pos[b]; static shapes, no host sync
-            # K/V rows, the pending indexer row and, when it completes a region, the region's summary
-            kernel.dsa_cache_write(k, v, ki, zi, pos, cache.k, cache.v, cache.pk, cache.pz, cache.summ)
-            r = pos // blk
-            scores = kernel.indexer_scores(qi[:, None], wi[:, None], cache.summ.view(kernel.FP8))  # [B, G, 1, R]
-            ids, valid = kernel.select_regions(scores, r[:, None], sp.topk)
+        if spans is None:  # decode: Q tokens per row at positions pos ([B, Q] row-major); static shapes, no host sync
+            B = cache.k.shape[0]
+            Q = T // B
+            pq = pos.view(B, Q)
+            for j in range(Q):  # token by token: a region completed by token j is summarised before later queries
+                # K/V rows, the pending indexer row and, when it completes a region, the region's summary
+                kernel.dsa_cache_write(k.view(B, Q, G, hd)[:, j], v.view(B, Q, G, hd)[:, j], ki.view(B, Q, P)[:, j],
+                                       zi.view(B, Q, P)[:, j], pq[:, j], cache.k, cache.v, cache.pk, cache.pz,
+                                       cache.summ)
+            scores = kernel.indexer_scores(qi.view(B, Q, *qi.shape[1:]), wi.view(B, Q, *wi.shape[1:]),
+                                           cache.summ.view(kernel.FP8))  # [B, G, Q, R]
+            ids, valid = kernel.select_regions(scores, pq // blk, sp.topk)
             if self.pins is not None:
-                ids, valid = self.pins.regions(self.layer_id, req, pos[:, None], self.group0, ids, valid,
+                ids, valid = self.pins.regions(self.layer_id, req.view(B, Q)[:, 0], pq, self.group0, ids, valid,
                                                scores.shape[-1])
-            o = kernel.sparse_attention(q[:, None], cache.k, cache.v, ids, valid, pos[:, None], blk, self.scale)
-            return o[:, 0].reshape(T, H, hd)
+            o = kernel.sparse_attention(q.view(B, Q, G, H // G, hd), cache.k, cache.v, ids, valid, pq, blk, self.scale)
+            return o.reshape(T, H, hd)
         out = torch.empty_like(q)
         for b, (s, n, p0) in enumerate(spans):  # prefill of positions p0 .. p0+n-1 on top of p0 cached tokens
             if n == 0:
@@ -653,13 +665,14 @@ class Step5ForCausalLM(nn.Module):
             raise ValueError("image features given to a text-only model")
         return self.embed(ids)
 
-    def _rows(self, cache: Cache, seq_lens: list | None, dev):
+    def _rows(self, cache: Cache, seq_lens: list | None, dev, per_row: int = 1):
         """Where this call's tokens go: (spans, pos [T], lens [B] or None) for a prefill of seq_lens[b] tokens per
-        row on top of the cache (a host read of the lengths: prefill only), or for a decode step (one token per row,
-        the lengths advanced in place so the step is replayable as a CUDA graph)."""
+        row on top of the cache (a host read of the lengths: prefill only), or for a decode step of `per_row` tokens
+        per cache row (T = B * per_row, row-major; the lengths advanced in place, so the step is replayable as a CUDA
+        graph)."""
         if seq_lens is None:
-            pos = cache.lengths.clone()
-            cache.lengths.add_(1)
+            pos = (cache.lengths[:, None] + torch.arange(per_row, device=dev)).flatten()
+            cache.lengths.add_(per_row)
             return None, pos, None
         if len(seq_lens) != cache.lengths.shape[0]:
             raise ValueError(f"{len(seq_lens)} prompts for a cache of {cache.lengths.shape[0]} rows")
@@ -673,12 +686,14 @@ class Step5ForCausalLM(nn.Module):
         return list(zip(starts, seq_lens, p0)), pos, lens
 
     def _trunk(self, ids, cache: Cache, seq_lens, embeds, progress):
-        """The main layers -> the residual stream [T, D] fp32 of every token (before the final norm)."""
-        spans, pos, lens = self._rows(cache, seq_lens, ids.device)
+        """The main layers -> the residual stream [T, D] fp32 of every token (before the final norm). Decode: ids
+        [B] (one token per cache row) or [B, Q] (Q tokens per row, e.g. a speculative verify step)."""
+        Q = ids.shape[1] if seq_lens is None and ids.dim() == 2 else 1
+        spans, pos, lens = self._rows(cache, seq_lens, ids.device, Q)
         req = None
         if self.pins is not None:  # each token's request, for the test instrument only
-            req = cache.requests if spans is None else torch.repeat_interleave(cache.requests, lens)
-        res = (self.embed(ids) if embeds is None else embeds).float()
+            req = cache.requests.repeat_interleave(Q) if spans is None else torch.repeat_interleave(cache.requests, lens)
+        res = (self.embed(ids.flatten()) if embeds is None else embeds).float()
         L = self.cfg.num_hidden_layers
         for i, (layer, lc, rp) in enumerate(zip(self.model.layers[:L], cache.layers, self.rope["layers"])):
             res = layer(res, pos, rp, spans, lc, req)
@@ -693,18 +708,19 @@ class Step5ForCausalLM(nn.Module):
     def forward(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None, progress=None):
         """Prefill (seq_lens given: ids [T], each cache row's next seq_lens[b] tokens packed, on top of what the
         cache holds: a whole prompt, or one chunk of it; 0 for rows without tokens in this call) or decode (ids [B],
-        one token per cache row). Returns this rank's logits window of the last token of each row that received
-        tokens: [B', V/tp] fp32 (B' = B in decode).
+        one token per cache row, or [B, Q]: Q tokens per row). Returns this rank's logits window of the last token
+        of each row that received tokens: [B', V/tp] fp32 (B' = B in decode); [B, Q, V/tp] for ids [B, Q].
         progress(i, n), if given, is called after each of the n layers of a prefill (long prompts report from it)."""
         res = self._trunk(ids, cache, seq_lens, embeds, progress)
         if seq_lens is not None:
             ends = [e - 1 for e, n in zip(itertools.accumulate(seq_lens), seq_lens) if n]
             res = res[torch.tensor(ends, device=ids.device)]
-        return self.logits(res)
+        return self.logits(res).view(*ids.shape[:2] if seq_lens is None else res.shape[:1], -1)
 
-    def forward_rows(self, ids, cache: Cache, seq_lens: list, embeds=None) -> torch.Tensor:
-        """A prefill-style extend that keeps every row: the residual of every token [T, D] fp32 (before the final
-        norm). Speculative decoding feeds it to the MTP layers and takes `logits` of the rows it needs."""
+    def forward_rows(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None) -> torch.Tensor:
+        """forward that keeps every row: the residual of every token [T, D] fp32 (before the final norm), for a
+        prefill-style extend (seq_lens) or a decode step of ids [B, Q] (static shapes: a speculative verify step).
+        Speculative decoding feeds it to the MTP layers and takes `logits` of the rows it needs."""
         return self._trunk(ids, cache, seq_lens, embeds, None)
 
     def logits(self, res: torch.Tensor) -> torch.Tensor:

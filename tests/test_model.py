@@ -222,6 +222,39 @@ def test_chunked_prefill_equals_one_shot(tp1_models, kind, chunk):
     assert d.max() < tol, d
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("kind", ["bf16_text", "fp8_text"])
+def test_multi_token_decode_equals_token_by_token(tp1_models, kind):
+    """A decode step of Q tokens per row (ids [B, Q]: the speculative verify step, static shapes) equals Q one-token
+    steps: every query sees its own window and regions (a region completed by an earlier token of the step is
+    summarised before later queries select), rows at other positions in one batch. Decisions pinned."""
+    lm = tp1_models(kind)
+    ps, Q = [prompt(30, seed=3), prompt(13, seed=4)], 4  # steps cross a region end and the 16-slot ring
+    cont = [prompt(2 * Q, seed=10 + b) for b in range(2)]
+
+    def run(q):
+        cache = lm.new_cache(2, 30 + 2 * Q, slack=Q - 1)
+        generate.prefill(lm, cache, ps)
+        out = []
+        for s in range(0, 2 * Q, q):
+            if q == 1:  # the one-token step: ids [B] -> [B, V]
+                out.append(lm.forward(torch.tensor([c[s] for c in cont]), cache)[:, None])
+            else:
+                out.append(lm.forward(torch.tensor([c[s:s + q] for c in cont]), cache))  # [2, q, V]
+        return torch.cat(out, 1), cache
+
+    with pinned(lm, M.Pins()) as rec:
+        one, c1 = run(1)
+    with pinned(lm, M.Pins(rec.data)):
+        many, cq = run(Q)
+    assert many.shape == one.shape == (2, 2 * Q, one.shape[-1])
+    assert torch.equal(c1.lengths, cq.lengths) and cq.lengths.tolist() == [30 + 2 * Q, 13 + 2 * Q]
+    d = (many - one).abs().amax(-1) / one.std(-1)
+    assert d.max() < NOISE[kind.split("_")[0]], d
+    with pytest.raises(ValueError, match="ring of"):  # a ring without slack cannot take Q tokens at once
+        lm.forward(torch.tensor([c[:Q] for c in cont]), lm.new_cache(2, 64))
+
+
 def test_prefill_on_a_full_cache_is_refused(tp1_models):
     lm = tp1_models("bf16_text")
     cache = lm.new_cache(1, 16)
