@@ -8,6 +8,7 @@ decode step replayed as a CUDA graph and measured, not projected. Both print the
 bytes one step must read. Under `torchrun --nproc-per-node=W` --whole-rank also times the step with the real TP reductions between W GPUs.
 
     python bench_decode.py [--batch 1] [--context 4096] [--whole-rank] [--torch-ref] [--profile]
+    python bench_decode.py --tokens-per-row 4      # a speculative verify step (3 drafts) vs a 1-token step
     torchrun --nproc-per-node=2 bench_decode.py --whole-rank
 """
 import argparse
@@ -100,8 +101,9 @@ def time_step(fn, iters=20):
     return (time.perf_counter() - t) / iters
 
 
-def bench_layers(cfg, batch: int, context: int, profile: bool):
-    """One sliding and one DSA MoE layer: per-layer eager and graph times, kernels per layer, the projected step."""
+def bench_layers(cfg, batch: int, context: int, profile: bool, q: int = 1):
+    """One sliding and one DSA MoE layer: per-layer eager and graph times, kernels per layer, the projected step.
+    q > 1: decode steps of q tokens per row (a speculative verify step), also timed at q = 1 for the ratio."""
     results = {}
     for kind, layer_id in (("sliding", 4), ("dsa", 7)):
         with torch.device("meta"):
@@ -110,16 +112,21 @@ def bench_layers(cfg, batch: int, context: int, profile: bool):
         block.self_attn.finalize()
         cap = -(-(context + 64) // 16) * 16
         rope = M.rope_tables(cfg, cap, "cuda")[layer_id]
-        cache = M.Cache([block.self_attn.new_cache(batch, cap, "cuda")], batch, cap, "cuda")
+        cache = M.Cache([block.self_attn.new_cache(batch, cap, "cuda", slack=q - 1)], batch, cap, "cuda")
         fill_cache(cache, context)
         lc = cache.layers[0]
-        pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
-        res = torch.randn(batch, cfg.hidden_size, device="cuda")
+        pos = (context + torch.arange(q, device="cuda")).repeat(batch)  # [batch * q], row-major
+        res = torch.randn(batch * q, cfg.hidden_size, device="cuda")
 
         def step():
             with torch.inference_mode():
                 return block(res, pos, rope, None, lc)
 
+        if q > 1:  # the same layer and cache at one token per row, for the verify/decode ratio
+            one = DecodeStep(lambda r: block(r, pos[::q], rope, None, lc), graph=True)
+            with torch.inference_mode():
+                one(res[::q].contiguous())
+            t_one = time_step(one.graph.replay)
         eager = time_step(step)
         kernels = count_kernels(step)
         if profile:  # device time per kernel of one eager step: where the step's time goes
@@ -138,6 +145,9 @@ def bench_layers(cfg, batch: int, context: int, profile: bool):
             print(f"{kind}: CUDA graph capture failed: {type(e).__name__}: {str(e)[:200]}")
         nbytes = weight_bytes(block, batch, cfg) + kv_bytes(cfg, kind, batch, context)
         results[kind] = (eager, graph_t, nbytes)
+        if q > 1 and graph_t:
+            print(f"{kind:8s} layer: {q} tokens per row {graph_t * 1e6:8.1f} us vs 1 token {t_one * 1e6:8.1f} us "
+                  f"(graphs): ratio {graph_t / t_one:.2f}")
         best = graph_t or eager
         print(f"{kind:8s} layer: {kernels:3d} kernels | eager {eager * 1e6:8.1f} us | graph "
               + (f"{graph_t * 1e6:8.1f} us" if graph_t else "   n/a    ")
@@ -228,12 +238,13 @@ def bench_rank(cfg, batch: int, context: int, profile: bool):
     return graph_t, nbytes / HBM_BPS
 
 
-def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False):
+def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False, q: int = 1):
     torch.manual_seed(0)
     cfg = real_rank_config()
     M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
     kernel.set_backend(not torch_ref)  # Triton for CUDA tensors unless the reference is asked for
-    step_t, floor = (bench_rank if whole_rank else bench_layers)(cfg, batch, context, profile)
+    step_t, floor = (bench_rank(cfg, batch, context, profile) if whole_rank
+                     else bench_layers(cfg, batch, context, profile, q))
     what = "measured" if whole_rank else "projected from the two layers"
     world = int(os.environ.get("WORLD_SIZE", "1")) if whole_rank else 1
     if int(os.environ.get("RANK", "0")) == 0:
@@ -250,7 +261,10 @@ if __name__ == "__main__":
     ap.add_argument("--torch-ref", action="store_true", help="time the PyTorch reference path instead of Triton")
     ap.add_argument("--profile", action="store_true", help="print the device time of each kernel of one step")
     ap.add_argument("--whole-rank", action="store_true", help="build and time the whole rank (~80 GB of HBM)")
+    ap.add_argument("--tokens-per-row", type=int, default=1,
+                    help="layer mode: decode steps of this many tokens per row (a speculative verify step with "
+                         "K drafts has K + 1), compared with one token per row")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
-    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank)
+    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row)
