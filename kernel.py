@@ -438,14 +438,14 @@ def dsa_cache_write_ref(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
 
 @triton.jit
 def _dsa_cache_write_kernel(k_ptr, v_ptr, ki_ptr, zi_ptr, pos_ptr, ck_ptr, cv_ptr, pk_ptr, pz_ptr, summ_ptr,
-                            k_stride, v_stride, ki_stride, zi_stride, cap, R, P,
+                            k_stride, v_stride, ki_stride, zi_stride, pos_stride, cap, R, P,
                             GHD: tl.constexpr, BLK: tl.constexpr, BLOCK_GHD: tl.constexpr, BLOCK_P: tl.constexpr,
                             PRECISE: tl.constexpr):
     """One request per program: the row writes, then, on the region's last token, _region_summary_kernel's
     arithmetic over the pending rows with the new row taken from registers (never re-read after this program's own
     store)."""
     b = tl.program_id(0).to(tl.int64)
-    p = tl.load(pos_ptr + b)
+    p = tl.load(pos_ptr + b * pos_stride)
     slot = p % BLK
     c = tl.arange(0, BLOCK_GHD)
     c_ok = c < GHD
@@ -489,7 +489,7 @@ def dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
     for name, t in (("ki", ki), ("zi", zi)):
         _check_tensor(name, t, torch.bfloat16, ndim=2, contiguous=False)
         _check(tuple(t.shape) == (B, P) and t.stride(1) == 1, f"{name} must be [B={B}, P={P}] with unit stride")
-    _check_tensor("pos", pos, torch.int64, ndim=1)
+    _check_tensor("pos", pos, torch.int64, ndim=1, contiguous=False)  # a column of [B, Q] positions
     for name, t, dt in (("ck", ck, torch.bfloat16), ("cv", cv, torch.bfloat16), ("pk", pk, torch.bfloat16),
                         ("pz", pz, torch.bfloat16), ("summ", summ, torch.uint8)):
         _check_tensor(name, t, dt)
@@ -498,7 +498,8 @@ def dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
            "cache shapes: ck, cv [B, cap, G, hd], pk, pz [B, blk, P], summ [B, R, P]")
     if B:
         _dsa_cache_write_kernel[(B,)](k, v, ki, zi, pos, ck, cv, pk, pz, summ, k.stride(0), v.stride(0),
-                                      ki.stride(0), zi.stride(0), ck.shape[1], summ.shape[1], P, GHD=G * hd,
+                                      ki.stride(0), zi.stride(0), pos.stride(0), ck.shape[1], summ.shape[1], P,
+                                      GHD=G * hd,
                                       BLK=pk.shape[1], BLOCK_GHD=triton.next_power_of_2(G * hd),
                                       BLOCK_P=triton.next_power_of_2(P), PRECISE=_PRECISE, num_warps=2, **_NO_FMA)
 

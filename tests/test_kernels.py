@@ -258,7 +258,7 @@ def test_dsa_cache_write(G, hd, blk, P):
     """Decode's cache writes: rows at each request's position, the pending indexer row, and the summary of a region
     that the row completes (rows 0 and 2 complete one, row 1 does not), byte for byte like the reference."""
     B, cap = 3, 4 * blk
-    pos = torch.tensor([blk - 1, blk + 1, 3 * blk - 1], device=DEV)
+    pos = torch.tensor([[blk - 1, 0], [blk + 1, 0], [3 * blk - 1, 0]], device=DEV)[:, 0]  # strided, as in the model
     packed = randn(B, 3 * G * hd, seed=1)  # v is a column slice of the packed projection, as in the model
     k, v = randn(B, G, hd, seed=2), packed[:, G * hd:2 * G * hd].view(B, G, hd)
     ki, zi = randn(B, P, seed=3), randn(B, 2 * P, seed=4, scale=3.0)[:, :P]
