@@ -162,6 +162,11 @@ def checks():
         check(f"sparse_attention S={S} T={T} ctx={ctx}",
               K.sparse_attention_triton(q, k, v, ids, valid, pos, 8, 192 ** -0.5),
               K.sparse_attention_ref(q, k, v, ids, valid, pos, 8, 192 ** -0.5), rel=ATTN_REL, atol=ATTN_ABS)
+    for S, T, R in ((1, 1, 4096), (1, 1, 131072), (1, 256, 16384)):
+        sc, nh = select_case(S, T, R)
+        (ids, valid), (rids, rvalid) = K.select_regions_triton(sc, nh, 512), K.select_regions_ref(sc, nh, 512)
+        check(f"select_regions ids S={S} T={T} R={R}", ids, rids, exact=True)
+        check(f"select_regions valid S={S} T={T} R={R}", valid, rvalid, exact=True)
     for T in (1, 64, 4096):
         x = torch.randn(T, 4096, device=DEV).bfloat16()
         w = (torch.randn(352, 4096, device=DEV) * 0.02).bfloat16()
@@ -256,6 +261,25 @@ def bench_moe(T, E=44):
           f"| eager {te * 1e6:7.1f} us", flush=True)
 
 
+def select_case(S, T, R):
+    """Indexer-like scores (ReLU zeros: many exact ties) and causal n_hist (the last query of a prefill chunk
+    sees fewer than topk regions)."""
+    sc = torch.randn(S, 1, T, R, device=DEV).clamp_min(0) * torch.rand(S, 1, T, 1, device=DEV)
+    nh = (R - torch.arange(T, device=DEV) * (R // T) - torch.arange(S, device=DEV)[:, None] * 7).clamp_min(0)
+    return sc, nh
+
+
+def bench_select(S, T, R):
+    sc, nh = select_case(S, T, R)
+    f = lambda: K.select_regions_triton(sc, nh, 512)  # noqa: E731
+    t, te = bench(f), eager(f)
+    t_ref = bench(lambda: K.select_regions_ref(sc, nh, 512))
+    byts = sc.numel() * 4
+    print(f"  select_regions S={S:2d} T={T:3d} R={R:6d} topk=512: {t * 1e6:7.1f} us, scores {byts / t / 1e9:6.0f} GB/s "
+          f"({byts / t / HBM * 100:4.1f}% HBM) | torch reference {t_ref * 1e6:7.1f} us | eager {te * 1e6:6.1f} us",
+          flush=True)
+
+
 def bench_attention(ctx, S=1):
     Hg, hd = 8, 192
     N = ctx
@@ -340,6 +364,8 @@ def main(only=GROUPS):
         for T in (1, 16, 4096):
             run_safely(bench_moe, T)
     if "attn" in only:
+        for args in ((1, 1, 4096), (1, 1, 16384), (1, 1, 131072), (32, 1, 16384), (1, 256, 16384)):
+            run_safely(bench_select, *args)
         for ctx in (16384, 131072, 524288):
             run_safely(bench_attention, ctx)
         run_safely(bench_attention, 131072, 16)

@@ -6,9 +6,10 @@ contract: they round to bf16 / e4m3 exactly where the deployed kernels do (those
 through DSA region selection and greedy argmax, eventually the tokens), and every kernel is tested against them
 (tests/test_kernels.py; speed and real-shape checks: bench_kernels.py).
 Each Triton kernel `_name_kernel` sits beside its reference with a `name_triton` launcher that checks shapes,
-dtypes and contiguity, allocates, builds the grid and launches. Region selection stays on torch ops (a top-K of
-distinct int64 keys: exact, on the GPU, no host sync). Decode launches many small kernels: capture the decode step in a CUDA graph to see the kernel
-times rather than Triton's Python launch overhead (~50-100 us per launcher call on the H200 machine).
+dtypes and contiguity, allocates, builds the grid and launches. Region selection is exact too: a counting radix
+select of the K-th largest key plus one prefix-sum compaction, bit-identical to the reference's sorts. Decode
+launches many small kernels: capture the decode step in a CUDA graph to see the kernel times rather than Triton's
+Python launch overhead (~50-100 us per launcher call on the H200 machine).
 
 Shape legend: T tokens, S sequences, G KV/provider groups, Hg heads per group, P indexer proxy dim,
 R regions, K selected regions, E experts, F expert width, D hidden, M rows, N out features.
@@ -608,10 +609,130 @@ def select_regions_ref(scores, n_hist, topk):
     return torch.sort(torch.where(valid, sel, R), dim=-1).values, torch.sort(~valid, dim=-1).values.logical_not()
 
 
+@triton.jit
+def _order_key(x):
+    """fp32 -> uint32 with the reference's order: its int64 key's high half plus 2^31 (x + 0.0 first, so -0.0 keys
+    as +0.0; negatives bit-inverted, non-negatives with the sign bit set; NaN above +inf)."""
+    b = (x + 0.0).to(tl.uint32, bitcast=True)
+    return tl.where(b >= 0x80000000, b ^ 0xFFFFFFFF, b | 0x80000000)  # (~ on uint32 fails in the interpreter)
+
+
+@triton.jit
+def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr, valid_ptr, G, T, R, N,
+                           K: tl.constexpr, PAIRS: tl.constexpr, FINAL: tl.constexpr, ALL: tl.constexpr,
+                           BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Exact top-K of one chunk of a row (program (row, chunk)), entries in ascending region id, held in registers.
+
+    Input: the row's N scores (key = _order_key, non-candidates id >= n_hist keyed as -inf), or with PAIRS the
+    (key, id) pairs an earlier launch selected (ascending id). Order: key descending, ties to the lower id.
+    thr = the K-th largest key, found MSB first, 2 bits per step: count the keys >= thr + j * 2^shift for j = 1..3
+    (one packed reduction: a step costs its reduction's latency more than its compares) and keep the largest j
+    whose count still reaches K. `above`, the count just above the current prefix's range, ends as c = #keys > thr;
+    the search stops early once exactly K keys are >= thr (distinct scores: after ~20 of the 32 bits). The chunk's
+    selection is every key > thr plus the lowest-id K - c keys == thr; one prefix sum places them in ascending id.
+    FINAL writes ids (candidates only, padded with R) and valid; otherwise the chunk's K (key, id) pairs.
+    """
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    nchunk = tl.num_programs(1)
+    nh = tl.load(nh_ptr + (row // (G * T)) * T + row % T)
+    lo = chunk * N // nchunk  # balanced chunks: each holds at least K entries (the launcher's split rule)
+    i = lo + tl.arange(0, BLOCK)
+    ok = i < (chunk + 1) * N // nchunk
+    if PAIRS:
+        key = tl.load(src_ptr + row.to(tl.int64) * N + i, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        rid = tl.load(src_id_ptr + row.to(tl.int64) * N + i, mask=ok, other=0)
+    else:  # non-candidates are not read: masked to -inf, as the reference keys them
+        key = _order_key(tl.load(src_ptr + row.to(tl.int64) * N + i, mask=ok & (i < nh), other=float("-inf")))
+        rid = i
+    key = tl.where(ok, key, 0)  # lanes past the chunk: the least key, and never counted (thresholds are >= 1)
+    thr = tl.full((), 0, tl.uint32)
+    above = tl.full((), 0, tl.int32)
+    at = tl.full((), K + 1, tl.int32)  # #keys >= thr (more than K until it is exactly K)
+    if not ALL:  # with K >= the chunk's entries every entry is selected: thr = 0, c = 0
+        for p in tl.static_range(16):
+            shift = 30 - 2 * p  # a constexpr: p is unrolled
+            if at != K:  # once exactly K keys are >= thr they are the selection: the lower bits do not matter
+                # the three counts #keys >= thr + j * 2^shift (j = 1, 2, 3), 21 bits each, in one reduction
+                v = ((key >= thr + (1 << shift)).to(tl.int64) + ((key >= thr + (2 << shift)).to(tl.int64) << 21)
+                     + ((key >= thr + (3 << shift)).to(tl.int64) << 42))
+                cnt = tl.sum(v, axis=0)
+                c1, c2, c3 = ((cnt & 0x1FFFFF).to(tl.int32), ((cnt >> 21) & 0x1FFFFF).to(tl.int32),
+                              (cnt >> 42).to(tl.int32))
+                best = (c1 >= K).to(tl.uint32) + (c2 >= K).to(tl.uint32) + (c3 >= K).to(tl.uint32)  # counts fall
+                above = tl.where(best == 0, c1, tl.where(best == 1, c2, tl.where(best == 2, c3, above)))
+                at = tl.where(best == 1, c1, tl.where(best == 2, c2, tl.where(best == 3, c3, at)))
+                thr = thr + (best << shift)
+    need = K - above  # ties to take, lowest ids first
+    hi = ((key > thr) | ((key == thr) & (at == K))) & ok
+    eq = (key == thr) & (at != K) & ok
+    if BLOCK <= 32768:  # both running counts in one prefix sum: 16 bits each
+        cs = tl.cumsum((hi.to(tl.int32) << 16) | eq.to(tl.int32), axis=0)
+        n_hi, n_eq = cs >> 16, cs & 0xFFFF
+    else:
+        cs = tl.cumsum((hi.to(tl.int64) << 32) | eq.to(tl.int64), axis=0)
+        n_hi, n_eq = (cs >> 32).to(tl.int32), (cs & 0xFFFFFFFF).to(tl.int32)
+    sel = hi | (eq & (n_eq <= need))
+    pos = n_hi + tl.minimum(n_eq, need) - 1  # selected entries up to this one, minus one
+    if FINAL:  # candidates (id < n_hist) are a prefix of the ids, so theirs are the first positions
+        out = sel & (rid < nh)
+        base = row.to(tl.int64) * K
+        tl.store(id_out_ptr + base + pos, rid.to(tl.int64), mask=out)
+        n_out = tl.sum(out.to(tl.int32), axis=0)
+        slot = tl.arange(0, BLOCK_K)
+        tl.store(id_out_ptr + base + slot, (slot * 0 + R).to(tl.int64), mask=(slot >= n_out) & (slot < K))
+        tl.store(valid_ptr + base + slot, (slot < n_out).to(tl.uint8), mask=slot < K)
+    else:
+        base = (row.to(tl.int64) * nchunk + chunk) * K
+        tl.store(key_out_ptr + base + pos, key.to(tl.int32, bitcast=True), mask=sel)
+        tl.store(id_out_ptr + base + pos, rid, mask=sel)
+
+
+def select_regions_triton(scores, n_hist, topk, chunk=4096):
+    """select_regions_ref in one kernel per row (bit-identical ids and valid), no sort.
+
+    One program per row holds the row in registers. With fewer rows than SMs (decode), or rows of more than 16384
+    entries, a row of more than `chunk` entries is first cut into balanced chunks of >= 2K entries, one program
+    each; every chunk keeps its exact top-K (a global top-K entry is in its chunk's top-K), and the next launch
+    selects among those C*K pairs (in chunk order, i.e. ascending id), until one chunk is left: a long row is
+    spread over several SMs, and no program holds more than `chunk` entries. Launches and scratch sizes depend
+    only on the shapes.
+    """
+    _check_tensor("scores", scores, torch.float32, ndim=4)
+    _check_tensor("n_hist", n_hist, torch.int64, ndim=2)
+    S, G, T, R = scores.shape
+    _check(tuple(n_hist.shape) == (S, T), f"n_hist must be [S, T] = {(S, T)}, got {tuple(n_hist.shape)}")
+    K = min(topk, R)
+    ids = torch.empty(S, G, T, K, dtype=torch.int64, device=scores.device)
+    valid = torch.empty(S, G, T, K, dtype=torch.bool, device=scores.device)
+    rows = S * G * T
+    if rows == 0 or K == 0:
+        return ids, valid
+    chunk = max(chunk, 4 * triton.next_power_of_2(K))  # chunks of >= 2K entries: each level halves the pairs
+    src, src_id, n = scores, scores, R
+    while True:
+        # measured (H200, topk 512, CUDA graph): one row of R = 16384 takes 16 us in chunks of 4096 (19 us of 2048,
+        # 21 us of 8192; 36 us as one program, before the early stop), R = 131072 29 us; a 256-row prefill chunk
+        # (R = 16384) 70 us as whole rows, 84-111 us chunked: with a row per SM already, splitting only adds work.
+        # Rows longer than 16384 are always split (registers).
+        C = triton.cdiv(n, chunk) if n > chunk and (rows < 128 or n > 16384) else 1
+        BLOCK = triton.next_power_of_2(triton.cdiv(n, C))
+        final = C == 1
+        if not final:
+            key_out = torch.empty(rows, C * K, dtype=torch.int32, device=scores.device)
+            id_out = torch.empty(rows, C * K, dtype=torch.int32, device=scores.device)
+        _select_regions_kernel[(rows, C)](
+            src, src_id, n_hist, ids if final else key_out, ids if final else id_out, valid.view(torch.uint8),
+            G, T, R, n, K=K, PAIRS=src is not scores, FINAL=final, ALL=final and K >= n, BLOCK=BLOCK,
+            BLOCK_K=triton.next_power_of_2(K), num_warps=max(4, min(16, BLOCK // 512)))
+        if final:
+            return ids, valid
+        src, src_id, n = key_out, id_out, C * K
+
+
 def select_regions(scores, n_hist, topk):
-    # No Triton top-k yet: the reference's top-K of distinct int64 keys already runs on the GPU, is exact with the
-    # lower-id tie-break and needs no host sync; a radix-select kernel (4 passes of 8 bits over the score keys plus
-    # a tie counter, as the deployed selector works) is the planned replacement.
+    if _triton(scores):
+        return select_regions_triton(scores, n_hist, topk)
     return select_regions_ref(scores, n_hist, topk)
 
 

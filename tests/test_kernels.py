@@ -284,13 +284,44 @@ def test_indexer_scores(S, T, G, Hg, P, R):
 
 
 def test_select_regions_tie_break():
-    """Ties by ascending id, +0 == -0, ascending output, invalid slots = R (selection stays on torch.sort)."""
+    """Ties by ascending id, +0 == -0, ascending output, invalid slots = R."""
     scores = torch.tensor([[[[1.0, 0.0, -0.0, 2.0, 0.0, -1.0, 2.0]]]], device=DEV)
     ids, valid = K.select_regions(scores, torch.tensor([[6]], device=DEV), 4)
     # history 6 regions -> region 6 is not a candidate; order 3 (2.0), 0 (1.0), then zeros 1, 2 (+0 == -0)
     assert ids.flatten().tolist() == [0, 1, 2, 3] and valid.all()
     ids, valid = K.select_regions(scores, torch.tensor([[2]], device=DEV), 4)
     assert ids.flatten().tolist() == [0, 1, 7, 7] and valid.flatten().tolist() == [True, True, False, False]
+
+
+def _select_case(S, G, T, R, seed, ties):
+    """Scores with many exact ties (few levels, zero rows, -0.0 beside +0.0), -inf and NaN; or distinct random
+    scores (the search then ends early, once exactly K keys lie above its prefix)."""
+    g = _gen(seed)
+    if not ties:
+        return torch.randn(S, G, T, R, generator=g).to(DEV)
+    sc = torch.randint(-3, 4, (S, G, T, R), generator=g).float() * 0.5
+    sc[0, 0, 0] = 0.0  # an all-zero row
+    sc[..., 1::5] = torch.where(sc[..., 1::5] == 0, -0.0, sc[..., 1::5])  # -0.0 must tie with +0.0
+    sc[..., 2::7] = float("-inf")
+    sc[-1, -1, -1, R // 2] = float("nan")  # above +inf
+    sc[..., 3::11] = torch.randn(sc[..., 3::11].shape, generator=g)
+    return sc.to(DEV)
+
+
+@pytest.mark.parametrize("S,G,T,R,topk,n_hist,chunk,ties", [
+    (2, 2, 3, 37, 8, [[0, 5, 8], [37, 20, 30]], 4096, True),   # n_hist 0 / < topk / == topk / == R / > topk
+    (1, 1, 2, 5, 8, [[5, 3]], 4096, True),                      # R < topk: K = R, everything is taken
+    (2, 1, 2, 37, 1, [[37, 9], [1, 36]], 4096, True),           # K = 1
+    (1, 1, 3, 200, 16, [[200, 150, 40]], 4096, False),          # distinct scores
+    (2, 1, 3, 300, 5, [[300, 100, 4], [299, 250, 0]], 32, True),  # chunked: 10 chunks -> 50 pairs -> 2 -> 10
+    (1, 1, 2, 300, 3, [[300, 140]], 16, False),                 # 19 chunks -> 57 pairs -> 4 -> 12 -> final
+])
+def test_select_regions_triton_bit_identical(S, G, T, R, topk, n_hist, chunk, ties):
+    sc = _select_case(S, G, T, R, seed=R + topk, ties=ties)
+    nh = torch.tensor(n_hist, device=DEV)
+    ids, valid = K.select_regions_triton(sc, nh, topk, chunk=chunk)
+    rids, rvalid = K.select_regions_ref(sc, nh, topk)
+    assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
 
 
 def _attn_case(S, T, G, Hg, hd, blk, topk, L, seed=0):
@@ -361,3 +392,21 @@ def test_gpu_sparse_decode_real_shape(ctx):
     ref = K.sparse_attention_ref(*args)
     d = report(f"GPU sparse decode ctx={ctx}", out, ref)
     assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
+
+
+@gpu
+@pytest.mark.parametrize("S,T,R", [(1, 1, 512), (4, 1, 4096), (1, 1, 131072), (32, 1, 16384), (1, 256, 16384),
+                                   (1, 128, 32768)])
+def test_gpu_select_regions_real_shape(S, T, R):
+    """Decode (T = 1) at 4k / 32k / 1M / 128k context, prefill query chunks at 128k (whole rows) and 256k (rows
+    split into chunks), topk = 512: random scores, ReLU-like exact zeros (ties), -0.0, NaN, -inf, causal n_hist;
+    ids and valid identical to the reference."""
+    g = torch.Generator(device=DEV).manual_seed(R + S)
+    sc = torch.randn(S, 1, T, R, device=DEV, generator=g).clamp_min(0) * torch.rand(S, 1, T, 1, device=DEV,
+                                                                                   generator=g)
+    sc[0, 0, 0, ::3] = -0.0  # -0.0 among the zeros
+    sc[0, 0, 0, 5], sc[-1, 0, -1, :100] = float("nan"), float("-inf")
+    nh = (R - torch.arange(T, device=DEV) * (R // T) - torch.arange(S, device=DEV)[:, None] * 7).clamp_min(0)
+    ids, valid = K.select_regions_triton(sc, nh, 512)
+    rids, rvalid = K.select_regions_ref(sc, nh, 512)
+    assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
