@@ -314,6 +314,24 @@ def sweep_attention(ctx=131072, S=1):
     print(f"  sweep sparse decode S={S} ctx={ctx}: " + "; ".join(res), flush=True)
 
 
+def bench_sliding(B, R=512, split_len=32):
+    """Fused sliding-window decode (norm + RoPE of q/k, ring write, attention, gate) of one TP = 8 layer
+    (8 heads, 1 KV group, hd 192, W = 512) beside model.py's unfused torch path (sliding_decode_ref)."""
+    H, G, hd, W = 8, 1, 192, 512
+    qkvg = torch.randn(B, H * hd + 2 * G * hd + H, device=DEV).mul(2).bfloat16()
+    pos = torch.arange(4096, 4096 + B, device=DEV)
+    rk, rv = torch.randn(2, B, G, R, hd, device=DEV).bfloat16().unbind(0)
+    qw, kw = torch.randn(2, hd, device=DEV).mul(0.2).unbind(0)
+    ang = torch.rand(4096 + B, 32, device=DEV) * 6
+    c, s = ang.cos().bfloat16(), ang.sin().bfloat16()
+    a = (qkvg, pos, rk, rv, qw, kw, c, s, 1e-5, hd ** -0.5, W, H, G)
+    t = bench(lambda: K.sliding_decode_triton(*a, split_len=split_len))
+    t_ref = bench(lambda: K.sliding_decode_ref(*a))
+    byts = 2 * rk.numel() * 2 + qkvg.numel() * 2
+    print(f"  sliding decode B={B:2d} R={R} split_len={split_len}: {t * 1e6:6.2f} us {byts / t / 1e9:6.0f} GB/s "
+          f"({byts / t / HBM * 100:4.1f}% HBM) | torch path (graph) {t_ref * 1e6:6.1f} us", flush=True)
+
+
 def bench_norm_rope(T, n, d, half):
     x = torch.randn(T, n, d, device=DEV).bfloat16()
     w = torch.randn(d, device=DEV) * 0.1
@@ -371,6 +389,9 @@ def main(only=GROUPS):
         run_safely(bench_attention, 131072, 16)
         run_safely(sweep_attention)
         run_safely(sweep_attention, 131072, 8)
+        for B in (1, 16, 32):
+            run_safely(bench_sliding, B)
+        run_safely(bench_sliding, 1, 515)
     if "norm" in only:
         for args in ((1, 8, 192, 32), (4096, 8, 192, 32), (4096, 8, 192, 96), (4096, 4, 256, 16)):
             run_safely(bench_norm_rope, *args)

@@ -248,6 +248,250 @@ def norm_rope(x, weight, cos, sin, eps, bias=None, pos=None):
     return norm_rope_ref(x, weight, cos, sin, eps, bias, pos)
 
 
+# --------------------------------------------------------------------------------------------------
+# 1b. fused sliding-window decode
+
+
+def _ring_valid(pos, R, window):
+    """[B, R] bool: ring slots inside each row's window (the new token already written), as model.py decides."""
+    if R == window:  # every written slot is inside the window: slots < min(p + 1, W)
+        return torch.arange(R, device=pos.device) <= pos[:, None]
+    d = (pos[:, None] - torch.arange(R, device=pos.device)) % R  # slot s holds position p - d
+    return (d < window) & (d <= pos[:, None])
+
+
+def sliding_decode_ref(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
+                       n_groups):
+    """One decode token per row of a sliding-window layer, from the packed projection to the gated output.
+
+    qkvg [B, H*hd + 2*G*hd + H] bf16 = [q | k | v | gate logits] (one packed GEMM); pos [B] int64 positions; ring_k,
+    ring_v [B, G, R, hd] bf16 (position p in slot p % R, written in place); q_norm_w, k_norm_w [hd] fp32; cos, sin
+    [n_pos, half] bf16 whole tables (row pos[b] is used). -> o [B, H*hd] bf16, ready for o_proj.
+    Exactly model.py's decode path: q, k = norm_rope (bf16), v raw; k, v written to slot p % R; SDPA over the valid
+    slots (fp32 logits * scale, bf16 result); gate = bf(sigmoid(logit)) in fp32; o = bf(o * gate).
+    """
+    B, R, hd = qkvg.shape[0], ring_k.shape[2], ring_k.shape[3]
+    H, G = n_heads, n_groups
+    q, k, v, gl = qkvg.split([H * hd, G * hd, G * hd, H], dim=-1)
+    c, s = cos[pos], sin[pos]
+    q = norm_rope_ref(q.view(B, H, hd), q_norm_w, c, s, eps)
+    k = norm_rope_ref(k.view(B, G, hd), k_norm_w, c, s, eps)
+    rows = torch.arange(B, device=qkvg.device)
+    ring_k[rows, :, pos % R] = k  # the new token first, then attend over the valid slots
+    ring_v[rows, :, pos % R] = v.view(B, G, hd)
+    valid = _ring_valid(pos, R, window)
+    o = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], ring_k, ring_v,
+                                                         attn_mask=valid[:, None, None, :], scale=scale,
+                                                         enable_gqa=True)[:, :, 0]  # [B, H, hd]
+    gate = torch.sigmoid(gl)  # [B, H] bf16
+    return (o * gate[..., None]).reshape(B, H * hd)  # one rounding: the bf16 x bf16 product is exact in fp32
+
+
+@triton.jit
+def _head_norm_rope(x_ptr, w_ptr, base, r_ok, cos_row, sin_row, eps, D: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """RMS-norm + NEOX RoPE of head rows at x_ptr + base ([BLOCK_R, 1] offsets) with _norm_rope_kernel's arithmetic
+    (same rounding points, so the cached k matches norm_rope's): returns fp32 holding bf16 values, as three column
+    pieces: first [BLOCK_R, BLOCK_HALF] (dims j < HALF), second (dims HALF + j), rest (dims 2*HALF + c < D);
+    padding columns are 0. cos_row, sin_row: pointers to the position's table rows."""
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(x_ptr + base + d[None, :], mask=r_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    r = tl.math.div_rn(tl.full((x.shape[0],), 1.0, tl.float32), tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
+    mu = tl.zeros(r.shape, dtype=tl.float32)
+    j = tl.arange(0, BLOCK_HALF)
+    c = tl.load(cos_row + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]  # 0 past HALF: pads stay 0
+    s = tl.load(sin_row + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    a = _norm_slice(x_ptr, w_ptr, w_ptr, base, j, r_ok, D, mu, r, False)
+    b = _norm_slice(x_ptr, w_ptr, w_ptr, base, HALF + j, r_ok, D, mu, r, False)
+    first = _bf16_round(a * c - b * s)
+    second = _bf16_round((a.to(tl.float64) * s.to(tl.float64) + (b * c).to(tl.float64)).to(tl.float32))
+    if BLOCK_REST > 0:
+        rest = _norm_slice(x_ptr, w_ptr, w_ptr, base, 2 * HALF + tl.arange(0, BLOCK_REST), r_ok, D, mu, r, False)
+    else:
+        rest = first  # unused
+    return first, second, rest
+
+
+@triton.jit
+def _sliding_attn_kernel(
+    qkvg_ptr, pos_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, po_ptr, pml_ptr,
+    G, R, W, stride_b, eps, scale,
+    HG: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_REST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """One (row b, KV group g) and one split of the ring's slots [split*SPLIT_LEN, +SPLIT_LEN), all Hg heads at once.
+
+    Every program normalises and rotates its q heads and the new k itself (cheap; no launch in between). Slot
+    pm = p % R takes the new k/v from registers, never from memory: the program owning that slot also writes them
+    to the ring, and no other program reads the slot. Slot s is valid iff d = (p - s) mod R satisfies d < W and
+    d <= p (model.py's rule; with R == W it reduces to s <= p). Online softmax over fp32 logits (q.k) * scale;
+    P.V takes the fp32 probabilities (SDPA's math): on GPUs as two bf16 MMAs, P = hi + lo with hi = bf(P),
+    lo = bf(P - hi) (16 of P's 24 bits; the dropped part is < 2^-16 P), on the interpreter as one fp32 dot.
+    Writes the unnormalised acc, the running max m and sum l for _sliding_merge_kernel.
+    """
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    b = row // G
+    g = row % G
+    H = G * HG
+    p = tl.load(pos_ptr + b)
+    pm = p % R
+    cos_row, sin_row = cos_ptr + p * HALF, sin_ptr + p * HALF
+    xrow = b.to(tl.int64) * stride_b
+    heads = tl.arange(0, BLOCK_H)
+    h_ok = heads < HG
+    qf, qs, qr = _head_norm_rope(qkvg_ptr, qw_ptr, xrow + ((g * HG + heads) * D)[:, None], h_ok, cos_row, sin_row,
+                                 eps, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
+    one = tl.full((1,), 1, tl.int1)
+    kf, ks, kr = _head_norm_rope(qkvg_ptr, kw_ptr, xrow + (H + g) * D + tl.zeros((1, 1), tl.int64), one, cos_row,
+                                 sin_row, eps, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)  # [1, *] each
+    dims = tl.arange(0, BLOCK_D)
+    d_ok = dims < D
+    vn = tl.load(qkvg_ptr + xrow + (H + G + g) * D + dims, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    j = tl.arange(0, BLOCK_HALF)
+    j_ok = j < HALF
+    ring = row.to(tl.int64) * R * D  # ring [B, G, R, D]: this (b, g)'s slots
+    if pm // SPLIT_LEN == split:  # the owner of the new token's slot writes it (values are bf16 already)
+        new = ring + pm * D
+        tl.store(k_ptr + new + j[None, :], kf.to(tl.bfloat16), mask=j_ok[None, :])
+        tl.store(k_ptr + new + HALF + j[None, :], ks.to(tl.bfloat16), mask=j_ok[None, :])
+        if BLOCK_REST > 0:
+            cr = 2 * HALF + tl.arange(0, BLOCK_REST)
+            tl.store(k_ptr + new + cr[None, :], kr.to(tl.bfloat16), mask=cr[None, :] < D)
+        tl.store(v_ptr + new + dims[None, :], vn.to(tl.bfloat16), mask=d_ok[None, :])
+    qf, qs = qf.to(DOT_DTYPE), qs.to(DOT_DTYPE)
+    if BLOCK_REST > 0:
+        qr = qr.to(DOT_DTYPE)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    s_end = tl.minimum(split * SPLIT_LEN + SPLIT_LEN, R)
+    for t in tl.static_range((SPLIT_LEN + BLOCK_N - 1) // BLOCK_N):
+        slot = split * SPLIT_LEN + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        dist = (pm - slot + R) % R
+        ok = (slot < s_end) & (dist < W) & (dist <= p)
+        is_new = (slot == pm)[:, None]
+        ld = (ok & (slot != pm))[:, None]
+        off = ring + slot.to(tl.int64)[:, None] * D
+        kt = tl.where(is_new, kf, tl.load(k_ptr + off + j[None, :], mask=ld & j_ok[None, :], other=0.0).to(tl.float32))
+        sc = tl.dot(qf, tl.trans(kt.to(DOT_DTYPE)))
+        kt = tl.where(is_new, ks, tl.load(k_ptr + off + HALF + j[None, :], mask=ld & j_ok[None, :],
+                                          other=0.0).to(tl.float32))
+        sc = tl.dot(qs, tl.trans(kt.to(DOT_DTYPE)), sc)
+        if BLOCK_REST > 0:
+            cr = 2 * HALF + tl.arange(0, BLOCK_REST)
+            kt = tl.where(is_new, kr, tl.load(k_ptr + off + cr[None, :], mask=ld & (cr[None, :] < D),
+                                              other=0.0).to(tl.float32))
+            sc = tl.dot(qr, tl.trans(kt.to(DOT_DTYPE)), sc)
+        sc = tl.where(ok[None, :], sc * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot so far: avoid inf - inf
+        alpha = _exp(m_i - m_use, PRECISE)
+        pr = _exp(sc - m_use[:, None], PRECISE)
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        vt = tl.where(is_new, vn, tl.load(v_ptr + off + dims[None, :], mask=ld & d_ok[None, :],
+                                          other=0.0).to(tl.float32)).to(DOT_DTYPE)
+        acc = acc * alpha[:, None]
+        if PRECISE:  # GPU: fp32 P as hi + lo bf16 halves on the tensor cores
+            hi = _bf16_round(pr)
+            acc = tl.dot(hi.to(DOT_DTYPE), vt, acc)
+            acc = tl.dot(_bf16_round(pr - hi).to(DOT_DTYPE), vt, acc)
+        else:  # interpreter: DOT_DTYPE is fp32
+            acc = tl.dot(pr, vt, acc)
+        m_i = m_new
+    part = (row * SPLITS + split).to(tl.int64)
+    tl.store(po_ptr + (part * HG + heads[:, None]) * D + dims[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
+    tl.store(pml_ptr + (part * 2) * HG + heads, m_i, mask=h_ok)
+    tl.store(pml_ptr + (part * 2 + 1) * HG + heads, l_i, mask=h_ok)
+
+
+@triton.jit
+def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_b,
+                          HG: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_D: tl.constexpr, PRECISE: tl.constexpr):
+    """Log-sum-exp merge of one (row, head)'s splits, c_i = exp(m_i - max m): o = bf(sum c_i acc_i / sum c_i l_i)
+    (SDPA's bf16 result), then the gate: out = bf(o * bf(1 / (1 + exp(-logit)))) (torch.sigmoid, then mul)."""
+    row = tl.program_id(0)  # b * G + g
+    h = tl.program_id(1)
+    b = row // G
+    head = (row % G) * HG + h
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < SPLITS
+    part = (row * SPLITS + sp).to(tl.int64)
+    m = tl.load(pml_ptr + (part * 2) * HG + h, mask=sp_ok, other=float("-inf"))
+    l = tl.load(pml_ptr + (part * 2 + 1) * HG + h, mask=sp_ok, other=0.0)
+    c = tl.where(m == float("-inf"), 0.0, _exp(m - tl.max(m, axis=0), PRECISE))
+    dims = tl.arange(0, BLOCK_D)
+    d_ok = dims < D
+    po = tl.load(po_ptr + (part[:, None] * HG + h) * D + dims[None, :], mask=sp_ok[:, None] & d_ok[None, :],
+                 other=0.0)
+    num = tl.sum(po * c[:, None], axis=0)
+    o = _bf16_round(tl.math.div_rn(num, tl.full(num.shape, 1.0, tl.float32) * tl.sum(l * c, axis=0)))
+    xrow = b.to(tl.int64) * stride_b
+    logit = tl.load(qkvg_ptr + xrow + (G * HG + 2 * G) * D + head).to(tl.float32)
+    gate = _bf16_round(tl.math.div_rn(1.0, 1.0 + _exp(-logit, PRECISE)))
+    tl.store(out_ptr + b.to(tl.int64) * (G * HG * D) + head * D + dims, _bf16_round(o * gate).to(tl.bfloat16),
+             mask=d_ok)
+
+
+def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
+                          n_groups, split_len=32):
+    """Triton sliding_decode_ref: 2 launches. split_len: ring slots per program; it depends only on R (never on
+    the batch), so a row's reduction order and result do not depend on the batch size."""
+    H, G = n_heads, n_groups
+    _check(H > 0 and G > 0 and H % G == 0, f"n_heads={H} must be a positive multiple of n_groups={G}")
+    for name, t_ in (("ring_k", ring_k), ("ring_v", ring_v)):
+        _check_tensor(name, t_, torch.bfloat16, ndim=4)
+    B, _, R, hd = ring_k.shape
+    _check(ring_v.shape == ring_k.shape and ring_k.shape[1] == G,
+           f"ring_k, ring_v must both be [B, G={G}, R, hd], got {tuple(ring_k.shape)}, {tuple(ring_v.shape)}")
+    _check(0 < window <= R, f"window={window} must be in 1..R={R}")
+    _check_tensor("qkvg", qkvg, torch.bfloat16, ndim=2, contiguous=False)
+    width = H * hd + 2 * G * hd + H
+    _check(tuple(qkvg.shape) == (B, width) and qkvg.stride(1) == 1,
+           f"qkvg must be [B={B}, H*hd + 2*G*hd + H = {width}] with unit column stride, got {tuple(qkvg.shape)} "
+           f"strides {qkvg.stride()}")
+    _check_tensor("pos", pos, torch.int64, ndim=1)
+    _check(pos.numel() == B, f"pos must be [B={B}], got {tuple(pos.shape)}")
+    for name, w_ in (("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w)):
+        _check_tensor(name, w_, torch.float32, ndim=1)
+        _check(w_.numel() == hd, f"{name} must be [{hd}], got {tuple(w_.shape)}")
+    _check_tensor("cos", cos, torch.bfloat16, ndim=2)
+    _check_tensor("sin", sin, torch.bfloat16, ndim=2)
+    half = cos.shape[1]
+    _check(cos.shape == sin.shape and 0 < 2 * half <= hd,
+           f"cos/sin must be [n_pos, half <= {hd // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    out = torch.empty(B, H * hd, dtype=torch.bfloat16, device=qkvg.device)
+    if B == 0:
+        return out
+    HG = H // G
+    splits = triton.cdiv(R, split_len)
+    po = torch.empty(B * G * splits * HG * hd, dtype=torch.float32, device=qkvg.device)
+    pml = torch.empty(B * G * splits * 2 * HG, dtype=torch.float32, device=qkvg.device)
+    BLOCK_D = triton.next_power_of_2(hd)
+    rest = hd - 2 * half
+    _sliding_attn_kernel[(B * G, splits)](
+        qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, qkvg.stride(0), float(eps),
+        float(scale), HG=HG, D=hd, HALF=half, SPLITS=splits, SPLIT_LEN=split_len,
+        BLOCK_H=max(16, triton.next_power_of_2(HG)), BLOCK_N=max(16, min(64, triton.next_power_of_2(split_len))),
+        BLOCK_D=BLOCK_D, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
+        BLOCK_REST=max(16, triton.next_power_of_2(rest)) if rest else 0, DOT_DTYPE=_DOT, PRECISE=_PRECISE,
+        num_warps=4, **_NO_FMA)  # no FMA: the rotation's products are rounded separately (norm_rope_ref)
+    _sliding_merge_kernel[(B * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
+                                       BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D, PRECISE=_PRECISE,
+                                       num_warps=4)
+    return out
+
+
+def sliding_decode(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads, n_groups):
+    if _triton(qkvg):
+        return sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window,
+                                     n_heads, n_groups)
+    return sliding_decode_ref(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window,
+                              n_heads, n_groups)
+
+
 def rms_norm_ref(x, w, eps, out_dtype=None):
     """Zero-centred RMSNorm over the last dim in fp32: x * rsqrt(mean(x^2) + eps) * (1 + w), one rounding to
     out_dtype (default: x's dtype). x [T, D] fp32 residual or bf16; w [D] fp32."""
