@@ -79,7 +79,8 @@ def routed(T, E_local, k=8, E_total=352, seed=0, first=None):
 
 def shared_weights(D, Fs=192, limit=7.0):
     """One rank's bf16 shared expert (wg, wu, wd, limit_s) at TP = 8."""
-    return tuple((torch.randn(*shape, device=DEV) * 0.02).bfloat16() for shape in ((Fs, D), (Fs, D), (D, Fs))) + (limit,)
+    shapes = ((Fs, D), (Fs, D), (D, Fs))
+    return tuple((torch.randn(*shape, device=DEV) * 0.02).bfloat16() for shape in shapes) + (limit,)
 
 
 # Tolerances of the checks (bit-exact unless stated): the kernels compute each reference's formula with the same
@@ -295,22 +296,23 @@ def bench_moe_decode(T, E=44):
 
 
 def sweep_moe_decode(T, E=44):
-    """Tile/warp/stage choices of the decode MoE kernels ((gate/up, down) pairs), routed + shared expert."""
+    """Tile/stage choices of the decode MoE kernels ((gate/up, down) pairs) and x quantised before or in the gate/up
+    kernel, routed + shared expert."""
     D, Fw = 4096, 1536
     (w1, s1), (w3, s3), (w2, s2) = fp8_weights(E, Fw, D, 1), fp8_weights(E, Fw, D, 2), fp8_weights(E, D, Fw, 3)
     sh = shared_weights(D)
     x = torch.randn(T, D, device=DEV).bfloat16()
     ids, wts = routed(T, E, seed=T)
-    res = []
-    for bn in ((16, 16), (16, 32), (32, 32), (16, 64)):
-        for nw in ((2, 2), (4, 4)):
-            for st in ((3, 3), (4, 4), (6, 6)):
+    res = []  # measured before: 2 warps and 6 stages were slower everywhere
+    for pq in (False, True):
+        for bn in ((16, 32), (32, 32), (32, 64)):
+            for st in (3, 4):
                 try:
                     t = bench(lambda: K.moe_experts_decode_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, 0, sh,
-                                                                  block_n=bn, num_warps=nw, num_stages=st))
-                    res.append(f"BN={bn} w={nw[0]} st={st[0]}: {t * 1e6:.1f}us")
+                                                                  block_n=bn, num_stages=(st, st), prequant=pq))
+                    res.append(f"prequant={pq} BN={bn} st={st}: {t * 1e6:.1f}us")
                 except Exception as e:
-                    res.append(f"BN={bn} w={nw[0]} st={st[0]}: {type(e).__name__}")
+                    res.append(f"prequant={pq} BN={bn} st={st}: {type(e).__name__}")
     print(f"  sweep moe decode T={T}: " + "; ".join(res), flush=True)
 
 

@@ -949,15 +949,20 @@ def _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2):
 # Decode: T*k <= DECODE_SLOTS (token, slot) pairs. No sort: each program finds its expert from the ids in registers.
 # Grid axis 1 = rank u of a hit local expert (ascending id; at most min(T*k, E) of them, programs of ranks past the
 # number hit exit at once) plus, first, the shared expert; axis 0 = N tiles of BLOCK_N columns, so one hit expert's
-# weights are streamed by cdiv(N, BLOCK_N) programs (~100 at F = 1536, D = 4096) and read once for all its rows.
-DECODE_SLOTS = 128
+# weights are streamed by cdiv(N, BLOCK_N) programs (~50-100 at F = 1536, D = 4096) and read once for all its rows.
+DECODE_SLOTS = 128  # what the decode launcher takes
+# What moe_experts_triton sends to it. H200, routed FP8 + shared expert, CUDA graph: T=1 41 us (sorted path 95),
+# T=4 ~120 (127), T=16 212 (175): each program's K loop is latency-bound (~0.5 us per 128-wide step), so the
+# decode path wins only while few experts are hit; raise this once it beats the sorted path at T=16.
+DECODE_DISPATCH_SLOTS = 32
 
 
 @triton.jit
 def _quant_rows(x, HW_CAST: tl.constexpr):
     """bf16-valued fp32 [M, 128] -> (e4m3 tile, sx [M]) with act_quant_ref's arithmetic: the block is the K step,
     so quantising on load equals quantising the whole row first. HW_CAST: the GPU's saturating round-to-nearest-even
-    convert, which equals _e4m3_bits after the clamp (tests/test_kernels.py checks it); the interpreter needs the helper."""
+    convert, which equals _e4m3_bits after the clamp (tests/test_kernels.py checks it); the interpreter needs the
+    helper."""
     sx = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * (1.0 / 448.0)
     xs = x * tl.math.div_rn(tl.full(sx.shape, 1.0, tl.float32), sx)[:, None]
     if HW_CAST:
@@ -1101,8 +1106,8 @@ def _moe_decode_down_kernel(
         for m0 in range(0, T, BLOCK_M):
             tok = m0 + tl.arange(0, BLOCK_M)
             acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr, cols,
-                                  col_ok, FS, limit_s, False, False, False, True, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST,
-                                  DOT_DTYPE, PRECISE)
+                                  col_ok, FS, limit_s, False, False, False, True, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  HW_CAST, DOT_DTYPE, PRECISE)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -1113,8 +1118,8 @@ def _moe_decode_down_kernel(
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
                 acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr, sw, sw,
-                                      cols, col_ok, F, 0.0, FP8, False, False, False, False, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST,
-                                      DOT_DTYPE, PRECISE)
+                                      cols, col_ok, F, 0.0, FP8, False, False, False, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      HW_CAST, DOT_DTYPE, PRECISE)
                 tl.store(y_ptr + slot.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
 
@@ -1163,6 +1168,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     3. combine: slot-order fp32 sum per token, plus the shared output when given.
     Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
     block_n / num_warps / num_stages: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py sweep).
+    prequant: quantise x once with act_quant_triton (one more launch) instead of in every gate/up program's K loop
+    (same bytes; a candidate for the loop's latency, not yet measured on the GPU).
     """
     T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
     Fs = _check_shared(shared, D) if shared is not None else 0
@@ -1181,8 +1188,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         limit_s = None
     if _INTERPRET:
         bn, nw, ns = (64, 64), (4, 4), (1, 1)
-    else:  # H200 sweep (bench_kernels.py): BLOCK_N 16 gives one expert's gate/up ~100 programs
-        bn, nw, ns = (16, 32), (4, 4), (4, 4)
+    else:  # H200 sweep (bench_kernels.py sweep_moe_decode): best at T=1 and T=16 of BLOCK_N 16/32/64, 2/4 warps
+        bn, nw, ns = (32, 32), (4, 4), (4, 4)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     sh = int(shared is not None)
     ranks = min(T * k, E)  # distinct local experts the slots can hit
@@ -1191,8 +1198,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
                   HW_CAST=not _INTERPRET, DOT_DTYPE=_DOT, PRECISE=_PRECISE)
     grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
-    xq = prequant if prequant is not None else False
-    xq = xq and fp8
+    xq = bool(prequant) and fp8
     if xq:
         xqt, sxt = act_quant_triton(x)
     else:
@@ -1256,8 +1262,8 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
 
 
 def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):
-    """Triton moe_experts_ref: the sort-free decode path for T*k <= DECODE_SLOTS slots, else the sorted path."""
-    path = moe_experts_decode_triton if ids.numel() <= DECODE_SLOTS else moe_experts_sorted_triton
+    """Triton moe_experts_ref: the sort-free decode path for T*k <= DECODE_DISPATCH_SLOTS, else the sorted path."""
+    path = moe_experts_decode_triton if ids.numel() <= DECODE_DISPATCH_SLOTS else moe_experts_sorted_triton
     return path(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert, shared)
 
 

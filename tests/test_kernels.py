@@ -166,9 +166,10 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
     args, sh = _moe_decode_case(T, k, E, first, fp8, shared, seed=T + 3 * k)
     ref = K.moe_experts_ref(*args, limit, first, sh)
     assert ref.dtype == (torch.float32 if sh else torch.bfloat16)
-    for path in (K.moe_experts_decode_triton, K.moe_experts_sorted_triton):
-        out = path(*args, limit, first, sh)
-        d = report(f"moe {path.__name__} fp8={fp8}", out, ref)
+    for path, kw in ((K.moe_experts_decode_triton, {}), (K.moe_experts_decode_triton, {"prequant": True}),
+                     (K.moe_experts_sorted_triton, {})):
+        out = path(*args, limit, first, sh, **kw)
+        d = report(f"moe {path.__name__} {kw} fp8={fp8}", out, ref)
         assert out.dtype == ref.dtype
         assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
 
@@ -402,7 +403,7 @@ def test_gpu_moe_decode_real_shape(T):
               7.0)
     x = randn(T, D, seed=T)
     args = (x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, first, shared)
-    out = K.moe_experts_triton(*args)
+    out = K.moe_experts_decode_triton(*args)
     ref = K.moe_experts_ref(*args)
     old = K.moe_experts_sorted_triton(*args)
     assert out.dtype == torch.float32
