@@ -68,10 +68,19 @@ def check(name, out, ref, exact=False, rel=0.0, atol=0.0, frac=1.0):
           f"bit-exact={same_bytes}  {'ok' if ok else 'FAIL'} (tolerance {tol})", flush=True)
 
 
-def routed(T, E_local, k=8, E_total=352, seed=0):
+def routed(T, E_local, k=8, E_total=352, seed=0, first=None):
+    """Uniform top-k ids: local ids with -1 for other ranks' experts, or (first set) global ids."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(E_total, generator=g)[:k] for _ in range(T)])
-    return torch.where(ids < E_local, ids, -1).to(DEV), torch.rand(T, k, generator=g).to(DEV)
+    if first is None:
+        ids = torch.where(ids < E_local, ids, -1)
+    return ids.to(DEV), torch.rand(T, k, generator=g).to(DEV)
+
+
+def shared_weights(D, Fs=192, limit=7.0):
+    """One rank's bf16 shared expert (wg, wu, wd, limit_s) at TP = 8."""
+    shapes = ((Fs, D), (Fs, D), (D, Fs))
+    return tuple((torch.randn(*shape, device=DEV) * 0.02).bfloat16() for shape in shapes) + (limit,)
 
 
 # Tolerances of the checks (bit-exact unless stated): the kernels compute each reference's formula with the same
@@ -115,6 +124,14 @@ def checks():
         ids, wts = routed(T, E, seed=T)
         check(f"moe_experts fp8 T={T}", K.moe_experts_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0),
               K.moe_experts_ref(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0), rel=MOE_FP8_REL)
+    sh = shared_weights(D)
+    for T in (1, 4, 16):  # the sort-free decode path, global ids of rank 2, shared expert: fp32 output
+        x = torch.randn(T, D, device=DEV).bfloat16()
+        ids, wts = routed(T, E, seed=T + 7, first=2 * E)
+        args = (x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, 2 * E, sh)
+        out = K.moe_experts_decode_triton(*args)
+        check(f"moe decode fp8+shared T={T}", out, K.moe_experts_ref(*args), rel=MOE_FP8_REL)
+        check(f"moe decode vs sorted path T={T}", out, K.moe_experts_sorted_triton(*args), rel=MOE_FP8_REL)
     xq = torch.randn(1024, D, device=DEV).bfloat16()
     q, s = K.act_quant_triton(xq)
     qr, sr = K.act_quant_ref(xq)
@@ -280,6 +297,49 @@ def bench_select(S, T, R):
           flush=True)
 
 
+def bench_moe_decode(T, E=44):
+    """The sort-free decode path: routed + shared expert + combine in 3 launches, against the sorted path (whose
+    shared expert runs as torch GEMMs). GB/s counts the weight bytes read: the hit experts' e4m3 and the bf16 shared."""
+    D, Fw = 4096, 1536
+    (w1, s1), (w3, s3), (w2, s2) = fp8_weights(E, Fw, D, 1), fp8_weights(E, Fw, D, 2), fp8_weights(E, D, Fw, 3)
+    sh = shared_weights(D)
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    ids, wts = routed(T, E, seed=T)
+    args = (x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0)
+    f = lambda: K.moe_experts_decode_triton(*args, 0, sh)  # noqa: E731
+    t, te = bench(f), eager(f)
+    t_routed = bench(lambda: K.moe_experts_decode_triton(*args))
+    t_sorted = bench(lambda: K.moe_experts_sorted_triton(*args, 0, sh))
+    used = int(torch.unique(ids[ids >= 0]).numel())
+    routed_bytes, shared_bytes = used * 3 * Fw * D, 3 * sh[0].numel() * 2
+    wbytes = routed_bytes + shared_bytes
+    print(f"  moe decode fp8+shared T={T:2d} ({int((ids >= 0).sum())} local rows, {used} experts): {t * 1e6:6.1f} us, "
+          f"weights {wbytes / t / 1e9:5.0f} GB/s ({wbytes / t / HBM * 100:4.1f}% HBM) | routed only "
+          f"{t_routed * 1e6:6.1f} us {routed_bytes / t_routed / 1e9:5.0f} GB/s | sorted path + torch shared "
+          f"{t_sorted * 1e6:6.1f} us | eager {te * 1e6:6.1f} us", flush=True)
+
+
+def sweep_moe_decode(T, E=44):
+    """Tile/stage choices of the decode MoE kernels ((gate/up, down) pairs) and x quantised before or in the gate/up
+    kernel, routed + shared expert."""
+    D, Fw = 4096, 1536
+    (w1, s1), (w3, s3), (w2, s2) = fp8_weights(E, Fw, D, 1), fp8_weights(E, Fw, D, 2), fp8_weights(E, D, Fw, 3)
+    sh = shared_weights(D)
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    ids, wts = routed(T, E, seed=T)
+    res = []  # measured before: 2 warps and 6 stages were slower everywhere
+    for pq in (False, True):
+        for bn in ((16, 32), (32, 32), (32, 64)):
+            for st in (3, 4):
+                try:
+                    t = bench(lambda: K.moe_experts_decode_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, 0, sh,
+                                                                  block_n=bn, num_stages=(st, st), prequant=pq))
+                    res.append(f"prequant={pq} BN={bn} st={st}: {t * 1e6:.1f}us")
+                except Exception as e:
+                    res.append(f"prequant={pq} BN={bn} st={st}: {type(e).__name__}")
+    print(f"  sweep moe decode T={T}: " + "; ".join(res), flush=True)
+
+
 def bench_attention(ctx, S=1):
     Hg, hd = 8, 192
     N = ctx
@@ -378,9 +438,13 @@ def main(only=GROUPS):
     if "sweep" in only:
         for r in (1, 16):
             run_safely(sweep_gemm, r)
+        for T in (1, 16):
+            run_safely(sweep_moe_decode, T)
     if "moe" in only:
         for T in (1, 16, 4096):
             run_safely(bench_moe, T)
+        for T in (1, 4, 16):
+            run_safely(bench_moe_decode, T)
     if "attn" in only:
         for args in ((1, 1, 4096), (1, 1, 16384), (1, 1, 131072), (32, 1, 16384), (1, 256, 16384)):
             run_safely(bench_select, *args)

@@ -1222,12 +1222,17 @@ def _expert_linear_ref(x, w, s):
     return torch.bmm(x, w.transpose(1, 2))  # bf16 operands, fp32 accumulation, one bf16 rounding
 
 
-def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, limit):
-    """One rank's routed experts and their weighted combine.
+def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):
+    """One rank's routed experts and their weighted combine, optionally plus the shared expert.
 
-    x [T, D] bf16; ids [T, k] int64 local expert index or -1 (expert on another rank); weights [T, k] fp32;
+    x [T, D] bf16; ids [T, k] int64 expert ids: slot (t, j) is local iff first_expert <= ids[t, j] < first_expert + E
+    (E = w1.shape[0]) and then runs local expert ids - first_expert (global ids with this rank's first expert, or
+    local ids with -1 for remote and first_expert 0); weights [T, k] fp32;
     w1 (gate), w3 (up) [E, F, D], w2 (down) [E, D, F] (e4m3 with scale grids s*, or bf16 with s* None).
-    Returns [T, D] bf16 = bf( sum over slots 0..k-1 in order, one fp32 accumulator, of f32(expert_out) * weight ).
+    Returns [T, D] bf16 = bf( sum over local slots 0..k-1 in order, one fp32 accumulator, of f32(expert_out) * w ).
+    shared = (wg, wu, wd, limit_s), bf16 wg, wu [Fs, D], wd [D, Fs]: the shared expert s = model.MLP's
+    bf(bf(swiglu(bf(x.wg^T), bf(x.wu^T))) . wd^T), and the result is fp32 [T, D] = f32(routed) + f32(s) (what
+    model.Block adds before its fp32 TP reduction).
     Reference formulation: every local expert runs every token as one batched GEMM (static shapes, no host sync,
     no per-expert Python branching); the kernel computes only the routed rows.
     """
@@ -1236,13 +1241,19 @@ def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, limit):
     a = swiglu_ref(_expert_linear_ref(xe, w1, s1), _expert_linear_ref(xe, w3, s3), limit)  # [E, T, F]
     y = _expert_linear_ref(a, w2, s2)  # [E, T, D]
     T = x.shape[0]
-    local = ids >= 0
-    rows = y[ids.clamp(min=0), torch.arange(T, device=x.device)[:, None]]  # [T, k, D]
+    loc = ids - first_expert
+    local = (loc >= 0) & (loc < E)
+    rows = y[loc.clamp(0, E - 1), torch.arange(T, device=x.device)[:, None]]  # [T, k, D]
     contrib = torch.where(local[..., None], rows.float(), 0.0)
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for j in range(ids.shape[1]):  # slot order, sequential fp32 accumulation
         acc = acc + contrib[:, j] * weights[:, j, None]
-    return acc.to(torch.bfloat16)
+    out = acc.to(torch.bfloat16)
+    if shared is None:
+        return out
+    wg, wu, wd, limit_s = shared
+    lin = torch.nn.functional.linear
+    return out.float() + lin(swiglu_ref(lin(x, wg), lin(x, wu), limit_s), wd).float()
 
 
 # Triton: activation quantisation, grouped expert GEMM (FP8 block-scaled or BF16), routed-expert pipeline.
@@ -1444,13 +1455,7 @@ def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, D, y_stride, 
     tl.store(out_ptr + t * out_stride + cols, _bf16_round(acc).to(tl.bfloat16), mask=col_ok)
 
 
-def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit):
-    """Triton moe_experts_ref: only routed rows are computed, one launch per GEMM for all local experts.
-
-    Steps, all on the device with static shapes (no .item()): sort the T*k (token, slot) pairs by local expert
-    (remote slots last), per-expert row offsets by searchsorted on the sorted keys; quantise x once per token (FP8); gate+up
-    GEMM reading token rows through the sort order, SwiGLU in its epilogue; quantise; down GEMM; slot-order combine.
-    """
+def _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2):
     _check_tensor("x", x, torch.bfloat16, ndim=2)
     T, D = x.shape
     _check_tensor("ids", ids, torch.int64, ndim=2)
@@ -1463,10 +1468,299 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit):
            f"expert weights must be w1, w3 [E, F, D={D}] and w2 [E, D, F]; got {tuple(w1.shape)}, "
            f"{tuple(w3.shape)}, {tuple(w2.shape)}")
     _check((s3 is not None) == fp8 and (s2 is not None) == fp8, "s1, s3, s2 must be all set (FP8) or all None")
-    k = ids.shape[1]
-    out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
+    return T, D, ids.shape[1], E, F, fp8
+
+
+# Decode: T*k <= DECODE_SLOTS (token, slot) pairs. No sort: each program finds its expert from the ids in registers.
+# Grid axis 1 = rank u of a hit local expert (ascending id; at most min(T*k, E) of them, programs of ranks past the
+# number hit exit at once) plus, first, the shared expert; axis 0 = N tiles of BLOCK_N columns, so one hit expert's
+# weights are streamed by cdiv(N, BLOCK_N) programs (~50-100 at F = 1536, D = 4096) and read once for all its rows.
+DECODE_SLOTS = 128  # what the decode launcher takes
+# What moe_experts_triton sends to it. H200, routed FP8 + shared expert, CUDA graph: T=1 41 us (sorted path 95),
+# T=4 ~120 (127), T=16 212 (175): each program's K loop is latency-bound (~0.5 us per 128-wide step), so the
+# decode path wins only while few experts are hit; raise this once it beats the sorted path at T=16.
+DECODE_DISPATCH_SLOTS = 32
+
+
+@triton.jit
+def _quant_rows(x, HW_CAST: tl.constexpr):
+    """bf16-valued fp32 [M, 128] -> (e4m3 tile, sx [M]) with act_quant_ref's arithmetic: the block is the K step,
+    so quantising on load equals quantising the whole row first. HW_CAST: the GPU's saturating round-to-nearest-even
+    convert, which equals _e4m3_bits after the clamp (tests/test_kernels.py checks it); the interpreter needs the
+    helper."""
+    sx = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * (1.0 / 448.0)
+    xs = x * tl.math.div_rn(tl.full(sx.shape, 1.0, tl.float32), sx)[:, None]
+    if HW_CAST:
+        q = tl.minimum(tl.maximum(xs, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:
+        q = _e4m3_bits(xs).to(tl.float8e4nv, bitcast=True)
+    return q, sx
+
+
+@triton.jit
+def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, sw_ptr, sw3_ptr, cols, col_ok, K,
+                 limit, FP8: tl.constexpr, XQ: tl.constexpr, GATED: tl.constexpr, X_SWIGLU: tl.constexpr,
+                 HAS_LIMIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr):
+    """acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T with _grouped_gemm_kernel's
+    arithmetic per 128-wide K block. w_ptr/w3_ptr point at the expert's [N, K] weight, sw_ptr/sw3_ptr at its scale
+    row of these columns. FP8: X is quantised per 1x128 block on load (act_quant_ref), or XQ: X is already e4m3
+    with scales sx_ptr [row, kb] (act_quant_triton). X_SWIGLU: X is
+    swiglu(G, U) of the bf16 G at x_ptr and U at x_ptr + u_off (the shared expert's down input)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_base = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride
+    w_base = w_ptr + cols.to(tl.int64)[:, None] * K
+    w3_base = w3_ptr + cols.to(tl.int64)[:, None] * K
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
+        a = tl.load(x_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if not XQ:
+            a = a.to(tl.float32)
+        if X_SWIGLU:
+            u = tl.load(x_base + u_off + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a = _swiglu_math(a, u.to(tl.float32), limit, HAS_LIMIT, PRECISE)
+        b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP8:
+            if XQ:
+                aq = a
+                sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
+            else:
+                aq, sa = _quant_rows(a, HW_CAST)
+            acc = acc + tl.dot(aq, tl.trans(b)) * sa[:, None] * tl.load(sw_ptr + kb)
+            if GATED:
+                b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                acc3 = acc3 + tl.dot(aq, tl.trans(b3)) * sa[:, None] * tl.load(sw3_ptr + kb)
+        else:
+            a = a.to(DOT_DTYPE)
+            acc = tl.dot(a, tl.trans(b.to(tl.float32).to(DOT_DTYPE)), acc)
+            if GATED:
+                b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                acc3 = tl.dot(a, tl.trans(b3.to(tl.float32).to(DOT_DTYPE)), acc3)
+    return acc, acc3
+
+
+@triton.jit
+def _decode_expert(ids_ptr, u, first_expert, E, TK, BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The local expert of rank u among those hit (ascending id) -> (found, e, hit [BLOCK_TK]: the slots routed to
+    e, before [BLOCK_TK]: how many earlier slots are routed to e). Slot s = t*k + j is local iff
+    first_expert <= ids[s] < first_expert + E."""
+    s = tl.arange(0, BLOCK_TK)
+    loc = tl.load(ids_ptr + s, mask=s < TK, other=-1) - first_expert
+    local = (loc >= 0) & (loc < E) & (s < TK)
+    ex = tl.arange(0, BLOCK_E)
+    present = tl.max(((loc[:, None] == ex[None, :]) & local[:, None]).to(tl.int32), axis=0)  # [BLOCK_E]
+    rank = tl.cumsum(present, axis=0) - present
+    e = tl.sum(tl.where((present > 0) & (rank == u), ex, 0), axis=0)
+    hit = (local & (loc == e)).to(tl.int32)
+    return u < tl.sum(present, axis=0), e, hit, tl.cumsum(hit, axis=0) - hit
+
+
+@triton.jit
+def _decode_rows(hit, before, m0, BLOCK_M: tl.constexpr, BLOCK_TK: tl.constexpr):
+    """Rows m0 .. m0+BLOCK_M-1 of an expert: the slot of each (the row-th slot routed to it) and whether it exists."""
+    sel = (hit[None, :] > 0) & (before[None, :] == m0 + tl.arange(0, BLOCK_M)[:, None])  # [BLOCK_M, BLOCK_TK]
+    slot = tl.sum(tl.where(sel, tl.arange(0, BLOCK_TK)[None, :], 0), axis=1)
+    return slot, tl.sum(sel.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _moe_decode_up_kernel(
+    x_ptr, sx_ptr, xb_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, a_ptr, wg_ptr, wu_ptr, gu_ptr,
+    T, D, F, FS, E, first_expert, limit, w_stride_e, sw_stride_e, sw_stride_n,
+    TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, XQ: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
+    BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
+    slot of each row. Shared expert (SHARED, axis-1 program 0): tiles 0..nt-1 of its gate, then of its up, every
+    token a row, stored separately as bf16 gu[0] = bf(x.wg^T), gu[1] = bf(x.wu^T) (MLP's rounding points): half
+    the bytes per program of a gated tile, so the shared programs finish with the routed ones."""
+    pid_n = tl.program_id(0)
+    u = tl.program_id(1)
+    if u < SHARED:
+        nt = tl.cdiv(FS, BLOCK_N)
+        if pid_n < 2 * nt:
+            w = wg_ptr
+            if pid_n >= nt:
+                w = wu_ptr
+            cols = (pid_n % nt) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < FS
+            for m0 in range(0, T, BLOCK_M):
+                tok = m0 + tl.arange(0, BLOCK_M)
+                acc, _ = _decode_tile(xb_ptr, xb_ptr, tok, tok < T, D, 0, w, w, w, w, cols, col_ok, D, limit,
+                                      False, False, False, False, False, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE,
+                                      PRECISE)
+                out = gu_ptr + ((pid_n // nt) * T + tok)[:, None] * FS + cols[None, :]
+                tl.store(out, _bf16_round(acc).to(tl.bfloat16), mask=(tok < T)[:, None] & col_ok[None, :])
+    else:
+        found, e, hit, before = _decode_expert(ids_ptr, u - SHARED, first_expert, E, T * TOPK, BLOCK_TK, BLOCK_E)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < F
+        if found & (pid_n * BLOCK_N < F):
+            e64 = e.to(tl.int64)
+            sw_off = e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n  # BLOCK_N divides 128
+            for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
+                slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
+                g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
+                                     w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok, D,
+                                     limit, FP8, XQ, True, False, False, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE,
+                                     PRECISE)
+                y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE)
+                tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16),
+                         mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_decode_down_kernel(
+    a_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, gu_ptr, wd_ptr, ys_ptr,
+    T, D, F, FS, E, first_expert, limit_s, w_stride_e, sw_stride_e, sw_stride_n,
+    TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
+    BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
+    load (FP8). Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load."""
+    pid_n = tl.program_id(0)
+    u = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < D
+    if u < SHARED:
+        for m0 in range(0, T, BLOCK_M):
+            tok = m0 + tl.arange(0, BLOCK_M)
+            acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr, cols,
+                                  col_ok, FS, limit_s, False, False, False, True, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  HW_CAST, DOT_DTYPE, PRECISE)
+            tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
+                     mask=(tok < T)[:, None] & col_ok[None, :])
+    else:
+        found, e, hit, before = _decode_expert(ids_ptr, u - SHARED, first_expert, E, T * TOPK, BLOCK_TK, BLOCK_E)
+        if found:
+            e64 = e.to(tl.int64)
+            sw = s2_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
+            for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
+                slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
+                acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr, sw, sw,
+                                      cols, col_ok, F, 0.0, FP8, False, False, False, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      HW_CAST, DOT_DTYPE, PRECISE)
+                tl.store(y_ptr + slot.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
+                         mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_decode_combine_kernel(y_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, D, E, first_expert,
+                               TOPK: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = bf( sum over local slots j = 0..k-1 in order (one fp32 accumulator) of f32(y[t*k + j]) * w[t, j] );
+    SHARED: out[t] = f32(that) + f32(ys[t]) in fp32."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        loc = tl.load(ids_ptr + t * TOPK + j) - first_expert
+        local = (loc >= 0) & (loc < E)
+        y = tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * D + cols, mask=col_ok & local, other=0.0).to(tl.float32)
+        acc = acc + y * tl.load(wts_ptr + t * TOPK + j)
+    r = _bf16_round(acc)
+    if SHARED:
+        s = tl.load(ys_ptr + t.to(tl.int64) * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t.to(tl.int64) * D + cols, r + s, mask=col_ok)
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * D + cols, r.to(tl.bfloat16), mask=col_ok)
+
+
+def _check_shared(shared, D):
+    _check(isinstance(shared, tuple) and len(shared) == 4, "shared must be (wg, wu, wd, limit_s)")
+    wg, wu, wd, _ = shared
+    for name, t_ in (("shared wg", wg), ("shared wu", wu), ("shared wd", wd)):
+        _check_tensor(name, t_, torch.bfloat16, ndim=2)
+    Fs = wg.shape[0]
+    _check(tuple(wg.shape) == (Fs, D) and tuple(wu.shape) == (Fs, D) and tuple(wd.shape) == (D, Fs),
+           f"shared weights must be wg, wu [Fs, D={D}] and wd [D, Fs]; got {tuple(wg.shape)}, {tuple(wu.shape)}, "
+           f"{tuple(wd.shape)}")
+    return Fs
+
+
+def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
+                              block_n=None, num_warps=None, num_stages=None, prequant=None):
+    """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
+
+    1. gate/up: one program per (hit expert, F tile) computes all rows routed to that expert (x quantised on load),
+       SwiGLU epilogue, a[slot] bf16 [T*k, F]; the shared expert's gate and up tiles run in the same launch.
+    2. down: per (hit expert, D tile): y[slot] bf16 [T*k, D] (a quantised on load); the shared expert's down too.
+    3. combine: slot-order fp32 sum per token, plus the shared output when given.
+    Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
+    block_n / num_warps / num_stages: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py sweep).
+    prequant: quantise x once with act_quant_triton (one more launch) instead of in every gate/up program's K loop
+    (same bytes; a candidate for the loop's latency, not yet measured on the GPU).
+    """
+    T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
+    Fs = _check_shared(shared, D) if shared is not None else 0
+    _check(T * k <= DECODE_SLOTS, f"the decode path takes T*k <= {DECODE_SLOTS} slots, got {T}*{k}")
+    out = torch.empty(T, D, dtype=torch.float32 if shared is not None else torch.bfloat16, device=x.device)
     if T == 0:
         return out
+    a = torch.empty(T * k, F, dtype=torch.bfloat16, device=x.device)  # rows of remote slots stay unwritten
+    y = torch.empty(T * k, D, dtype=torch.bfloat16, device=x.device)
+    if shared is not None:
+        wg, wu, wd, limit_s = shared
+        gu = torch.empty(2, T, Fs, dtype=torch.bfloat16, device=x.device)
+        ys = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
+    else:
+        wg = wu = wd = gu = ys = y  # never read: SHARED is off
+        limit_s = None
+    if _INTERPRET:
+        bn, nw, ns = (64, 64), (4, 4), (1, 1)
+    else:  # H200 sweep (bench_kernels.py sweep_moe_decode): best at T=1 and T=16 of BLOCK_N 16/32/64, 2/4 warps
+        bn, nw, ns = (32, 32), (4, 4), (4, 4)
+    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
+    sh = int(shared is not None)
+    ranks = min(T * k, E)  # distinct local experts the slots can hit
+    dummy = y
+    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK,
+                  BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
+                  HW_CAST=not _INTERPRET, DOT_DTYPE=_DOT, PRECISE=_PRECISE)
+    grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
+    xq = bool(prequant) and fp8
+    if xq:
+        xqt, sxt = act_quant_triton(x)
+    else:
+        xqt, sxt = x, dummy
+    _moe_decode_up_kernel[grid1](
+        xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu,
+        T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
+        s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, XQ=xq, HAS_LIMIT=limit is not None, BLOCK_N=bn[0],
+        num_warps=nw[0], num_stages=ns[0], **common)
+    _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
+        a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys,
+        T, D, F, Fs, E, int(first_expert), float(limit_s) if limit_s is not None else 0.0, w2.stride(0),
+        s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0, HAS_LIMIT=limit_s is not None, BLOCK_N=bn[1],
+        num_warps=nw[1], num_stages=ns[1], **common)
+    BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
+    _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, ids, weights, ys, out, D, E, int(first_expert),
+                                                             TOPK=k, SHARED=sh, BLOCK_D=BLOCK_D, num_warps=4,
+                                                             **_NO_FMA)
+    return out
+
+
+def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):
+    """Triton moe_experts_ref for prefill: only routed rows are computed, one launch per GEMM for all local experts.
+
+    Steps, all on the device with static shapes (no .item()): sort the T*k (token, slot) pairs by local expert
+    (remote slots last), per-expert row offsets by searchsorted on the sorted keys; quantise x once per token (FP8); gate+up
+    GEMM reading token rows through the sort order, SwiGLU in its epilogue; quantise; down GEMM; slot-order combine.
+    The shared expert (if given) runs as torch GEMMs and swiglu_triton.
+    """
+    T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
+    if shared is not None:
+        _check_shared(shared, D)
+    out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
+    if T == 0:
+        return out if shared is None else out.float()
+    loc = ids - first_expert
+    ids = torch.where((loc >= 0) & (loc < E), loc, -1)  # local ids, -1 for remote (the combine reads ids >= 0)
     key = torch.where(ids >= 0, ids, E).flatten()  # [T*k]; remote slots get key E and sort last
     skey, order = torch.sort(key, stable=True)  # order: sorted row -> flat slot t*k + j
     # expert e's rows start at the first sorted key >= e (torch.bincount would sync with the host on CUDA)
@@ -1485,7 +1779,17 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit):
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
     _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, inv, ids, weights, out, D, y.stride(0), out.stride(0),
                                                       TOPK=k, BLOCK_D=BLOCK_D, num_warps=4, **_NO_FMA)
-    return out
+    if shared is None:
+        return out
+    wg, wu, wd, limit_s = shared  # prefill: torch GEMMs, as model.MLP
+    lin = torch.nn.functional.linear
+    return out.float() + lin(swiglu_triton(lin(x, wg), lin(x, wu), limit_s), wd).float()
+
+
+def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):
+    """Triton moe_experts_ref: the sort-free decode path for T*k <= DECODE_DISPATCH_SLOTS, else the sorted path."""
+    path = moe_experts_decode_triton if ids.numel() <= DECODE_DISPATCH_SLOTS else moe_experts_sorted_triton
+    return path(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert, shared)
 
 
 @triton.jit
@@ -1513,10 +1817,10 @@ def swiglu_triton(g, u, limit):
     return out
 
 
-def moe_experts(x, ids, weights, w1, w3, w2, s1, s3, s2, limit):
+def moe_experts(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):
     if _triton(x):
-        return moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit)
-    return moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, limit)
+        return moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert, shared)
+    return moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert, shared)
 
 
 # --------------------------------------------------------------------------------------------------

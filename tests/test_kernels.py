@@ -136,6 +136,81 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
     assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
 
 
+def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
+    """This rank owns global experts first .. first+E-1. Every token routes to local expert 0 (in slot t % k, so
+    its rows come from varied slot positions), the other slots draw distinct ids from remote ids on both sides of
+    the range and local experts 2.. (local expert 1 is hit by nobody). shared: None, or the shared expert's clamp
+    (a float, or True for none) -> (wg, wu, wd, limit_s) bf16."""
+    x, _, wts, w1, w3, w2, s1, s3, s2 = _moe_case(T, D, F, E, k, fp8, seed)
+    g = _gen(seed + 11)
+    pool = torch.arange(max(first - 3, 0), first + E + 3)
+    pool = pool[(pool != first) & (pool != first + 1)]
+    ids = torch.stack([pool[torch.randperm(pool.numel(), generator=g)[:k]] for _ in range(T)])
+    ids[torch.arange(T), torch.arange(T) % k] = first
+    sh = None
+    if shared is not None:
+        sh = (randn(Fs, D, seed=seed + 20, scale=0.05), randn(Fs, D, seed=seed + 21, scale=0.05),
+              randn(D, Fs, seed=seed + 22, scale=0.05), None if shared is True else shared)
+    return (x, ids.to(DEV), wts, w1, w3, w2, s1, s3, s2), sh
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("T,k,E,first,shared,limit", [
+    (1, 4, 4, 0, None, 7.0),     # one token, ids of rank 0 (remote ones above the range)
+    (3, 3, 5, 10, 5.0, 7.0),     # global ids of a later rank, shared expert with its own clamp
+    (3, 2, 4, 4, True, None),    # no clamp anywhere
+    (17, 2, 3, 3, 5.0, 7.0),     # 17 rows on one expert: two 16-row chunks (routed and shared)
+])
+def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
+    """The sort-free decode path, and the sorted path with the same arguments, against moe_experts_ref."""
+    args, sh = _moe_decode_case(T, k, E, first, fp8, shared, seed=T + 3 * k)
+    ref = K.moe_experts_ref(*args, limit, first, sh)
+    assert ref.dtype == (torch.float32 if sh else torch.bfloat16)
+    for path, kw in ((K.moe_experts_decode_triton, {}), (K.moe_experts_decode_triton, {"prequant": True}),
+                     (K.moe_experts_sorted_triton, {})):
+        out = path(*args, limit, first, sh, **kw)
+        d = report(f"moe {path.__name__} {kw} fp8={fp8}", out, ref)
+        assert out.dtype == ref.dtype
+        assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
+
+
+def test_moe_decode_local_ids():
+    """Local ids with -1 for remote slots (first_expert 0, the pre-existing convention) through the dispatcher."""
+    args = _moe_case(3, 128, 64, 3, 2, True, seed=4)
+    out = K.moe_experts_triton(*args, 7.0)
+    ref = K.moe_experts_ref(*args, 7.0)
+    d = report("moe decode local ids", out, ref)
+    assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
+
+
+def test_quant_rows_matches_act_quant():
+    """The decode kernels' on-load 1x128 quantisation (the GPU's saturating RNE convert, or _e4m3_bits under the
+    interpreter) gives act_quant_ref's bytes and scales, on ties, subnormals, saturation and an all-zero block."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quant_kernel(x_ptr, q_ptr, s_ptr, HW_CAST: tl.constexpr):
+        r, c = tl.arange(0, 16), tl.arange(0, 128)
+        q, s = K._quant_rows(tl.load(x_ptr + r[:, None] * 128 + c[None, :]).to(tl.float32), HW_CAST)
+        tl.store(q_ptr + r[:, None] * 128 + c[None, :], q.to(tl.uint8, bitcast=True))
+        tl.store(s_ptr + r, s)
+
+    codes = torch.arange(256, dtype=torch.uint8).view(K.FP8).float()
+    codes = codes[~codes.isnan()].sort().values
+    x = torch.randn(16, 128, generator=_gen(5)) * torch.exp2(torch.randint(-20, 10, (16, 1), generator=_gen(6)))
+    x[0, :126] = codes[codes > 0]  # amax 448: scale 1, every positive code
+    x[1, :127] = ((codes[1:] + codes[:-1]) / 2)[:127]  # e4m3 midpoints (rounding ties), scale 1
+    x[1, 127] = 448.0
+    x[2] = 0.0  # 1e-10 floor
+    x = x.bfloat16().to(DEV)
+    q = torch.empty(16, 128, dtype=torch.uint8, device=DEV)
+    s = torch.empty(16, dtype=torch.float32, device=DEV)
+    quant_kernel[(1,)](x, q, s, HW_CAST=not INTERPRET)
+    qr, sr = K.act_quant_ref(x)
+    assert bytes_equal(q, qr) and torch.equal(s, sr[:, 0])
+
+
 def test_launchers_reject_bad_inputs():
     x = randn(4, 128, seed=0)
     with pytest.raises(ValueError, match="bfloat16"):
@@ -455,6 +530,33 @@ def test_gpu_moe_fp8_real_shape(T):
     out = K.moe_experts_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0)
     ref = K.moe_experts_ref(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0)
     d = report(f"GPU moe fp8 T={T}", out, ref)
+    assert d.max() <= 2e-2 * ref.float().abs().max()
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_gpu_moe_decode_real_shape(T):
+    """The decode path (global ids of rank 2, shared expert) against the reference and against the sorted path."""
+    E, D, F, Fs, k, first = 44, 4096, 1536, 192, 8, 88
+    g = _gen(T + 100)
+    rows = []
+    for t in range(T):  # every token hits one of this rank's experts; other slots anywhere in the 352
+        own = first + (t * 7) % E
+        rows.append([own] + [e for e in torch.randperm(352, generator=g).tolist() if e != own][:k - 1])
+    ids = torch.tensor(rows, device=DEV)
+    wts = torch.rand(T, k, generator=g).to(DEV)
+    (w1, s1), (w3, s3), (w2, s2) = fp8_weights(E, F, D, 1), fp8_weights(E, F, D, 3), fp8_weights(E, D, F, 5)
+    shared = (randn(Fs, D, seed=7, scale=0.02), randn(Fs, D, seed=8, scale=0.02), randn(D, Fs, seed=9, scale=0.02),
+              7.0)
+    x = randn(T, D, seed=T)
+    args = (x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, first, shared)
+    out = K.moe_experts_decode_triton(*args)
+    ref = K.moe_experts_ref(*args)
+    old = K.moe_experts_sorted_triton(*args)
+    assert out.dtype == torch.float32
+    d = report(f"GPU moe decode T={T}", out, ref)
+    assert d.max() <= 2e-2 * ref.float().abs().max()
+    d = report(f"GPU moe decode vs sorted T={T}", out, old)
     assert d.max() <= 2e-2 * ref.float().abs().max()
 
 
