@@ -284,9 +284,13 @@ class Attention(nn.Module):
         token per cache row)."""
         T = h.shape[0]
         H, G, hd = self.n_heads, self.n_groups, self.cfg.head_dim
+        eps = self.cfg.rms_norm_eps
+        if not self.dsa and spans is None and T == cache.k.shape[0]:  # decode, one token per row: one fused kernel
+            o = kernel.sliding_decode(linear(h, self.wpack), pos, cache.k, cache.v, self.q_norm.weight,
+                                      self.k_norm.weight, *rope["main"], eps, self.scale, self.cfg.sliding_window, H, G)
+            return linear(o, self.o_proj.weight)  # this rank's bf16 partial: Block reduces it
         q, k, v, g, *idx = self.project(h)
         cos, sin = rope["main"]  # whole tables: the kernels read row pos[t]
-        eps = self.cfg.rms_norm_eps
         q = kernel.norm_rope(q.view(T, H, hd), self.q_norm.weight, cos, sin, eps, pos=pos)
         k = kernel.norm_rope(k.view(T, G, hd), self.k_norm.weight, cos, sin, eps, pos=pos)
         v = v.view(T, G, hd)
@@ -458,8 +462,9 @@ class MoE(nn.Module):
         self.layer_id, self.first_expert = layer_id, rank * self.n_local  # EP: this rank's contiguous expert range
         self.pins = None
 
-    def forward(self, x, pos, req=None):
-        """x [T, D] bf16 -> this rank's routed partial [T, D] bf16 (slots of other ranks' experts contribute 0).
+    def forward(self, x, pos, req=None, shared: "MLP | None" = None):
+        """x [T, D] bf16 -> this rank's partial [T, D]: the routed experts' bf16 sum (slots of other ranks' experts
+        contribute 0), or with the shared expert MLP, f32(routed) + f32(shared) in fp32 (the kernels run both).
         req [T]: each token's request (only read by installed Pins)."""
         c = self.cfg
         ids, w = kernel.route(x, self.gate.weight, self.router_bias, c.moe_top_k, c.moe_router_scaling_factor,
@@ -469,11 +474,11 @@ class MoE(nn.Module):
             if pinned is not None:
                 ids, w = kernel.route_ref(x, self.gate.weight, self.router_bias, c.moe_top_k,
                                           c.moe_router_scaling_factor, c.norm_expert_weight, ids=pinned)
-        local = ids - self.first_expert
-        local = torch.where((local >= 0) & (local < self.n_local), local, -1)
+        if shared is not None:
+            shared = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight, shared.limit)
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        return kernel.moe_experts(x, local, w, g.weight, u.weight, d.weight, g.weight_scale_inv,
-                                  u.weight_scale_inv, d.weight_scale_inv, self.limit)
+        return kernel.moe_experts(x, ids, w, g.weight, u.weight, d.weight, g.weight_scale_inv, u.weight_scale_inv,
+                                  d.weight_scale_inv, self.limit, self.first_expert, shared)
 
 
 class Block(nn.Module):
@@ -497,7 +502,7 @@ class Block(nn.Module):
         res, h = tp_reduce_add(res, self.self_attn(h, pos, rope, spans, cache, req), self.post_attention_layernorm.weight,
                                self.eps)
         if self.is_moe:  # routed + shared partials combined in fp32, then ONE fp32 reduction
-            y = self.moe(h, pos, req).float() + self.share_expert(h).float()
+            y = self.moe(h, pos, req, shared=self.share_expert)
         else:
             y = self.mlp(h)
         return tp_reduce_add(res, y)[0]

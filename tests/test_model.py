@@ -255,6 +255,31 @@ def test_multi_token_decode_equals_token_by_token(tp1_models, kind):
         lm.forward(torch.tensor([c[:Q] for c in cont]), lm.new_cache(2, 64))
 
 
+@torch.inference_mode()
+def test_model_on_the_triton_kernels_matches_the_references(tp1_models, monkeypatch):
+    """The whole model with every Triton kernel (the interpreter on CPU) against the PyTorch references: a batched
+    prefill, a one-token step (the fused sliding-window kernel, the sort-free MoE path, the DSA cache-write and
+    selection kernels) and a three-token step. GPU time is scarce: this is what catches a kernel wired in with the
+    wrong strides or shapes before a GPU run. Decisions pinned; rounding noise only."""
+    lm = tp1_models("fp8_text")
+    ids, cont = prompt(19, seed=3), prompt(8, seed=4)
+
+    def run():
+        cache = lm.new_cache(2, 28, slack=2)
+        first = lm.forward(torch.tensor(ids + ids[:11]), cache, [19, 11])[:, None]  # [2, 1, V]
+        one = lm.forward(torch.tensor(cont[:2]), cache)[:, None]
+        three = lm.forward(torch.tensor([cont[2:5], cont[5:8]]), cache)  # [2, 3, V]
+        return torch.cat([first, one, three], 1)
+
+    with pinned(lm, M.Pins()) as rec:
+        ref = run()
+    monkeypatch.setattr(kernel, "_triton", lambda x: True)
+    with pinned(lm, M.Pins(rec.data)):
+        got = run()
+    d = (got - ref).abs().amax(-1) / ref.std(-1)
+    assert d.max() < NOISE["fp8"], d
+
+
 def test_prefill_on_a_full_cache_is_refused(tp1_models):
     lm = tp1_models("bf16_text")
     cache = lm.new_cache(1, 16)
