@@ -496,16 +496,24 @@ class Block(nn.Module):
         self.eps = cfg.rms_norm_eps
 
     def forward(self, res, pos, rope, spans, cache, req=None):
-        """res [T, D] fp32 residual stream -> updated residual. The block owns both TP reductions of the layer: its
-        sub-modules return this rank's partial sums. req [T]: each token's request, for installed Pins only."""
-        h = kernel.rms_norm(res, self.input_layernorm.weight, self.eps, torch.bfloat16)  # fp32 norm, one rounding
+        """res [T, D] fp32 residual stream -> updated residual (see step)."""
+        return self.step(res, None, pos, rope, spans, cache, req)[0]
+
+    def step(self, res, h, pos, rope, spans, cache, req=None, next_norm=None):
+        """res [T, D] fp32 residual stream -> (updated residual, the next layer's bf16 input or None). The block owns
+        both TP reductions of the layer: its sub-modules return this rank's partial sums. h: this layer's normed
+        input when the previous layer computed it (fused into its last reduction), else None; next_norm: the next
+        layer's input norm weight, fused into this layer's last reduction (one kernel fewer per layer).
+        req [T]: each token's request, for installed Pins only."""
+        if h is None:
+            h = kernel.rms_norm(res, self.input_layernorm.weight, self.eps, torch.bfloat16)  # fp32 norm, one rounding
         res, h = tp_reduce_add(res, self.self_attn(h, pos, rope, spans, cache, req), self.post_attention_layernorm.weight,
                                self.eps)
         if self.is_moe:  # routed + shared partials combined in fp32, then ONE fp32 reduction
             y = self.moe(h, pos, req, shared=self.share_expert)
         else:
             y = self.mlp(h)
-        return tp_reduce_add(res, y)[0]
+        return tp_reduce_add(res, y, next_norm, self.eps)
 
 
 class MTPLayer(Block):
@@ -700,8 +708,10 @@ class Step5ForCausalLM(nn.Module):
             req = cache.requests.repeat_interleave(Q) if spans is None else torch.repeat_interleave(cache.requests, lens)
         res = (self.embed(ids.flatten()) if embeds is None else embeds).float()
         L = self.cfg.num_hidden_layers
+        h = None  # each layer's normed input, computed by the previous layer's last reduction
         for i, (layer, lc, rp) in enumerate(zip(self.model.layers[:L], cache.layers, self.rope["layers"])):
-            res = layer(res, pos, rp, spans, lc, req)
+            nxt = self.model.layers[i + 1].input_layernorm.weight if i + 1 < L else None
+            res, h = layer.step(res, h, pos, rp, spans, lc, req, nxt)
             if progress is not None and spans is not None:
                 progress(i + 1, L)
         return res
