@@ -638,12 +638,22 @@ def _region_summary_kernel(k_ptr, z_ptr, out_ptr, P, row_stride,
     for i in tl.static_range(BLK):  # token order, one fp32 accumulator each, as the reference sums
         z = tl.load(z_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
         kv = tl.load(k_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
-        e = _exp(z - m, PRECISE)
-        den = den + e
-        num = num + e * kv
-    s = tl.math.div_rn(num, tl.maximum(den, 1e-20))
-    s = tl.where(den > 0, s, 0.0)
-    tl.store(out_ptr + n * P + d, _e4m3_bits(_bf16_round(s)), mask=d_ok)  # fp32 -> bf16 -> e4m3, both RNE
+        num, den = _summary_add(num, den, z, kv, m, PRECISE)
+    tl.store(out_ptr + n * P + d, _summary_bytes(num, den), mask=d_ok)
+
+
+@triton.jit
+def _summary_add(num, den, z, kv, m, PRECISE: tl.constexpr):
+    """One token of a region summary: e = exp(z - m); num += e * k; den += e (callers compile without FMA)."""
+    e = _exp(z - m, PRECISE)
+    return num + e * kv, den + e
+
+
+@triton.jit
+def _summary_bytes(num, den):
+    """S = num / max(den, 1e-20) (0 where den is 0) as e4m3 bytes: fp32 -> bf16 -> e4m3, both RNE."""
+    s = tl.where(den > 0, tl.math.div_rn(num, tl.maximum(den, 1e-20)), 0.0)
+    return _e4m3_bits(_bf16_round(s))
 
 
 def region_summary_triton(k, z):
@@ -716,12 +726,8 @@ def _dsa_cache_write_kernel(k_ptr, v_ptr, ki_ptr, zi_ptr, pos_ptr, ck_ptr, cv_pt
             else:
                 z = tl.load(pz_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
                 kv = tl.load(pk_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
-            e = _exp(z - m, PRECISE)
-            den = den + e
-            num = num + e * kv
-        s = tl.math.div_rn(num, tl.maximum(den, 1e-20))
-        s = tl.where(den > 0, s, 0.0)
-        tl.store(summ_ptr + (b * R + p // BLK) * P + d, _e4m3_bits(_bf16_round(s)), mask=d_ok)
+            num, den = _summary_add(num, den, z, kv, m, PRECISE)
+        tl.store(summ_ptr + (b * R + p // BLK) * P + d, _summary_bytes(num, den), mask=d_ok)
 
 
 def dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
