@@ -251,17 +251,23 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
                 draft_hook=None, state: dict | None = None, cuda_graph: bool = True) -> tuple[list, dict]:
     """Greedy decoding with the checkpoint's own MTP layers as the drafter -> (ids per request, stats).
 
-    Each round feeds the pending token and k drafts as one extend step of the main model; the longest prefix of
-    drafts equal to the main model's argmax is accepted, plus the main model's next token, so every emitted token is
-    the main model's greedy choice at its position whatever the drafts. Rejected rows are rolled back by resetting
-    the cache lengths: the sliding rings carry k spare slots, so a rejected row never overwrote a key that a kept
-    row still needs; K/V, pending indexer rows and region summaries at rejected positions are rewritten before any
-    kept query reads them. The MTP layers absorb every kept row (see absorb: a depth's last rows are provisional
-    until the tokens they read are final, and are then computed again). Requests accept independently.
+    Each round feeds the pending token and k drafts as one decode step of k + 1 tokens per row of the main model
+    (verify); the longest prefix of drafts equal to the main model's argmax is accepted, plus the main model's next
+    token, so every emitted token is the main model's greedy choice at its position whatever the drafts. Rejected
+    rows are rolled back by resetting the cache lengths: the sliding rings carry k spare slots, so a rejected row
+    never overwrote a key that a kept row still needs; K/V, pending indexer rows and region summaries at rejected
+    positions are rewritten before any kept query reads them. Requests accept independently.
+
+    Drafting: MTP depth j's row at position p reads depth j-1's residual at p (depth -1: the main model's) and the
+    token at p + j + 1; depth j's draft is its row at the last kept position L. Rows past L - j read drafts, so they
+    are provisional; each round therefore recomputes, at depth j, the k + 1 + j positions L - k - j .. L (clamped
+    at 0) as one static-shape decode step of the MTP layer: every provisional row of the last round is among them,
+    and final rows come out the same. Residuals and tokens of recent positions live in device rings (position p in
+    slot p mod S), so verify and draft steps are replayed as CUDA graphs on GPUs; the host reads each round's
+    argmax tokens (to accept and to stop) and drafts.
     draft_hook(requests, emitted, drafts [B, k]) -> drafts lets tests force drafts; a `state` dict receives the final
-    caches (tests compare them with a one-pass absorb).
-    The verify step is a decode step of k + 1 tokens per row (static shapes), replayed as a CUDA graph on GPUs.
-    Not yet: a CUDA graph for the drafts (the MTP rows per request vary in number), sampling.
+    caches and, per depth and row, the first position whose MTP row may be provisional (tests compare the rows before
+    it with a one-pass absorb).
     """
     B = len(prompts)
     if not 1 <= k <= model.cfg.mtp_layers_kept:
@@ -270,7 +276,7 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
     dev = model.lm_head.weight.device
     t0 = time.perf_counter()
     cap = max(len(p) for p in prompts) + max_new_tokens + k + 1
-    cache, mtps = model.new_cache(B, cap, slack=k), model.new_mtp_caches(B, cap)
+    cache, mtps = model.new_cache(B, cap, slack=k), model.new_mtp_caches(B, cap + 2 * k, slack=2 * k)
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
     lens = [len(p) for p in prompts]
     starts = [e - n for e, n in zip(itertools.accumulate(lens), lens)]
@@ -278,47 +284,61 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
     ends = torch.tensor([s + n - 1 for s, n in zip(starts, lens)], device=dev)
     pending = greedy(model.logits(hidden[ends])).tolist()  # [B]: the main model's next token, emitted, not fed
 
-    # MTP depth j's row at position p reads depth j-1's residual at p and the token at p + j + 1: for the last j
-    # kept positions that token is still a draft, so those rows are provisional and are computed again (the cache
-    # length of depth j rolled back to fin[j][r]) once the verify step has made the tokens final.
-    fin = [[0] * B for _ in range(k)]  # depth j, live row r: rows at positions < fin are final
-    kept = [[{} for _ in range(B)] for _ in range(k)]  # depth j, live row r: {position: residual} of the last rows
+    # rings of the last S positions: residuals of the main model (ring 0) and of each depth (ring j + 1), tokens
+    S, D = 4 * k + 4, model.cfg.hidden_size
+    rings = {"h": torch.zeros(k + 1, B, S, D, device=dev), "tok": torch.zeros(B, S, dtype=torch.long, device=dev)}
 
-    def absorb(main_rows: list, tokens: list) -> list:
-        """main_rows[r]: {position: main residual [D]} of this round's kept rows (None: row r is done); tokens[r]:
-        its final tokens by position, through the pending one. Runs every depth from its first provisional row to
-        the last kept position; returns the k drafts of each row (depth j's from its last row), [R, k]."""
-        todo = [r for r, m in enumerate(main_rows) if m is not None]
-        ext = {r: tokens[r][:] for r in todo}
-        last = {r: len(tokens[r]) - 2 for r in todo}  # the last kept position (the pending token is not fed yet)
-        prev = {r: main_rows[r] for r in todo}
-        drafts = [[0] * k for _ in main_rows]
-        for j in range(k if todo else 0):
-            first = [fin[j][r] if r in prev else 0 for r in range(len(main_rows))]
-            counts = [last[r] - first[r] + 1 if r in prev else 0 for r in range(len(main_rows))]
-            hid = [prev[r][p] if p in prev[r] else kept[j - 1][r][p]
-                   for r in todo for p in range(first[r], last[r] + 1)]
-            nxt = [ext[r][p + j + 1] for r in todo for p in range(first[r], last[r] + 1)]
-            mtps[j].lengths.copy_(torch.tensor(first, device=dev))  # provisional rows are written again
-            res, lg = model.mtp(j, torch.stack(hid), torch.tensor(nxt, device=dev), mtps[j], counts)
-            ends = torch.tensor([e - 1 for e, c in zip(itertools.accumulate(counts), counts) if c], device=dev)
-            for r, d in zip(todo, greedy(lg[ends]).tolist()):
-                drafts[r][j] = d
-                ext[r].append(d)
-            out_rows, o = {}, 0
-            for r in todo:
-                out_rows[r] = {p: res[o + i] for i, p in enumerate(range(first[r], last[r] + 1))}
-                o += counts[r]
-                kept[j][r] = {**kept[j][r], **out_rows[r]}
-                fin[j][r] = max(0, last[r] - j + 1)
-            prev = out_rows
-        for j in range(k):  # the next round re-reads depth j at positions >= last - j only: drop the rest
-            for r in todo:
-                kept[j][r] = {p: v for p, v in kept[j][r].items() if p >= last[r] - k}
-        return drafts
+    def put(ring, b, first, rows):  # rows [n, ...] of request b at positions first .. first + n - 1 (host counts)
+        keep = min(S, rows.shape[0])
+        at = torch.arange(first + rows.shape[0] - keep, first + rows.shape[0], device=dev) % S
+        ring[b, at] = rows[-keep:]
 
-    drafts = absorb([{p: hidden[s + p] for p in range(n)} for s, n in zip(starts, lens)],
-                    [p + [t] for p, t in zip(prompts, pending)])
+    # the prompt: each depth absorbs every prompt row in one prefill-style pass (drafts chained from the last one)
+    ext = [p + [t] for p, t in zip(prompts, pending)]
+    prev, drafts = hidden, [[0] * k for _ in range(B)]
+    for b in range(B):
+        put(rings["h"][0], b, 0, hidden[starts[b]:starts[b] + lens[b]])
+        put(rings["tok"], b, 0, torch.tensor(ext[b], device=dev))
+    for j in range(k):
+        nxt = torch.tensor([ext[b][p + j + 1] for b in range(B) for p in range(lens[b])], device=dev)
+        prev, lg = model.mtp(j, prev, nxt, mtps[j], lens)
+        for b, d in enumerate(greedy(lg[ends]).tolist()):
+            drafts[b][j] = d
+            ext[b].append(d)
+            put(rings["h"][j + 1], b, 0, prev[starts[b]:starts[b] + lens[b]])
+    last = [n - 1 for n in lens]  # per live row: the last kept position L (the pending token is at L + 1)
+
+    def verify_fn(fed_ids):  # [R, k + 1] -> residuals [R*(k+1), D], the main model's argmax after each row [R*(k+1)]
+        h = model.forward_rows(fed_ids, cache)
+        return h, greedy(model.logits(h))
+
+    def draft_fn(L, p0, h_main, main):
+        """After a verify fed at positions p0 [R] (kept through L [R]): ring writes, then each depth's k + 1 + j rows
+        -> drafts [R, k]. Static shapes: rows past L (a clamped start, rejected verify rows) are never read as
+        final, and later rounds overwrite them before any kept row needs them."""
+        R = L.shape[0]
+        r_ = torch.arange(R, device=dev)[:, None]
+        steps = p0[:, None] + torch.arange(k + 1, device=dev)  # [R, k+1]: positions of the verify rows
+        rings["h"][0][r_, steps % S] = h_main.view(R, k + 1, D)
+        rings["tok"][r_, (steps + 1) % S] = main.view(R, k + 1)  # main[j]: the token after position p0 + j
+        out = torch.zeros(R, k, dtype=torch.long, device=dev)
+        for j in range(k):
+            q = k + 1 + j
+            first = (L - k - j).clamp(min=0)
+            pos = first[:, None] + torch.arange(q, device=dev)  # [R, q]
+            t = pos + j + 1  # the token each row reads: final up to L + 1, then this round's drafts
+            i = (t - L[:, None] - 2).clamp(0, k - 1)
+            tok = torch.where(t <= L[:, None] + 1, rings["tok"][r_, t % S], out[r_, i])
+            mtps[j].lengths.copy_(first)
+            res, lg = model.mtp(j, rings["h"][j][r_, pos % S].view(R * q, D), tok.flatten(), mtps[j], None, q)
+            rings["h"][j + 1][r_, pos % S] = res.view(R, q, D)
+            out[:, j] = greedy(lg.view(R, q, -1)[r_[:, 0], L - first])
+        return out
+
+    # installed test Pins read decisions on the host, which a replayed graph would skip: they run the steps eagerly
+    graphs = cuda_graph and dev.type == "cuda" and model.pins is None
+    verify = DecodeStep(verify_fn, graphs, state=lambda: (cache.lengths,))
+    draft = DecodeStep(draft_fn, graphs)
     t1 = time.perf_counter()
     out = [[t] if max_new_tokens > 0 else [] for t in pending]
     live = [b for b in range(B) if max_new_tokens > 0]
@@ -329,32 +349,26 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
     def finished(b):
         return len(out[b]) >= max_new_tokens or out[b][-1] in eos
 
-    def verify_fn(fed_ids):  # [R, k + 1] -> residuals [R*(k+1), D], the main model's argmax after each row [R*(k+1)]
-        h = model.forward_rows(fed_ids, cache)
-        return h, greedy(model.logits(h))
-    # installed test Pins read decisions on the host, which a replayed graph would skip: they run the steps eagerly
-    verify = DecodeStep(verify_fn, cuda_graph and dev.type == "cuda" and model.pins is None,
-                        state=lambda: (cache.lengths,))
-
     rows = [r for r, b in enumerate(live) if not finished(b)]
     while rows:
-        if len(rows) < len(live):  # requests that finished leave the batch: compact every cache
+        if len(rows) < len(live):  # requests that finished leave the batch: compact every cache and ring
             keep = torch.tensor(rows, dtype=torch.long, device=dev)
             for c in [cache] + mtps:
                 c.keep(keep)
+            rings["h"], rings["tok"] = rings["h"][:, keep], rings["tok"][keep]
             verify.reset()
+            draft.reset()
             live, pending, drafts = [live[r] for r in rows], [pending[r] for r in rows], [drafts[r] for r in rows]
-            fin, kept = [[f[r] for r in rows] for f in fin], [[c[r] for r in rows] for c in kept]
+            last = [last[r] for r in rows]
         if draft_hook is not None:
             drafts = draft_hook(live, out, drafts)
         fed = [[pending[r]] + drafts[r] for r in range(len(live))]  # [live, k + 1]
         start = cache.lengths.clone()
-        hidden, main = verify(torch.tensor(fed, device=dev))
-        hidden = hidden.clone()  # a replayed graph's output buffer: the MTP rows below keep rows of it
-        main = main.view(len(live), k + 1).tolist()  # main[r][j]: the main model's argmax after fed[r][:j+1]
+        hidden, main_ids = verify(torch.tensor(fed, device=dev))
+        main = main_ids.view(len(live), k + 1).tolist()  # main[r][j]: the main model's argmax after fed[r][:j+1]
         stats["verify_steps"] += 1
         stats["verify_rows"] += len(live)  # one request verified
-        counts, main_rows, p0 = [], [], start.tolist()  # p0[r]: the position of the pending token fed this step
+        counts = []
         for r, b in enumerate(live):
             a = 0
             while a < k and drafts[r][a] == main[r][a]:
@@ -362,19 +376,20 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
             for j in range(k):
                 stats["proposed"][j] += 1
                 stats["accepted"][j] += j < a
-            new = main[r][:a + 1]  # the accepted drafts (equal to the main model's argmax) and its next token
-            for t in new:
+            for t in main[r][:a + 1]:  # the accepted drafts (equal to the main model's argmax) and its next token
                 if not finished(b):
                     out[b].append(t)
             counts.append(a + 1)
-            main_rows.append(None if finished(b) else {p0[r] + j: hidden[r * (k + 1) + j] for j in range(a + 1)})
+            last[r] += a + 1
             pending[r] = main[r][a]
-        cache.lengths.copy_(start + torch.tensor(counts, device=dev))  # roll back the rejected rows
-        drafts = absorb(main_rows, [prompts[b] + out[b] for b in live])
+        counts = torch.tensor(counts, device=dev)
+        cache.lengths.copy_(start + counts)  # roll back the rejected rows
+        drafts = draft(start + counts - 1, start, hidden, main_ids).tolist()
         rows = [r for r, b in enumerate(live) if not finished(b)]
     stats["decode_tokens"] = sum(max(len(o) - 1, 0) for o in out)
     stats["decode_s"] = time.perf_counter() - t1
-    if state is not None:
+    if state is not None:  # depth j's rows at positions <= L - j read final tokens only (L capped at the output)
+        fin = [[min(L, len(prompts[b]) + len(out[b]) - 2) - j + 1 for L, b in zip(last, live)] for j in range(k)]
         state.update(cache=cache, mtps=mtps, fin=fin, live=live)
     check_same_on_all_ranks(out, dev)
     return out, stats

@@ -743,15 +743,17 @@ class Step5ForCausalLM(nn.Module):
         return self._head(res, self.model.norm, self.lm_head.weight)
 
     # ---- multi-token prediction (layers num_hidden_layers .. + mtp_layers_kept - 1 of the checkpoint)
-    def new_mtp_caches(self, B: int, max_tokens: int) -> list:
-        """One cache per MTP layer, each with its own lengths (an MTP layer lags the main stack). No spare ring slots:
-        an MTP layer only ever rewrites positions it already holds."""
-        L, cap, dev = self.cfg.num_hidden_layers, self._capacity(max_tokens), self.lm_head.weight.device
-        return [Cache([self.model.layers[L + k].self_attn.new_cache(B, cap, dev)], B, cap, dev)
+    def new_mtp_caches(self, B: int, max_tokens: int, slack: int = 0) -> list:
+        """One cache per MTP layer, each with its own lengths (an MTP layer lags the main stack); slack: spare ring
+        slots for decode steps of up to slack + 1 rows per request (Attention._sliding_decode)."""
+        L, cap, dev = self.cfg.num_hidden_layers, self._capacity(max_tokens + slack), self.lm_head.weight.device
+        return [Cache([self.model.layers[L + k].self_attn.new_cache(B, cap, dev, slack)], B, cap, dev)
                 for k in range(self.cfg.mtp_layers_kept)]
 
-    def mtp(self, k: int, hidden, next_ids, cache: Cache, seq_lens: list):
-        """MTP layer k over seq_lens[b] rows per request, extending its own cache: each row combines the residual of
+    def mtp(self, k: int, hidden, next_ids, cache: Cache, seq_lens: list | None, per_row: int = 1):
+        """MTP layer k over seq_lens[b] rows per request, extending its own cache (or, with seq_lens None, a decode
+        step of per_row rows per request at positions cache.lengths[b] + 0 .. per_row-1, static shapes, rows
+        row-major): each row combines the residual of
         the previous depth at its position (hidden [T, D] fp32: the main stack's before the final norm, or MTP
         layer k-1's) with the embedding of the token that follows that position (next_ids [T]) as
         eh_proj(concat[enorm(embed(next)), hnorm(hidden)]) -- this order: the reverse predicts almost nothing --
@@ -759,7 +761,7 @@ class Step5ForCausalLM(nn.Module):
         of every row [T, V/tp] fp32: the prediction of the token after next)."""
         layer = self.model.layers[self.cfg.num_hidden_layers + k]
         eps = self.cfg.rms_norm_eps
-        spans, pos, _ = self._rows(cache, seq_lens, next_ids.device)
+        spans, pos, _ = self._rows(cache, seq_lens, next_ids.device, per_row)
         e = kernel.rms_norm(self.embed(next_ids).float(), layer.enorm.weight, eps, torch.bfloat16)
         h = kernel.rms_norm(hidden, layer.hnorm.weight, eps, torch.bfloat16)
         x = linear(torch.cat([e, h], -1), layer.eh_proj.weight)  # [T, D] bf16
