@@ -639,7 +639,7 @@ def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None,
          max_new_tokens: int = 128, prefill_chunk: int = 8192, ep_size: int | None = None,
          tokenizer: str | None = None, raw_prompt: bool = False, print_ids: bool = False, as_json: bool = False,
          device: str = "auto", cuda_graph: bool = True, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-         seed: int = 0, speculative: int = 0) -> list:
+         seed: int = 0, speculative: int = 0, ignore_eos: bool = False) -> list:
     check_sampling(temperature, top_k, top_p, seed)  # same flags on every rank: all fail alike, before any collective
     if speculative and not 1 <= speculative <= 3:
         raise UserError(f"--speculative {speculative}: the checkpoint has at most 3 MTP layers (1..3 drafts)")
@@ -661,7 +661,7 @@ def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None,
     inputs = dict(prompt=prompt, prompt_json=prompt_json, prompt_json_batch=prompt_json_batch,
                   image_inputs=image_inputs, images=images, save_image_inputs=save_image_inputs,
                   max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, tokenizer=tokenizer,
-                  raw_prompt=raw_prompt, speculative=speculative)
+                  raw_prompt=raw_prompt, speculative=speculative, ignore_eos=ignore_eos)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     try:
         out, tok, reqs, eos, stats = _run(tp_dir, inputs, ep_size, dev, cuda_graph, sampling, rank, world, say)
@@ -769,14 +769,15 @@ def _run(tp_dir, inputs, ep_size, dev, cuda_graph, sampling, rank, world, say):
     progress.last = 0.0
     chunk = inputs["prefill_chunk"]
     prompts = [ids for ids, _ in reqs]
+    stop = [] if inputs["ignore_eos"] else eos
     if inputs["speculative"]:
-        out, stats = speculative(m, prompts, inputs["max_new_tokens"], eos, inputs["speculative"], embeds,
+        out, stats = speculative(m, prompts, inputs["max_new_tokens"], stop, inputs["speculative"], embeds,
                                  cuda_graph=cuda_graph)
         acc = ", ".join(f"depth {j + 1}: {a}/{p}" for j, (a, p) in enumerate(zip(stats["accepted"], stats["proposed"])))
         say(f"speculative: {inputs['speculative']} MTP draft(s) per step; accepted {acc}; "
             f"{stats['decode_tokens'] / max(stats['verify_rows'], 1):.2f} tokens per request and verify step")
     else:
-        out, stats = generate(m, prompts, inputs["max_new_tokens"], eos, embeds, cuda_graph, progress, chunk,
+        out, stats = generate(m, prompts, inputs["max_new_tokens"], stop, embeds, cuda_graph, progress, chunk,
                               **sampling)
     return out, tok, reqs, eos, stats
 
@@ -813,6 +814,8 @@ if __name__ == "__main__":
     ap.add_argument("--image-inputs", help="safetensors with pixel_values [+ patch_pixel_values, num_patches] "
                     "or image_embeds, for --prompt / --prompt-json")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="generate exactly --max-new-tokens tokens per request, past any EOS (benchmarks, tests)")
     ap.add_argument("--prefill-chunk", type=int, default=8192, metavar="N",
                     help="prefill at most N tokens of each prompt per pass (bounds activation memory; default 8192)")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -856,7 +859,7 @@ if __name__ == "__main__":
              max_new_tokens=a.max_new_tokens, prefill_chunk=a.prefill_chunk, ep_size=a.ep_size, tokenizer=a.tokenizer,
              raw_prompt=a.raw_prompt, print_ids=a.print_ids, as_json=a.as_json, device=a.device,
              cuda_graph=a.cuda_graph, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
-             speculative=a.speculative)
+             speculative=a.speculative, ignore_eos=a.ignore_eos)
     except UserError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -107,7 +107,7 @@ def test_greedy_tokens_and_logits_agree_across_tp(kind, images, converted, tmp_p
     lengths = [len(r["prompt_ids"]) if isinstance(r, dict) else len(r) for r in reqs]
     batch = write_json(tmp_path / "batch.json", reqs)
     toks1, d1 = gen_and_dump(1, converted(kind, 1), batch, None, None, tmp_path, lengths, NEW)
-    assert all(len(t) == NEW for t in toks1), "a request hit EOS early: pick other prompts"
+    assert all(len(t) == NEW for t in toks1)  # --ignore-eos: a checkpoint's EOS never ends a request early
     L1 = d1["logits"]  # [NEW, 3, V]
     assert L1.shape == (NEW, 3, 1024)
     # the CLI's tokens are the model's teacher-forced argmax at TP=1 (same prefixes): exactly

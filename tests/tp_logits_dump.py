@@ -56,7 +56,7 @@ def main(tp_dir: str, spec_path: str, out_path: str):
         images = [generate.load_image_inputs(os.path.join(base, e["image_inputs"]))
                   if isinstance(e, dict) and "image_inputs" in e else None for e in entries]
         gen = generate.main(tp_dir, prompt_json_batch=spec["batch_file"], max_new_tokens=spec["new"], as_json=True,
-                            device=dev.type)
+                            device=dev.type, ignore_eos=True)  # every request NEW tokens, whatever the checkpoint
         forced = spec["forced"] or [o[:-1] for o in gen]
         cfg, vl, _ = config.load_config(os.path.join(tp_dir, f"config-r{rank}.json"))
         m = M.Step5ForCausalLM.from_shard(os.path.join(tp_dir, f"model-r{rank}.safetensors"), cfg, dev, vl)
