@@ -293,7 +293,9 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
         at = torch.arange(first + rows.shape[0] - keep, first + rows.shape[0], device=dev) % S
         ring[b, at] = rows[-keep:]
 
-    # the prompt: each depth absorbs every prompt row in one prefill-style pass (drafts chained from the last one)
+    # the prompt: each depth absorbs every prompt row in one prefill-style pass (drafts chained from the last one).
+    # At image positions an MTP row reads the placeholder token's embedding as its next token (a choice: the release
+    # drops the MTP layers, and the main model's rows there already carry the image features in their residuals)
     ext = [p + [t] for p, t in zip(prompts, pending)]
     prev, drafts = hidden, [[0] * k for _ in range(B)]
     for b in range(B):

@@ -552,6 +552,29 @@ def test_speculative_output_is_plain_greedy(mtp_model, k, drafts):
         assert st["accepted"] == [0] * k and st["verify_steps"] == SPEC_NEW - 1
 
 
+def test_speculative_with_an_image_request_is_plain_greedy(converted, tmp_path):
+    """An image request through speculative decoding: the prefill places the image features (the MTP layers read the
+    placeholder token's embedding at image positions, see generate.speculative); with the MTP drafts or with plain
+    greedy's own tokens as drafts the output is plain greedy's (decisions pinned; a token may differ at a near-tie)."""
+    import config
+    d = converted("fp8_vl", 1, keep_mtp=True)
+    cfg, vl, _ = config.load_config(os.path.join(d, "config-r0.json"))
+    m = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg, "cpu", vl, rank=0)
+    reqs = image_batch(tmp_path)
+    prompts = [r["prompt_ids"] if isinstance(r, dict) else r for r in reqs]
+    images = [None, generate.load_image_inputs(str(tmp_path / "img.safetensors")), None]
+    embeds = generate.prompt_embeds(m, prompts, images)
+    with pinned(m, M.Pins()) as rec:
+        ref = generate.generate(m, prompts, SPEC_NEW, [], embeds)[0]
+    for hook in (None, forced(ref, 0)):
+        with pinned(m, M.Pins(rec.data, strict=False)):
+            out, st = generate.speculative(m, prompts, SPEC_NEW, [], 2, embeds, draft_hook=hook)
+        for p, o, r, img in zip(prompts, out, ref, images):
+            tokens_agree_up_to_near_tie(m, p, o, r, images=img)
+        if hook is not None and out == ref:
+            assert st["accepted"] == st["proposed"]
+
+
 def test_speculative_eos_inside_an_accepted_run_stops_the_request(mtp_model):
     m = mtp_model
     with pinned(m, M.Pins()) as rec:  # the compacted batch rounds differently: plain greedy's decisions pinned

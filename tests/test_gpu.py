@@ -163,3 +163,20 @@ def test_cuda_speculative_and_chunked_prefill_give_plain_greedy(converted):
     for got in (mtp, right, chunked):
         for p, g, r in zip(PROMPTS, got, ref):
             tokens_agree_up_to_near_tie(gpu, p, g, r)
+
+
+@cuda
+def test_cuda_speculative_graphs_equal_eager(converted):
+    """The speculative verify and draft steps replayed as CUDA graphs (re-captured after an EOS compaction) give the
+    eager run's tokens and acceptance exactly: same device, same kernels, same shapes."""
+    import config
+    d = converted("bf16_text", 1, keep_mtp=True)
+    cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
+    gpu = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg, "cuda")
+    eager, st = generate.speculative(gpu, PROMPTS, 12, [], 2, cuda_graph=False)
+    graph, sg = generate.speculative(gpu, PROMPTS, 12, [], 2, cuda_graph=True)
+    assert graph == eager and sg["accepted"] == st["accepted"]
+    eos = [next(t for t in eager[1][2:8] if t not in eager[1][:2] + eager[0] + eager[2])]  # request 1 stops early
+    eager, st = generate.speculative(gpu, PROMPTS, 12, eos, 2, cuda_graph=False)
+    graph, sg = generate.speculative(gpu, PROMPTS, 12, eos, 2, cuda_graph=True)
+    assert len(eager[1]) < 12 and graph == eager and sg["accepted"] == st["accepted"]
