@@ -77,12 +77,14 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
         return qi, wi
     qi, wi = indexer()
     subs = [(c0, min(C, c0 + 256)) for c0 in range(0, C, 256)]  # the 256-query chunks of model._dsa
-    scores = [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ) for c0, c1 in subs]  # [1, G, 256, R]
+    scores = [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale)
+              for c0, c1 in subs]  # [1, G, 256, R] each
     sel = [kernel.select_regions(s, pos[None, c0:c1] // blk, sp.topk) for s, (c0, c1) in zip(scores, subs)]
     q = torch.randn(1, C, a.n_groups, a.n_heads // a.n_groups, cfg.head_dim, device="cuda").bfloat16()
     pieces = {
         "indexer proj+summ": indexer,
-        "scores": lambda: [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ) for c0, c1 in subs],
+        "scores": lambda: [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale)
+                           for c0, c1 in subs],
         "selection": lambda: [kernel.select_regions(s, pos[None, c0:c1] // blk, sp.topk)
                               for s, (c0, c1) in zip(scores, subs)],
         "sparse attention": lambda: [kernel.sparse_attention(q[:, c0:c1], lc.k[:1, :N], lc.v[:1, :N], i, v,

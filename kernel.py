@@ -761,15 +761,15 @@ def dsa_cache_write(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
     return dsa_cache_write_ref(k, v, ki, zi, pos, ck, cv, pk, pz, summ)
 
 
-def indexer_scores_ref(q, w, summ):
-    """q [S, T, G, Hg, P] bf16, w [S, T, G, Hg] fp32, summ [S, R, P] e4m3 -> scores [S, G, T, R] fp32.
+def indexer_scores_ref(q, w, summ, w_scale=1.0):
+    """q [S, T, G, Hg, P] bf16, w [S, T, G, Hg] bf16 or fp32, summ [S, R, P] e4m3 -> scores [S, G, T, R] fp32.
 
     score = sum over the group's heads, in head order with one fp32 accumulator, of relu(q_h . S_r) * w_h,
-    with q rounded to e4m3 (torch cast semantics) before the dot.
+    with q rounded to e4m3 (torch cast semantics) before the dot and w_h = f32(w) * w_scale (one fp32 product).
     """
     qf = to_e4m3(q).float()
     dots = torch.einsum("stghp,srp->sgthr", qf, summ.float())  # [S, G, T, Hg, R]
-    wt = w.permute(0, 2, 1, 3)[..., None]  # [S, G, T, Hg, 1]
+    wt = (w.float() * w_scale).permute(0, 2, 1, 3)[..., None]  # [S, G, T, Hg, 1]
     acc = torch.zeros_like(dots[:, :, :, 0])
     for h in range(dots.shape[3]):  # sequential over heads, as the kernel accumulates
         acc = acc + dots[:, :, :, h].clamp_min(0) * wt[:, :, :, h]
@@ -777,14 +777,16 @@ def indexer_scores_ref(q, w, summ):
 
 
 @triton.jit
-def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P,
+def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
                            q_stride_s, q_stride_t, q_stride_g, w_stride_s, w_stride_t, s_stride_s,
                            HG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                            DOT_DTYPE: tl.constexpr):
-    """scores[s, g, t, r] = sum over heads h = 0..Hg-1 in order of relu(q_h . S_r) * w_h (one fp32 accumulator).
+    """scores[s, g, t, r] = sum over heads h = 0..Hg-1 in order of relu(q_h . S_r) * w_h (one fp32 accumulator),
+    w_h = f32(w) * w_scale.
 
-    q and S are e4m3; the dot runs in DOT_DTYPE (e4m3 -> bf16 is lossless) with fp32 accumulation, which avoids
-    the reduced-precision accumulator of Hopper's fp8 MMA.
+    q is rounded to e4m3 here (_e4m3_bits: torch's saturating cast, so no cast launch before the kernel) and S is
+    e4m3; the dot runs in DOT_DTYPE (e4m3 -> bf16 is lossless) with fp32 accumulation, which avoids the
+    reduced-precision accumulator of Hopper's fp8 MMA.
     """
     s = tl.program_id(0) // G
     g = tl.program_id(0) % G
@@ -797,39 +799,43 @@ def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P,
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     for h in tl.static_range(HG):
         q = tl.load(q_ptr + s * q_stride_s + ts[:, None] * q_stride_t + g * q_stride_g + h * P + d[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
-        wh = tl.load(w_ptr + s * w_stride_s + ts * w_stride_t + g * HG + h, mask=t_ok, other=0.0)
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        q = _e4m3_bits(q).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DOT_DTYPE)
+        wh = tl.load(w_ptr + s * w_stride_s + ts * w_stride_t + g * HG + h, mask=t_ok, other=0.0).to(tl.float32)
+        wh = wh * w_scale
         acc = acc + tl.maximum(tl.dot(q, tl.trans(summ)), 0.0) * wh[:, None]
     out = out_ptr + ((s * G + g) * T + ts[:, None]).to(tl.int64) * R + rs[None, :]
     tl.store(out, acc, mask=t_ok[:, None] & r_ok[None, :])
 
 
-def indexer_scores_triton(q, w, summ):
+def indexer_scores_triton(q, w, summ, w_scale=1.0):
     _check_tensor("q", q, torch.bfloat16, ndim=5)
-    _check_tensor("w", w, torch.float32, ndim=4)
+    _check_tensor("w", w, w.dtype, ndim=4, contiguous=False)
+    _check(w.dtype in (torch.bfloat16, torch.float32) and w.stride(3) == 1 and w.stride(2) == w.shape[3],
+           f"w must be bf16/fp32 with contiguous heads per token (a column slice of the packed projection is "
+           f"fine), got {w.dtype} strides {w.stride()}")
     _check_tensor("summ", summ, FP8, ndim=3)
     S, T, G, HG, P = q.shape
     R = summ.shape[1]
     _check(tuple(w.shape) == (S, T, G, HG), f"w must be [S, T, G, Hg] = {(S, T, G, HG)}, got {tuple(w.shape)}")
     _check(summ.shape[0] == S and summ.shape[2] == P, f"summ must be [S={S}, R, P={P}], got {tuple(summ.shape)}")
-    qe = to_e4m3(q)  # torch's cast before the launch, as the deployed indexer does (Triton's in-register fp8
-    # convert did not match torch's on some backends)
     out = torch.empty(S, G, T, R, dtype=torch.float32, device=q.device)
     BLOCK_T = 16 if T <= 16 else 64
     BLOCK_R = 64 if not _INTERPRET else 128
     if out.numel():
         grid = (S * G, triton.cdiv(T, BLOCK_T), triton.cdiv(R, BLOCK_R))
-        _indexer_scores_kernel[grid](qe, w, summ, out, T, G, R, P, qe.stride(0), qe.stride(1), qe.stride(2),
+        _indexer_scores_kernel[grid](q, w, summ, out, T, G, R, P, float(w_scale), q.stride(0), q.stride(1),
+                                     q.stride(2),
                                      w.stride(0), w.stride(1), summ.stride(0), HG=HG, BLOCK_T=BLOCK_T,
                                      BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P), DOT_DTYPE=_DOT,
                                      num_warps=4, **_NO_FMA)
     return out
 
 
-def indexer_scores(q, w, summ):
+def indexer_scores(q, w, summ, w_scale=1.0):
     if _triton(q):
-        return indexer_scores_triton(q, w, summ)
-    return indexer_scores_ref(q, w, summ)
+        return indexer_scores_triton(q, w, summ, w_scale)
+    return indexer_scores_ref(q, w, summ, w_scale)
 
 
 def select_regions_ref(scores, n_hist, topk):

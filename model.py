@@ -228,6 +228,7 @@ class Attention(nn.Module):
         if self.dsa:
             sp = cfg.sparse
             self.idx_heads = sp.n_heads // sp.n_provider_groups  # indexer heads per group (TP-invariant)
+            self.w_scale = self.idx_heads ** -0.5  # the head weights' scale, applied in fp32 after W_Iw
             P = sp.proxy_dim
             self.sparse_indexer_q = _lin(self.n_groups * self.idx_heads * P, D)
             self.sparse_indexer_q_norm = Norm(P)
@@ -353,7 +354,7 @@ class Attention(nn.Module):
     # ---- DSA
     def _indexer(self, idx, pos, rope):
         """Indexer projections (column slices of the packed GEMM) -> q [T, G, Hg, P] and k [T, P] normalised +
-        rotated (bf16), z [T, P] raw, w [T, G, Hg] fp32."""
+        rotated (bf16), z [T, P] and w [T, G, Hg] raw (bf16; indexer_scores applies w's 1/sqrt(Hg) in fp32)."""
         qi, ki, zi, wi = idx
         T, P, eps = pos.shape[0], self.cfg.sparse.proxy_dim, self.cfg.rms_norm_eps
         cos, sin = rope
@@ -361,7 +362,6 @@ class Attention(nn.Module):
                               pos=pos)
         ki = kernel.norm_rope(ki[:, None], self.idx_k_norm_w, cos, sin, eps, bias=self.idx_k_norm_b,
                               pos=pos)[:, 0]
-        wi = wi.float() * self.idx_heads ** -0.5
         return qi.view(T, self.n_groups, self.idx_heads, P), ki, zi, wi.view(T, self.n_groups, self.idx_heads)
 
     def _dsa(self, idx, q, k, v, pos, rope, spans, cache, req=None):
@@ -381,7 +381,7 @@ class Attention(nn.Module):
                                        zi.view(B, Q, P)[:, j], pq[:, j], cache.k, cache.v, cache.pk, cache.pz,
                                        cache.summ)
             scores = kernel.indexer_scores(qi.view(B, Q, *qi.shape[1:]), wi.view(B, Q, *wi.shape[1:]),
-                                           cache.summ.view(kernel.FP8))  # [B, G, Q, R]
+                                           cache.summ.view(kernel.FP8), self.w_scale)  # [B, G, Q, R]
             ids, valid = kernel.select_regions(scores, pq // blk, sp.topk)
             if self.pins is not None:
                 ids, valid = self.pins.regions(self.layer_id, req.view(B, Q)[:, 0], pq, self.group0, ids, valid,
@@ -409,7 +409,7 @@ class Attention(nn.Module):
                 c1 = min(n, c0 + 256)
                 pb = pos[s + c0:s + c1][None]
                 scores = kernel.indexer_scores(qi[None, s + c0:s + c1], wi[None, s + c0:s + c1],
-                                               cache.summ[b:b + 1, :nr].view(kernel.FP8))
+                                               cache.summ[b:b + 1, :nr].view(kernel.FP8), self.w_scale)
                 ids, valid = kernel.select_regions(scores, pb // blk, sp.topk)
                 if self.pins is not None:
                     ids, valid = self.pins.regions(self.layer_id, req[s:s + 1], pb, self.group0, ids, valid, nr)

@@ -431,6 +431,16 @@ def test_indexer_scores(S, T, G, Hg, P, R):
     ref = K.indexer_scores_ref(q, w, summ)
     d = report("indexer", out, ref)
     assert torch.equal(out, ref) if INTERPRET else d.max() <= 1e-5 * ref.abs().max()
+    # as the model calls it: q with values past e4m3's 448 (saturated in the kernel), w a bf16 column slice of the
+    # packed projection, scaled by 1/sqrt(Hg) in fp32
+    q = q * 100
+    packed = randn(S, T, G * Hg + 5, seed=4)
+    w16 = packed[..., 5:].view(S, T, G, Hg)
+    out = K.indexer_scores_triton(q, w16, summ, Hg ** -0.5)
+    ref = K.indexer_scores_ref(q, w16, summ, Hg ** -0.5)
+    assert torch.equal(ref, K.indexer_scores_ref(q, w16.float() * Hg ** -0.5, summ))
+    d = report("indexer bf16 w", out, ref)  # saturated products: sums no longer exact, their order shows in last bits
+    assert d.max() <= 1e-6 * ref.abs().max() if INTERPRET else d.max() <= 1e-5 * ref.abs().max()
 
 
 def test_select_regions_tie_break():
