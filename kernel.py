@@ -252,12 +252,12 @@ def norm_rope(x, weight, cos, sin, eps, bias=None, pos=None):
 # 1b. fused sliding-window decode
 
 
-def _ring_valid(pos, R, window):
-    """[B, R] bool: ring slots inside each row's window (the new token already written), as model.py decides."""
-    if R == window:  # every written slot is inside the window: slots < min(p + 1, W)
-        return torch.arange(R, device=pos.device) <= pos[:, None]
-    d = (pos[:, None] - torch.arange(R, device=pos.device)) % R  # slot s holds position p - d
-    return (d < window) & (d <= pos[:, None])
+def ring_valid(pos, R, window):
+    """pos [...] int64 -> [..., R] bool: the ring slots inside each position's window, its own key already written.
+    Slot s holds position p - d, d = (p - s) mod R: in the window when d < W, written when d <= p (R >= W; with
+    R > W the spare slots hold rows a speculative step may roll back)."""
+    d = (pos[..., None] - torch.arange(R, device=pos.device)) % R
+    return (d < window) & (d <= pos[..., None])
 
 
 def sliding_decode_ref(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
@@ -279,7 +279,7 @@ def sliding_decode_ref(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, 
     rows = torch.arange(B, device=qkvg.device)
     ring_k[rows, :, pos % R] = k  # the new token first, then attend over the valid slots
     ring_v[rows, :, pos % R] = v.view(B, G, hd)
-    valid = _ring_valid(pos, R, window)
+    valid = ring_valid(pos, R, window)
     o = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], ring_k, ring_v,
                                                          attn_mask=valid[:, None, None, :], scale=scale,
                                                          enable_gqa=True)[:, :, 0]  # [B, H, hd]

@@ -343,10 +343,7 @@ class Attention(nn.Module):
         rows = torch.arange(B, device=q.device).repeat_interleave(Q)
         cache.k[rows, :, pos % R] = k  # the new tokens first, then attend over the valid slots
         cache.v[rows, :, pos % R] = v
-        # slot s holds position p - d, d = (p - s) mod R: in the window when d < W, written if d <= p
-        p = pos.view(B, Q, 1)
-        d = (p - torch.arange(R, device=q.device)) % R
-        valid = (d < W) & (d <= p)  # [B, Q, R]
+        valid = kernel.ring_valid(pos.view(B, Q), R, W)  # [B, Q, R]
         o = F.scaled_dot_product_attention(q.view(B, Q, H, hd).transpose(1, 2), cache.k, cache.v,
                                            attn_mask=valid[:, None], scale=self.scale, enable_gqa=True)  # [B, H, Q, hd]
         return o.transpose(1, 2).reshape(T, H, hd)
