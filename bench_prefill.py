@@ -16,7 +16,7 @@ import torch
 
 import kernel
 import model as M
-from bench_decode import real_rank_config, randomise, HBM_BPS  # noqa: F401  (HBM_BPS: the decode bench's ceiling)
+from bench_decode import real_rank_config, randomise
 
 BF16_FLOPS, FP8_FLOPS = 767e12, 1263e12  # H200 dense GEMM ceilings measured with PyTorch (ENVIRONMENT.md)
 LAYER_ID = {"sliding": 4, "dsa": 7}
@@ -107,11 +107,10 @@ def main(tokens: list, C: int, layers: list, reps: int, profile: bool = False):
     results = {}  # (kind, N) -> seconds
     for kind in layers:
         layer_id = LAYER_ID[kind]
-        with torch.device("cuda"):
+        with torch.device("meta"):  # randomise() materialises the weights on the GPU
             block = M.Block(cfg, layer_id, fp8=True)
         randomise(block)
         block.self_attn.finalize()
-        blk = cfg.sparse.block
         rope = M.rope_tables(cfg, -(-max(tokens) // 128) * 128, "cuda")[layer_id]
         res = torch.randn(C, cfg.hidden_size, device="cuda")  # [C, D] fp32 residual rows, reused by every chunk
         for N in tokens:
@@ -145,7 +144,7 @@ def main(tokens: list, C: int, layers: list, reps: int, profile: bool = False):
             print(f"{kind:8s} N={N:7d} chunk {C}: {t * 1e3:9.1f} ms  {N / t:9.0f} tok/s/rank  peak {peak:6.2f} GiB  "
                   f"{(fb + f8) / t / 1e12:6.1f} TFLOP/s ({fb / N / 1e6:.0f} bf16 + {f8 / N / 1e6:.0f} fp8 MFLOP/token)"
                   f"  roofline {ideal * 1e3:7.1f} ms = {ideal / t:5.1%}")
-            del cache
+            cache = None
             torch.cuda.empty_cache()
         block = None
         torch.cuda.empty_cache()
