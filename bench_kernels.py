@@ -329,14 +329,17 @@ def sweep_moe_decode(T, E=44):
     ids, wts = routed(T, E, seed=T)
     res = []  # measured before: 2 warps and 6 stages were slower everywhere
     for pq in (False, True):
-        for bn in ((16, 32), (32, 32), (32, 64)):
-            for st in (3, 4):
-                try:
-                    t = bench(lambda: K.moe_experts_decode_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, 0, sh,
-                                                                  block_n=bn, num_stages=(st, st), prequant=pq))
-                    res.append(f"prequant={pq} BN={bn} st={st}: {t * 1e6:.1f}us")
-                except Exception as e:
-                    res.append(f"prequant={pq} BN={bn} st={st}: {type(e).__name__}")
+        for ks in (1, 2, 4, 8):  # gate/up K loop split over that many programs per tile
+            for bn in ((16, 32), (32, 32), (32, 64)):
+                for st in (3, 4):
+                    name = f"prequant={pq} k_splits={ks} BN={bn} st={st}"
+                    try:
+                        t = bench(lambda: K.moe_experts_decode_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, 0, sh,
+                                                                      block_n=bn, num_stages=(st, st), prequant=pq,
+                                                                      k_splits=ks))
+                        res.append(f"{name}: {t * 1e6:.1f}us")
+                    except Exception as e:
+                        res.append(f"{name}: {type(e).__name__}")
     print(f"  sweep moe decode T={T}: " + "; ".join(res), flush=True)
 
 

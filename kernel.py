@@ -1511,28 +1511,36 @@ def _quant_rows(x, HW_CAST: tl.constexpr):
 
 @triton.jit
 def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, sw_ptr, sw3_ptr, cols, col_ok, K,
-                 limit, FP8: tl.constexpr, XQ: tl.constexpr, GATED: tl.constexpr, X_SWIGLU: tl.constexpr,
-                 HAS_LIMIT: tl.constexpr,
+                 limit, kb0, kb1, split_off, FP8: tl.constexpr, XQ: tl.constexpr, GATED: tl.constexpr,
+                 X_SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, X_SPLITS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr):
-    """acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T with _grouped_gemm_kernel's
-    arithmetic per 128-wide K block. w_ptr/w3_ptr point at the expert's [N, K] weight, sw_ptr/sw3_ptr at its scale
-    row of these columns. FP8: X is quantised per 1x128 block on load (act_quant_ref), or XQ: X is already e4m3
-    with scales sx_ptr [row, kb] (act_quant_triton). X_SWIGLU: X is
-    swiglu(G, U) of the bf16 G at x_ptr and U at x_ptr + u_off (the shared expert's down input)."""
+    """acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T over the K blocks kb0 .. kb1-1,
+    with _grouped_gemm_kernel's arithmetic per 128-wide K block. w_ptr/w3_ptr point at the expert's [N, K] weight,
+    sw_ptr/sw3_ptr at its scale row of these columns. FP8: X is quantised per 1x128 block on load (act_quant_ref), or
+    XQ: X is already e4m3 with scales sx_ptr [row, kb] (act_quant_triton). X_SWIGLU: X is swiglu(G, U) of the bf16 G
+    at x_ptr and U at x_ptr + u_off (the shared expert's down input). X_SPLITS > 1: G and U are the fp32 partial
+    sums of a split-K gate/up, X_SPLITS of them split_off apart, added in split order and rounded to bf16 first."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride
     w_base = w_ptr + cols.to(tl.int64)[:, None] * K
     w3_base = w3_ptr + cols.to(tl.int64)[:, None] * K
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb0, kb1):
         ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
-        a = tl.load(x_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        a = tl.load(x_base + ks[None, :], mask=x_ok, other=0.0)
         if not XQ:
             a = a.to(tl.float32)
-        if X_SWIGLU:
-            u = tl.load(x_base + u_off + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if X_SPLITS > 1:
+            u = tl.load(x_base + u_off + ks[None, :], mask=x_ok, other=0.0)
+            for sp in tl.static_range(1, X_SPLITS):
+                a = a + tl.load(x_base + sp * split_off + ks[None, :], mask=x_ok, other=0.0)
+                u = u + tl.load(x_base + sp * split_off + u_off + ks[None, :], mask=x_ok, other=0.0)
+            a = _swiglu_math(_bf16_round(a), _bf16_round(u), limit, HAS_LIMIT, PRECISE)
+        elif X_SWIGLU:
+            u = tl.load(x_base + u_off + ks[None, :], mask=x_ok, other=0.0)
             a = _swiglu_math(a, u.to(tl.float32), limit, HAS_LIMIT, PRECISE)
         b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if FP8:
@@ -1583,13 +1591,17 @@ def _moe_decode_up_kernel(
     x_ptr, sx_ptr, xb_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, a_ptr, wg_ptr, wu_ptr, gu_ptr,
     T, D, F, FS, E, first_expert, limit, w_stride_e, sw_stride_e, sw_stride_n,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, XQ: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    K_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
-    slot of each row. Shared expert (SHARED, axis-1 program 0): tiles 0..nt-1 of its gate, then of its up, every
-    token a row, stored separately as bf16 gu[0] = bf(x.wg^T), gu[1] = bf(x.wu^T) (MLP's rounding points): half
-    the bytes per program of a gated tile, so the shared programs finish with the routed ones."""
+    slot of each row. K_SPLITS > 1: program (tile, split) sums K blocks split*n/K_SPLITS .. only and stores its fp32
+    partials a[split, 0 | 1, slot] of the gate and the up (the down kernel adds the splits in order, rounds, SwiGLU):
+    K_SPLITS times the programs per expert, for the latency of the K loop. Shared expert (SHARED, axis-1 program 0):
+    tiles 0..nt-1 of its gate, then of its up, every token a row, stored separately as bf16 gu[0] = bf(x.wg^T),
+    gu[1] = bf(x.wu^T) (MLP's rounding points): half the bytes per program of a gated tile, so the shared programs
+    finish with the routed ones."""
     pid_n = tl.program_id(0)
     u = tl.program_id(1)
     if u < SHARED:
@@ -1602,39 +1614,50 @@ def _moe_decode_up_kernel(
             col_ok = cols < FS
             for m0 in range(0, T, BLOCK_M):
                 tok = m0 + tl.arange(0, BLOCK_M)
-                acc, _ = _decode_tile(xb_ptr, xb_ptr, tok, tok < T, D, 0, w, w, w, w, cols, col_ok, D, limit,
-                                      False, False, False, False, False, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE,
-                                      PRECISE)
+                acc, _ = _decode_tile(xb_ptr, xb_ptr, tok, tok < T, D, 0, w, w, w, w, cols, col_ok, D, limit, 0,
+                                      tl.cdiv(D, BLOCK_K), 0, False, False, False, False, False, 1, BLOCK_M, BLOCK_N,
+                                      BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE)
                 out = gu_ptr + ((pid_n // nt) * T + tok)[:, None] * FS + cols[None, :]
                 tl.store(out, _bf16_round(acc).to(tl.bfloat16), mask=(tok < T)[:, None] & col_ok[None, :])
     else:
         found, e, hit, before = _decode_expert(ids_ptr, u - SHARED, first_expert, E, T * TOPK, BLOCK_TK, BLOCK_E)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tiles = tl.cdiv(F, BLOCK_N)
+        tile, split = pid_n % tiles, pid_n // tiles
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < F
-        if found & (pid_n * BLOCK_N < F):
+        nkb = tl.cdiv(D, BLOCK_K)
+        per = tl.cdiv(nkb, K_SPLITS)  # K blocks per split: a function of D alone
+        if found & (split < K_SPLITS):
             e64 = e.to(tl.int64)
-            sw_off = e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n  # BLOCK_N divides 128
+            sw_off = e64 * sw_stride_e + (tile * BLOCK_N // BLOCK_K) * sw_stride_n  # BLOCK_N divides 128
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
                 g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
                                      w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok, D,
-                                     limit, FP8, XQ, True, False, False, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE,
-                                     PRECISE)
-                y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE)
-                tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16),
-                         mask=row_ok[:, None] & col_ok[None, :])
+                                     limit, split * per, tl.minimum(split * per + per, nkb), 0, FP8, XQ, True, False,
+                                     False, 1, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE)
+                mask = row_ok[:, None] & col_ok[None, :]
+                if K_SPLITS == 1:
+                    y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE)
+                    tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16), mask=mask)
+                else:  # a [K_SPLITS, 2, T*k, F] fp32
+                    part = a_ptr + ((split * 2 * T * TOPK + slot) * F).to(tl.int64)[:, None] + cols[None, :]
+                    tl.store(part, g, mask=mask)
+                    tl.store(part + T * TOPK * F, up, mask=mask)
 
 
 @triton.jit
 def _moe_decode_down_kernel(
     a_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, gu_ptr, wd_ptr, ys_ptr,
-    T, D, F, FS, E, first_expert, limit_s, w_stride_e, sw_stride_e, sw_stride_n,
-    TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    T, D, F, FS, E, first_expert, limit, limit_s, w_stride_e, sw_stride_e, sw_stride_n,
+    TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
+    K_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
-    load (FP8). Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load."""
+    load (FP8); K_SPLITS > 1: a = swiglu of the gate/up partials, added in split order, computed on load.
+    Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load."""
     pid_n = tl.program_id(0)
     u = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1643,8 +1666,8 @@ def _moe_decode_down_kernel(
         for m0 in range(0, T, BLOCK_M):
             tok = m0 + tl.arange(0, BLOCK_M)
             acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr, cols,
-                                  col_ok, FS, limit_s, False, False, False, True, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  HW_CAST, DOT_DTYPE, PRECISE)
+                                  col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), 0, False, False, False, True,
+                                  HAS_LIMIT_S, 1, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -1654,9 +1677,10 @@ def _moe_decode_down_kernel(
             sw = s2_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
-                acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr, sw, sw,
-                                      cols, col_ok, F, 0.0, FP8, False, False, False, False, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      HW_CAST, DOT_DTYPE, PRECISE)
+                acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, T * TOPK * F, w2_ptr + e64 * w_stride_e, w2_ptr,
+                                      sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), 2 * T * TOPK * F, FP8,
+                                      False, False, False, HAS_LIMIT, K_SPLITS, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST,
+                                      DOT_DTYPE, PRECISE)
                 tl.store(y_ptr + slot.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
 
@@ -1696,7 +1720,7 @@ def _check_shared(shared, D):
 
 
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None, prequant=None):
+                              block_n=None, num_warps=None, num_stages=None, prequant=None, k_splits=None):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
     1. gate/up: one program per (hit expert, F tile) computes all rows routed to that expert (x quantised on load),
@@ -1707,6 +1731,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     block_n / num_warps / num_stages: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py sweep).
     prequant: quantise x once with act_quant_triton (one more launch) instead of in every gate/up program's K loop
     (same bytes; a candidate for the loop's latency, not yet measured on the GPU).
+    k_splits: split the gate/up K loop over that many programs per tile (fp32 partials added in split order by the
+    down kernel: another summation order than the reference's, within the GPU tolerance; not yet measured).
     """
     T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
     Fs = _check_shared(shared, D) if shared is not None else 0
@@ -1714,7 +1740,10 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     out = torch.empty(T, D, dtype=torch.float32 if shared is not None else torch.bfloat16, device=x.device)
     if T == 0:
         return out
-    a = torch.empty(T * k, F, dtype=torch.bfloat16, device=x.device)  # rows of remote slots stay unwritten
+    ks = k_splits or 1
+    _check(isinstance(ks, int) and ks >= 1, f"k_splits must be a positive int, got {k_splits!r}")
+    a = (torch.empty(T * k, F, dtype=torch.bfloat16, device=x.device) if ks == 1  # remote slots' rows stay unwritten
+         else torch.empty(ks, 2, T * k, F, dtype=torch.float32, device=x.device))
     y = torch.empty(T * k, D, dtype=torch.bfloat16, device=x.device)
     if shared is not None:
         wg, wu, wd, limit_s = shared
@@ -1734,7 +1763,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK,
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
                   HW_CAST=not _INTERPRET, DOT_DTYPE=_DOT, PRECISE=_PRECISE)
-    grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
+    grid1 = (max(triton.cdiv(F, bn[0]) * ks, 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
     xq = bool(prequant) and fp8
     if xq:
         xqt, sxt = act_quant_triton(x)
@@ -1743,13 +1772,14 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     _moe_decode_up_kernel[grid1](
         xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
-        s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, XQ=xq, HAS_LIMIT=limit is not None, BLOCK_N=bn[0],
-        num_warps=nw[0], num_stages=ns[0], **common)
+        s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, XQ=xq, HAS_LIMIT=limit is not None, K_SPLITS=ks,
+        BLOCK_N=bn[0], num_warps=nw[0], num_stages=ns[0], **common)
     _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
         a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys,
-        T, D, F, Fs, E, int(first_expert), float(limit_s) if limit_s is not None else 0.0, w2.stride(0),
-        s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0, HAS_LIMIT=limit_s is not None, BLOCK_N=bn[1],
-        num_warps=nw[1], num_stages=ns[1], **common)
+        T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
+        float(limit_s) if limit_s is not None else 0.0, w2.stride(0), s2.stride(0) if fp8 else 0,
+        s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None, K_SPLITS=ks,
+        BLOCK_N=bn[1], num_warps=nw[1], num_stages=ns[1], **common)
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
     _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, ids, weights, ys, out, D, E, int(first_expert),
                                                              TOPK=k, SHARED=sh, BLOCK_D=BLOCK_D, num_warps=4,

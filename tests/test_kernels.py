@@ -172,6 +172,24 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
         d = report(f"moe {path.__name__} {kw} fp8={fp8}", out, ref)
         assert out.dtype == ref.dtype
         assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
+    # split-K gate/up: fp32 partials added in another order than the reference's sequential K loop, so last-bit
+    # differences of gate/up can move a bf16 / e4m3 rounding: the GPU tolerance on every backend
+    for splits in (2, 3):
+        out = K.moe_experts_decode_triton(*args, limit, first, sh, k_splits=splits)
+        d = report(f"moe decode k_splits={splits} fp8={fp8}", out, ref)
+        assert out.dtype == ref.dtype and d.max() <= 2e-2 * ref.float().abs().max()
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_moe_decode_split_k(fp8):
+    """Split-K gate/up over 4 K blocks (D = 512) in 3 splits of 2, 2 and 0 blocks: the partials are added in split
+    order by the down kernel, another order than the reference's, so rounding noise only (an unsummed or misplaced
+    split would be O(1))."""
+    args, sh = _moe_decode_case(3, 4, 5, 8, fp8, 7.0, seed=9, D=512)
+    ref = K.moe_experts_ref(*args, 7.0, 8, sh)
+    out = K.moe_experts_decode_triton(*args, 7.0, 8, sh, k_splits=3)
+    d = report(f"moe decode split-K fp8={fp8}", out, ref)
+    assert d.max() <= 2e-2 * ref.float().abs().max()
 
 
 def test_moe_decode_local_ids():
@@ -568,6 +586,9 @@ def test_gpu_moe_decode_real_shape(T):
     assert d.max() <= 2e-2 * ref.float().abs().max()
     d = report(f"GPU moe decode vs sorted T={T}", out, old)
     assert d.max() <= 2e-2 * ref.float().abs().max()
+    for kw in ({"prequant": True}, {"k_splits": 4}, {"k_splits": 4, "prequant": True}):  # the sweep's options
+        d = report(f"GPU moe decode {kw} T={T}", K.moe_experts_decode_triton(*args, **kw), ref)
+        assert d.max() <= 2e-2 * ref.float().abs().max()
 
 
 @gpu
