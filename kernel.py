@@ -1866,6 +1866,54 @@ def moe_experts(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, 
 
 
 # --------------------------------------------------------------------------------------------------
+# 3b. bf16 GEMM of a few rows (decode projections): a candidate for cuBLAS's GEMV, which reads its weight at about
+# 2 TB/s at batch 1 (ENVIRONMENT.md); not wired into the model until bench_kernels.py shows it faster
+
+
+def skinny_linear_ref(x, w):
+    """x [M, K] bf16, w [N, K] bf16 -> [M, N] bf16: bf16 products, fp32 accumulation, one rounding (F.linear)."""
+    return torch.nn.functional.linear(x, w)
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, out_stride,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          DOT_DTYPE: tl.constexpr):
+    """Columns [pid * BLOCK_N, +BLOCK_N) of the output for all M <= BLOCK_M rows: one fp32 accumulator over K in
+    BLOCK_K steps, so the summation order depends on K alone (not on M or N). Many programs of few columns keep
+    enough loads in flight to stream W at batch 1."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    col_ok, row_ok = cols < N, rows < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc = tl.dot(a.to(tl.float32).to(DOT_DTYPE), tl.trans(b.to(tl.float32).to(DOT_DTYPE)), acc)
+    tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def skinny_linear_triton(x, w, block_n=16, block_k=256, num_stages=4):
+    """Triton skinny_linear_ref for M <= 16 rows."""
+    _check_tensor("x", x, torch.bfloat16, ndim=2, contiguous=False)
+    _check(x.stride(1) == 1, f"x must have contiguous rows, got strides {x.stride()}")
+    _check_tensor("w", w, torch.bfloat16, ndim=2)
+    M, K = x.shape
+    N = w.shape[0]
+    _check(w.shape[1] == K and M <= 16, f"x [M <= 16, K] and w [N, K]: got {tuple(x.shape)}, {tuple(w.shape)}")
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    if M and N:
+        _skinny_linear_kernel[(triton.cdiv(N, block_n),)](
+            x, w, out, M, N, K, x.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+            DOT_DTYPE=_DOT, num_warps=4, num_stages=1 if _INTERPRET else num_stages)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # 4. router
 
 
