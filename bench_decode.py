@@ -172,10 +172,11 @@ def kv_bytes(cfg, kind: str, batch: int, context: int) -> int:
     return batch * min(context, cfg.sliding_window) * row
 
 
-def bench_rank(cfg, batch: int, context: int, profile: bool):
+def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1):
     """The whole rank: embed, 92 layers, final norm, lm_head window, argmax; one decode step as a CUDA graph.
     Under torchrun (one process per GPU, NCCL) the step includes the real TP reductions between the GPUs (each GPU
-    holds one TP=8 rank's shapes; the sums are of W partials instead of 8), timed with and without them."""
+    holds one TP=8 rank's shapes; the sums are of W partials instead of 8), timed with and without them.
+    q > 1: also a step of q tokens per row (a speculative verify step) and its ratio to the 1-token step."""
     import generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -188,25 +189,26 @@ def bench_rank(cfg, batch: int, context: int, profile: bool):
     t0 = time.perf_counter()
     randomise(m, seed=rank)
     m.finalize()
-    cache = m.new_cache(batch, context + 64)
+    spare = 24 * q + 8  # positions the timed replays advance (21 replays of q tokens), plus slack
+    cache = m.new_cache(batch, context + spare, slack=q - 1)
     fill_cache(cache, context)
     torch.cuda.synchronize()
     say(f"built the rank in {time.perf_counter() - t0:.0f} s: {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
         f"(weights and a {batch} x {cache.cap} cache)")
     ids = torch.zeros(batch, dtype=torch.long, device="cuda")
 
-    def step(x):
+    def step(x):  # x [B] or [B, q] -> argmax of every row
         with torch.inference_mode():
-            return generate.greedy(m(x, cache))
+            return generate.greedy(m(x, cache).view(-1, m.lm_head.weight.shape[0]))
 
-    def timed_graph(ws):
+    def timed_graph(ws, x=ids):
         M.set_parallel(ws, rank if ws > 1 else 0)
         replay = generate.DecodeStep(step, graph=True, state=lambda: (cache.lengths,))
-        replay(ids)
+        replay(x)
         cache.lengths.fill_(context)
         if ws > 1:
             dist.barrier()
-        t = time_step(replay.graph.replay, iters=20)  # 21 replays: the context grows by 21 of its 64 spare slots
+        t = time_step(replay.graph.replay, iters=20)  # 21 replays: the context grows by 21 steps of `spare`
         cache.lengths.fill_(context)
         return t
 
@@ -228,6 +230,9 @@ def bench_rank(cfg, batch: int, context: int, profile: bool):
     say(f"whole rank: {kernels} kernels per step ({kernels / cfg.num_hidden_layers:.1f} per layer) | eager "
         f"{eager * 1e3:8.2f} ms | graph {graph_t * 1e3:7.3f} ms | {nbytes / 1e9:5.2f} GB -> floor "
         f"{nbytes / HBM_BPS * 1e3:5.2f} ms | {nbytes / graph_t / 1e9:7.1f} GB/s = {nbytes / graph_t / HBM_BPS:5.1%} of HBM")
+    if q > 1:
+        t_q = timed_graph(1, torch.zeros(batch, q, dtype=torch.long, device="cuda"))
+        say(f"verify step of {q} tokens per row: {t_q * 1e3:7.3f} ms = {t_q / graph_t:.2f}x the 1-token step")
     if world > 1:
         with_tp = timed_graph(world)
         say(f"with the TP reductions between {world} GPUs (2 per layer + the logits gather): {with_tp * 1e3:7.3f} ms; "
@@ -243,7 +248,7 @@ def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole
     cfg = real_rank_config()
     M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
     kernel.set_backend(not torch_ref)  # Triton for CUDA tensors unless the reference is asked for
-    step_t, floor = (bench_rank(cfg, batch, context, profile) if whole_rank
+    step_t, floor = (bench_rank(cfg, batch, context, profile, q) if whole_rank
                      else bench_layers(cfg, batch, context, profile, q))
     what = "measured" if whole_rank else "projected from the two layers"
     world = int(os.environ.get("WORLD_SIZE", "1")) if whole_rank else 1
@@ -262,8 +267,8 @@ if __name__ == "__main__":
     ap.add_argument("--profile", action="store_true", help="print the device time of each kernel of one step")
     ap.add_argument("--whole-rank", action="store_true", help="build and time the whole rank (~80 GB of HBM)")
     ap.add_argument("--tokens-per-row", type=int, default=1,
-                    help="layer mode: decode steps of this many tokens per row (a speculative verify step with "
-                         "K drafts has K + 1), compared with one token per row")
+                    help="decode steps of this many tokens per row (a speculative verify step with K drafts has "
+                         "K + 1), compared with one token per row (layer and whole-rank modes)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
