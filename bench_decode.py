@@ -5,10 +5,11 @@ Default: a sliding-window MoE layer and a DSA MoE layer with the real shapes of 
 replayed as a CUDA graph), the kernels of one step (profiler), and the 92-layer step projected from the two.
 --whole-rank: the whole rank instead (92 layers, final norm, lm_head window, argmax; ~75 GB of FP8 experts), one
 decode step replayed as a CUDA graph and measured, not projected. Both print the ratio to the HBM floor of the
-bytes one step must read. Under `torchrun --nproc-per-node=W` --whole-rank also times the step with the real TP reductions between W GPUs.
+bytes one step must read. Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP
+reductions between W GPUs. --tokens-per-row Q (both modes): a step of Q tokens per row against a 1-token step.
 
     python bench_decode.py [--batch 1] [--context 4096] [--whole-rank] [--torch-ref] [--profile]
-    python bench_decode.py --tokens-per-row 4      # a speculative verify step (3 drafts) vs a 1-token step
+    python bench_decode.py [--whole-rank] --tokens-per-row 4    # a speculative verify step (3 drafts)
     torchrun --nproc-per-node=2 bench_decode.py --whole-rank
 """
 import argparse

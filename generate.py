@@ -276,7 +276,7 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
     dev = model.lm_head.weight.device
     t0 = time.perf_counter()
     cap = max(len(p) for p in prompts) + max_new_tokens + k + 1
-    cache, mtps = model.new_cache(B, cap, slack=k), model.new_mtp_caches(B, cap + 2 * k, slack=2 * k)
+    cache, mtps = model.new_cache(B, cap, slack=k), model.new_mtp_caches(B, cap, slack=2 * k)
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
     lens = [len(p) for p in prompts]
     starts = [e - n for e, n in zip(itertools.accumulate(lens), lens)]
@@ -308,7 +308,6 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
             drafts[b][j] = d
             ext[b].append(d)
             put(rings["h"][j + 1], b, 0, prev[starts[b]:starts[b] + lens[b]])
-    last = [n - 1 for n in lens]  # per live row: the last kept position L (the pending token is at L + 1)
 
     def verify_fn(fed_ids):  # [R, k + 1] -> residuals [R*(k+1), D], the main model's argmax after each row [R*(k+1)]
         h = model.forward_rows(fed_ids, cache)
@@ -361,7 +360,6 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
             verify.reset()
             draft.reset()
             live, pending, drafts = [live[r] for r in rows], [pending[r] for r in rows], [drafts[r] for r in rows]
-            last = [last[r] for r in rows]
         if draft_hook is not None:
             drafts = draft_hook(live, out, drafts)
         fed = [[pending[r]] + drafts[r] for r in range(len(live))]  # [live, k + 1]
@@ -382,7 +380,6 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
                 if not finished(b):
                     out[b].append(t)
             counts.append(a + 1)
-            last[r] += a + 1
             pending[r] = main[r][a]
         counts = torch.tensor(counts, device=dev)
         cache.lengths.copy_(start + counts)  # roll back the rejected rows
@@ -390,7 +387,9 @@ def speculative(model: M.Step5ForCausalLM, prompts: list, max_new_tokens: int, e
         rows = [r for r, b in enumerate(live) if not finished(b)]
     stats["decode_tokens"] = sum(max(len(o) - 1, 0) for o in out)
     stats["decode_s"] = time.perf_counter() - t1
-    if state is not None:  # depth j's rows at positions <= L - j read final tokens only (L capped at the output)
+    if state is not None:  # depth j's rows at positions <= L - j read final tokens only (L: the last kept position,
+        # capped at the last one fed of the output)
+        last = (cache.lengths - 1).tolist()
         fin = [[min(L, len(prompts[b]) + len(out[b]) - 2) - j + 1 for L, b in zip(last, live)] for j in range(k)]
         state.update(cache=cache, mtps=mtps, fin=fin, live=live)
     check_same_on_all_ranks(out, dev)

@@ -252,12 +252,30 @@ def norm_rope(x, weight, cos, sin, eps, bias=None, pos=None):
 # 1b. fused sliding-window decode
 
 
-def ring_valid(pos, R, window):
-    """pos [...] int64 -> [..., R] bool: the ring slots inside each position's window, its own key already written.
-    Slot s holds position p - d, d = (p - s) mod R: in the window when d < W, written when d <= p (R >= W; with
-    R > W the spare slots hold rows a speculative step may roll back)."""
-    d = (pos[..., None] - torch.arange(R, device=pos.device)) % R
-    return (d < window) & (d <= pos[..., None])
+def ring_attention_ref(q, k, v, pos, ring_k, ring_v, window, scale):
+    """Sliding-window attention of Q = T / B new tokens per ring row (row-major [B, Q]): their keys/values are
+    written first, then each query attends to the window of its own position.
+
+    q [T, H, hd], k, v [T, G, hd] bf16; pos [T] int64; ring_k, ring_v [B, G, R, hd] bf16, position p in slot p % R,
+    written in place -> [T, H, hd] bf16 (SDPA: fp32 logits * scale, bf16 result). Slot s holds position p - d,
+    d = (p - s) mod R: in the window when d < W, written when d <= p. R >= W + Q - 1: a step's later keys never
+    overwrite a key an earlier query of the step still sees (the R - W spare slots also hold rows a speculative
+    step may roll back)."""
+    B, R = ring_k.shape[0], ring_k.shape[2]
+    T, H, hd = q.shape
+    Q = T // B
+    if R < window + Q - 1:
+        raise ValueError(f"a decode step of {Q} tokens per row needs a ring of {window + Q - 1} slots, not {R}")
+    rows = torch.arange(B, device=q.device).repeat_interleave(Q)
+    ring_k[rows, :, pos % R] = k
+    ring_v[rows, :, pos % R] = v
+    p = pos.view(B, Q, 1)
+    d = (p - torch.arange(R, device=q.device)) % R
+    valid = (d < window) & (d <= p)  # [B, Q, R]
+    o = torch.nn.functional.scaled_dot_product_attention(q.view(B, Q, H, hd).transpose(1, 2), ring_k, ring_v,
+                                                         attn_mask=valid[:, None], scale=scale,
+                                                         enable_gqa=True)  # [B, H, Q, hd]
+    return o.transpose(1, 2).reshape(T, H, hd)
 
 
 def sliding_decode_ref(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
@@ -267,22 +285,15 @@ def sliding_decode_ref(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, 
     qkvg [B, H*hd + 2*G*hd + H] bf16 = [q | k | v | gate logits] (one packed GEMM); pos [B] int64 positions; ring_k,
     ring_v [B, G, R, hd] bf16 (position p in slot p % R, written in place); q_norm_w, k_norm_w [hd] fp32; cos, sin
     [n_pos, half] bf16 whole tables (row pos[b] is used). -> o [B, H*hd] bf16, ready for o_proj.
-    Exactly model.py's decode path: q, k = norm_rope (bf16), v raw; k, v written to slot p % R; SDPA over the valid
-    slots (fp32 logits * scale, bf16 result); gate = bf(sigmoid(logit)) in fp32; o = bf(o * gate).
+    Exactly model.py's decode path: q, k = norm_rope (bf16), v raw; ring_attention_ref; gate = bf(sigmoid(logit))
+    in fp32; o = bf(o * gate).
     """
-    B, R, hd = qkvg.shape[0], ring_k.shape[2], ring_k.shape[3]
+    B, hd = qkvg.shape[0], ring_k.shape[3]
     H, G = n_heads, n_groups
     q, k, v, gl = qkvg.split([H * hd, G * hd, G * hd, H], dim=-1)
-    c, s = cos[pos], sin[pos]
-    q = norm_rope_ref(q.view(B, H, hd), q_norm_w, c, s, eps)
-    k = norm_rope_ref(k.view(B, G, hd), k_norm_w, c, s, eps)
-    rows = torch.arange(B, device=qkvg.device)
-    ring_k[rows, :, pos % R] = k  # the new token first, then attend over the valid slots
-    ring_v[rows, :, pos % R] = v.view(B, G, hd)
-    valid = ring_valid(pos, R, window)
-    o = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], ring_k, ring_v,
-                                                         attn_mask=valid[:, None, None, :], scale=scale,
-                                                         enable_gqa=True)[:, :, 0]  # [B, H, hd]
+    q = norm_rope_ref(q.view(B, H, hd), q_norm_w, cos, sin, eps, pos=pos)
+    k = norm_rope_ref(k.view(B, G, hd), k_norm_w, cos, sin, eps, pos=pos)
+    o = ring_attention_ref(q, k, v.view(B, G, hd), pos, ring_k, ring_v, window, scale)  # [B, H, hd]
     gate = torch.sigmoid(gl)  # [B, H] bf16
     return (o * gate[..., None]).reshape(B, H * hd)  # one rounding: the bf16 x bf16 product is exact in fp32
 
@@ -1261,11 +1272,14 @@ def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert
     for j in range(ids.shape[1]):  # slot order, sequential fp32 accumulation
         acc = acc + contrib[:, j] * weights[:, j, None]
     out = acc.to(torch.bfloat16)
-    if shared is None:
-        return out
+    return out if shared is None else out.float() + _shared_expert(x, shared, swiglu_ref).float()
+
+
+def _shared_expert(x, shared, act):
+    """model.MLP's shared expert with torch GEMMs: bf(bf(act(bf(x.wg^T), bf(x.wu^T))) . wd^T); act: a swiglu."""
     wg, wu, wd, limit_s = shared
     lin = torch.nn.functional.linear
-    return out.float() + lin(swiglu_ref(lin(x, wg), lin(x, wu), limit_s), wd).float()
+    return lin(act(lin(x, wg), lin(x, wu), limit_s), wd)
 
 
 # Triton: activation quantisation, grouped expert GEMM (FP8 block-scaled or BF16), routed-expert pipeline.
@@ -1821,11 +1835,7 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
     _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, inv, ids, weights, out, D, y.stride(0), out.stride(0),
                                                       TOPK=k, BLOCK_D=BLOCK_D, num_warps=4, **_NO_FMA)
-    if shared is None:
-        return out
-    wg, wu, wd, limit_s = shared  # prefill: torch GEMMs, as model.MLP
-    lin = torch.nn.functional.linear
-    return out.float() + lin(swiglu_triton(lin(x, wg), lin(x, wu), limit_s), wd).float()
+    return out if shared is None else out.float() + _shared_expert(x, shared, swiglu_triton).float()
 
 
 def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):

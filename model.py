@@ -297,8 +297,8 @@ class Attention(nn.Module):
         v = v.view(T, G, hd)
         if self.dsa:
             o = self._dsa(idx, q, k, v, pos, rope["indexer"], spans, cache, req)
-        elif spans is None:
-            o = self._sliding_decode(q, k, v, pos, cache)
+        elif spans is None:  # Q tokens per row (a speculative verify step)
+            o = kernel.ring_attention_ref(q, k, v, pos, cache.k, cache.v, self.cfg.sliding_window, self.scale)
         else:
             o = self._sliding_prefill(q, k, v, spans, cache)
         gate = torch.sigmoid(g)  # [T, H] bf16
@@ -330,23 +330,6 @@ class Attention(nn.Module):
             cache.k[b, :, (p0 + keep) % R] = kb[:, m + keep]
             cache.v[b, :, (p0 + keep) % R] = vb[:, m + keep]
         return out
-
-    def _sliding_decode(self, q, k, v, pos, cache):
-        """Q = T / B tokens per cache row at positions pos (row-major [B, Q]): write their keys, then each query
-        attends to the window of its own position. Rings of R >= W + Q - 1 slots: a chunk's later keys never
-        overwrite a key an earlier query of the chunk still sees."""
-        B, W, R = cache.k.shape[0], self.cfg.sliding_window, cache.k.shape[2]
-        T, H, hd = q.shape
-        Q = T // B
-        if R < W + Q - 1:
-            raise ValueError(f"a decode step of {Q} tokens per row needs a ring of {W + Q - 1} slots, not {R}")
-        rows = torch.arange(B, device=q.device).repeat_interleave(Q)
-        cache.k[rows, :, pos % R] = k  # the new tokens first, then attend over the valid slots
-        cache.v[rows, :, pos % R] = v
-        valid = kernel.ring_valid(pos.view(B, Q), R, W)  # [B, Q, R]
-        o = F.scaled_dot_product_attention(q.view(B, Q, H, hd).transpose(1, 2), cache.k, cache.v,
-                                           attn_mask=valid[:, None], scale=self.scale, enable_gqa=True)  # [B, H, Q, hd]
-        return o.transpose(1, 2).reshape(T, H, hd)
 
     # ---- DSA
     def _indexer(self, idx, pos, rope):
@@ -471,11 +454,11 @@ class MoE(nn.Module):
             if pinned is not None:
                 ids, w = kernel.route_ref(x, self.gate.weight, self.router_bias, c.moe_top_k,
                                           c.moe_router_scaling_factor, c.norm_expert_weight, ids=pinned)
-        if shared is not None:
-            shared = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight, shared.limit)
+        sh = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight,
+                                          shared.limit)
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
         return kernel.moe_experts(x, ids, w, g.weight, u.weight, d.weight, g.weight_scale_inv, u.weight_scale_inv,
-                                  d.weight_scale_inv, self.limit, self.first_expert, shared)
+                                  d.weight_scale_inv, self.limit, self.first_expert, sh)
 
 
 class Block(nn.Module):
@@ -742,7 +725,7 @@ class Step5ForCausalLM(nn.Module):
     # ---- multi-token prediction (layers num_hidden_layers .. + mtp_layers_kept - 1 of the checkpoint)
     def new_mtp_caches(self, B: int, max_tokens: int, slack: int = 0) -> list:
         """One cache per MTP layer, each with its own lengths (an MTP layer lags the main stack); slack: spare ring
-        slots for decode steps of up to slack + 1 rows per request (Attention._sliding_decode)."""
+        slots for decode steps of up to slack + 1 rows per request (kernel.ring_attention_ref)."""
         L, cap, dev = self.cfg.num_hidden_layers, self._capacity(max_tokens + slack), self.lm_head.weight.device
         return [Cache([self.model.layers[L + k].self_attn.new_cache(B, cap, dev, slack)], B, cap, dev)
                 for k in range(self.cfg.mtp_layers_kept)]
@@ -750,9 +733,9 @@ class Step5ForCausalLM(nn.Module):
     def mtp(self, k: int, hidden, next_ids, cache: Cache, seq_lens: list | None, per_row: int = 1):
         """MTP layer k over seq_lens[b] rows per request, extending its own cache (or, with seq_lens None, a decode
         step of per_row rows per request at positions cache.lengths[b] + 0 .. per_row-1, static shapes, rows
-        row-major): each row combines the residual of
-        the previous depth at its position (hidden [T, D] fp32: the main stack's before the final norm, or MTP
-        layer k-1's) with the embedding of the token that follows that position (next_ids [T]) as
+        row-major): each row combines the residual of the previous depth at its position (hidden [T, D] fp32: the
+        main stack's before the final norm, or MTP layer k-1's) with the embedding of the token that follows that
+        position (next_ids [T]) as
         eh_proj(concat[enorm(embed(next)), hnorm(hidden)]) -- this order: the reverse predicts almost nothing --
         then a sliding-attention block with a dense MLP and its own head. -> (residual [T, D] fp32, logits window
         of every row [T, V/tp] fp32: the prediction of the token after next)."""
