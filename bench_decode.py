@@ -61,14 +61,24 @@ def fill_cache(cache: M.Cache, context: int):
     cache.lengths.fill_(context)
 
 
-def count_kernels(fn) -> int:
-    """Device activities (kernels, copies, memsets) of one eager call: the nodes a CUDA graph of it replays."""
-    from torch.profiler import ProfilerActivity, profile as prof
+def profiled(fn):
+    """The profiler's events of one eager call of fn (device activities: kernels, copies, memsets)."""
+    from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return p
+
+
+def count_kernels(fn) -> int:
+    """Device activities of one eager call: the nodes a CUDA graph of it replays."""
+    return sum(1 for e in profiled(fn).events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def kernel_table(fn, rows: int) -> str:
+    """Device time per kernel of one eager call: where a step's time goes."""
+    return profiled(fn).key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
 
 
 def weight_bytes(mod: torch.nn.Module, batch: int, cfg: config.Step5Config) -> int:
@@ -130,12 +140,8 @@ def bench_layers(cfg, batch: int, context: int, profile: bool, q: int = 1):
             t_one = time_step(one.graph.replay)
         eager = time_step(step)
         kernels = count_kernels(step)
-        if profile:  # device time per kernel of one eager step: where the step's time goes
-            from torch.profiler import ProfilerActivity, profile as prof
-            with prof(activities=[ProfilerActivity.CUDA]) as p:
-                step()
-                torch.cuda.synchronize()
-            print(p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        if profile:
+            print(kernel_table(step, 25))
         graph_t = None
         try:  # the decode loop's own graph object (generate.DecodeStep), replayed alone
             replay = DecodeStep(lambda r: block(r, pos, rope, None, lc), graph=True)
@@ -219,11 +225,7 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1):
     kernels = count_kernels(lambda: step(ids))
     cache.lengths.fill_(context)
     if profile:
-        from torch.profiler import ProfilerActivity, profile as prof
-        with prof(activities=[ProfilerActivity.CUDA]) as p:
-            step(ids)
-            torch.cuda.synchronize()
-        say(p.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+        say(kernel_table(lambda: step(ids), 30))
         cache.lengths.fill_(context)
     graph_t = timed_graph(1)
     nbytes = weight_bytes(m, batch, cfg) + sum(kv_bytes(cfg, "dsa" if cfg.is_dsa(i) else "sliding", batch, context)

@@ -16,7 +16,7 @@ import torch
 
 import kernel
 import model as M
-from bench_decode import real_rank_config, randomise
+from bench_decode import kernel_table, real_rank_config, randomise
 
 BF16_FLOPS, FP8_FLOPS = 767e12, 1263e12  # H200 dense GEMM ceilings measured with PyTorch (ENVIRONMENT.md)
 LAYER_ID = {"sliding": 4, "dsa": 7}
@@ -126,13 +126,9 @@ def main(tokens: list, C: int, layers: list, reps: int, profile: bool = False):
                     if kind == "dsa" and N == max(tokens):
                         dsa_breakdown(block, cache, rope, res, N, min(C, N), cfg)
                     if profile and N == max(tokens):  # device time per kernel of the last chunk, run again
-                        from torch.profiler import ProfilerActivity, profile as prof
-                        with prof(activities=[ProfilerActivity.CUDA]) as pr:
-                            c = min(C, N)
-                            block(res[:c], torch.arange(N - c, N, device="cuda"), rope, [(0, c, N - c)], cache)
-                            torch.cuda.synchronize()
-                        print(pr.key_averages().table(sort_by="cuda_time_total", row_limit=12,
-                                                      max_name_column_width=50))
+                        c = min(C, N)
+                        print(kernel_table(lambda: block(res[:c], torch.arange(N - c, N, device="cuda"), rope,
+                                                         [(0, c, N - c)], cache), 12))
             except torch.cuda.OutOfMemoryError as e:
                 print(f"{kind:8s} N={N:7d}: out of memory ({str(e)[:120]})")
                 cache = None
