@@ -2,7 +2,8 @@
 
     python bench_kernels.py                      # checks against the references (exit 1 if any is out of
                                                  # its tolerance), then every benchmark
-    python bench_kernels.py --only gemm moe      # groups: check gemm sweep moe attn norm route
+    python bench_kernels.py --only gemm moe      # groups: check gemm sweep sweep_prefill moe attn
+                                                 # norm route
 
 Ceilings (measured with PyTorch on the H200 machine): HBM 4.28 TB/s (a copy, read + write), fp8 _scaled_mm
 1263 TFLOP/s, bf16 GEMM 767 TFLOP/s (both 8192^3). Times are medians of CUDA-graph replays
@@ -262,6 +263,34 @@ def sweep_gemm(rows_per_expert, E=44):
     print(f"  sweep rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
 
 
+def sweep_gemm_prefill(rows_per_expert, E=44):
+    """Tile/warp/stage choices of the grouped FP8 GEMM at prefill sizes: ungated gate shape, gated gate/up
+    (two accumulators, SwiGLU epilogue; FLOPs of both) and the down shape. (BLOCK_N stays <= 128: a tile must sit in
+    one 128-wide weight-scale block.)"""
+    M = E * rows_per_expert
+    row_off = torch.arange(0, M + 1, rows_per_expert, device=DEV, dtype=torch.int32)
+    for what, N, Kd, gated in (("gate", 1536, 4096, False), ("gate+up", 1536, 4096, True), ("down", 4096, 1536, False)):
+        w, sw = fp8_weights(E, N, Kd)
+        w3, sw3 = fp8_weights(E, N, Kd, seed=1) if gated else (None, None)
+        xq, sx = K.act_quant_triton(torch.randn(M, Kd, device=DEV).bfloat16())
+        flops = 2 * M * N * Kd * (2 if gated else 1)
+        res = []
+        run = lambda **kw: K.grouped_gemm_triton(xq, sx, w, sw, row_off, w3=w3, sw3=sw3,  # noqa: E731
+                                                 limit=7.0 if gated else None, **kw)
+        want = run()  # the defaults' output: every config must give the same bits (same K order per element)
+        for bm, bn, nw, st in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (128, 64, 4, 4),
+                               (128, 64, 8, 4), (64, 128, 4, 4), (256, 128, 8, 3), (256, 64, 8, 4)):
+            try:
+                kw = dict(block_m=bm, block_n=bn, num_stages=st, num_warps=nw)
+                same = "=" if torch.equal(run(**kw), want) else "DIFFERS"
+                t = bench(lambda: run(**kw))
+                res.append(f"{bm}x{bn} w{nw} s{st}: {flops / t / 1e12:.0f} {same}")
+            except Exception as e:
+                res.append(f"{bm}x{bn} w{nw} s{st}: {type(e).__name__}")
+        print(f"  sweep prefill {what} rows/expert={rows_per_expert} (TFLOP/s, '=': bits equal to the defaults'): "
+              + "; ".join(res), flush=True)
+
+
 def bench_moe(T, E=44):
     D, Fw = 4096, 1536
     (w1, s1), (w3, s3), (w2, s2) = fp8_weights(E, Fw, D, 1), fp8_weights(E, Fw, D, 2), fp8_weights(E, D, Fw, 3)
@@ -320,26 +349,22 @@ def bench_moe_decode(T, E=44):
 
 
 def sweep_moe_decode(T, E=44):
-    """Tile/stage choices of the decode MoE kernels ((gate/up, down) pairs) and x quantised before or in the gate/up
-    kernel, routed + shared expert."""
+    """Tile/stage choices of the decode MoE kernels ((gate/up, down) pairs), routed + shared expert."""
     D, Fw = 4096, 1536
     (w1, s1), (w3, s3), (w2, s2) = fp8_weights(E, Fw, D, 1), fp8_weights(E, Fw, D, 2), fp8_weights(E, D, Fw, 3)
     sh = shared_weights(D)
     x = torch.randn(T, D, device=DEV).bfloat16()
     ids, wts = routed(T, E, seed=T)
-    res = []  # measured before: 2 warps and 6 stages were slower everywhere
-    for pq in (False, True):
-        for ks in (1, 2, 4, 8):  # gate/up K loop split over that many programs per tile
-            for bn in ((16, 32), (32, 32), (32, 64)):
-                for st in (4,):  # 3 stages measured within noise of 4 (sweep of the first version)
-                    name = f"prequant={pq} k_splits={ks} BN={bn} st={st}"
-                    try:
-                        t = bench(lambda: K.moe_experts_decode_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, 0, sh,
-                                                                      block_n=bn, num_stages=(st, st), prequant=pq,
-                                                                      k_splits=ks))
-                        res.append(f"{name}: {t * 1e6:.1f}us")
-                    except Exception as e:
-                        res.append(f"{name}: {type(e).__name__}")
+    res = []  # measured before: 2 warps slower everywhere; split-K gate/up 2-4x slower
+    for bn in ((32, 32), (32, 64), (64, 64), (32, 128)):
+        for st in (3, 4, 6):
+            name = f"BN={bn} st={st}"
+            try:
+                t = bench(lambda: K.moe_experts_decode_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, 0, sh,
+                                                              block_n=bn, num_stages=(st, st)))
+                res.append(f"{name}: {t * 1e6:.1f}us")
+            except Exception as e:
+                res.append(f"{name}: {type(e).__name__}")
     print(f"  sweep moe decode T={T}: " + "; ".join(res), flush=True)
 
 
@@ -393,21 +418,21 @@ def sweep_attention(ctx=131072, S=1):
     print(f"  sweep sparse decode S={S} ctx={ctx}: " + "; ".join(res), flush=True)
 
 
-def bench_sliding(B, R=512, split_len=32):
+def bench_sliding(B, R=512, split_len=32, Q=1):
     """Fused sliding-window decode (norm + RoPE of q/k, ring write, attention, gate) of one TP = 8 layer
-    (8 heads, 1 KV group, hd 192, W = 512) beside model.py's unfused torch path (sliding_decode_ref)."""
+    (8 heads, 1 KV group, hd 192, W = 512), Q tokens per row, beside the unfused torch path (sliding_decode_ref)."""
     H, G, hd, W = 8, 1, 192, 512
-    qkvg = torch.randn(B, H * hd + 2 * G * hd + H, device=DEV).mul(2).bfloat16()
-    pos = torch.arange(4096, 4096 + B, device=DEV)
+    qkvg = torch.randn(B * Q, H * hd + 2 * G * hd + H, device=DEV).mul(2).bfloat16()
+    pos = torch.arange(4096, 4096 + B * Q, device=DEV)
     rk, rv = torch.randn(2, B, G, R, hd, device=DEV).bfloat16().unbind(0)
     qw, kw = torch.randn(2, hd, device=DEV).mul(0.2).unbind(0)
-    ang = torch.rand(4096 + B, 32, device=DEV) * 6
+    ang = torch.rand(4096 + B * Q, 32, device=DEV) * 6
     c, s = ang.cos().bfloat16(), ang.sin().bfloat16()
     a = (qkvg, pos, rk, rv, qw, kw, c, s, 1e-5, hd ** -0.5, W, H, G)
     t = bench(lambda: K.sliding_decode_triton(*a, split_len=split_len))
     t_ref = bench(lambda: K.sliding_decode_ref(*a))
     byts = 2 * rk.numel() * 2 + qkvg.numel() * 2
-    print(f"  sliding decode B={B:2d} R={R} split_len={split_len}: {t * 1e6:6.2f} us {byts / t / 1e9:6.0f} GB/s "
+    print(f"  sliding decode B={B:2d} Q={Q} R={R} split_len={split_len}: {t * 1e6:6.2f} us {byts / t / 1e9:6.0f} GB/s "
           f"({byts / t / HBM * 100:4.1f}% HBM) | torch path (graph) {t_ref * 1e6:6.1f} us", flush=True)
 
 
@@ -437,7 +462,7 @@ def bench_route(T):
           f" | torch reference {t_ref * 1e6:7.1f} us | eager {te * 1e6:6.1f} us", flush=True)
 
 
-GROUPS = ("check", "gemm", "sweep", "moe", "attn", "norm", "route")
+GROUPS = ("check", "gemm", "sweep", "sweep_prefill", "moe", "attn", "norm", "route")
 
 
 def main(only=GROUPS):
@@ -463,6 +488,9 @@ def main(only=GROUPS):
             run_safely(sweep_gemm, r)
         for T in (1, 16):
             run_safely(sweep_moe_decode, T)
+    if "sweep_prefill" in only:
+        for r in (128, 512, 1024):
+            run_safely(sweep_gemm_prefill, r)
     if "moe" in only:
         for T in (1, 16, 4096):
             run_safely(bench_moe, T)
@@ -478,7 +506,8 @@ def main(only=GROUPS):
         run_safely(sweep_attention, 131072, 8)
         for B in (1, 16, 32):
             run_safely(bench_sliding, B)
-        run_safely(bench_sliding, 1, 515)
+        for R, Q in ((515, 1), (528, 1), (528, 4)):  # rings with spare slots (speculative decoding)
+            run_safely(bench_sliding, 1, R, 32, Q)
     if "norm" in only:
         for args in ((1, 8, 192, 32), (4096, 8, 192, 32), (4096, 8, 192, 96), (4096, 4, 256, 16)):
             run_safely(bench_norm_rope, *args)

@@ -73,7 +73,8 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
 
     def indexer():  # projections, norm + RoPE, and the summaries of the chunk's C/blk regions
         qi, ki, zi, wi = a._indexer(a.project(h)[4:], pos, rope["indexer"])
-        kernel.region_summary(ki.view(-1, blk, sp.proxy_dim), zi.view(-1, blk, sp.proxy_dim))
+        # z is a column slice of the packed projection; the model's prefill joins it to the pending rows (a copy)
+        kernel.region_summary(ki.view(-1, blk, sp.proxy_dim), zi.contiguous().view(-1, blk, sp.proxy_dim))
         return qi, wi
     qi, wi = indexer()
     subs = [(c0, min(C, c0 + 256)) for c0 in range(0, C, 256)]  # the 256-query chunks of model._dsa

@@ -101,6 +101,17 @@ def _e4m3_bits(x):
 
 
 @triton.jit
+def _to_e4m3(x, HW_CAST: tl.constexpr):
+    """fp32 -> float8_e4m3fn with torch's saturating round-to-nearest-even cast. HW_CAST: the GPU's convert after
+    the clamp (equal to _e4m3_bits, tests/test_kernels.py checks it; with the integer helper the decode indexer
+    kernel took 114 us per call on the H200, with the convert under 7); the interpreter needs the helper."""
+    if HW_CAST:
+        return tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:
+        return _e4m3_bits(x).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
 def _exp(x, PRECISE: tl.constexpr):
     if PRECISE:
         return libdevice.exp(x)
@@ -280,22 +291,23 @@ def ring_attention_ref(q, k, v, pos, ring_k, ring_v, window, scale):
 
 def sliding_decode_ref(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
                        n_groups):
-    """One decode token per row of a sliding-window layer, from the packed projection to the gated output.
+    """A decode step of Q = T / B tokens per ring row (row-major [B, Q]; Q > 1: a speculative verify step) of a
+    sliding-window layer, from the packed projection to the gated output.
 
-    qkvg [B, H*hd + 2*G*hd + H] bf16 = [q | k | v | gate logits] (one packed GEMM); pos [B] int64 positions; ring_k,
-    ring_v [B, G, R, hd] bf16 (position p in slot p % R, written in place); q_norm_w, k_norm_w [hd] fp32; cos, sin
-    [n_pos, half] bf16 whole tables (row pos[b] is used). -> o [B, H*hd] bf16, ready for o_proj.
+    qkvg [T, H*hd + 2*G*hd + H] bf16 = [q | k | v | gate logits] (one packed GEMM); pos [T] int64 positions; ring_k,
+    ring_v [B, G, R, hd] bf16 (position p in slot p % R, written in place; R >= W + Q - 1); q_norm_w, k_norm_w [hd]
+    fp32; cos, sin [n_pos, half] bf16 whole tables (row pos[t] is used). -> o [T, H*hd] bf16, ready for o_proj.
     Exactly model.py's decode path: q, k = norm_rope (bf16), v raw; ring_attention_ref; gate = bf(sigmoid(logit))
     in fp32; o = bf(o * gate).
     """
-    B, hd = qkvg.shape[0], ring_k.shape[3]
+    T, hd = qkvg.shape[0], ring_k.shape[3]
     H, G = n_heads, n_groups
     q, k, v, gl = qkvg.split([H * hd, G * hd, G * hd, H], dim=-1)
-    q = norm_rope_ref(q.view(B, H, hd), q_norm_w, cos, sin, eps, pos=pos)
-    k = norm_rope_ref(k.view(B, G, hd), k_norm_w, cos, sin, eps, pos=pos)
-    o = ring_attention_ref(q, k, v.view(B, G, hd), pos, ring_k, ring_v, window, scale)  # [B, H, hd]
-    gate = torch.sigmoid(gl)  # [B, H] bf16
-    return (o * gate[..., None]).reshape(B, H * hd)  # one rounding: the bf16 x bf16 product is exact in fp32
+    q = norm_rope_ref(q.view(T, H, hd), q_norm_w, cos, sin, eps, pos=pos)
+    k = norm_rope_ref(k.view(T, G, hd), k_norm_w, cos, sin, eps, pos=pos)
+    o = ring_attention_ref(q, k, v.view(T, G, hd), pos, ring_k, ring_v, window, scale)  # [T, H, hd]
+    gate = torch.sigmoid(gl)  # [T, H] bf16
+    return (o * gate[..., None]).reshape(T, H * hd)  # one rounding: the bf16 x bf16 product is exact in fp32
 
 
 @triton.jit
@@ -324,53 +336,91 @@ def _head_norm_rope(x_ptr, w_ptr, base, r_ok, cos_row, sin_row, eps, D: tl.const
 
 
 @triton.jit
+def _new_kv(qkvg_ptr, kw_ptr, xrow, g, H, G, cos_row, sin_row, eps, D: tl.constexpr, HALF: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """The new token's k of group g (norm + RoPE, as three [1, *] pieces) and v ([1, BLOCK_D]) from its packed row."""
+    one = tl.full((1,), 1, tl.int1)
+    kf, ks, kr = _head_norm_rope(qkvg_ptr, kw_ptr, xrow + (H + g) * D + tl.zeros((1, 1), tl.int64), one, cos_row,
+                                 sin_row, eps, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
+    dims = tl.arange(0, BLOCK_D)
+    vn = tl.load(qkvg_ptr + xrow + (H + G + g) * D + dims, mask=dims < D, other=0.0).to(tl.float32)[None, :]
+    return kf, ks, kr, vn
+
+
+@triton.jit
+def _store_kv(k_ptr, v_ptr, new, kf, ks, kr, vn, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """Write a k row (pieces of _new_kv, values bf16 already) and a v row at element offset `new` of the rings."""
+    j = tl.arange(0, BLOCK_HALF)
+    tl.store(k_ptr + new + j[None, :], kf.to(tl.bfloat16), mask=(j < HALF)[None, :])
+    tl.store(k_ptr + new + HALF + j[None, :], ks.to(tl.bfloat16), mask=(j < HALF)[None, :])
+    if BLOCK_REST > 0:
+        cr = 2 * HALF + tl.arange(0, BLOCK_REST)
+        tl.store(k_ptr + new + cr[None, :], kr.to(tl.bfloat16), mask=cr[None, :] < D)
+    dims = tl.arange(0, BLOCK_D)
+    tl.store(v_ptr + new + dims[None, :], vn.to(tl.bfloat16), mask=(dims < D)[None, :])
+
+
+@triton.jit
+def _sliding_write_kernel(qkvg_ptr, pos_ptr, k_ptr, v_ptr, kw_ptr, cos_ptr, sin_ptr, G, R, Q, H, stride_t, eps,
+                          D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                          BLOCK_REST: tl.constexpr):
+    """A step of Q > 1 tokens per ring row: token t's k (norm + RoPE) and v of group g into slot pos[t] % R of ring
+    row (t // Q, g), before any query of the step reads the ring (R >= W + Q - 1: no query's window loses a key)."""
+    t = tl.program_id(0) // G
+    g = tl.program_id(0) % G
+    p = tl.load(pos_ptr + t)
+    kf, ks, kr, vn = _new_kv(qkvg_ptr, kw_ptr, t.to(tl.int64) * stride_t, g, H, G, cos_ptr + p * HALF,
+                             sin_ptr + p * HALF, eps, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
+    _store_kv(k_ptr, v_ptr, (((t // Q) * G + g).to(tl.int64) * R + p % R) * D, kf, ks, kr, vn, D, HALF, BLOCK_D,
+              BLOCK_HALF, BLOCK_REST)
+
+
+@triton.jit
 def _sliding_attn_kernel(
     qkvg_ptr, pos_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, po_ptr, pml_ptr,
-    G, R, W, stride_b, eps, scale,
-    HG: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
+    G, R, W, Q, stride_t, eps, scale,
+    NEW_IN_REGS: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr,
+    SPLIT_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_REST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
 ):
-    """One (row b, KV group g) and one split of the ring's slots [split*SPLIT_LEN, +SPLIT_LEN), all Hg heads at once.
+    """One (token t, KV group g) and one split of ring row (t // Q, g)'s slots [split*SPLIT_LEN, +SPLIT_LEN), all Hg
+    heads at once.
 
-    Every program normalises and rotates its q heads and the new k itself (cheap; no launch in between). Slot
-    pm = p % R takes the new k/v from registers, never from memory: the program owning that slot also writes them
-    to the ring, and no other program reads the slot. Slot s is valid iff d = (p - s) mod R satisfies d < W and
-    d <= p (model.py's rule; with R == W it reduces to s <= p). Online softmax over fp32 logits (q.k) * scale;
+    Every program normalises and rotates its q heads itself (cheap; no launch in between). NEW_IN_REGS (Q == 1): the
+    program also computes the new k; slot pm = p % R takes the new k/v from registers, never from memory: the
+    program owning that slot also writes them to the ring, and no other program reads the slot. Else
+    _sliding_write_kernel has written the step's Q keys before this launch. Slot s is valid iff d = (p - s) mod R
+    satisfies d < W and d <= p (model.py's rule; with R == W it reduces to s <= p; the step's later tokens sit at
+    d >= R - Q + 1 >= W). Online softmax over fp32 logits (q.k) * scale;
     P.V takes the fp32 probabilities (SDPA's math): on GPUs as two bf16 MMAs, P = hi + lo with hi = bf(P),
     lo = bf(P - hi) (16 of P's 24 bits; the dropped part is < 2^-16 P), on the interpreter as one fp32 dot.
     Writes the unnormalised acc, the running max m and sum l for _sliding_merge_kernel.
     """
-    row = tl.program_id(0)
+    row = tl.program_id(0)  # t * G + g
     split = tl.program_id(1)
-    b = row // G
+    t = row // G
     g = row % G
     H = G * HG
-    p = tl.load(pos_ptr + b)
+    p = tl.load(pos_ptr + t)
     pm = p % R
     cos_row, sin_row = cos_ptr + p * HALF, sin_ptr + p * HALF
-    xrow = b.to(tl.int64) * stride_b
+    xrow = t.to(tl.int64) * stride_t
     heads = tl.arange(0, BLOCK_H)
     h_ok = heads < HG
     qf, qs, qr = _head_norm_rope(qkvg_ptr, qw_ptr, xrow + ((g * HG + heads) * D)[:, None], h_ok, cos_row, sin_row,
                                  eps, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
-    one = tl.full((1,), 1, tl.int1)
-    kf, ks, kr = _head_norm_rope(qkvg_ptr, kw_ptr, xrow + (H + g) * D + tl.zeros((1, 1), tl.int64), one, cos_row,
-                                 sin_row, eps, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)  # [1, *] each
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
-    vn = tl.load(qkvg_ptr + xrow + (H + G + g) * D + dims, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     j = tl.arange(0, BLOCK_HALF)
     j_ok = j < HALF
-    ring = row.to(tl.int64) * R * D  # ring [B, G, R, D]: this (b, g)'s slots
-    if pm // SPLIT_LEN == split:  # the owner of the new token's slot writes it (values are bf16 already)
-        new = ring + pm * D
-        tl.store(k_ptr + new + j[None, :], kf.to(tl.bfloat16), mask=j_ok[None, :])
-        tl.store(k_ptr + new + HALF + j[None, :], ks.to(tl.bfloat16), mask=j_ok[None, :])
-        if BLOCK_REST > 0:
-            cr = 2 * HALF + tl.arange(0, BLOCK_REST)
-            tl.store(k_ptr + new + cr[None, :], kr.to(tl.bfloat16), mask=cr[None, :] < D)
-        tl.store(v_ptr + new + dims[None, :], vn.to(tl.bfloat16), mask=d_ok[None, :])
+    ring = ((t // Q) * G + g).to(tl.int64) * R * D  # ring [B, G, R, D]: this (b, g)'s slots
+    if NEW_IN_REGS:
+        kf, ks, kr, vn = _new_kv(qkvg_ptr, kw_ptr, xrow, g, H, G, cos_row, sin_row, eps, D, HALF, BLOCK_D,
+                                 BLOCK_HALF, BLOCK_REST)  # [1, *] each
+        if pm // SPLIT_LEN == split:  # the owner of the new token's slot writes it
+            _store_kv(k_ptr, v_ptr, ring + pm * D, kf, ks, kr, vn, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
     qf, qs = qf.to(DOT_DTYPE), qs.to(DOT_DTYPE)
     if BLOCK_REST > 0:
         qr = qr.to(DOT_DTYPE)
@@ -383,17 +433,21 @@ def _sliding_attn_kernel(
         dist = (pm - slot + R) % R
         ok = (slot < s_end) & (dist < W) & (dist <= p)
         is_new = (slot == pm)[:, None]
-        ld = (ok & (slot != pm))[:, None]
+        ld = (ok & (slot != pm))[:, None] if NEW_IN_REGS else ok[:, None]
         off = ring + slot.to(tl.int64)[:, None] * D
-        kt = tl.where(is_new, kf, tl.load(k_ptr + off + j[None, :], mask=ld & j_ok[None, :], other=0.0).to(tl.float32))
+        kt = tl.load(k_ptr + off + j[None, :], mask=ld & j_ok[None, :], other=0.0).to(tl.float32)
+        if NEW_IN_REGS:
+            kt = tl.where(is_new, kf, kt)
         sc = tl.dot(qf, tl.trans(kt.to(DOT_DTYPE)))
-        kt = tl.where(is_new, ks, tl.load(k_ptr + off + HALF + j[None, :], mask=ld & j_ok[None, :],
-                                          other=0.0).to(tl.float32))
+        kt = tl.load(k_ptr + off + HALF + j[None, :], mask=ld & j_ok[None, :], other=0.0).to(tl.float32)
+        if NEW_IN_REGS:
+            kt = tl.where(is_new, ks, kt)
         sc = tl.dot(qs, tl.trans(kt.to(DOT_DTYPE)), sc)
         if BLOCK_REST > 0:
             cr = 2 * HALF + tl.arange(0, BLOCK_REST)
-            kt = tl.where(is_new, kr, tl.load(k_ptr + off + cr[None, :], mask=ld & (cr[None, :] < D),
-                                              other=0.0).to(tl.float32))
+            kt = tl.load(k_ptr + off + cr[None, :], mask=ld & (cr[None, :] < D), other=0.0).to(tl.float32)
+            if NEW_IN_REGS:
+                kt = tl.where(is_new, kr, kt)
             sc = tl.dot(qr, tl.trans(kt.to(DOT_DTYPE)), sc)
         sc = tl.where(ok[None, :], sc * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -401,8 +455,10 @@ def _sliding_attn_kernel(
         alpha = _exp(m_i - m_use, PRECISE)
         pr = _exp(sc - m_use[:, None], PRECISE)
         l_i = l_i * alpha + tl.sum(pr, axis=1)
-        vt = tl.where(is_new, vn, tl.load(v_ptr + off + dims[None, :], mask=ld & d_ok[None, :],
-                                          other=0.0).to(tl.float32)).to(DOT_DTYPE)
+        vt = tl.load(v_ptr + off + dims[None, :], mask=ld & d_ok[None, :], other=0.0).to(tl.float32)
+        if NEW_IN_REGS:
+            vt = tl.where(is_new, vn, vt)
+        vt = vt.to(DOT_DTYPE)
         acc = acc * alpha[:, None]
         if PRECISE:  # GPU: fp32 P as hi + lo bf16 halves on the tensor cores
             hi = _bf16_round(pr)
@@ -418,14 +474,14 @@ def _sliding_attn_kernel(
 
 
 @triton.jit
-def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_b,
+def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
                           HG: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_D: tl.constexpr, PRECISE: tl.constexpr):
     """Log-sum-exp merge of one (row, head)'s splits, c_i = exp(m_i - max m): o = bf(sum c_i acc_i / sum c_i l_i)
     (SDPA's bf16 result), then the gate: out = bf(o * bf(1 / (1 + exp(-logit)))) (torch.sigmoid, then mul)."""
-    row = tl.program_id(0)  # b * G + g
+    row = tl.program_id(0)  # t * G + g
     h = tl.program_id(1)
-    b = row // G
+    t = row // G
     head = (row % G) * HG + h
     sp = tl.arange(0, BLOCK_S)
     sp_ok = sp < SPLITS
@@ -439,32 +495,35 @@ def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_b,
                  other=0.0)
     num = tl.sum(po * c[:, None], axis=0)
     o = _bf16_round(tl.math.div_rn(num, tl.full(num.shape, 1.0, tl.float32) * tl.sum(l * c, axis=0)))
-    xrow = b.to(tl.int64) * stride_b
-    logit = tl.load(qkvg_ptr + xrow + (G * HG + 2 * G) * D + head).to(tl.float32)
+    logit = tl.load(qkvg_ptr + t.to(tl.int64) * stride_t + (G * HG + 2 * G) * D + head).to(tl.float32)
     gate = _bf16_round(tl.math.div_rn(1.0, 1.0 + _exp(-logit, PRECISE)))
-    tl.store(out_ptr + b.to(tl.int64) * (G * HG * D) + head * D + dims, _bf16_round(o * gate).to(tl.bfloat16),
+    tl.store(out_ptr + t.to(tl.int64) * (G * HG * D) + head * D + dims, _bf16_round(o * gate).to(tl.bfloat16),
              mask=d_ok)
 
 
 def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
                           n_groups, split_len=32):
-    """Triton sliding_decode_ref: 2 launches. split_len: ring slots per program; it depends only on R (never on
-    the batch), so a row's reduction order and result do not depend on the batch size."""
+    """Triton sliding_decode_ref: 2 launches (3 for Q > 1 tokens per row: the keys are written first). split_len:
+    ring slots per program; it depends only on R (never on the batch or Q), so a token's reduction order and result
+    do not depend on the batch size."""
     H, G = n_heads, n_groups
     _check(H > 0 and G > 0 and H % G == 0, f"n_heads={H} must be a positive multiple of n_groups={G}")
     for name, t_ in (("ring_k", ring_k), ("ring_v", ring_v)):
         _check_tensor(name, t_, torch.bfloat16, ndim=4)
     B, _, R, hd = ring_k.shape
+    T = qkvg.shape[0]
+    Q = T // B if B else 1
     _check(ring_v.shape == ring_k.shape and ring_k.shape[1] == G,
            f"ring_k, ring_v must both be [B, G={G}, R, hd], got {tuple(ring_k.shape)}, {tuple(ring_v.shape)}")
-    _check(0 < window <= R, f"window={window} must be in 1..R={R}")
     _check_tensor("qkvg", qkvg, torch.bfloat16, ndim=2, contiguous=False)
     width = H * hd + 2 * G * hd + H
-    _check(tuple(qkvg.shape) == (B, width) and qkvg.stride(1) == 1,
-           f"qkvg must be [B={B}, H*hd + 2*G*hd + H = {width}] with unit column stride, got {tuple(qkvg.shape)} "
-           f"strides {qkvg.stride()}")
+    _check(T == B * Q and qkvg.shape[1] == width and qkvg.stride(1) == 1,
+           f"qkvg must be [B*Q (B={B}), H*hd + 2*G*hd + H = {width}] with unit column stride, got "
+           f"{tuple(qkvg.shape)} strides {qkvg.stride()}")
+    _check(0 < window and window + Q - 1 <= R,
+           f"window={window} with {Q} tokens per row needs a ring of window + {Q - 1} slots, not R={R}")
     _check_tensor("pos", pos, torch.int64, ndim=1)
-    _check(pos.numel() == B, f"pos must be [B={B}], got {tuple(pos.shape)}")
+    _check(pos.numel() == T, f"pos must be [T={T}], got {tuple(pos.shape)}")
     for name, w_ in (("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w)):
         _check_tensor(name, w_, torch.float32, ndim=1)
         _check(w_.numel() == hd, f"{name} must be [{hd}], got {tuple(w_.shape)}")
@@ -473,24 +532,29 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     half = cos.shape[1]
     _check(cos.shape == sin.shape and 0 < 2 * half <= hd,
            f"cos/sin must be [n_pos, half <= {hd // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    out = torch.empty(B, H * hd, dtype=torch.bfloat16, device=qkvg.device)
-    if B == 0:
+    out = torch.empty(T, H * hd, dtype=torch.bfloat16, device=qkvg.device)
+    if T == 0:
         return out
     HG = H // G
     splits = triton.cdiv(R, split_len)
-    po = torch.empty(B * G * splits * HG * hd, dtype=torch.float32, device=qkvg.device)
-    pml = torch.empty(B * G * splits * 2 * HG, dtype=torch.float32, device=qkvg.device)
-    BLOCK_D = triton.next_power_of_2(hd)
+    po = torch.empty(T * G * splits * HG * hd, dtype=torch.float32, device=qkvg.device)
+    pml = torch.empty(T * G * splits * 2 * HG, dtype=torch.float32, device=qkvg.device)
     rest = hd - 2 * half
-    _sliding_attn_kernel[(B * G, splits)](
-        qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, qkvg.stride(0), float(eps),
-        float(scale), HG=HG, D=hd, HALF=half, SPLITS=splits, SPLIT_LEN=split_len,
+    # no FMA: the rotation's products are rounded separately (norm_rope_ref)
+    blocks = dict(D=hd, HALF=half, BLOCK_D=triton.next_power_of_2(hd),
+                  BLOCK_HALF=max(16, triton.next_power_of_2(half)),
+                  BLOCK_REST=max(16, triton.next_power_of_2(rest)) if rest else 0, num_warps=4, **_NO_FMA)
+    if Q > 1:
+        _sliding_write_kernel[(T * G,)](qkvg, pos, ring_k, ring_v, k_norm_w, cos, sin, G, R, Q, H, qkvg.stride(0),
+                                        float(eps), **blocks)
+    _sliding_attn_kernel[(T * G, splits)](
+        qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
+        float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
         BLOCK_H=max(16, triton.next_power_of_2(HG)), BLOCK_N=max(16, min(64, triton.next_power_of_2(split_len))),
-        BLOCK_D=BLOCK_D, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
-        BLOCK_REST=max(16, triton.next_power_of_2(rest)) if rest else 0, DOT_DTYPE=_DOT, PRECISE=_PRECISE,
-        num_warps=4, **_NO_FMA)  # no FMA: the rotation's products are rounded separately (norm_rope_ref)
-    _sliding_merge_kernel[(B * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
-                                       BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D, PRECISE=_PRECISE,
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, **blocks)
+    _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
+                                       BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
+                                       PRECISE=_PRECISE,
                                        num_warps=4)
     return out
 
@@ -791,11 +855,11 @@ def indexer_scores_ref(q, w, summ, w_scale=1.0):
 def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
                            q_stride_s, q_stride_t, q_stride_g, w_stride_s, w_stride_t, s_stride_s,
                            HG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                           DOT_DTYPE: tl.constexpr):
+                           HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """scores[s, g, t, r] = sum over heads h = 0..Hg-1 in order of relu(q_h . S_r) * w_h (one fp32 accumulator),
     w_h = f32(w) * w_scale.
 
-    q is rounded to e4m3 here (_e4m3_bits: torch's saturating cast, so no cast launch before the kernel) and S is
+    q is rounded to e4m3 here (_to_e4m3: torch's saturating cast, so no cast launch before the kernel) and S is
     e4m3; the dot runs in DOT_DTYPE (e4m3 -> bf16 is lossless) with fp32 accumulation, which avoids the
     reduced-precision accumulator of Hopper's fp8 MMA.
     """
@@ -811,7 +875,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
     for h in tl.static_range(HG):
         q = tl.load(q_ptr + s * q_stride_s + ts[:, None] * q_stride_t + g * q_stride_g + h * P + d[None, :],
                     mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        q = _e4m3_bits(q).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DOT_DTYPE)
+        q = _to_e4m3(q, HW_CAST).to(tl.float32).to(DOT_DTYPE)
         wh = tl.load(w_ptr + s * w_stride_s + ts * w_stride_t + g * HG + h, mask=t_ok, other=0.0).to(tl.float32)
         wh = wh * w_scale
         acc = acc + tl.maximum(tl.dot(q, tl.trans(summ)), 0.0) * wh[:, None]
@@ -838,8 +902,8 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0):
         _indexer_scores_kernel[grid](q, w, summ, out, T, G, R, P, float(w_scale), q.stride(0), q.stride(1),
                                      q.stride(2),
                                      w.stride(0), w.stride(1), summ.stride(0), HG=HG, BLOCK_T=BLOCK_T,
-                                     BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P), DOT_DTYPE=_DOT,
-                                     num_warps=4, **_NO_FMA)
+                                     BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P), HW_CAST=not _INTERPRET,
+                                     DOT_DTYPE=_DOT, num_warps=4, **_NO_FMA)
     return out
 
 
@@ -1404,7 +1468,7 @@ def _gemm_block_m(rows_per_expert: float) -> int:
 
 
 def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, block_m=None,
-                        block_n=None, num_stages=None):
+                        block_n=None, num_stages=None, num_warps=None):
     """Grouped expert GEMM over rows sorted by expert; one launch for all experts.
 
     x [Mx, K] (e4m3 with sx [Mx, ceil(K/128)] fp32, or bf16 with sx None); row_off [E+1] int32 on the device
@@ -1459,7 +1523,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
         sw.stride(0) if fp8 else 0, sw.stride(1) if fp8 else 0, out.stride(0),
         FP8=fp8, GATED=w3 is not None, GATHER=row_idx is not None, HAS_LIMIT=limit is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E),
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, num_warps=8 if BLOCK_M == 128 else 4,
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, num_warps=num_warps or (8 if BLOCK_M >= 128 else 4),
         num_stages=1 if _INTERPRET else (num_stages or (4 if fp8 else 2)))  # bf16 tiles are twice the shared memory of e4m3
     return out
 
@@ -1501,40 +1565,30 @@ def _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2):
 # Grid axis 1 = rank u of a hit local expert (ascending id; at most min(T*k, E) of them, programs of ranks past the
 # number hit exit at once) plus, first, the shared expert; axis 0 = N tiles of BLOCK_N columns, so one hit expert's
 # weights are streamed by cdiv(N, BLOCK_N) programs (~50-100 at F = 1536, D = 4096) and read once for all its rows.
-DECODE_SLOTS = 128  # what the decode launcher takes
-# What moe_experts_triton sends to it. H200, routed FP8 + shared expert, CUDA graph: T=1 41 us (sorted path 95),
-# T=4 ~120 (127), T=16 212 (175): each program's K loop is latency-bound (~0.5 us per 128-wide step), so the
-# decode path wins only while few experts are hit; raise this once it beats the sorted path at T=16.
-DECODE_DISPATCH_SLOTS = 32
+# moe_experts_triton sends it every batch of up to DECODE_SLOTS slots: on the H200 (routed FP8 + shared expert, CUDA
+# graph, x quantised once) it took 32 / 59 / 160 us at T = 1 / 4 / 16 against the sorted path's 95 / 128 / 175.
+DECODE_SLOTS = 128
 
 
 @triton.jit
 def _quant_rows(x, HW_CAST: tl.constexpr):
     """bf16-valued fp32 [M, 128] -> (e4m3 tile, sx [M]) with act_quant_ref's arithmetic: the block is the K step,
-    so quantising on load equals quantising the whole row first. HW_CAST: the GPU's saturating round-to-nearest-even
-    convert, which equals _e4m3_bits after the clamp (tests/test_kernels.py checks it); the interpreter needs the
-    helper."""
+    so quantising on load equals quantising the whole row first."""
     sx = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * (1.0 / 448.0)
-    xs = x * tl.math.div_rn(tl.full(sx.shape, 1.0, tl.float32), sx)[:, None]
-    if HW_CAST:
-        q = tl.minimum(tl.maximum(xs, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    else:
-        q = _e4m3_bits(xs).to(tl.float8e4nv, bitcast=True)
-    return q, sx
+    return _to_e4m3(x * tl.math.div_rn(tl.full(sx.shape, 1.0, tl.float32), sx)[:, None], HW_CAST), sx
 
 
 @triton.jit
 def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, sw_ptr, sw3_ptr, cols, col_ok, K,
-                 limit, kb0, kb1, split_off, FP8: tl.constexpr, XQ: tl.constexpr, GATED: tl.constexpr,
-                 X_SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, X_SPLITS: tl.constexpr,
+                 limit, kb0, kb1, FP8: tl.constexpr, XQ: tl.constexpr, GATED: tl.constexpr,
+                 X_SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr):
     """acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T over the K blocks kb0 .. kb1-1,
     with _grouped_gemm_kernel's arithmetic per 128-wide K block. w_ptr/w3_ptr point at the expert's [N, K] weight,
     sw_ptr/sw3_ptr at its scale row of these columns. FP8: X is quantised per 1x128 block on load (act_quant_ref), or
     XQ: X is already e4m3 with scales sx_ptr [row, kb] (act_quant_triton). X_SWIGLU: X is swiglu(G, U) of the bf16 G
-    at x_ptr and U at x_ptr + u_off (the shared expert's down input). X_SPLITS > 1: G and U are the fp32 partial
-    sums of a split-K gate/up, X_SPLITS of them split_off apart, added in split order and rounded to bf16 first."""
+    at x_ptr and U at x_ptr + u_off (the shared expert's down input)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride
@@ -1547,13 +1601,7 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
         a = tl.load(x_base + ks[None, :], mask=x_ok, other=0.0)
         if not XQ:
             a = a.to(tl.float32)
-        if X_SPLITS > 1:
-            u = tl.load(x_base + u_off + ks[None, :], mask=x_ok, other=0.0)
-            for sp in tl.static_range(1, X_SPLITS):
-                a = a + tl.load(x_base + sp * split_off + ks[None, :], mask=x_ok, other=0.0)
-                u = u + tl.load(x_base + sp * split_off + u_off + ks[None, :], mask=x_ok, other=0.0)
-            a = _swiglu_math(_bf16_round(a), _bf16_round(u), limit, HAS_LIMIT, PRECISE)
-        elif X_SWIGLU:
+        if X_SWIGLU:
             u = tl.load(x_base + u_off + ks[None, :], mask=x_ok, other=0.0)
             a = _swiglu_math(a, u.to(tl.float32), limit, HAS_LIMIT, PRECISE)
         b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
@@ -1604,15 +1652,12 @@ def _decode_rows(hit, before, m0, BLOCK_M: tl.constexpr, BLOCK_TK: tl.constexpr)
 def _moe_decode_up_kernel(
     x_ptr, sx_ptr, xb_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, a_ptr, wg_ptr, wu_ptr, gu_ptr,
     T, D, F, FS, E, first_expert, limit, w_stride_e, sw_stride_e, sw_stride_n,
-    TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, XQ: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    K_SPLITS: tl.constexpr,
+    TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
-    slot of each row. K_SPLITS > 1: program (tile, split) sums K blocks split*n/K_SPLITS .. only and stores its fp32
-    partials a[split, 0 | 1, slot] of the gate and the up (the down kernel adds the splits in order, rounds, SwiGLU):
-    K_SPLITS times the programs per expert, for the latency of the K loop. Shared expert (SHARED, axis-1 program 0):
+    slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]). Shared expert (SHARED, axis-1 program 0):
     tiles 0..nt-1 of its gate, then of its up, every token a row, stored separately as bf16 gu[0] = bf(x.wg^T),
     gu[1] = bf(x.wu^T) (MLP's rounding points): half the bytes per program of a gated tile, so the shared programs
     finish with the routed ones."""
@@ -1629,35 +1674,26 @@ def _moe_decode_up_kernel(
             for m0 in range(0, T, BLOCK_M):
                 tok = m0 + tl.arange(0, BLOCK_M)
                 acc, _ = _decode_tile(xb_ptr, xb_ptr, tok, tok < T, D, 0, w, w, w, w, cols, col_ok, D, limit, 0,
-                                      tl.cdiv(D, BLOCK_K), 0, False, False, False, False, False, 1, BLOCK_M, BLOCK_N,
+                                      tl.cdiv(D, BLOCK_K), False, False, False, False, False, BLOCK_M, BLOCK_N,
                                       BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE)
                 out = gu_ptr + ((pid_n // nt) * T + tok)[:, None] * FS + cols[None, :]
                 tl.store(out, _bf16_round(acc).to(tl.bfloat16), mask=(tok < T)[:, None] & col_ok[None, :])
     else:
         found, e, hit, before = _decode_expert(ids_ptr, u - SHARED, first_expert, E, T * TOPK, BLOCK_TK, BLOCK_E)
-        tiles = tl.cdiv(F, BLOCK_N)
-        tile, split = pid_n % tiles, pid_n // tiles
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < F
-        nkb = tl.cdiv(D, BLOCK_K)
-        per = tl.cdiv(nkb, K_SPLITS)  # K blocks per split: a function of D alone
-        if found & (split < K_SPLITS):
+        if found & (pid_n < tl.cdiv(F, BLOCK_N)):
             e64 = e.to(tl.int64)
-            sw_off = e64 * sw_stride_e + (tile * BLOCK_N // BLOCK_K) * sw_stride_n  # BLOCK_N divides 128
+            sw_off = e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n  # BLOCK_N divides 128
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
                 g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
                                      w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok, D,
-                                     limit, split * per, tl.minimum(split * per + per, nkb), 0, FP8, XQ, True, False,
-                                     False, 1, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE)
-                mask = row_ok[:, None] & col_ok[None, :]
-                if K_SPLITS == 1:
-                    y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE)
-                    tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16), mask=mask)
-                else:  # a [K_SPLITS, 2, T*k, F] fp32
-                    part = a_ptr + ((split * 2 * T * TOPK + slot) * F).to(tl.int64)[:, None] + cols[None, :]
-                    tl.store(part, g, mask=mask)
-                    tl.store(part + T * TOPK * F, up, mask=mask)
+                                     limit, 0, tl.cdiv(D, BLOCK_K), FP8, FP8, True, False, False, BLOCK_M, BLOCK_N,
+                                     BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE)
+                y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE)
+                tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16),
+                         mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -1665,12 +1701,11 @@ def _moe_decode_down_kernel(
     a_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, gu_ptr, wd_ptr, ys_ptr,
     T, D, F, FS, E, first_expert, limit, limit_s, w_stride_e, sw_stride_e, sw_stride_n,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
-    K_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
-    load (FP8); K_SPLITS > 1: a = swiglu of the gate/up partials, added in split order, computed on load.
+    load (FP8).
     Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load."""
     pid_n = tl.program_id(0)
     u = tl.program_id(1)
@@ -1680,8 +1715,8 @@ def _moe_decode_down_kernel(
         for m0 in range(0, T, BLOCK_M):
             tok = m0 + tl.arange(0, BLOCK_M)
             acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr, cols,
-                                  col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), 0, False, False, False, True,
-                                  HAS_LIMIT_S, 1, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE)
+                                  col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), False, False, False, True,
+                                  HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -1691,9 +1726,9 @@ def _moe_decode_down_kernel(
             sw = s2_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
-                acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, T * TOPK * F, w2_ptr + e64 * w_stride_e, w2_ptr,
-                                      sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), 2 * T * TOPK * F, FP8,
-                                      False, False, False, HAS_LIMIT, K_SPLITS, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST,
+                acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr,
+                                      sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), FP8,
+                                      False, False, False, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST,
                                       DOT_DTYPE, PRECISE)
                 tl.store(y_ptr + slot.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
@@ -1734,19 +1769,17 @@ def _check_shared(shared, D):
 
 
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None, prequant=None, k_splits=None):
+                              block_n=None, num_warps=None, num_stages=None):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
-    1. gate/up: one program per (hit expert, F tile) computes all rows routed to that expert (x quantised on load),
-       SwiGLU epilogue, a[slot] bf16 [T*k, F]; the shared expert's gate and up tiles run in the same launch.
+    0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
+       slower on the H200).
+    1. gate/up: one program per (hit expert, F tile) computes all rows routed to that expert, SwiGLU epilogue, a[slot] bf16 [T*k, F]; the shared expert's gate and up tiles run in the same launch.
     2. down: per (hit expert, D tile): y[slot] bf16 [T*k, D] (a quantised on load); the shared expert's down too.
     3. combine: slot-order fp32 sum per token, plus the shared output when given.
     Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
     block_n / num_warps / num_stages: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py sweep).
-    prequant: quantise x once with act_quant_triton (one more launch) instead of in every gate/up program's K loop
-    (same bytes; a candidate for the loop's latency, not yet measured on the GPU).
-    k_splits: split the gate/up K loop over that many programs per tile (fp32 partials added in split order by the
-    down kernel: another summation order than the reference's, within the GPU tolerance; not yet measured).
+    (A split-K gate/up, 2-8 programs per tile with fp32 partials, measured 2-4x slower at T=1 and T=16: removed.)
     """
     T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
     Fs = _check_shared(shared, D) if shared is not None else 0
@@ -1754,10 +1787,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     out = torch.empty(T, D, dtype=torch.float32 if shared is not None else torch.bfloat16, device=x.device)
     if T == 0:
         return out
-    ks = k_splits or 1
-    _check(isinstance(ks, int) and ks >= 1, f"k_splits must be a positive int, got {k_splits!r}")
-    a = (torch.empty(T * k, F, dtype=torch.bfloat16, device=x.device) if ks == 1  # remote slots' rows stay unwritten
-         else torch.empty(ks, 2, T * k, F, dtype=torch.float32, device=x.device))
+    a = torch.empty(T * k, F, dtype=torch.bfloat16, device=x.device)  # remote slots' rows stay unwritten
     y = torch.empty(T * k, D, dtype=torch.bfloat16, device=x.device)
     if shared is not None:
         wg, wu, wd, limit_s = shared
@@ -1768,8 +1798,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         limit_s = None
     if _INTERPRET:
         bn, nw, ns = (64, 64), (4, 4), (1, 1)
-    else:  # H200 sweep (bench_kernels.py sweep_moe_decode): best at T=1 and T=16 of BLOCK_N 16/32/64, 2/4 warps
-        bn, nw, ns = (32, 32), (4, 4), (4, 4)
+    else:  # H200 sweep (bench_kernels.py sweep_moe_decode), routed + shared: (32, 64) 33.8 us at T=1 (best 33.5),
+        bn, nw, ns = (32, 64), (4, 4), (4, 4)  # 164 us at T=16 (best); (16, 32) 36.9 / 271, (32, 32) 33.5 / 189
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     sh = int(shared is not None)
     ranks = min(T * k, E)  # distinct local experts the slots can hit
@@ -1777,22 +1807,18 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK,
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
                   HW_CAST=not _INTERPRET, DOT_DTYPE=_DOT, PRECISE=_PRECISE)
-    grid1 = (max(triton.cdiv(F, bn[0]) * ks, 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
-    xq = bool(prequant) and fp8
-    if xq:
-        xqt, sxt = act_quant_triton(x)
-    else:
-        xqt, sxt = x, dummy
+    grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
+    xqt, sxt = act_quant_triton(x) if fp8 else (x, dummy)
     _moe_decode_up_kernel[grid1](
         xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
-        s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, XQ=xq, HAS_LIMIT=limit is not None, K_SPLITS=ks,
+        s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None,
         BLOCK_N=bn[0], num_warps=nw[0], num_stages=ns[0], **common)
     _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
         a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
         float(limit_s) if limit_s is not None else 0.0, w2.stride(0), s2.stride(0) if fp8 else 0,
-        s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None, K_SPLITS=ks,
+        s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None,
         BLOCK_N=bn[1], num_warps=nw[1], num_stages=ns[1], **common)
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
     _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, ids, weights, ys, out, D, E, int(first_expert),
@@ -1839,8 +1865,8 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
 
 
 def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):
-    """Triton moe_experts_ref: the sort-free decode path for T*k <= DECODE_DISPATCH_SLOTS, else the sorted path."""
-    path = moe_experts_decode_triton if ids.numel() <= DECODE_DISPATCH_SLOTS else moe_experts_sorted_triton
+    """Triton moe_experts_ref: the sort-free decode path for T*k <= DECODE_SLOTS, else the sorted path."""
+    path = moe_experts_decode_triton if ids.numel() <= DECODE_SLOTS else moe_experts_sorted_triton
     return path(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert, shared)
 
 
@@ -1921,6 +1947,15 @@ def skinny_linear_triton(x, w, block_n=16, block_k=256, num_stages=4):
             x, w, out, M, N, K, x.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_DTYPE=_DOT, num_warps=4, num_stages=1 if _INTERPRET else num_stages)
     return out
+
+
+def skinny_linear(x, w):
+    """x . w^T for the DSA layers' packed projection (w [3468, 4096] at TP=8): at <= 16 rows this kernel reads w
+    at ~3.2 TB/s where cuBLAS's GEMV reaches ~1.7 (H200, bench_kernels.py --only gemm; the sliding layers' narrower
+    packed weight, o_proj and lm_head measured no faster than cuBLAS, so they keep F.linear)."""
+    if _triton(x) and x.shape[0] <= 16:
+        return skinny_linear_triton(x, w, block_n=32, block_k=256)
+    return skinny_linear_ref(x, w)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -261,14 +261,18 @@ class Attention(nn.Module):
 
     def project(self, h: torch.Tensor) -> list:
         """h [T, D] bf16 -> the packed projections' column slices [q, k, v, gate (, indexer q, k, z, w)], bf16."""
-        return linear(h, self.wpack).split(self.split, dim=-1)
+        return (kernel.skinny_linear if self.dsa else linear)(h, self.wpack).split(self.split, dim=-1)
 
     def new_cache(self, B: int, cap: int, device, slack: int = 0) -> LayerCache:
         """slack: extra ring slots, so that rows written past the kept length (rejected speculative rows, rolled back
         by resetting the lengths) never overwrite a key that a kept row's window still needs."""
         G, hd = self.n_groups, self.cfg.head_dim
         if not self.dsa:
+            # with spare slots, R rounded up to a multiple of 16: on the H200 the whole rank's 1-token step took
+            # 14.6 ms with rings of 515 slots and 8.1 ms with 528 (bench_decode --whole-rank --tokens-per-row 4);
+            # the fused kernel alone is not slower at 515 (13.7 vs 13.3 us), so the cause is not isolated
             R = self.cfg.sliding_window + slack
+            R = -(-R // 16) * 16 if slack else R
             return LayerCache(k=torch.zeros(B, G, R, hd, dtype=torch.bfloat16, device=device),
                               v=torch.zeros(B, G, R, hd, dtype=torch.bfloat16, device=device))
         sp = self.cfg.sparse
@@ -286,7 +290,7 @@ class Attention(nn.Module):
         T = h.shape[0]
         H, G, hd = self.n_heads, self.n_groups, self.cfg.head_dim
         eps = self.cfg.rms_norm_eps
-        if not self.dsa and spans is None and T == cache.k.shape[0]:  # decode, one token per row: one fused kernel
+        if not self.dsa and spans is None:  # decode, Q tokens per row: the fused kernels (q/k norm + RoPE inside)
             o = kernel.sliding_decode(linear(h, self.wpack), pos, cache.k, cache.v, self.q_norm.weight,
                                       self.k_norm.weight, *rope["main"], eps, self.scale, self.cfg.sliding_window, H, G)
             return linear(o, self.o_proj.weight)  # this rank's bf16 partial: Block reduces it
@@ -297,8 +301,6 @@ class Attention(nn.Module):
         v = v.view(T, G, hd)
         if self.dsa:
             o = self._dsa(idx, q, k, v, pos, rope["indexer"], spans, cache, req)
-        elif spans is None:  # Q tokens per row (a speculative verify step)
-            o = kernel.ring_attention_ref(q, k, v, pos, cache.k, cache.v, self.cfg.sliding_window, self.scale)
         else:
             o = self._sliding_prefill(q, k, v, spans, cache)
         gate = torch.sigmoid(g)  # [T, H] bf16
@@ -725,7 +727,7 @@ class Step5ForCausalLM(nn.Module):
     # ---- multi-token prediction (layers num_hidden_layers .. + mtp_layers_kept - 1 of the checkpoint)
     def new_mtp_caches(self, B: int, max_tokens: int, slack: int = 0) -> list:
         """One cache per MTP layer, each with its own lengths (an MTP layer lags the main stack); slack: spare ring
-        slots for decode steps of up to slack + 1 rows per request (kernel.ring_attention_ref)."""
+        slots for decode steps of up to slack + 1 rows per request (kernel.sliding_decode)."""
         L, cap, dev = self.cfg.num_hidden_layers, self._capacity(max_tokens + slack), self.lm_head.weight.device
         return [Cache([self.model.layers[L + k].self_attn.new_cache(B, cap, dev, slack)], B, cap, dev)
                 for k in range(self.cfg.mtp_layers_kept)]
