@@ -349,22 +349,28 @@ def bench_moe_decode(T, E=44):
 
 
 def sweep_moe_decode(T, E=44):
-    """Tile/stage choices of the decode MoE kernels ((gate/up, down) pairs), routed + shared expert."""
+    """Tile/warp/stage choices of the decode MoE kernels ((gate/up, down) pairs), routed + shared expert; '=' when the
+    output's bits equal the defaults' (the tiles do not change any element's K order)."""
     D, Fw = 4096, 1536
     (w1, s1), (w3, s3), (w2, s2) = fp8_weights(E, Fw, D, 1), fp8_weights(E, Fw, D, 2), fp8_weights(E, D, Fw, 3)
     sh = shared_weights(D)
     x = torch.randn(T, D, device=DEV).bfloat16()
     ids, wts = routed(T, E, seed=T)
-    res = []  # measured before: 2 warps slower everywhere; split-K gate/up 2-4x slower
-    for bn in ((32, 32), (32, 64), (64, 64), (32, 128)):
-        for st in (3, 4, 6):
-            name = f"BN={bn} st={st}"
-            try:
-                t = bench(lambda: K.moe_experts_decode_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, 0, sh,
-                                                              block_n=bn, num_stages=(st, st)))
-                res.append(f"{name}: {t * 1e6:.1f}us")
-            except Exception as e:
-                res.append(f"{name}: {type(e).__name__}")
+    run = lambda **kw: K.moe_experts_decode_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, 0, sh, **kw)  # noqa: E731
+    want = run()
+    res = []  # measured before: 2 warps slower everywhere; split-K gate/up 2-4x slower; stages 3-8 within ~10%
+    # measured on the H200 (T = 1 / 16): (32, 64) w4 st4 32.4 / 160 us; w8 42.9 / 293; (64, 64) w8 36.7 / 236;
+    # (64, 128) w8 37.1 / 175; (16, 32) w4 st6 39.5 / 302; (32, 32) w8 st6 45.8 / 420; (128, 128) w8 st3 43.0 / 153
+    for bn, nw, st, ku in (((32, 64), 4, 4, 1), ((32, 64), 4, 4, 2), ((32, 64), 4, 4, 4), ((32, 64), 4, 2, 4),
+                           ((64, 128), 8, 3, 4), ((128, 128), 8, 3, 1)):
+        name = f"BN={bn} w{nw} st={st} k_unroll={ku}"
+        try:
+            kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku))
+            same = "=" if torch.equal(run(**kw), want) else "DIFFERS"
+            t = bench(lambda: run(**kw))
+            res.append(f"{name}: {t * 1e6:.1f}us {same}")
+        except Exception as e:
+            res.append(f"{name}: {type(e).__name__}")
     print(f"  sweep moe decode T={T}: " + "; ".join(res), flush=True)
 
 

@@ -505,7 +505,8 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
                           n_groups, split_len=32):
     """Triton sliding_decode_ref: 2 launches (3 for Q > 1 tokens per row: the keys are written first). split_len:
     ring slots per program; it depends only on R (never on the batch or Q), so a token's reduction order and result
-    do not depend on the batch size."""
+    do not depend on the batch size. 32 on the H200 (one TP=8 layer, R = 512): 13.5 us at B = 1 and 15.5 at B = 16,
+    against 12.6 / 22.8 (16), 16.6 / 17.5 (64) and 22.5 / 23.3 (128)."""
     H, G = n_heads, n_groups
     _check(H > 0 and G > 0 and H % G == 0, f"n_heads={H} must be a positive multiple of n_groups={G}")
     for name, t_ in (("ring_k", ring_k), ("ring_v", ring_v)):
@@ -1583,44 +1584,48 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
                  limit, kb0, kb1, FP8: tl.constexpr, XQ: tl.constexpr, GATED: tl.constexpr,
                  X_SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr):
+                 DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, K_UNROLL: tl.constexpr):
     """acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T over the K blocks kb0 .. kb1-1,
     with _grouped_gemm_kernel's arithmetic per 128-wide K block. w_ptr/w3_ptr point at the expert's [N, K] weight,
     sw_ptr/sw3_ptr at its scale row of these columns. FP8: X is quantised per 1x128 block on load (act_quant_ref), or
     XQ: X is already e4m3 with scales sx_ptr [row, kb] (act_quant_triton). X_SWIGLU: X is swiglu(G, U) of the bf16 G
-    at x_ptr and U at x_ptr + u_off (the shared expert's down input)."""
+    at x_ptr and U at x_ptr + u_off (the shared expert's down input). K_UNROLL: K blocks per loop iteration, written
+    out (a candidate for more loads in flight per program; it must divide kb1 - kb0; the blocks are still added one
+    by one in K order, so every K_UNROLL gives the same bits)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride
     w_base = w_ptr + cols.to(tl.int64)[:, None] * K
     w3_base = w3_ptr + cols.to(tl.int64)[:, None] * K
-    for kb in range(kb0, kb1):
-        ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
-        x_ok = row_ok[:, None] & k_ok[None, :]
-        a = tl.load(x_base + ks[None, :], mask=x_ok, other=0.0)
-        if not XQ:
-            a = a.to(tl.float32)
-        if X_SWIGLU:
-            u = tl.load(x_base + u_off + ks[None, :], mask=x_ok, other=0.0)
-            a = _swiglu_math(a, u.to(tl.float32), limit, HAS_LIMIT, PRECISE)
-        b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if FP8:
-            if XQ:
-                aq = a
-                sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
+    for kb_u in range(kb0, kb1, K_UNROLL):
+        for u_ in tl.static_range(K_UNROLL):
+            kb = kb_u + u_
+            ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
+            x_ok = row_ok[:, None] & k_ok[None, :]
+            a = tl.load(x_base + ks[None, :], mask=x_ok, other=0.0)
+            if not XQ:
+                a = a.to(tl.float32)
+            if X_SWIGLU:
+                u = tl.load(x_base + u_off + ks[None, :], mask=x_ok, other=0.0)
+                a = _swiglu_math(a, u.to(tl.float32), limit, HAS_LIMIT, PRECISE)
+            b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if FP8:
+                if XQ:
+                    aq = a
+                    sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
+                else:
+                    aq, sa = _quant_rows(a, HW_CAST)
+                acc = acc + tl.dot(aq, tl.trans(b)) * sa[:, None] * tl.load(sw_ptr + kb)
+                if GATED:
+                    b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                    acc3 = acc3 + tl.dot(aq, tl.trans(b3)) * sa[:, None] * tl.load(sw3_ptr + kb)
             else:
-                aq, sa = _quant_rows(a, HW_CAST)
-            acc = acc + tl.dot(aq, tl.trans(b)) * sa[:, None] * tl.load(sw_ptr + kb)
-            if GATED:
-                b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                acc3 = acc3 + tl.dot(aq, tl.trans(b3)) * sa[:, None] * tl.load(sw3_ptr + kb)
-        else:
-            a = a.to(DOT_DTYPE)
-            acc = tl.dot(a, tl.trans(b.to(tl.float32).to(DOT_DTYPE)), acc)
-            if GATED:
-                b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                acc3 = tl.dot(a, tl.trans(b3.to(tl.float32).to(DOT_DTYPE)), acc3)
+                a = a.to(DOT_DTYPE)
+                acc = tl.dot(a, tl.trans(b.to(tl.float32).to(DOT_DTYPE)), acc)
+                if GATED:
+                    b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                    acc3 = tl.dot(a, tl.trans(b3.to(tl.float32).to(DOT_DTYPE)), acc3)
     return acc, acc3
 
 
@@ -1655,10 +1660,11 @@ def _moe_decode_up_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+    K_UNROLL: tl.constexpr,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
-    slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]). Shared expert (SHARED, axis-1 program 0):
-    tiles 0..nt-1 of its gate, then of its up, every token a row, stored separately as bf16 gu[0] = bf(x.wg^T),
+    slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]). Shared expert (SHARED, axis-1
+    program 0): tiles 0..nt-1 of its gate, then of its up, every token a row, stored separately as bf16 gu[0] = bf(x.wg^T),
     gu[1] = bf(x.wu^T) (MLP's rounding points): half the bytes per program of a gated tile, so the shared programs
     finish with the routed ones."""
     pid_n = tl.program_id(0)
@@ -1675,7 +1681,7 @@ def _moe_decode_up_kernel(
                 tok = m0 + tl.arange(0, BLOCK_M)
                 acc, _ = _decode_tile(xb_ptr, xb_ptr, tok, tok < T, D, 0, w, w, w, w, cols, col_ok, D, limit, 0,
                                       tl.cdiv(D, BLOCK_K), False, False, False, False, False, BLOCK_M, BLOCK_N,
-                                      BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE)
+                                      BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, K_UNROLL)
                 out = gu_ptr + ((pid_n // nt) * T + tok)[:, None] * FS + cols[None, :]
                 tl.store(out, _bf16_round(acc).to(tl.bfloat16), mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -1690,7 +1696,7 @@ def _moe_decode_up_kernel(
                 g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
                                      w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok, D,
                                      limit, 0, tl.cdiv(D, BLOCK_K), FP8, FP8, True, False, False, BLOCK_M, BLOCK_N,
-                                     BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE)
+                                     BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, K_UNROLL)
                 y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE)
                 tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
@@ -1703,6 +1709,7 @@ def _moe_decode_down_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+    K_UNROLL: tl.constexpr,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
     load (FP8).
@@ -1716,7 +1723,7 @@ def _moe_decode_down_kernel(
             tok = m0 + tl.arange(0, BLOCK_M)
             acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr, cols,
                                   col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), False, False, False, True,
-                                  HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE)
+                                  HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, 1)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -1729,7 +1736,7 @@ def _moe_decode_down_kernel(
                 acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr,
                                       sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), FP8,
                                       False, False, False, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST,
-                                      DOT_DTYPE, PRECISE)
+                                      DOT_DTYPE, PRECISE, K_UNROLL)
                 tl.store(y_ptr + slot.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
 
@@ -1769,7 +1776,7 @@ def _check_shared(shared, D):
 
 
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None):
+                              block_n=None, num_warps=None, num_stages=None, k_unroll=None):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
     0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
@@ -1778,7 +1785,9 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     2. down: per (hit expert, D tile): y[slot] bf16 [T*k, D] (a quantised on load); the shared expert's down too.
     3. combine: slot-order fp32 sum per token, plus the shared output when given.
     Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
-    block_n / num_warps / num_stages: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py sweep).
+    block_n / num_warps / num_stages / k_unroll: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py
+    sweep); k_unroll (K blocks per loop iteration of the routed tiles and the shared gate/up, same bits) is a
+    candidate not yet timed on a GPU.
     (A split-K gate/up, 2-8 programs per tile with fp32 partials, measured 2-4x slower at T=1 and T=16: removed.)
     """
     T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
@@ -1798,9 +1807,12 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         limit_s = None
     if _INTERPRET:
         bn, nw, ns = (64, 64), (4, 4), (1, 1)
-    else:  # H200 sweep (bench_kernels.py sweep_moe_decode), routed + shared: (32, 64) 33.8 us at T=1 (best 33.5),
-        bn, nw, ns = (32, 64), (4, 4), (4, 4)  # 164 us at T=16 (best); (16, 32) 36.9 / 271, (32, 32) 33.5 / 189
-    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
+    else:  # H200 sweeps (bench_kernels.py sweep_moe_decode), routed + shared: 32-34 us at T=1 (best of 19 tile /
+        bn, nw, ns = (32, 64), (4, 4), (4, 4)  # warp / stage choices), 160-164 us at T=16 (best 153, (128, 128) w8)
+    bn, nw, ns, ku = block_n or bn, num_warps or nw, num_stages or ns, k_unroll or (1, 1)
+    _check(triton.cdiv(D, QBLOCK) % ku[0] == 0 and triton.cdiv(F, QBLOCK) % ku[1] == 0,
+           f"k_unroll {ku} must divide the K blocks of gate/up ({triton.cdiv(D, QBLOCK)}) and down "
+           f"({triton.cdiv(F, QBLOCK)})")
     sh = int(shared is not None)
     ranks = min(T * k, E)  # distinct local experts the slots can hit
     dummy = y
@@ -1812,13 +1824,13 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     _moe_decode_up_kernel[grid1](
         xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
-        s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None,
+        s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, K_UNROLL=ku[0],
         BLOCK_N=bn[0], num_warps=nw[0], num_stages=ns[0], **common)
     _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
         a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
         float(limit_s) if limit_s is not None else 0.0, w2.stride(0), s2.stride(0) if fp8 else 0,
-        s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None,
+        s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None, K_UNROLL=ku[1],
         BLOCK_N=bn[1], num_warps=nw[1], num_stages=ns[1], **common)
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
     _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, ids, weights, ys, out, D, E, int(first_expert),

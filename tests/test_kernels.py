@@ -171,6 +171,11 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
         d = report(f"moe {path.__name__} fp8={fp8}", out, ref)
         assert out.dtype == ref.dtype
         assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
+    # two K blocks per loop iteration (D = 192 and F = 160 are 2 blocks each): the same additions in the same order
+    dec = K.moe_experts_decode_triton(*args, limit, first, sh)
+    assert torch.equal(K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=(2, 2)), dec)
+    with pytest.raises(ValueError, match="k_unroll"):
+        K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=(3, 1))
 
 
 def test_moe_decode_local_ids():
@@ -596,6 +601,7 @@ def test_gpu_moe_decode_real_shape(T):
     assert d.max() <= 2e-2 * ref.float().abs().max()
     d = report(f"GPU moe decode vs sorted T={T}", out, old)
     assert d.max() <= 2e-2 * ref.float().abs().max()
+    assert torch.equal(K.moe_experts_decode_triton(*args, k_unroll=(4, 4)), out)  # 32 and 12 K blocks: same bits
 
 
 @gpu
