@@ -631,6 +631,23 @@ def add_norm_ref(res, parts, w, eps):
 
 
 @triton.jit
+def _residual_norm(acc, res_ptr, w_ptr, res_out_ptr, h_ptr, row, D, eps, PARTS_BF16: tl.constexpr,
+                   NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The tail of both add_norm kernels: the rank-ordered sum acc [BLOCK_D] fp32 of row `row` (int64), rounded to
+    the partials' dtype, added to the fp32 residual; then _rms_norm_kernel's arithmetic on the new residual."""
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    if PARTS_BF16:
+        acc = _bf16_round(acc)
+    x = tl.load(res_ptr + row * D + d, mask=ok, other=0.0) + acc
+    tl.store(res_out_ptr + row * D + d, x, mask=ok)
+    if NORM:
+        r_ = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
+        y = x * r_ * (tl.load(w_ptr + d, mask=ok, other=0.0) + 1.0)
+        tl.store(h_ptr + row * D + d, _bf16_round(y).to(tl.bfloat16), mask=ok)
+
+
+@triton.jit
 def _add_norm_kernel(res_ptr, parts_ptr, w_ptr, res_out_ptr, h_ptr, W, T, D, eps,
                      PARTS_BF16: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
     """One row per program: the rank-ordered fp32 sum of the W partials, rounded to their dtype, added to the fp32
@@ -642,14 +659,7 @@ def _add_norm_kernel(res_ptr, parts_ptr, w_ptr, res_out_ptr, h_ptr, W, T, D, eps
     acc = tl.load(parts_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)
     for r in range(1, W):
         acc = acc + tl.load(parts_ptr + (r * T + row) * D + d, mask=ok, other=0.0).to(tl.float32)
-    if PARTS_BF16:
-        acc = _bf16_round(acc)
-    x = tl.load(res_ptr + row * D + d, mask=ok, other=0.0) + acc
-    tl.store(res_out_ptr + row * D + d, x, mask=ok)
-    if NORM:
-        r_ = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
-        y = x * r_ * (tl.load(w_ptr + d, mask=ok, other=0.0) + 1.0)
-        tl.store(h_ptr + row * D + d, _bf16_round(y).to(tl.bfloat16), mask=ok)
+    _residual_norm(acc, res_ptr, w_ptr, res_out_ptr, h_ptr, row, D, eps, PARTS_BF16, NORM, BLOCK_D)
 
 
 def add_norm_triton(res, parts, w, eps):
@@ -667,6 +677,64 @@ def add_norm_triton(res, parts, w, eps):
         _add_norm_kernel[(T,)](res, parts, w if w is not None else res, out, h if h is not None else out,
                                parts.shape[0], T, D, float(eps), PARTS_BF16=parts.dtype == torch.bfloat16,
                                NORM=w is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4)
+    return out, h
+
+
+@triton.jit
+def _peer_add_norm_kernel(res_ptr, bufs_ptr, pads_ptr, w_ptr, res_out_ptr, h_ptr, rank, D, slot_off, flag_off, eps,
+                          W: tl.constexpr, PARTS_BF16: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """_add_norm_kernel over partials that stay in the W ranks' symmetric buffers (peer memory over NVLink): a
+    one-shot TP reduction fused with the residual add and the next norm, one row per program.
+
+    bufs_ptr [W] int64: rank r's buffer base address (its row `row` at element slot_off + row * D); pads_ptr [W]
+    int64: rank r's int32 signal pad. The program first tells every rank that this rank's row is in place (flag
+    flag_off + row * W + rank of that rank's pad, 0 -> 1, release, system scope; it spins while the flag of the
+    previous call is still set), then takes every rank's flag from its own pad (1 -> 0, acquire), then reads the W
+    rows in rank order. A rank's next write into the same slot waits for every rank's next flag, i.e. for every
+    rank having finished this call: callers alternate two slots (slot_off) between consecutive calls."""
+    row = tl.program_id(0)
+    for r in tl.static_range(W):
+        pad = tl.load(pads_ptr + r).to(tl.pointer_type(tl.int32))
+        while tl.atomic_cas(pad + flag_off + row * W + rank, 0, 1, sem="release", scope="sys") != 0:
+            pass
+    own = tl.load(pads_ptr + rank).to(tl.pointer_type(tl.int32))
+    for r in tl.static_range(W):
+        while tl.atomic_cas(own + flag_off + row * W + r, 1, 0, sem="acquire", scope="sys") != 1:
+            pass
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    part_t = tl.pointer_type(tl.bfloat16) if PARTS_BF16 else tl.pointer_type(tl.float32)
+    at = slot_off + row.to(tl.int64) * D + d
+    acc = tl.load(tl.load(bufs_ptr).to(part_t) + at, mask=ok, other=0.0, volatile=True).to(tl.float32)
+    for r in tl.static_range(1, W):  # rank order, one fp32 accumulator, as _add_norm_kernel adds
+        base = tl.load(bufs_ptr + r).to(part_t)
+        acc = acc + tl.load(base + at, mask=ok, other=0.0, volatile=True).to(tl.float32)
+    _residual_norm(acc, res_ptr, w_ptr, res_out_ptr, h_ptr, row.to(tl.int64), D, eps, PARTS_BF16, NORM, BLOCK_D)
+
+
+def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0, flag_off=0):
+    """add_norm_ref(res, [every rank's partial row], w, eps), the partials read from the W ranks' symmetric-memory
+    buffers: the candidate one-shot TP reduction of bench_reduce.py (not used by the model yet; measured there).
+    bufs, pads: int64 [W] device tensors of every rank's buffer and int32 signal-pad addresses (a
+    torch.distributed._symmetric_memory handle's buffer_ptrs / signal_pad_ptrs); rank r's row t of this call is
+    at element slot_off + t * D of its buffer, in parts_dtype; the flags at flag_off .. flag_off + T * W - 1."""
+    _check_tensor("res", res, torch.float32, ndim=2)
+    T, D = res.shape
+    for name, t_ in (("bufs", bufs), ("pads", pads)):
+        _check_tensor(name, t_, torch.int64, ndim=1)
+    W = bufs.numel()
+    _check(pads.numel() == W and 0 <= rank < W and parts_dtype in (torch.bfloat16, torch.float32),
+           f"bufs, pads must both hold W={W} addresses, 0 <= rank={rank} < W, parts bf16/fp32 (got {parts_dtype})")
+    if w is not None:
+        _check_tensor("w", w, torch.float32, ndim=1)
+        _check(w.numel() == D, f"w must be [{D}], got {tuple(w.shape)}")
+    out = torch.empty_like(res)
+    h = torch.empty(T, D, dtype=torch.bfloat16, device=res.device) if w is not None else None
+    if T:
+        _peer_add_norm_kernel[(T,)](res, bufs, pads, w if w is not None else res, out, h if h is not None else out,
+                                    rank, D, slot_off, flag_off, float(eps), W=W,
+                                    PARTS_BF16=parts_dtype == torch.bfloat16, NORM=w is not None,
+                                    BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4)
     return out, h
 
 
@@ -1664,9 +1732,9 @@ def _moe_decode_up_kernel(
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
     slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]). Shared expert (SHARED, axis-1
-    program 0): tiles 0..nt-1 of its gate, then of its up, every token a row, stored separately as bf16 gu[0] = bf(x.wg^T),
-    gu[1] = bf(x.wu^T) (MLP's rounding points): half the bytes per program of a gated tile, so the shared programs
-    finish with the routed ones."""
+    program 0): tiles 0..nt-1 of its gate, then of its up, every token a row, stored separately as bf16
+    gu[0] = bf(x.wg^T), gu[1] = bf(x.wu^T) (MLP's rounding points): half the bytes per program of a gated tile, so
+    the shared programs finish with the routed ones."""
     pid_n = tl.program_id(0)
     u = tl.program_id(1)
     if u < SHARED:
@@ -1781,7 +1849,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
 
     0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
        slower on the H200).
-    1. gate/up: one program per (hit expert, F tile) computes all rows routed to that expert, SwiGLU epilogue, a[slot] bf16 [T*k, F]; the shared expert's gate and up tiles run in the same launch.
+    1. gate/up: one program per (hit expert, F tile) computes all rows routed to that expert, SwiGLU epilogue,
+       a[slot] bf16 [T*k, F]; the shared expert's gate and up tiles run in the same launch.
     2. down: per (hit expert, D tile): y[slot] bf16 [T*k, D] (a quantised on load); the shared expert's down too.
     3. combine: slot-order fp32 sum per token, plus the shared output when given.
     Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
@@ -1945,7 +2014,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, out_stride,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def skinny_linear_triton(x, w, block_n=16, block_k=256, num_stages=4):
+def skinny_linear_triton(x, w, block_n=32, block_k=256, num_stages=4):
     """Triton skinny_linear_ref for M <= 16 rows."""
     _check_tensor("x", x, torch.bfloat16, ndim=2, contiguous=False)
     _check(x.stride(1) == 1, f"x must have contiguous rows, got strides {x.stride()}")
@@ -1966,7 +2035,7 @@ def skinny_linear(x, w):
     at ~3.2 TB/s where cuBLAS's GEMV reaches ~1.7 (H200, bench_kernels.py --only gemm; the sliding layers' narrower
     packed weight, o_proj and lm_head measured no faster than cuBLAS, so they keep F.linear)."""
     if _triton(x) and x.shape[0] <= 16:
-        return skinny_linear_triton(x, w, block_n=32, block_k=256)
+        return skinny_linear_triton(x, w)
     return skinny_linear_ref(x, w)
 
 

@@ -313,6 +313,32 @@ def test_add_norm(T, D, W, dtype, norm):
     assert (d > 0).float().mean() < 0.05 and d.max() <= 2 ** -7 * ref_h.float().abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_peer_add_norm_protocol_and_sum(dtype):
+    """The one-shot candidate with W = 3 "ranks" in one process (this is rank 1; the others' buffers and signal pads
+    are plain tensors whose flags for this call are already set): the same bits as add_norm_ref over the rows of
+    slot 1, this rank's flags set in every pad (its own one taken back), every flag for it consumed."""
+    W, rank, T, D = 3, 1, 2, 48
+    res = randn(T, D, seed=1, dtype=torch.float32)
+    w = randn(D, seed=2, scale=0.1, dtype=torch.float32)
+    bufs = [randn(2, T, D, seed=10 + r, scale=3.0, dtype=dtype) for r in range(W)]  # [slot, T, D] per rank
+    pads = [torch.zeros(40, dtype=torch.int32, device=DEV) for _ in range(W)]
+    off = 4  # flags start at element 4 of each pad
+    for row in range(T):
+        for r in range(W):
+            if r != rank:
+                pads[rank][off + row * W + r] = 1  # rank r has already written its row
+    addr = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEV)  # noqa: E731
+    out, h = K.peer_add_norm_triton(res, addr(bufs), addr(pads), rank, dtype, w, 1e-5, slot_off=T * D, flag_off=off)
+    want, want_h = K.add_norm_ref(res, torch.stack([b[1] for b in bufs]), w, 1e-5)
+    assert bytes_equal(out, want) and bytes_equal(h, want_h)
+    assert not pads[rank].any()  # every flag for this rank taken, its own included
+    for r in range(W):
+        if r != rank:
+            flags = pads[r][off:off + T * W].view(T, W)
+            assert flags[:, rank].eq(1).all() and flags.sum() == T  # this rank's flag, and nothing else
+
+
 def test_norm_rope_token_strided_input():
     """q and k arrive as column slices of the packed QKV output: heads contiguous, tokens strided."""
     T, n, D, half = 4, 3, 48, 8
@@ -407,6 +433,9 @@ def test_sliding_decode_multi_token(B, first, Q, R):
     for split_len in (32, 4):
         _check_sliding(args, H, hd, f"sliding decode B={B} Q={Q} R={R} split_len={split_len}", 2.0,
                        split_len=split_len)
+    gate1 = [args[0].clone(), *args[1:]]
+    gate1[0][:, -H:] = 30.0  # sigmoid rounds to 1.0: out = SDPA's o, within 1 step
+    _check_sliding(gate1, H, hd, f"sliding decode B={B} Q={Q} R={R} gate 1", 1.0, split_len=4)
     short = [ring[:, :, :W + Q - 2].contiguous() for ring in args[2:4]]
     with pytest.raises(ValueError, match="needs a ring"):
         K.sliding_decode_triton(*args[:2], *short, *args[4:])
