@@ -326,6 +326,27 @@ def bench_select(S, T, R):
           flush=True)
 
 
+def sweep_indexer(T=256, R=131072):
+    """Tiles of the indexer scores at a prefill query chunk (T queries of one request, 4 heads x 256, R regions: 1M
+    tokens at R = 131072); '=' when the scores' bits equal the defaults'. TFLOP/s of the bf16 dots."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(1, T, 1, 4, 256, device=DEV, generator=g).bfloat16()
+    w = torch.randn(1, T, 1, 4, device=DEV, generator=g).bfloat16()
+    summ = K.to_e4m3(torch.randn(1, R, 256, device=DEV, generator=g))
+    want = K.indexer_scores_triton(q, w, summ, 0.5)
+    flops = 2 * T * R * 4 * 256
+    res = []
+    for bt, br, nw in ((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8), (64, 256, 8), (256, 64, 8)):
+        try:
+            f = lambda: K.indexer_scores_triton(q, w, summ, 0.5, block_t=bt, block_r=br, num_warps=nw)  # noqa: E731
+            same = "=" if torch.equal(f(), want) else "DIFFERS"
+            t = bench(f)
+            res.append(f"{bt}x{br} w{nw}: {t * 1e6:.0f}us {flops / t / 1e12:.0f} TFLOP/s {same}")
+        except Exception as e:
+            res.append(f"{bt}x{br} w{nw}: {type(e).__name__}")
+    print(f"  sweep indexer scores T={T} R={R}: " + "; ".join(res), flush=True)
+
+
 def bench_moe_decode(T, E=44):
     """The sort-free decode path: routed + shared expert + combine in 3 launches, against the sorted path (whose
     shared expert runs as torch GEMMs). GB/s counts the weight bytes read: the hit experts' e4m3 and the bf16 shared."""
@@ -510,6 +531,7 @@ def main(only=GROUPS):
         run_safely(bench_attention, 131072, 16)
         run_safely(sweep_attention)
         run_safely(sweep_attention, 131072, 8)
+        run_safely(sweep_indexer)
         for B in (1, 16, 32):
             run_safely(bench_sliding, B)
         for R, Q in ((515, 1), (528, 1), (528, 4)):  # rings with spare slots (speculative decoding)

@@ -952,7 +952,9 @@ def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
     tl.store(out, acc, mask=t_ok[:, None] & r_ok[None, :])
 
 
-def indexer_scores_triton(q, w, summ, w_scale=1.0):
+def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, num_warps=4):
+    """Triton indexer_scores_ref. block_t / block_r / num_warps: tile overrides (bench_kernels.py sweep_indexer; each
+    score is one dot over P and a sum over heads in order whatever the tile)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     _check_tensor("w", w, w.dtype, ndim=4, contiguous=False)
     _check(w.dtype in (torch.bfloat16, torch.float32) and w.stride(3) == 1 and w.stride(2) == w.shape[3],
@@ -964,15 +966,15 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0):
     _check(tuple(w.shape) == (S, T, G, HG), f"w must be [S, T, G, Hg] = {(S, T, G, HG)}, got {tuple(w.shape)}")
     _check(summ.shape[0] == S and summ.shape[2] == P, f"summ must be [S={S}, R, P={P}], got {tuple(summ.shape)}")
     out = torch.empty(S, G, T, R, dtype=torch.float32, device=q.device)
-    BLOCK_T = 16 if T <= 16 else 64
-    BLOCK_R = 64 if not _INTERPRET else 128
+    BLOCK_T = block_t or (16 if T <= 16 else 64)
+    BLOCK_R = block_r or (64 if not _INTERPRET else 128)
     if out.numel():
         grid = (S * G, triton.cdiv(T, BLOCK_T), triton.cdiv(R, BLOCK_R))
         _indexer_scores_kernel[grid](q, w, summ, out, T, G, R, P, float(w_scale), q.stride(0), q.stride(1),
                                      q.stride(2),
                                      w.stride(0), w.stride(1), summ.stride(0), HG=HG, BLOCK_T=BLOCK_T,
                                      BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P), HW_CAST=not _INTERPRET,
-                                     DOT_DTYPE=_DOT, num_warps=4, **_NO_FMA)
+                                     DOT_DTYPE=_DOT, num_warps=num_warps, **_NO_FMA)
     return out
 
 
