@@ -6,11 +6,12 @@ replayed as a CUDA graph), the kernels of one step (profiler), and the 92-layer 
 --whole-rank: the whole rank instead (92 layers, final norm, lm_head window, argmax; ~75 GB of FP8 experts), one
 decode step replayed as a CUDA graph and measured, not projected. Both print the ratio to the HBM floor of the
 bytes one step must read. Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP
-reductions between W GPUs. --tokens-per-row Q (both modes): a step of Q tokens per row against a 1-token step.
+reductions between W GPUs (--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both
+modes): a step of Q tokens per row against a 1-token step.
 
     python bench_decode.py [--batch 1] [--context 4096] [--whole-rank] [--torch-ref] [--profile]
     python bench_decode.py [--whole-rank] --tokens-per-row 4    # a speculative verify step (3 drafts)
-    torchrun --nproc-per-node=2 bench_decode.py --whole-rank
+    torchrun --nproc-per-node=2 bench_decode.py --whole-rank [--one-shot]
 """
 import argparse
 import os
@@ -179,7 +180,7 @@ def kv_bytes(cfg, kind: str, batch: int, context: int) -> int:
     return batch * min(context, cfg.sliding_window) * row
 
 
-def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1):
+def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_shot: bool = False):
     """The whole rank: embed, 92 layers, final norm, lm_head window, argmax; one decode step as a CUDA graph.
     Under torchrun (one process per GPU, NCCL) the step includes the real TP reductions between the GPUs (each GPU
     holds one TP=8 rank's shapes; the sums are of W partials instead of 8), timed with and without them.
@@ -241,17 +242,26 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1):
         say(f"with the TP reductions between {world} GPUs (2 per layer + the logits gather): {with_tp * 1e3:7.3f} ms; "
             f"reductions {(with_tp - graph_t) * 1e3:.3f} ms = {(with_tp - graph_t) / with_tp:.1%} of the step, "
             f"{(with_tp - graph_t) / (2 * cfg.num_hidden_layers + 1) * 1e6:.1f} us per reduction")
+        if one_shot:  # the candidate: M.OneShotReduce for the layers' reductions (the logits still gather)
+            M.set_one_shot(batch * q, cfg.hidden_size, torch.device("cuda", rank))
+            t_os = timed_graph(world)
+            M.set_one_shot(0)
+            say(f"same with the one-shot reduction (kernel.peer_add_norm_triton): {t_os * 1e3:7.3f} ms; reductions "
+                f"{(t_os - graph_t) * 1e3:.3f} ms, {(t_os - graph_t) / (2 * cfg.num_hidden_layers + 1) * 1e6:.1f} us "
+                f"per reduction")
+            with_tp = min(with_tp, t_os)
         graph_t = with_tp
         dist.destroy_process_group()
     return graph_t, nbytes / HBM_BPS
 
 
-def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False, q: int = 1):
+def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False, q: int = 1,
+         one_shot: bool = False):
     torch.manual_seed(0)
     cfg = real_rank_config()
     M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
     kernel.set_backend(not torch_ref)  # Triton for CUDA tensors unless the reference is asked for
-    step_t, floor = (bench_rank(cfg, batch, context, profile, q) if whole_rank
+    step_t, floor = (bench_rank(cfg, batch, context, profile, q, one_shot) if whole_rank
                      else bench_layers(cfg, batch, context, profile, q))
     what = "measured" if whole_rank else "projected from the two layers"
     world = int(os.environ.get("WORLD_SIZE", "1")) if whole_rank else 1
@@ -272,7 +282,9 @@ if __name__ == "__main__":
     ap.add_argument("--tokens-per-row", type=int, default=1,
                     help="decode steps of this many tokens per row (a speculative verify step with K drafts has "
                          "K + 1), compared with one token per row (layer and whole-rank modes)")
+    ap.add_argument("--one-shot", action="store_true",
+                    help="under torchrun with --whole-rank: also time the step with model.OneShotReduce (candidate)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
-    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row)
+    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row, a.one_shot)

@@ -18,7 +18,8 @@ import kernel
 from config import LAYOUT_VERSION, Step5Config, Step5VLConfig, group_window
 
 # --------------------------------------------------------------------------------------------------
-# distributed: every collective of the model is one of these two functions (grep "dist\.")
+# distributed: every collective of the model is one of these two functions (grep "dist\."), or the opt-in
+# one-shot reduction below
 
 world_size, rank = 1, 0
 _REDUCE_BYTES = 1 << 30  # bound on the gathered partials of one tp_reduce_add call
@@ -58,7 +59,47 @@ def tp_reduce_add(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None = N
     if x.shape[0] > rows:
         out = [tp_reduce_add(r, c, w, eps) for r, c in zip(res.split(rows), x.split(rows))]
         return torch.cat([o[0] for o in out]), None if w is None else torch.cat([o[1] for o in out])
+    if _one_shot is not None and world_size > 1 and x.is_cuda and x.numel() <= _one_shot.slot:
+        return _one_shot(res, x, w, eps)
     return kernel.add_norm(res, tp_gather(x), w, eps)
+
+
+class OneShotReduce:
+    """A candidate tp_reduce_add for CUDA decode batches (not the default until measured: bench_decode.py
+    --one-shot turns it on): the partial is copied into this rank's symmetric-memory buffer, then ONE kernel
+    (kernel.peer_add_norm_triton) waits for every rank's copy and adds them in rank order with the residual and the
+    norm -- the same bits as the gather path. Consecutive calls alternate two buffer slots, so a rank's write for
+    call i+2 cannot overtake a peer still reading call i (it has waited for every rank's call-i+1 signal); Block.step
+    reduces twice per layer, so every step, and every captured graph, starts in slot 0."""
+
+    def __init__(self, rows: int, D: int, device):
+        import torch.distributed._symmetric_memory as symm_mem
+        self.slot = rows * D  # fp32 elements per slot; a bf16 partial fills the first half
+        self.buf = symm_mem.empty(2 * self.slot, dtype=torch.float32, device=device)
+        hdl = symm_mem.rendezvous(self.buf, dist.group.WORLD.group_name)
+        self.rank, self.calls = hdl.rank, 0
+        self.bufs = torch.tensor(hdl.buffer_ptrs, dtype=torch.int64, device=device)
+        self.pads = torch.tensor(hdl.signal_pad_ptrs, dtype=torch.int64, device=device)
+        hdl.get_signal_pad(hdl.rank, [rows * world_size], torch.int32).zero_()  # the kernel's flags start cleared
+        torch.cuda.synchronize(device)
+        dist.barrier()
+
+    def __call__(self, res, x, w, eps):
+        T, D = x.shape
+        s, self.calls = self.calls % 2, self.calls + 1
+        off = s * self.slot * (4 // x.element_size())  # in elements of x's dtype
+        self.buf.view(x.dtype)[off:off + T * D].view(T, D).copy_(x)
+        return kernel.peer_add_norm_triton(res, self.bufs, self.pads, self.rank, x.dtype, w, eps, slot_off=off)
+
+
+_one_shot = None
+
+
+def set_one_shot(rows: int, D: int = 0, device=None):
+    """Route tp_reduce_add calls of up to `rows` tokens through OneShotReduce (rows = 0: back to the gather path).
+    Collective: every rank calls it, after the process group exists."""
+    global _one_shot
+    _one_shot = OneShotReduce(rows, D, device) if rows else None
 
 
 # --------------------------------------------------------------------------------------------------
