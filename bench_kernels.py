@@ -382,11 +382,13 @@ def sweep_moe_decode(T, E=44):
     res = []  # measured before: 2 warps slower everywhere; split-K gate/up 2-4x slower; stages 3-8 within ~10%
     # measured on the H200 (T = 1 / 16): (32, 64) w4 st4 32.4 / 160 us; w8 42.9 / 293; (64, 64) w8 36.7 / 236;
     # (64, 128) w8 37.1 / 175; (16, 32) w4 st6 39.5 / 302; (32, 32) w8 st6 45.8 / 420; (128, 128) w8 st3 43.0 / 153
-    for bn, nw, st, ku in (((32, 64), 4, 4, 1), ((32, 64), 4, 4, 2), ((32, 64), 4, 4, 4), ((32, 64), 4, 2, 4),
-                           ((64, 128), 8, 3, 4), ((128, 128), 8, 3, 1)):
-        name = f"BN={bn} w{nw} st={st} k_unroll={ku}"
+    # k_unroll: K blocks per loop iteration (same bits); gemv: the block dots on the CUDA cores (other bits)
+    for bn, nw, st, ku, gemv in (((32, 64), 4, 4, 1, False), ((32, 64), 4, 4, 2, False), ((32, 64), 4, 4, 4, False),
+                                 ((32, 64), 4, 2, 4, False), ((64, 128), 8, 3, 4, False), ((128, 128), 8, 3, 1, False),
+                                 ((32, 64), 4, 4, 1, True), ((16, 32), 4, 4, 2, True), ((32, 32), 4, 4, 4, True)):
+        name = f"BN={bn} w{nw} st={st} k_unroll={ku}" + (" gemv" if gemv else "")
         try:
-            kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku))
+            kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku), gemv=gemv)
             same = "=" if torch.equal(run(**kw), want) else "DIFFERS"
             t = bench(lambda: run(**kw))
             res.append(f"{name}: {t * 1e6:.1f}us {same}")
