@@ -662,17 +662,23 @@ def _add_norm_kernel(res_ptr, parts_ptr, w_ptr, res_out_ptr, h_ptr, W, T, D, eps
     _residual_norm(acc, res_ptr, w_ptr, res_out_ptr, h_ptr, row, D, eps, PARTS_BF16, NORM, BLOCK_D)
 
 
+def _add_norm_outputs(res, w):
+    """The add_norm launchers' norm weight check and outputs: (res' like res [T, D] fp32, h [T, D] bf16 or None)."""
+    T, D = res.shape
+    if w is not None:
+        _check_tensor("w", w, torch.float32, ndim=1)
+        _check(w.numel() == D, f"w must be [{D}], got {tuple(w.shape)}")
+    return torch.empty_like(res), (torch.empty(T, D, dtype=torch.bfloat16, device=res.device) if w is not None
+                                   else None)
+
+
 def add_norm_triton(res, parts, w, eps):
     _check_tensor("res", res, torch.float32, ndim=2)
     T, D = res.shape
     _check_tensor("parts", parts, parts.dtype, ndim=3)
     _check(parts.dtype in (torch.bfloat16, torch.float32) and tuple(parts.shape[1:]) == (T, D),
            f"parts must be bf16/fp32 [W, T={T}, D={D}], got {parts.dtype} {tuple(parts.shape)}")
-    if w is not None:
-        _check_tensor("w", w, torch.float32, ndim=1)
-        _check(w.numel() == D, f"w must be [{D}], got {tuple(w.shape)}")
-    out = torch.empty_like(res)
-    h = torch.empty(T, D, dtype=torch.bfloat16, device=res.device) if w is not None else None
+    out, h = _add_norm_outputs(res, w)
     if T:
         _add_norm_kernel[(T,)](res, parts, w if w is not None else res, out, h if h is not None else out,
                                parts.shape[0], T, D, float(eps), PARTS_BF16=parts.dtype == torch.bfloat16,
@@ -714,7 +720,7 @@ def _peer_add_norm_kernel(res_ptr, bufs_ptr, pads_ptr, w_ptr, res_out_ptr, h_ptr
 
 def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0, flag_off=0):
     """add_norm_ref(res, [every rank's partial row], w, eps), the partials read from the W ranks' symmetric-memory
-    buffers: the candidate one-shot TP reduction of bench_reduce.py (not used by the model yet; measured there).
+    buffers: the candidate one-shot TP reduction (model.OneShotReduce, opt-in; bench_reduce.py times and checks it).
     bufs, pads: int64 [W] device tensors of every rank's buffer and int32 signal-pad addresses (a
     torch.distributed._symmetric_memory handle's buffer_ptrs / signal_pad_ptrs); rank r's row t of this call is
     at element slot_off + t * D of its buffer, in parts_dtype; the flags at flag_off .. flag_off + T * W - 1."""
@@ -725,11 +731,7 @@ def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0,
     W = bufs.numel()
     _check(pads.numel() == W and 0 <= rank < W and parts_dtype in (torch.bfloat16, torch.float32),
            f"bufs, pads must both hold W={W} addresses, 0 <= rank={rank} < W, parts bf16/fp32 (got {parts_dtype})")
-    if w is not None:
-        _check_tensor("w", w, torch.float32, ndim=1)
-        _check(w.numel() == D, f"w must be [{D}], got {tuple(w.shape)}")
-    out = torch.empty_like(res)
-    h = torch.empty(T, D, dtype=torch.bfloat16, device=res.device) if w is not None else None
+    out, h = _add_norm_outputs(res, w)
     if T:
         _peer_add_norm_kernel[(T,)](res, bufs, pads, w if w is not None else res, out, h if h is not None else out,
                                     rank, D, slot_off, flag_off, float(eps), W=W,
