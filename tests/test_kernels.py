@@ -154,6 +154,9 @@ def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
     return (x, ids.to(DEV), wts, w1, w3, w2, s1, s3, s2), sh
 
 
+# the sorted path quantises its whole gate/up buffer, whose rows past the routed ones are uninitialised and never read
+# back: the interpreter's numpy warns when such garbage holds inf (inf * 0 in the scaling)
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("T,k,E,first,shared,limit", [
     (1, 4, 4, 0, None, 7.0),     # one token, ids of rank 0 (remote ones above the range)
