@@ -245,6 +245,17 @@ def bench_gemm_shape(label, rows_per_expert, E, N, Kd, what):
           f"{t_loop * 1e6:7.1f} us", flush=True)
 
 
+def choice(name, fn, want, flops=None) -> str:
+    """One entry of a sweep: 'name: time [TFLOP/s] =' ('=' when fn's output has the defaults' bits, else DIFFERS),
+    or the type of the error it raised (e.g. OutOfResources)."""
+    try:
+        same = "=" if torch.equal(fn(), want) else "DIFFERS"
+        t = bench(fn)
+    except Exception as e:
+        return f"{name}: {type(e).__name__}"
+    return f"{name}: {t * 1e6:.1f}us" + (f" {flops / t / 1e12:.0f} TFLOP/s" if flops else "") + f" {same}"
+
+
 def sweep_gemm(rows_per_expert, E=44):
     """Tile/pipeline choices of the grouped FP8 GEMM at decode sizes (gate shape), to pick the defaults."""
     N, Kd = 1536, 4096
@@ -280,15 +291,9 @@ def sweep_gemm_prefill(rows_per_expert, E=44):
         want = run()  # the defaults' output: every config must give the same bits (same K order per element)
         for bm, bn, nw, st in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (128, 64, 4, 4),
                                (128, 64, 8, 4), (64, 128, 4, 4), (256, 128, 8, 3), (256, 64, 8, 4)):
-            try:
-                kw = dict(block_m=bm, block_n=bn, num_stages=st, num_warps=nw)
-                same = "=" if torch.equal(run(**kw), want) else "DIFFERS"
-                t = bench(lambda: run(**kw))
-                res.append(f"{bm}x{bn} w{nw} s{st}: {flops / t / 1e12:.0f} {same}")
-            except Exception as e:
-                res.append(f"{bm}x{bn} w{nw} s{st}: {type(e).__name__}")
-        print(f"  sweep prefill {what} rows/expert={rows_per_expert} (TFLOP/s, '=': bits equal to the defaults'): "
-              + "; ".join(res), flush=True)
+            kw = dict(block_m=bm, block_n=bn, num_stages=st, num_warps=nw)
+            res.append(choice(f"{bm}x{bn} w{nw} s{st}", lambda: run(**kw), want, flops))
+        print(f"  sweep prefill {what} rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
 
 
 def bench_moe(T, E=44):
@@ -337,13 +342,8 @@ def sweep_indexer(T=256, R=131072):
     flops = 2 * T * R * 4 * 256
     res = []
     for bt, br, nw in ((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8), (64, 256, 8), (256, 64, 8)):
-        try:
-            f = lambda: K.indexer_scores_triton(q, w, summ, 0.5, block_t=bt, block_r=br, num_warps=nw)  # noqa: E731
-            same = "=" if torch.equal(f(), want) else "DIFFERS"
-            t = bench(f)
-            res.append(f"{bt}x{br} w{nw}: {t * 1e6:.0f}us {flops / t / 1e12:.0f} TFLOP/s {same}")
-        except Exception as e:
-            res.append(f"{bt}x{br} w{nw}: {type(e).__name__}")
+        res.append(choice(f"{bt}x{br} w{nw}", lambda: K.indexer_scores_triton(q, w, summ, 0.5, block_t=bt, block_r=br,
+                                                                             num_warps=nw), want, flops))
     print(f"  sweep indexer scores T={T} R={R}: " + "; ".join(res), flush=True)
 
 
@@ -386,14 +386,8 @@ def sweep_moe_decode(T, E=44):
     for bn, nw, st, ku, gemv in (((32, 64), 4, 4, 1, False), ((32, 64), 4, 4, 2, False), ((32, 64), 4, 4, 4, False),
                                  ((32, 64), 4, 2, 4, False), ((64, 128), 8, 3, 4, False), ((128, 128), 8, 3, 1, False),
                                  ((32, 64), 4, 4, 1, True), ((16, 32), 4, 4, 2, True), ((32, 32), 4, 4, 4, True)):
-        name = f"BN={bn} w{nw} st={st} k_unroll={ku}" + (" gemv" if gemv else "")
-        try:
-            kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku), gemv=gemv)
-            same = "=" if torch.equal(run(**kw), want) else "DIFFERS"
-            t = bench(lambda: run(**kw))
-            res.append(f"{name}: {t * 1e6:.1f}us {same}")
-        except Exception as e:
-            res.append(f"{name}: {type(e).__name__}")
+        kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku), gemv=gemv)
+        res.append(choice(f"BN={bn} w{nw} st={st} k_unroll={ku}" + (" gemv" if gemv else ""), lambda: run(**kw), want))
     print(f"  sweep moe decode T={T}: " + "; ".join(res), flush=True)
 
 

@@ -7,10 +7,10 @@ CUDA graph of 2 x 92 chained reductions (a whole step's worth), per call:
   oneshot  torch's symmetric-memory one-shot all-reduce of the partial widened to fp32 (each rank reads every peer's
            buffer and adds them in rank order), then the same add_norm kernel on the [1, B, D] sum (rounded to bf16
            first for bf16 partials, as the model rounds); its results are checked bit-identical to `gather`.
-  fused    kernel.peer_add_norm_triton (candidate, not yet in the model): the partial copied into this rank's
-           symmetric buffer (two alternating slots), then ONE kernel that signals every rank, waits for every rank's
-           signal and adds the W rows read over NVLink in rank order, with the residual and the norm; checked
-           bit-identical to `gather` too.
+  fused    model.OneShotReduce (candidate, opt-in in the model): the partial copied into this rank's symmetric
+           buffer (two alternating slots), then ONE kernel (kernel.peer_add_norm_triton) that signals every rank,
+           waits for every rank's signal and adds the W rows read over NVLink in rank order, with the residual and
+           the norm; checked bit-identical to `gather` too.
 and prints an estimate for W = 8 from a latency + bandwidth model fitted to the W measured here (stated in the output).
 
     torchrun --standalone --nproc-per-node=2 bench_reduce.py [--batch 1 16]
@@ -52,32 +52,21 @@ def timed(fn, graph: bool, iters: int = 10) -> float:
     return (time.perf_counter() - t) / (iters * CALLS)
 
 
-def fused_line(symm_mem, name, res, x, w, want, world) -> str:
-    """Time and check the fused one-shot candidate; its partials stay in their own dtype in symmetric memory."""
-    B = x.shape[0]
-    buf = symm_mem.empty(2, B, D, dtype=x.dtype, device=x.device)  # two slots: consecutive calls alternate
-    hdl = symm_mem.rendezvous(buf, name)
-    bufs = torch.tensor(hdl.buffer_ptrs, dtype=torch.int64, device=x.device)
-    pads = torch.tensor(hdl.signal_pad_ptrs, dtype=torch.int64, device=x.device)
-    hdl.get_signal_pad(hdl.rank, [B * world], torch.int32).zero_()  # the flags start cleared on every rank
-    torch.cuda.synchronize()
-    dist.barrier()
-
-    def call(r, slot):
-        buf[slot].copy_(x)
-        return kernel.peer_add_norm_triton(r, bufs, pads, hdl.rank, x.dtype, w, 1e-5, slot_off=slot * B * D)
-
-    got = call(res, 1)  # slot 1: the timed sequence below starts with slot 0
+def fused_line(res, x, w, want, world) -> str:
+    """Time and check the fused one-shot candidate (model.OneShotReduce: the partial, in its own dtype, copied into a
+    symmetric-memory slot, then kernel.peer_add_norm_triton)."""
+    one_shot = M.OneShotReduce(x.shape[0], D, x.device)
+    got = one_shot(res, x, w, 1e-5)
     same = all(torch.equal(a, b) for a, b in zip(got, want))
 
     def fused():
         r = res
-        for i in range(CALLS):  # CALLS is even: a replay's first call follows the previous replay's slot-1 call
-            r, _h = call(r, i % 2)
+        for _ in range(CALLS):  # CALLS is even: every replay starts in the slot its predecessor's last call did not use
+            r, _h = one_shot(r, x, w, 1e-5)
         return r
 
     t = timed(fused, True)
-    nbytes = B * D * x.element_size()
+    nbytes = x.numel() * x.element_size()
     lat = t - (world - 1) * nbytes / NVLINK_BPS
     return (f" | fused {t * 1e6:6.1f} us (bit-identical: {same}) -> W=8 estimate "
             f"{(lat + 7 * nbytes / NVLINK_BPS) * 1e6:6.1f} us")
@@ -141,7 +130,7 @@ def main(batches: list, device: str):
                 nbytes = B * D * 4
                 lat = t_one - (world - 1) * nbytes / NVLINK_BPS
                 line += f" -> W=8 estimate {(lat + 7 * nbytes / NVLINK_BPS) * 1e6:6.1f} us (latency + 7 x bytes / 450 GB/s)"
-                line += fused_line(symm_mem, name, res, x, w, want, world)
+                line += fused_line(res, x, w, want, world)
             say(line)
     dist.barrier()
     dist.destroy_process_group()

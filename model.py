@@ -68,9 +68,9 @@ class OneShotReduce:
     """A candidate tp_reduce_add for CUDA decode batches (not the default until measured: bench_decode.py
     --one-shot turns it on): the partial is copied into this rank's symmetric-memory buffer, then ONE kernel
     (kernel.peer_add_norm_triton) waits for every rank's copy and adds them in rank order with the residual and the
-    norm, in the gather path's order (bench_reduce.py checks the bits). Consecutive calls alternate two buffer slots, so a rank's write for
-    call i+2 cannot overtake a peer still reading call i (it has waited for every rank's call-i+1 signal); Block.step
-    reduces twice per layer, so every step, and every captured graph, starts in slot 0."""
+    norm, in the gather path's order (bench_reduce.py checks the bits). Consecutive calls alternate two buffer
+    slots, so a rank's write for call i+2 cannot overtake a peer still reading call i (it has waited for every rank's
+    call-i+1 signal); Block.step reduces twice per layer, so every step, and every captured graph, starts in slot 0."""
 
     def __init__(self, rows: int, D: int, device):
         import torch.distributed._symmetric_memory as symm_mem
