@@ -340,7 +340,8 @@ def sweep_indexer(T=256, R=131072):
     summ = K.to_e4m3(torch.randn(1, R, 256, device=DEV, generator=g))
     want = K.indexer_scores_triton(q, w, summ, 0.5)
     flops = 2 * T * R * 4 * 256
-    res = []
+    res = []  # H200: 64x64 w4 414 us, 64x128 w4 248 (now the prefill default), 128x64 w8 410, 128x128 w8 338,
+    # 64x256 w8 280, 256x64 w8 1206; all bit-equal
     for bt, br, nw in ((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8), (64, 256, 8), (256, 64, 8)):
         res.append(choice(f"{bt}x{br} w{nw}", lambda: K.indexer_scores_triton(q, w, summ, 0.5, block_t=bt, block_r=br,
                                                                              num_warps=nw), want, flops))
@@ -382,12 +383,12 @@ def sweep_moe_decode(T, E=44):
     res = []  # measured before: 2 warps slower everywhere; split-K gate/up 2-4x slower; stages 3-8 within ~10%
     # measured on the H200 (T = 1 / 16): (32, 64) w4 st4 32.4 / 160 us; w8 42.9 / 293; (64, 64) w8 36.7 / 236;
     # (64, 128) w8 37.1 / 175; (16, 32) w4 st6 39.5 / 302; (32, 32) w8 st6 45.8 / 420; (128, 128) w8 st3 43.0 / 153
-    # k_unroll: K blocks per loop iteration (same bits); gemv: the block dots on the CUDA cores (other bits)
-    for bn, nw, st, ku, gemv in (((32, 64), 4, 4, 1, False), ((32, 64), 4, 4, 2, False), ((32, 64), 4, 4, 4, False),
-                                 ((32, 64), 4, 2, 4, False), ((64, 128), 8, 3, 4, False), ((128, 128), 8, 3, 1, False),
-                                 ((32, 64), 4, 4, 1, True), ((16, 32), 4, 4, 2, True), ((32, 32), 4, 4, 4, True)):
-        kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku), gemv=gemv)
-        res.append(choice(f"BN={bn} w{nw} st={st} k_unroll={ku}" + (" gemv" if gemv else ""), lambda: run(**kw), want))
+    # k_unroll (K blocks per loop iteration, same bits), T = 1 / 16: 1 32.2 / 162, 2 31.9 / 163, 4 30.0 / 238 us;
+    # the block dots on the CUDA cores instead of MMAs (removed): 132-351 / 994-1269 us
+    for bn, nw, st, ku in (((32, 64), 4, 4, 1), ((32, 64), 4, 4, 2), ((32, 64), 4, 4, 4), ((32, 64), 4, 2, 4),
+                           ((64, 128), 8, 3, 4), ((128, 128), 8, 3, 1)):
+        kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku))
+        res.append(choice(f"BN={bn} w{nw} st={st} k_unroll={ku}", lambda: run(**kw), want))
     print(f"  sweep moe decode T={T}: " + "; ".join(res), flush=True)
 
 

@@ -970,7 +970,8 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
     _check(summ.shape[0] == S and summ.shape[2] == P, f"summ must be [S={S}, R, P={P}], got {tuple(summ.shape)}")
     out = torch.empty(S, G, T, R, dtype=torch.float32, device=q.device)
     BLOCK_T = block_t or (16 if T <= 16 else 64)
-    BLOCK_R = block_r or (64 if not _INTERPRET else 128)
+    # H200, 256 queries x 131072 regions (a 1M-token prefill chunk): 64 x 128 248 us, 64 x 64 414 us (best of 6)
+    BLOCK_R = block_r or (64 if T <= 16 and not _INTERPRET else 128)
     if out.numel():
         grid = (S * G, triton.cdiv(T, BLOCK_T), triton.cdiv(R, BLOCK_R))
         _indexer_scores_kernel[grid](q, w, summ, out, T, G, R, P, float(w_scale), q.stride(0), q.stride(1),
@@ -1023,8 +1024,8 @@ def _order_key(x):
 
 
 @triton.jit
-def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr, valid_ptr, G, T, R, N,
-                           K: tl.constexpr, PAIRS: tl.constexpr, FINAL: tl.constexpr, ALL: tl.constexpr,
+def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr, valid_ptr, G, T, R, N, K,
+                           PAIRS: tl.constexpr, FINAL: tl.constexpr, ALL: tl.constexpr,
                            BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     """Exact top-K of one chunk of a row (program (row, chunk)), entries in ascending region id, held in registers.
 
@@ -1036,6 +1037,8 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
     the search stops early once exactly K keys are >= thr (distinct scores: after ~20 of the 32 bits). The chunk's
     selection is every key > thr plus the lowest-id K - c keys == thr; one prefix sum places them in ascending id.
     FINAL writes ids (candidates only, padded with R) and valid; otherwise the chunk's K (key, id) pairs.
+    K = min(topk, R) is a runtime argument: as a constexpr every prefill chunk of a prompt of < topk regions compiled
+    a kernel of its own (seconds per prompt).
     """
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -1128,7 +1131,7 @@ def select_regions_triton(scores, n_hist, topk, chunk=4096):
             id_out = torch.empty(rows, C * K, dtype=torch.int32, device=scores.device)
         _select_regions_kernel[(rows, C)](
             src, src_id, n_hist, ids if final else key_out, ids if final else id_out, valid.view(torch.uint8),
-            G, T, R, n, K=K, PAIRS=src is not scores, FINAL=final, ALL=final and K >= n, BLOCK=BLOCK,
+            G, T, R, n, K, PAIRS=src is not scores, FINAL=final, ALL=final and K >= n, BLOCK=BLOCK,
             BLOCK_K=triton.next_power_of_2(K), num_warps=max(4, min(16, BLOCK // 512)))
         if final:
             return ids, valid
@@ -1653,30 +1656,18 @@ def _quant_rows(x, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _block_dot(a, b, GEMV: tl.constexpr):
-    """a [M, K] . b [N, K]^T in fp32 (e4m3 / bf16 products are exact in fp32): an MMA, or (GEMV) a broadcast
-    product summed along K on the CUDA cores."""
-    if GEMV:
-        return tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
-    else:
-        return tl.dot(a, tl.trans(b))
-
-
-@triton.jit
 def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, sw_ptr, sw3_ptr, cols, col_ok, K,
                  limit, kb0, kb1, FP8: tl.constexpr, XQ: tl.constexpr, GATED: tl.constexpr,
                  X_SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, K_UNROLL: tl.constexpr, GEMV: tl.constexpr):
+                 DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, K_UNROLL: tl.constexpr):
     """acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T over the K blocks kb0 .. kb1-1,
     with _grouped_gemm_kernel's arithmetic per 128-wide K block. w_ptr/w3_ptr point at the expert's [N, K] weight,
     sw_ptr/sw3_ptr at its scale row of these columns. FP8: X is quantised per 1x128 block on load (act_quant_ref), or
     XQ: X is already e4m3 with scales sx_ptr [row, kb] (act_quant_triton). X_SWIGLU: X is swiglu(G, U) of the bf16 G
     at x_ptr and U at x_ptr + u_off (the shared expert's down input). K_UNROLL: K blocks per loop iteration, written
     out (a candidate for more loads in flight per program; it must divide kb1 - kb0; the blocks are still added one
-    by one in K order, so every K_UNROLL gives the same bits). GEMV: each block's dot as a broadcast product and a
-    row sum on the CUDA cores instead of an MMA whose result the scaling waits for (a candidate for few rows; another
-    summation order inside the block, so tolerance-level)."""
+    by one in K order, so every K_UNROLL gives the same bits)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride
@@ -1701,15 +1692,10 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
                     sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
                 else:
                     aq, sa = _quant_rows(a, HW_CAST)
-                acc = acc + _block_dot(aq, b, GEMV) * sa[:, None] * tl.load(sw_ptr + kb)
+                acc = acc + tl.dot(aq, tl.trans(b)) * sa[:, None] * tl.load(sw_ptr + kb)
                 if GATED:
                     b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                    acc3 = acc3 + _block_dot(aq, b3, GEMV) * sa[:, None] * tl.load(sw3_ptr + kb)
-            elif GEMV:
-                acc = acc + _block_dot(a, b, True)
-                if GATED:
-                    b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                    acc3 = acc3 + _block_dot(a, b3, True)
+                    acc3 = acc3 + tl.dot(aq, tl.trans(b3)) * sa[:, None] * tl.load(sw3_ptr + kb)
             else:
                 a = a.to(DOT_DTYPE)
                 acc = tl.dot(a, tl.trans(b.to(tl.float32).to(DOT_DTYPE)), acc)
@@ -1750,7 +1736,7 @@ def _moe_decode_up_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, GEMV: tl.constexpr,
+    K_UNROLL: tl.constexpr,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
     slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]). Shared expert (SHARED, axis-1
@@ -1771,7 +1757,7 @@ def _moe_decode_up_kernel(
                 tok = m0 + tl.arange(0, BLOCK_M)
                 acc, _ = _decode_tile(xb_ptr, xb_ptr, tok, tok < T, D, 0, w, w, w, w, cols, col_ok, D, limit, 0,
                                       tl.cdiv(D, BLOCK_K), False, False, False, False, False, BLOCK_M, BLOCK_N,
-                                      BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, K_UNROLL, GEMV)
+                                      BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, K_UNROLL)
                 out = gu_ptr + ((pid_n // nt) * T + tok)[:, None] * FS + cols[None, :]
                 tl.store(out, _bf16_round(acc).to(tl.bfloat16), mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -1786,7 +1772,7 @@ def _moe_decode_up_kernel(
                 g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
                                      w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok, D,
                                      limit, 0, tl.cdiv(D, BLOCK_K), FP8, FP8, True, False, False, BLOCK_M, BLOCK_N,
-                                     BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, K_UNROLL, GEMV)
+                                     BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, K_UNROLL)
                 y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE)
                 tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
@@ -1799,7 +1785,7 @@ def _moe_decode_down_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, GEMV: tl.constexpr,
+    K_UNROLL: tl.constexpr,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
     load (FP8).
@@ -1813,7 +1799,7 @@ def _moe_decode_down_kernel(
             tok = m0 + tl.arange(0, BLOCK_M)
             acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr, cols,
                                   col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), False, False, False, True,
-                                  HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, 1, GEMV)
+                                  HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, 1)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -1826,7 +1812,7 @@ def _moe_decode_down_kernel(
                 acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr,
                                       sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), FP8,
                                       False, False, False, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST,
-                                      DOT_DTYPE, PRECISE, K_UNROLL, GEMV)
+                                      DOT_DTYPE, PRECISE, K_UNROLL)
                 tl.store(y_ptr + slot.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
 
@@ -1866,7 +1852,7 @@ def _check_shared(shared, D):
 
 
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, gemv=False):
+                              block_n=None, num_warps=None, num_stages=None, k_unroll=None):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
     0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
@@ -1877,9 +1863,9 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     3. combine: slot-order fp32 sum per token, plus the shared output when given.
     Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
     block_n / num_warps / num_stages / k_unroll: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py
-    sweep); k_unroll (K blocks per loop iteration of the routed tiles and the shared gate/up, same bits) is a
-    candidate not yet timed on a GPU; so is gemv (_block_dot on the CUDA cores, 2 rows per tile; tolerance-level).
-    (A split-K gate/up, 2-8 programs per tile with fp32 partials, measured 2-4x slower at T=1 and T=16: removed.)
+    sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up (same bits).
+    (Measured on the H200 and removed: a split-K gate/up, 2-8 programs per tile with fp32 partials, 2-4x slower at T=1
+    and T=16; each block's dot on the CUDA cores instead of an MMA, 4-10x slower.)
     """
     T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
     Fs = _check_shared(shared, D) if shared is not None else 0
@@ -1900,14 +1886,17 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         bn, nw, ns = (64, 64), (4, 4), (1, 1)
     else:  # H200 sweeps (bench_kernels.py sweep_moe_decode), routed + shared: 32-34 us at T=1 (best of 19 tile /
         bn, nw, ns = (32, 64), (4, 4), (4, 4)  # warp / stage choices), 160-164 us at T=16 (best 153, (128, 128) w8)
-    bn, nw, ns, ku = block_n or bn, num_warps or nw, num_stages or ns, k_unroll or (1, 1)
+    # k_unroll 4 (same bits), H200: gate/up 12.5 vs 14.0 us at T = 1 in the whole-rank step (down: 12.9 vs 11.8);
+    # at T = 4 / 16 gate/up + down 86 / 229 vs 60 / 161 us
+    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
+    ku = k_unroll or (4 if T == 1 and triton.cdiv(D, QBLOCK) % 4 == 0 and not _INTERPRET else 1, 1)
     _check(triton.cdiv(D, QBLOCK) % ku[0] == 0 and triton.cdiv(F, QBLOCK) % ku[1] == 0,
            f"k_unroll {ku} must divide the K blocks of gate/up ({triton.cdiv(D, QBLOCK)}) and down "
            f"({triton.cdiv(F, QBLOCK)})")
     sh = int(shared is not None)
     ranks = min(T * k, E)  # distinct local experts the slots can hit
     dummy = y
-    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=2 if gemv else 16, BLOCK_K=QBLOCK, GEMV=bool(gemv),
+    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK,
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
                   HW_CAST=not _INTERPRET, DOT_DTYPE=_DOT, PRECISE=_PRECISE)
     grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)

@@ -179,10 +179,6 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
     assert torch.equal(K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=(2, 2)), dec)
     with pytest.raises(ValueError, match="k_unroll"):
         K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=(3, 1))
-    # the CUDA-core candidate: another order inside each 128-block sum (2 rows per tile: 17 rows take 9 tiles)
-    out = K.moe_experts_decode_triton(*args, limit, first, sh, gemv=True)
-    d = report(f"moe decode gemv fp8={fp8}", out, ref)
-    assert out.dtype == ref.dtype and d.max() <= 2e-2 * ref.float().abs().max()
 
 
 def test_moe_decode_local_ids():
@@ -640,9 +636,8 @@ def test_gpu_moe_decode_real_shape(T):
     assert d.max() <= 2e-2 * ref.float().abs().max()
     d = report(f"GPU moe decode vs sorted T={T}", out, old)
     assert d.max() <= 2e-2 * ref.float().abs().max()
-    assert torch.equal(K.moe_experts_decode_triton(*args, k_unroll=(4, 4)), out)  # 32 and 12 K blocks: same bits
-    d = report(f"GPU moe decode gemv T={T}", K.moe_experts_decode_triton(*args, gemv=True), ref)
-    assert d.max() <= 2e-2 * ref.float().abs().max()
+    for ku in ((1, 1), (4, 4)):  # 32 and 12 K blocks: the same additions in the same order (T = 1 defaults to 4)
+        assert torch.equal(K.moe_experts_decode_triton(*args, k_unroll=ku), out)
 
 
 @gpu
