@@ -1706,6 +1706,43 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
 
 
 @triton.jit
+def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_ptr, sw3_ptr, c0, N, K, kb0, kb1,
+                   XQ: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr, K_UNROLL: tl.constexpr):
+    """_decode_tile's FP8 path (columns c0 .. c0+BLOCK_N-1) with the MMA's operands swapped: the weight rows are its
+    M side, [R, 128] per K block with R = BLOCK_N, or 2 * BLOCK_N when GATED (these columns' gate rows, then their up
+    rows), and the few token rows its N side. At R = 64 that is one fp8 wgmma (sm90) with both operands in shared
+    memory, where the plain tile (16 token rows as M) is an mma.sync whose e4m3 operands are first converted to f16 in
+    registers. Same products and the same per-block scaling; the order inside a block's dot is the MMA's, as in
+    _grouped_gemm_kernel. Returns (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED)."""
+    R: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    r = tl.arange(0, R)
+    w_rows = c0 + r % BLOCK_N  # [R] weight row (output column) of each MMA row
+    w_ok = w_rows < N
+    w_base = tl.where(r[:, None] < BLOCK_N, w_ptr, w3_ptr) + w_rows.to(tl.int64)[:, None] * K
+    x_base = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride
+    acc = tl.zeros((R, BLOCK_M), dtype=tl.float32)
+    for kb_u in range(kb0, kb1, K_UNROLL):
+        for u_ in tl.static_range(K_UNROLL):
+            kb = kb_u + u_
+            ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
+            a = tl.load(x_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if XQ:
+                sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
+            else:
+                a, sa = _quant_rows(a.to(tl.float32), HW_CAST)
+            b = tl.load(w_base + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+            sw = tl.where(r < BLOCK_N, tl.load(sw_ptr + kb), tl.load(sw3_ptr + kb))  # [R]
+            acc = acc + tl.dot(b, tl.trans(a)) * sa[None, :] * sw[:, None]
+    if GATED:  # rows 0..BLOCK_N-1 gate, BLOCK_N..R-1 up: split them, back to [token, column]
+        g, u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+        return tl.trans(g), tl.trans(u)
+    else:
+        return tl.trans(acc), tl.trans(acc)
+
+
+@triton.jit
 def _decode_expert(ids_ptr, u, first_expert, E, TK, BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr):
     """The local expert of rank u among those hit (ascending id) -> (found, e, hit [BLOCK_TK]: the slots routed to
     e, before [BLOCK_TK]: how many earlier slots are routed to e). Slot s = t*k + j is local iff
@@ -1736,7 +1773,7 @@ def _moe_decode_up_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr,
+    K_UNROLL: tl.constexpr, SWAP: tl.constexpr,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
     slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]). Shared expert (SHARED, axis-1
@@ -1769,10 +1806,16 @@ def _moe_decode_up_kernel(
             sw_off = e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n  # BLOCK_N divides 128
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
-                g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
-                                     w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok, D,
-                                     limit, 0, tl.cdiv(D, BLOCK_K), FP8, FP8, True, False, False, BLOCK_M, BLOCK_N,
-                                     BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, K_UNROLL)
+                if SWAP and FP8:
+                    g, up = _decode_tile_t(x_ptr, sx_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
+                                           w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off,
+                                           pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), True, True, BLOCK_M,
+                                           BLOCK_N, BLOCK_K, HW_CAST, K_UNROLL)
+                else:
+                    g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
+                                         w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok,
+                                         D, limit, 0, tl.cdiv(D, BLOCK_K), FP8, FP8, True, False, False, BLOCK_M,
+                                         BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, K_UNROLL)
                 y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE)
                 tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
@@ -1785,7 +1828,7 @@ def _moe_decode_down_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr,
+    K_UNROLL: tl.constexpr, SWAP: tl.constexpr,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
     load (FP8).
@@ -1809,10 +1852,15 @@ def _moe_decode_down_kernel(
             sw = s2_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
-                acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr,
-                                      sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), FP8,
-                                      False, False, False, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST,
-                                      DOT_DTYPE, PRECISE, K_UNROLL)
+                if SWAP and FP8:
+                    acc, _ = _decode_tile_t(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw,
+                                            sw, pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), False, False,
+                                            BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, K_UNROLL)
+                else:
+                    acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr,
+                                          sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), FP8,
+                                          False, False, False, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST,
+                                          DOT_DTYPE, PRECISE, K_UNROLL)
                 tl.store(y_ptr + slot.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
 
@@ -1852,7 +1900,7 @@ def _check_shared(shared, D):
 
 
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None, k_unroll=None):
+                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=False):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
     0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
@@ -1864,6 +1912,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
     block_n / num_warps / num_stages / k_unroll: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py
     sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up (same bits).
+    swap (FP8 experts; a candidate not yet timed on a GPU): the routed tiles through _decode_tile_t, the weight rows
+    as the MMA's M side (fp8 wgmma at 64 rows: gate/up tiles of 32 columns, down tiles of 64), within tolerance.
     (Measured on the H200 and removed: a split-K gate/up, 2-8 programs per tile with fp32 partials, 2-4x slower at T=1
     and T=16; each block's dot on the CUDA cores instead of an MMA, 4-10x slower.)
     """
@@ -1896,7 +1946,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     sh = int(shared is not None)
     ranks = min(T * k, E)  # distinct local experts the slots can hit
     dummy = y
-    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK,
+    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, SWAP=bool(swap),
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
                   HW_CAST=not _INTERPRET, DOT_DTYPE=_DOT, PRECISE=_PRECISE)
     grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)

@@ -179,6 +179,12 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
     assert torch.equal(K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=(2, 2)), dec)
     with pytest.raises(ValueError, match="k_unroll"):
         K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=(3, 1))
+    # weight rows as the MMA's M side: the same products and scaling (bit-equal where the dot's order is numpy's),
+    # another order inside each block's dot on a GPU (fp8 wgmma); ragged F = 160 and D = 192 tiles, 17 rows
+    for ku in ((1, 1), (2, 2)):
+        out = K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=ku, swap=True)
+        d = report(f"moe decode swap fp8={fp8} k_unroll={ku}", out, ref)
+        assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
 
 
 def test_moe_decode_local_ids():
@@ -638,6 +644,8 @@ def test_gpu_moe_decode_real_shape(T):
     assert d.max() <= 2e-2 * ref.float().abs().max()
     for ku in ((1, 1), (4, 4)):  # 32 and 12 K blocks: the same additions in the same order (T = 1 defaults to 4)
         assert torch.equal(K.moe_experts_decode_triton(*args, k_unroll=ku), out)
+    d = report(f"GPU moe decode swap T={T}", K.moe_experts_decode_triton(*args, swap=True), ref)
+    assert d.max() <= 2e-2 * ref.float().abs().max()
 
 
 @gpu
