@@ -289,10 +289,12 @@ def sweep_gemm_prefill(rows_per_expert, E=44):
         run = lambda **kw: K.grouped_gemm_triton(xq, sx, w, sw, row_off, w3=w3, sw3=sw3,  # noqa: E731
                                                  limit=7.0 if gated else None, **kw)
         want = run()  # the defaults' output: every config must give the same bits (same K order per element)
-        for bm, bn, nw, st in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (128, 64, 4, 4),
-                               (128, 64, 8, 4), (64, 128, 4, 4), (256, 128, 8, 3), (256, 64, 8, 4)):
-            kw = dict(block_m=bm, block_n=bn, num_stages=st, num_warps=nw)
-            res.append(choice(f"{bm}x{bn} w{nw} s{st}", lambda: run(**kw), want, flops))
+        # n: the candidate program order (an M tile's N tiles consecutive: each row block read from HBM once)
+        for bm, bn, nw, st, nf in ((128, 128, 8, 3, 0), (128, 128, 8, 4, 0), (128, 128, 4, 3, 0), (128, 64, 4, 4, 0),
+                                   (128, 64, 8, 4, 0), (64, 128, 4, 4, 0), (256, 128, 8, 3, 0), (256, 64, 8, 4, 0),
+                                   (128, 128, 8, 4, 1), (128, 64, 8, 4, 1), (64, 128, 4, 4, 1), (128, 128, 8, 3, 1)):
+            kw = dict(block_m=bm, block_n=bn, num_stages=st, num_warps=nw, n_fastest=bool(nf))
+            res.append(choice(f"{bm}x{bn} w{nw} s{st}" + (" n" if nf else ""), lambda: run(**kw), want, flops))
         print(f"  sweep prefill {what} rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
 
 

@@ -1473,7 +1473,7 @@ def _grouped_gemm_kernel(
     x_stride, sx_stride, w_stride_e, w_stride_n, sw_stride_e, sw_stride_n, out_stride,
     FP8: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile of one expert of a grouped GEMM, Y[rows of e] = X[rows of e] . W[e]^T.
 
@@ -1484,9 +1484,16 @@ def _grouped_gemm_kernel(
     FP8: X and W e4m3 with scales sx [row, kb] and sw [e, nb, kb]; per K block of 128,
          acc = acc + (fp32 dot) * sx * sw (act_quant_ref / fp8_gemm_ref); else bf16 operands, fp32 accumulation.
     GATED: also runs W3 on the same rows and stores swiglu(bf(X.W^T), bf(X.W3^T)) instead of bf(X.W^T).
+    N_FASTEST: a 1-D grid whose consecutive programs are the N tiles of one M tile, so the programs in flight hold a
+    few experts' rows and weights (L2-sized), where the 2-D grid (M tiles fastest) runs one N tile of every expert
+    at once and reads each row block from HBM once per N tile. Same tiles, same bits.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if N_FASTEST:
+        pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
+        pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
     experts = tl.arange(0, BLOCK_E)
     r0 = tl.load(row_off_ptr + experts, mask=experts < E, other=0)
     r1 = tl.load(row_off_ptr + 1 + experts, mask=experts < E, other=0)
@@ -1545,13 +1552,14 @@ def _gemm_block_m(rows_per_expert: float) -> int:
 
 
 def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, block_m=None,
-                        block_n=None, num_stages=None, num_warps=None):
+                        block_n=None, num_stages=None, num_warps=None, n_fastest=False):
     """Grouped expert GEMM over rows sorted by expert; one launch for all experts.
 
     x [Mx, K] (e4m3 with sx [Mx, ceil(K/128)] fp32, or bf16 with sx None); row_off [E+1] int32 on the device
     (expert e owns output rows row_off[e] .. row_off[e+1]-1); row_idx [M] int32 (output row r reads x[row_idx[r]])
     or None (M = Mx, identity); w [E, N, K] e4m3 with sw [E, ceil(N/128), ceil(K/128)] fp32, or bf16 with sw None.
     Returns [M, N] bf16: rows past row_off[E] are left unwritten. With w3 (and sw3): swiglu(X.W^T, X.W3^T, limit).
+    n_fastest: the program order of _grouped_gemm_kernel's N_FASTEST (a candidate, not yet timed on a GPU; same bits).
     """
     fp8 = sw is not None
     E, N, K = w.shape
@@ -1591,6 +1599,8 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     BLOCK_K = QBLOCK  # one FP8 scale block per K step
     # worst case over any split of M rows into E experts (no host sync: the true tile count stays on the device)
     grid = (min(triton.cdiv(M, BLOCK_M) + E, M), triton.cdiv(N, BLOCK_N))
+    if n_fastest:
+        grid = (grid[0] * grid[1],)
     dummy = out  # never read when the matching constexpr is off
     _grouped_gemm_kernel[grid](
         x, sx if fp8 else dummy, row_idx if row_idx is not None else dummy, w, sw if fp8 else dummy,
@@ -1600,7 +1610,8 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
         sw.stride(0) if fp8 else 0, sw.stride(1) if fp8 else 0, out.stride(0),
         FP8=fp8, GATED=w3 is not None, GATHER=row_idx is not None, HAS_LIMIT=limit is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E),
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, num_warps=num_warps or (8 if BLOCK_M >= 128 else 4),
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, N_FASTEST=bool(n_fastest),
+        num_warps=num_warps or (8 if BLOCK_M >= 128 else 4),
         num_stages=1 if _INTERPRET else (num_stages or (4 if fp8 else 2)))  # bf16 tiles are twice the shared memory of e4m3
     return out
 

@@ -134,6 +134,9 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
                      for e in range(E)])
     d = report("grouped fp8 gemm", out, ref)
     assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
+    # the N tiles of an M tile as consecutive programs: the same tiles (block_n 64: 4 N tiles, the last partial)
+    assert torch.equal(K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64, n_fastest=True),
+                       K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64))
 
 
 def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
