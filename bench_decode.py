@@ -7,9 +7,10 @@ replayed as a CUDA graph), the kernels of one step (profiler), and the 92-layer 
 decode step replayed as a CUDA graph and measured, not projected. Both print the ratio to the HBM floor of the
 bytes one step must read. Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP
 reductions between W GPUs (--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both
-modes): a step of Q tokens per row against a 1-token step.
+modes): a step of Q tokens per row against a 1-token step. --pdl: every Triton kernel launched with programmatic
+dependent launch (kernel.set_pdl, a candidate).
 
-    python bench_decode.py [--batch 1] [--context 4096] [--whole-rank] [--torch-ref] [--profile]
+    python bench_decode.py [--batch 1] [--context 4096] [--whole-rank] [--torch-ref] [--profile] [--pdl]
     python bench_decode.py [--whole-rank] --tokens-per-row 4    # a speculative verify step (3 drafts)
     torchrun --nproc-per-node=2 bench_decode.py --whole-rank [--one-shot]
 """
@@ -256,8 +257,9 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
 
 
 def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False, q: int = 1,
-         one_shot: bool = False):
+         one_shot: bool = False, pdl: bool = False):
     torch.manual_seed(0)
+    kernel.set_pdl(pdl)
     cfg = real_rank_config()
     M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
     kernel.set_backend(not torch_ref)  # Triton for CUDA tensors unless the reference is asked for
@@ -267,7 +269,7 @@ def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole
     world = int(os.environ.get("WORLD_SIZE", "1")) if whole_rank else 1
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"decode step {what}, 92 MoE-shaped layers, batch {batch}, context {context}, "
-              f"{'torch reference' if torch_ref else 'Triton kernels'}: {step_t * 1e3:.2f} ms "
+              f"{'torch reference' if torch_ref else 'Triton kernels'}{' with PDL' if pdl else ''}: {step_t * 1e3:.2f} ms "
               f"(HBM floor {floor * 1e3:.2f} ms, ratio {floor / step_t:.1%}); "
               + (f"TP reductions between {world} GPUs included" if world > 1 else "collectives excluded"))
 
@@ -284,7 +286,9 @@ if __name__ == "__main__":
                          "K + 1), compared with one token per row (layer and whole-rank modes)")
     ap.add_argument("--one-shot", action="store_true",
                     help="under torchrun with --whole-rank: also time the step with model.OneShotReduce (candidate)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="launch the Triton kernels with programmatic dependent launch (kernel.set_pdl; candidate)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
-    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row, a.one_shot)
+    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row, a.one_shot, a.pdl)

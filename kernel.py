@@ -20,12 +20,13 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 QBLOCK = 128  # FP8 block: activations 1x128 along K, weights 128x128
 
-_backend = {"triton": True}
+_backend = {"triton": True, "pdl": False}
 
 
 def set_backend(triton: bool):
@@ -36,6 +37,19 @@ def set_backend(triton: bool):
 
 def _triton(x: torch.Tensor) -> bool:
     return _backend["triton"] and x.is_cuda
+
+
+def set_pdl(on: bool):
+    """Programmatic dependent launch (sm90+) for every Triton kernel launched from now on: a launch may begin while
+    its predecessor still runs (its launch latency and CTA setup hidden); each kernel's first act is
+    griddepcontrol.wait (the predecessor finished, its writes visible), then it lets its own successor launch. So
+    every memory access stays ordered as without it. A candidate, off by default and not yet timed; the interpreter
+    ignores it."""
+    _backend["pdl"] = bool(on) and not _INTERPRET
+
+
+def _pdl() -> dict:
+    return {"PDL": True, "launch_pdl": True} if _backend["pdl"] else {"PDL": False}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -52,6 +66,14 @@ _DOT = tl.float32 if _INTERPRET else tl.bfloat16
 _PRECISE = not _INTERPRET
 # Kernels whose reference spells out separately rounded products are compiled without FMA contraction.
 _NO_FMA = {} if _INTERPRET else {"enable_fp_fusion": False}
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Every kernel's first statement (see set_pdl): wait for the predecessor grid, then release the successor."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def _check(cond, msg):
@@ -167,7 +189,7 @@ def norm_rope_ref(x, weight, cos, sin, eps, bias=None, pos=None):
 def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, ROWS, NH, stride_xt, eps,
                       D: tl.constexpr, HALF: tl.constexpr, LAYERNORM: tl.constexpr, GATHER: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                      BLOCK_REST: tl.constexpr):
+                      BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
     """BLOCK_R head rows (token t = row // NH) per program: norm, round to bf16, NEOX-rotate the first 2*HALF dims.
 
     RMS: n = bf((x * r) * (w + 1)), r = 1/sqrt(mean(x^2) + eps); LayerNorm: n = bf(((x - mu) * r) * w + b),
@@ -176,6 +198,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R
     second = bf(fma(a, s, b*c)) (emulated as fp64 a*s + b*c rounded once to fp32, exactly as the reference).
     Each norm value is elementwise, so recomputing it per slice equals storing and re-reading the bf16 row.
     """
+    _pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < ROWS
     tok = rows // NH
@@ -249,7 +272,7 @@ def norm_rope_triton(x, weight, cos, sin, eps, bias=None, pos=None):
             x.stride(0), float(eps), D=D, HALF=half, LAYERNORM=bias is not None, GATHER=pos is not None,
             BLOCK_R=BLOCK_R, BLOCK_D=triton.next_power_of_2(D),
             BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
-            BLOCK_REST=triton.next_power_of_2(D - 2 * half) if D > 2 * half else 0, num_warps=4, **_NO_FMA)
+            BLOCK_REST=triton.next_power_of_2(D - 2 * half) if D > 2 * half else 0, num_warps=4, **_NO_FMA, **_pdl())
     return out
 
 
@@ -364,9 +387,10 @@ def _store_kv(k_ptr, v_ptr, new, kf, ks, kr, vn, D: tl.constexpr, HALF: tl.const
 @triton.jit
 def _sliding_write_kernel(qkvg_ptr, pos_ptr, k_ptr, v_ptr, kw_ptr, cos_ptr, sin_ptr, G, R, Q, H, stride_t, eps,
                           D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          BLOCK_REST: tl.constexpr):
+                          BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
     """A step of Q > 1 tokens per ring row: token t's k (norm + RoPE) and v of group g into slot pos[t] % R of ring
     row (t // Q, g), before any query of the step reads the ring (R >= W + Q - 1: no query's window loses a key)."""
+    _pdl_enter(PDL)
     t = tl.program_id(0) // G
     g = tl.program_id(0) % G
     p = tl.load(pos_ptr + t)
@@ -383,14 +407,14 @@ def _sliding_attn_kernel(
     NEW_IN_REGS: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr,
     SPLIT_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_REST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_REST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (token t, KV group g) and one split of ring row (t // Q, g)'s slots [split*SPLIT_LEN, +SPLIT_LEN), all Hg
     heads at once.
 
     Every program normalises and rotates its q heads itself (cheap; no launch in between). NEW_IN_REGS (Q == 1): the
     program also computes the new k; slot pm = p % R takes the new k/v from registers, never from memory: the
-    program owning that slot also writes them to the ring, and no other program reads the slot. Else
+    program owning that slot also writes them to the ring (at its end), and no other program reads the slot. Else
     _sliding_write_kernel has written the step's Q keys before this launch. Slot s is valid iff d = (p - s) mod R
     satisfies d < W and d <= p (model.py's rule; with R == W it reduces to s <= p; the step's later tokens sit at
     d >= R - Q + 1 >= W). Online softmax over fp32 logits (q.k) * scale;
@@ -398,6 +422,7 @@ def _sliding_attn_kernel(
     lo = bf(P - hi) (16 of P's 24 bits; the dropped part is < 2^-16 P), on the interpreter as one fp32 dot.
     Writes the unnormalised acc, the running max m and sum l for _sliding_merge_kernel.
     """
+    _pdl_enter(PDL)
     row = tl.program_id(0)  # t * G + g
     split = tl.program_id(1)
     t = row // G
@@ -419,8 +444,6 @@ def _sliding_attn_kernel(
     if NEW_IN_REGS:
         kf, ks, kr, vn = _new_kv(qkvg_ptr, kw_ptr, xrow, g, H, G, cos_row, sin_row, eps, D, HALF, BLOCK_D,
                                  BLOCK_HALF, BLOCK_REST)  # [1, *] each
-        if pm // SPLIT_LEN == split:  # the owner of the new token's slot writes it
-            _store_kv(k_ptr, v_ptr, ring + pm * D, kf, ks, kr, vn, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
     qf, qs = qf.to(DOT_DTYPE), qs.to(DOT_DTYPE)
     if BLOCK_REST > 0:
         qr = qr.to(DOT_DTYPE)
@@ -471,14 +494,20 @@ def _sliding_attn_kernel(
     tl.store(po_ptr + (part * HG + heads[:, None]) * D + dims[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
     tl.store(pml_ptr + (part * 2) * HG + heads, m_i, mask=h_ok)
     tl.store(pml_ptr + (part * 2 + 1) * HG + heads, l_i, mask=h_ok)
+    # the owner of the new token's slot writes it last: a store to the rings ahead of the loop would keep the
+    # compiler from issuing the ring loads before it (they may alias), a dependent round trip at the chain's head
+    if NEW_IN_REGS:
+        if pm // SPLIT_LEN == split:
+            _store_kv(k_ptr, v_ptr, ring + pm * D, kf, ks, kr, vn, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
 
 
 @triton.jit
 def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
                           HG: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_D: tl.constexpr, PRECISE: tl.constexpr):
+                          BLOCK_D: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     """Log-sum-exp merge of one (row, head)'s splits, c_i = exp(m_i - max m): o = bf(sum c_i acc_i / sum c_i l_i)
     (SDPA's bf16 result), then the gate: out = bf(o * bf(1 / (1 + exp(-logit)))) (torch.sigmoid, then mul)."""
+    _pdl_enter(PDL)
     row = tl.program_id(0)  # t * G + g
     h = tl.program_id(1)
     t = row // G
@@ -547,16 +576,16 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
                   BLOCK_REST=max(16, triton.next_power_of_2(rest)) if rest else 0, num_warps=4, **_NO_FMA)
     if Q > 1:
         _sliding_write_kernel[(T * G,)](qkvg, pos, ring_k, ring_v, k_norm_w, cos, sin, G, R, Q, H, qkvg.stride(0),
-                                        float(eps), **blocks)
+                                        float(eps), **blocks, **_pdl())
     _sliding_attn_kernel[(T * G, splits)](
         qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
         float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
         BLOCK_H=max(16, triton.next_power_of_2(HG)), BLOCK_N=max(16, min(64, triton.next_power_of_2(split_len))),
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, **blocks)
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, **blocks, **_pdl())
     _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
                                        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
                                        PRECISE=_PRECISE,
-                                       num_warps=4)
+                                       num_warps=4, **_pdl())
     return out
 
 
@@ -578,9 +607,10 @@ def rms_norm_ref(x, w, eps, out_dtype=None):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, x_stride, out_stride, eps, OUT_BF16: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+                     BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One row per program: y = x * (1 / sqrt(sum(x^2) / D + eps)) * (w + 1), rounded once to the output dtype.
     Replaces the ~7 elementwise/reduction launches of the PyTorch form in every decode layer (twice per layer)."""
+    _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
@@ -607,7 +637,7 @@ def rms_norm_triton(x, w, eps, out_dtype=None):
     if T:
         _rms_norm_kernel[(T,)](x, w, out, D, x.stride(0), out.stride(0), float(eps),
                                OUT_BF16=out_dtype == torch.bfloat16, BLOCK_D=triton.next_power_of_2(D),
-                               num_warps=8 if D >= 2048 else 4)
+                               num_warps=8 if D >= 2048 else 4, **_pdl())
     return out
 
 
@@ -649,10 +679,11 @@ def _residual_norm(acc, res_ptr, w_ptr, res_out_ptr, h_ptr, row, D, eps, PARTS_B
 
 @triton.jit
 def _add_norm_kernel(res_ptr, parts_ptr, w_ptr, res_out_ptr, h_ptr, W, T, D, eps,
-                     PARTS_BF16: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+                     PARTS_BF16: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One row per program: the rank-ordered fp32 sum of the W partials, rounded to their dtype, added to the fp32
     residual; then _rms_norm_kernel's arithmetic on the new residual. Replaces the cast, add and norm launches
     (and, at W > 1, the elementwise rank-order sum) between two GEMMs of a decode layer."""
+    _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
@@ -682,13 +713,15 @@ def add_norm_triton(res, parts, w, eps):
     if T:
         _add_norm_kernel[(T,)](res, parts, w if w is not None else res, out, h if h is not None else out,
                                parts.shape[0], T, D, float(eps), PARTS_BF16=parts.dtype == torch.bfloat16,
-                               NORM=w is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4)
+                               NORM=w is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4,
+                               **_pdl())
     return out, h
 
 
 @triton.jit
 def _peer_add_norm_kernel(res_ptr, bufs_ptr, pads_ptr, w_ptr, res_out_ptr, h_ptr, rank, D, slot_off, flag_off, eps,
-                          W: tl.constexpr, PARTS_BF16: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+                          W: tl.constexpr, PARTS_BF16: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr):
     """_add_norm_kernel over partials that stay in the W ranks' symmetric buffers (peer memory over NVLink): a
     one-shot TP reduction fused with the residual add and the next norm, one row per program.
 
@@ -698,6 +731,7 @@ def _peer_add_norm_kernel(res_ptr, bufs_ptr, pads_ptr, w_ptr, res_out_ptr, h_ptr
     previous call is still set), then takes every rank's flag from its own pad (1 -> 0, acquire), then reads the W
     rows in rank order. A rank's next write into the same slot waits for every rank's next flag, i.e. for every
     rank having finished this call: callers alternate two slots (slot_off) between consecutive calls."""
+    _pdl_enter(PDL)
     row = tl.program_id(0)
     for r in tl.static_range(W):
         pad = tl.load(pads_ptr + r).to(tl.pointer_type(tl.int32))
@@ -736,7 +770,7 @@ def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0,
         _peer_add_norm_kernel[(T,)](res, bufs, pads, w if w is not None else res, out, h if h is not None else out,
                                     rank, D, slot_off, flag_off, float(eps), W=W,
                                     PARTS_BF16=parts_dtype == torch.bfloat16, NORM=w is not None,
-                                    BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4)
+                                    BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4, **_pdl())
     return out, h
 
 
@@ -768,9 +802,11 @@ def region_summary_ref(k, z):
 
 @triton.jit
 def _region_summary_kernel(k_ptr, z_ptr, out_ptr, P, row_stride,
-                           BLK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, PRECISE: tl.constexpr):
+                           BLK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, PRECISE: tl.constexpr,
+                           PDL: tl.constexpr):
     """One region per program: m = max f32(z) over the whole [blk, P] tile; e = exp(z - m);
     S_d = sum_t e*k / max(sum_t e, 1e-20) (0 where the sum is 0), summed over t in order; e4m3(bf(S)) bytes."""
+    _pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_P)
     d_ok = d < P
@@ -810,7 +846,8 @@ def region_summary_triton(k, z):
     out = torch.empty(N, P, dtype=torch.uint8, device=k.device)
     if N:
         _region_summary_kernel[(N,)](k, z, out, P, blk * P, BLK=blk, BLOCK_T=triton.next_power_of_2(blk),
-                                    BLOCK_P=triton.next_power_of_2(P), PRECISE=_PRECISE, num_warps=2, **_NO_FMA)
+                                    BLOCK_P=triton.next_power_of_2(P), PRECISE=_PRECISE, num_warps=2, **_NO_FMA,
+                                    **_pdl())
     return out.view(FP8)
 
 
@@ -841,10 +878,11 @@ def dsa_cache_write_ref(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
 def _dsa_cache_write_kernel(k_ptr, v_ptr, ki_ptr, zi_ptr, pos_ptr, ck_ptr, cv_ptr, pk_ptr, pz_ptr, summ_ptr,
                             k_stride, v_stride, ki_stride, zi_stride, pos_stride, cap, R, P,
                             GHD: tl.constexpr, BLK: tl.constexpr, BLOCK_GHD: tl.constexpr, BLOCK_P: tl.constexpr,
-                            PRECISE: tl.constexpr):
+                            PRECISE: tl.constexpr, PDL: tl.constexpr):
     """One request per program: the row writes, then, on the region's last token, _region_summary_kernel's
     arithmetic over the pending rows with the new row taken from registers (never re-read after this program's own
     store)."""
+    _pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + b * pos_stride)
     slot = p % BLK
@@ -898,7 +936,8 @@ def dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
                                       ki.stride(0), zi.stride(0), pos.stride(0), ck.shape[1], summ.shape[1], P,
                                       GHD=G * hd,
                                       BLK=pk.shape[1], BLOCK_GHD=triton.next_power_of_2(G * hd),
-                                      BLOCK_P=triton.next_power_of_2(P), PRECISE=_PRECISE, num_warps=2, **_NO_FMA)
+                                      BLOCK_P=triton.next_power_of_2(P), PRECISE=_PRECISE, num_warps=2, **_NO_FMA,
+                                      **_pdl())
 
 
 def dsa_cache_write(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
@@ -926,7 +965,7 @@ def indexer_scores_ref(q, w, summ, w_scale=1.0):
 def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
                            q_stride_s, q_stride_t, q_stride_g, w_stride_s, w_stride_t, s_stride_s,
                            HG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                           HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                           HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """scores[s, g, t, r] = sum over heads h = 0..Hg-1 in order of relu(q_h . S_r) * w_h (one fp32 accumulator),
     w_h = f32(w) * w_scale.
 
@@ -934,6 +973,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
     e4m3; the dot runs in DOT_DTYPE (e4m3 -> bf16 is lossless) with fp32 accumulation, which avoids the
     reduced-precision accumulator of Hopper's fp8 MMA.
     """
+    _pdl_enter(PDL)
     s = tl.program_id(0) // G
     g = tl.program_id(0) % G
     ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -978,7 +1018,7 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
                                      q.stride(2),
                                      w.stride(0), w.stride(1), summ.stride(0), HG=HG, BLOCK_T=BLOCK_T,
                                      BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P), HW_CAST=not _INTERPRET,
-                                     DOT_DTYPE=_DOT, num_warps=num_warps, **_NO_FMA)
+                                     DOT_DTYPE=_DOT, num_warps=num_warps, **_NO_FMA, **_pdl())
     return out
 
 
@@ -1026,7 +1066,7 @@ def _order_key(x):
 @triton.jit
 def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr, valid_ptr, G, T, R, N, K,
                            PAIRS: tl.constexpr, FINAL: tl.constexpr, ALL: tl.constexpr,
-                           BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Exact top-K of one chunk of a row (program (row, chunk)), entries in ascending region id, held in registers.
 
     Input: the row's N scores (key = _order_key, non-candidates id >= n_hist keyed as -inf), or with PAIRS the
@@ -1040,6 +1080,7 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
     K = min(topk, R) is a runtime argument: as a constexpr every prefill chunk of a prompt of < topk regions compiled
     a kernel of its own (seconds per prompt).
     """
+    _pdl_enter(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     nchunk = tl.num_programs(1)
@@ -1132,7 +1173,7 @@ def select_regions_triton(scores, n_hist, topk, chunk=4096):
         _select_regions_kernel[(rows, C)](
             src, src_id, n_hist, ids if final else key_out, ids if final else id_out, valid.view(torch.uint8),
             G, T, R, n, K, PAIRS=src is not scores, FINAL=final, ALL=final and K >= n, BLOCK=BLOCK,
-            BLOCK_K=triton.next_power_of_2(K), num_warps=max(4, min(16, BLOCK // 512)))
+            BLOCK_K=triton.next_power_of_2(K), num_warps=max(4, min(16, BLOCK // 512)), **_pdl())
         if final:
             return ids, valid
         src, src_id, n = key_out, id_out, C * K
@@ -1185,7 +1226,7 @@ def _sparse_attn_kernel(
     q_stride_s, q_stride_t, q_stride_g, q_stride_h, kv_stride_s, kv_stride_n, kv_stride_g,
     id_stride_s, id_stride_g, id_stride_t, va_stride_s, va_stride_g, va_stride_t,
     HEAD_DIM: tl.constexpr, BLK: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Online-softmax attention of one (sequence, query, KV group) over its key slots, all Hg heads at once.
 
@@ -1195,6 +1236,7 @@ def _sparse_attn_kernel(
     SPLITS == 1: writes bf(acc / l). Otherwise program_id(1) takes slots [split*SPLIT_LEN, +SPLIT_LEN) and writes
     its unnormalised acc, m and l for _attn_merge_kernel.
     """
+    _pdl_enter(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     g = row % G
@@ -1253,9 +1295,10 @@ def _sparse_attn_kernel(
 def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, T, G, HG,
                        q_stride_s, q_stride_t, q_stride_g, q_stride_h,
                        HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Log-sum-exp merge of the splits of one row and head: c_i = exp(m_i - max m);
     out = bf( sum_i c_i * acc_i / sum_i c_i * l_i )."""
+    _pdl_enter(PDL)
     row = tl.program_id(0)
     h = tl.program_id(1)
     g = row % G
@@ -1320,11 +1363,11 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None):
         q.stride(0), q.stride(1), q.stride(2), q.stride(3), k.stride(0), k.stride(1), k.stride(2),
         ids.stride(0), ids.stride(1), ids.stride(2), va.stride(0), va.stride(1), va.stride(2),
         HEAD_DIM=hd, BLK=blk, SPLITS=splits, BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd),
-        BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, num_warps=4, num_stages=2 if not _INTERPRET else 1)
+        BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, num_warps=4, num_stages=2 if not _INTERPRET else 1, **_pdl())
     if splits > 1:
         _attn_merge_kernel[(rows, HG)](po, pml, out, T, G, HG, q.stride(0), q.stride(1), q.stride(2), q.stride(3),
                                        HEAD_DIM=hd, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-                                       BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd), num_warps=4)
+                                       BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd), num_warps=4, **_pdl())
     return out
 
 
@@ -1428,8 +1471,9 @@ def _shared_expert(x, shared, act):
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, x_stride, q_stride, s_stride,
-                      BLOCK_M: tl.constexpr, QBLOCK: tl.constexpr):
+                      BLOCK_M: tl.constexpr, QBLOCK: tl.constexpr, PDL: tl.constexpr):
     """Per row, per QBLOCK-wide K block: sx = max(amax, 1e-10) * (1/448); q = e4m3(clamp(x * (1/sx), -448, 448))."""
+    _pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     cols = kb * QBLOCK + tl.arange(0, QBLOCK)
@@ -1452,7 +1496,7 @@ def act_quant_triton(x):
     BLOCK_M = 32
     if M > 0:
         _act_quant_kernel[(triton.cdiv(M, BLOCK_M), kb)](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
-                                                         BLOCK_M=BLOCK_M, QBLOCK=QBLOCK, num_warps=4)
+                                                         BLOCK_M=BLOCK_M, QBLOCK=QBLOCK, num_warps=4, **_pdl())
     return q.view(FP8), s
 
 
@@ -1473,7 +1517,7 @@ def _grouped_gemm_kernel(
     x_stride, sx_stride, w_stride_e, w_stride_n, sw_stride_e, sw_stride_n, out_stride,
     FP8: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr, PDL: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile of one expert of a grouped GEMM, Y[rows of e] = X[rows of e] . W[e]^T.
 
@@ -1488,6 +1532,7 @@ def _grouped_gemm_kernel(
     few experts' rows and weights (L2-sized), where the 2-D grid (M tiles fastest) runs one N tile of every expert
     at once and reads each row block from HBM once per N tile. Same tiles, same bits.
     """
+    _pdl_enter(PDL)
     if N_FASTEST:
         pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
         pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
@@ -1611,16 +1656,17 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
         FP8=fp8, GATED=w3 is not None, GATHER=row_idx is not None, HAS_LIMIT=limit is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E),
         DOT_DTYPE=_DOT, PRECISE=_PRECISE, N_FASTEST=bool(n_fastest),
-        num_warps=num_warps or (8 if BLOCK_M >= 128 else 4),
-        num_stages=1 if _INTERPRET else (num_stages or (4 if fp8 else 2)))  # bf16 tiles are twice the shared memory of e4m3
+        num_warps=num_warps or (8 if BLOCK_M >= 128 else 4),  # bf16 tiles: twice the shared memory of e4m3
+        num_stages=1 if _INTERPRET else (num_stages or (4 if fp8 else 2)), **_pdl())
     return out
 
 
 @triton.jit
 def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, D, y_stride, out_stride,
-                        TOPK: tl.constexpr, BLOCK_D: tl.constexpr):
+                        TOPK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[t] = bf( sum over slots j = 0..k-1 in order (one fp32 accumulator) of f32(Y[inv[t, j]]) * w[t, j] ),
     skipping slots whose expert lives on another rank (id < 0)."""
+    _pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -1784,13 +1830,14 @@ def _moe_decode_up_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr,
+    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
     slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]). Shared expert (SHARED, axis-1
     program 0): tiles 0..nt-1 of its gate, then of its up, every token a row, stored separately as bf16
     gu[0] = bf(x.wg^T), gu[1] = bf(x.wu^T) (MLP's rounding points): half the bytes per program of a gated tile, so
     the shared programs finish with the routed ones."""
+    _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     u = tl.program_id(1)
     if u < SHARED:
@@ -1839,11 +1886,12 @@ def _moe_decode_down_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr,
+    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
     load (FP8).
     Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load."""
+    _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     u = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1878,9 +1926,10 @@ def _moe_decode_down_kernel(
 
 @triton.jit
 def _moe_decode_combine_kernel(y_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, D, E, first_expert,
-                               TOPK: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr):
+                               TOPK: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[t] = bf( sum over local slots j = 0..k-1 in order (one fp32 accumulator) of f32(y[t*k + j]) * w[t, j] );
     SHARED: out[t] = f32(that) + f32(ys[t]) in fp32."""
+    _pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -1966,17 +2015,17 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
         s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, K_UNROLL=ku[0],
-        BLOCK_N=bn[0], num_warps=nw[0], num_stages=ns[0], **common)
+        BLOCK_N=bn[0], num_warps=nw[0], num_stages=ns[0], **common, **_pdl())
     _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
         a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
         float(limit_s) if limit_s is not None else 0.0, w2.stride(0), s2.stride(0) if fp8 else 0,
         s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None, K_UNROLL=ku[1],
-        BLOCK_N=bn[1], num_warps=nw[1], num_stages=ns[1], **common)
+        BLOCK_N=bn[1], num_warps=nw[1], num_stages=ns[1], **common, **_pdl())
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
     _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, ids, weights, ys, out, D, E, int(first_expert),
                                                              TOPK=k, SHARED=sh, BLOCK_D=BLOCK_D, num_warps=4,
-                                                             **_NO_FMA)
+                                                             **_NO_FMA, **_pdl())
     return out
 
 
@@ -2013,7 +2062,7 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         y = grouped_gemm_triton(a, None, w2, None, row_off)
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
     _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, inv, ids, weights, out, D, y.stride(0), out.stride(0),
-                                                      TOPK=k, BLOCK_D=BLOCK_D, num_warps=4, **_NO_FMA)
+                                                      TOPK=k, BLOCK_D=BLOCK_D, num_warps=4, **_NO_FMA, **_pdl())
     return out if shared is None else out.float() + _shared_expert(x, shared, swiglu_triton).float()
 
 
@@ -2025,8 +2074,9 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_exp
 
 @triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
-                   PRECISE: tl.constexpr):
+                   PRECISE: tl.constexpr, PDL: tl.constexpr):
     """out = bf( min(silu(g), L) * clamp(u, -L, L) ), fp32 math, one rounding (swiglu_ref)."""
+    _pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -2044,7 +2094,7 @@ def swiglu_triton(g, u, limit):
     if n:
         _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g, u, out, n, float(limit) if limit is not None else 0.0,
                                                  HAS_LIMIT=limit is not None, BLOCK=BLOCK, PRECISE=_PRECISE,
-                                                 num_warps=4)
+                                                 num_warps=4, **_pdl())
     return out
 
 
@@ -2067,10 +2117,11 @@ def skinny_linear_ref(x, w):
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, out_stride,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_DTYPE: tl.constexpr):
+                          DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """Columns [pid * BLOCK_N, +BLOCK_N) of the output for all M <= BLOCK_M rows: one fp32 accumulator over K in
     BLOCK_K steps, so the summation order depends on K alone (not on M or N). Many programs of few columns keep
     enough loads in flight to stream W at batch 1."""
+    _pdl_enter(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok, row_ok = cols < N, rows < M
@@ -2098,7 +2149,7 @@ def skinny_linear_triton(x, w, block_n=32, block_k=256, num_stages=4):
     if M and N:
         _skinny_linear_kernel[(triton.cdiv(N, block_n),)](
             x, w, out, M, N, K, x.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-            DOT_DTYPE=_DOT, num_warps=4, num_stages=1 if _INTERPRET else num_stages)
+            DOT_DTYPE=_DOT, num_warps=4, num_stages=1 if _INTERPRET else num_stages, **_pdl())
     return out
 
 
@@ -2143,10 +2194,11 @@ def swiglu(g, u, limit):
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, K_SPLIT_LEN,
                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_DTYPE: tl.constexpr):
+                          DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
     bf16 MMA with fp32 accumulation computes route_ref's fp32 GEMM (bf16 x and w widened to fp32); K is split so
     decode fills the GPU."""
+    _pdl_enter(PDL)
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     ks0 = tl.program_id(2) * K_SPLIT_LEN
@@ -2166,9 +2218,10 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, K_SPLIT_LEN,
 @triton.jit
 def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
                           K_SPLITS: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
-                          BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr):
+                          BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     """One token: z = sum of the K-split partials in order; sc = sigmoid(z) + b; take the TOPK largest (ties to the
     lower id, slot 0 first); w = sc[id] - b[id], renormalised by (sum + 1e-20), times scale."""
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, BLOCK_E)
     e_ok = es < E
@@ -2213,10 +2266,10 @@ def route_triton(x, w, bias, k, scale, renorm=True):
     part = torch.empty(k_splits, T, E, dtype=torch.float32, device=x.device)
     _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
         x, w, part, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, DOT_DTYPE=_DOT,
-        num_warps=4, num_stages=3 if not _INTERPRET else 1)
+        num_warps=4, num_stages=3 if not _INTERPRET else 1, **_pdl())
     _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
                                 BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
-                                PRECISE=_PRECISE, num_warps=4, **_NO_FMA)
+                                PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **_pdl())
     return ids, wts
 
 

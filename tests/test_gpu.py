@@ -97,6 +97,23 @@ def test_nccl_tp2_matches_tp1(converted, kind, tmp_path):
 
 
 @cuda
+def test_pdl_decode_equals_plain_launches(tp1_models):
+    """kernel.set_pdl: every Triton kernel waits for its predecessor before touching memory, so the same bits: the
+    same logits (eager) and the same tokens through the captured graph."""
+    gpu = tp1_models("fp8_text", "cuda")
+    want = generate.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
+    logits = teacher_forced_logits(gpu, PROMPTS[1], want[1][:-1])
+    kernel.set_pdl(True)
+    try:
+        got = generate.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
+        got_logits = teacher_forced_logits(gpu, PROMPTS[1], want[1][:-1])
+    finally:
+        kernel.set_pdl(False)
+    assert got == want
+    assert torch.equal(got_logits, logits)
+
+
+@cuda
 def test_cuda_vision_path(tp1_models):
     """VL on CUDA: pixel path == image_embeds path (tokens), and the features agree with the CPU encoder."""
     cpu, gpu = tp1_models("fp8_vl"), tp1_models("fp8_vl", "cuda")

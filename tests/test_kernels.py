@@ -6,6 +6,8 @@ in fp32 with the integer rounding helpers, so most kernels are bit-exact and are
 the real-shape tests at the end (skipped without CUDA).
 """
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -323,6 +325,32 @@ def test_add_norm(T, D, W, dtype, norm):
         return
     d = report("add_norm", got_h, ref_h)  # the norm's sum of squares: as test_rms_norm
     assert (d > 0).float().mean() < 0.05 and d.max() <= 2 ** -7 * ref_h.float().abs().max()
+
+
+_PDL_PTX = """
+import triton, kernel as K
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+sig = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", M="i32", K="i32", x_stride="i32", q_stride="i32",
+           s_stride="i32", BLOCK_M="constexpr", QBLOCK="constexpr", PDL="constexpr")
+for pdl in (True, False):
+    src = ASTSource(fn=K._act_quant_kernel, signature=sig, constexprs=dict(BLOCK_M=4, QBLOCK=128, PDL=pdl))
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(launch_pdl=pdl)).asm["ptx"]
+    print(pdl, *[ptx.find(i) for i in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "ld.global")])
+"""
+
+
+def test_pdl_prologue_compiles_for_sm90():
+    """kernel.set_pdl's prologue compiled ahead of time for an H200 (no GPU needed; in a fresh process, as the
+    interpreter's kernels cannot be compiled): griddepcontrol.wait, then launch_dependents, before the kernel's
+    first load; neither with PDL off."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _PDL_PTX], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr[-2000:]
+    at = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in run.stdout.splitlines()}
+    assert 0 < at["True"][0] < at["True"][1] < at["True"][2]
+    assert at["False"][0] == at["False"][1] == -1 and at["False"][2] > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
