@@ -333,6 +333,17 @@ def bench_select(S, T, R):
           flush=True)
 
 
+def sweep_select(S=1, T=256, R=131072):
+    """Chunk lengths of select_regions_triton at a 1M-token prefill query chunk (256 queries x 131072 regions; 16.8 ms
+    of the 38 ms chunk on the H200); the ids must equal the default's (the selection is exact)."""
+    sc, nh = select_case(S, T, R)
+    want = K.select_regions_triton(sc, nh, 512)[0]  # ids (invalid slots hold R: valid follows from them)
+    res = []
+    for chunk in (2048, 4096, 8192, 16384):
+        res.append(choice(f"chunk {chunk}", lambda: K.select_regions_triton(sc, nh, 512, chunk=chunk)[0], want))
+    print(f"  sweep select S={S} T={T} R={R}: " + "; ".join(res), flush=True)
+
+
 def sweep_indexer(T=256, R=131072):
     """Tiles of the indexer scores at a prefill query chunk (T queries of one request, 4 heads x 256, R regions: 1M
     tokens at R = 131072); '=' when the scores' bits equal the defaults'. TFLOP/s of the bf16 dots."""
@@ -344,7 +355,8 @@ def sweep_indexer(T=256, R=131072):
     flops = 2 * T * R * 4 * 256
     res = []  # H200: 64x64 w4 414 us, 64x128 w4 248 (now the prefill default), 128x64 w8 410, 128x128 w8 338,
     # 64x256 w8 280, 256x64 w8 1206; all bit-equal
-    for bt, br, nw in ((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8), (64, 256, 8), (256, 64, 8)):
+    for bt, br, nw in ((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8), (64, 256, 8), (256, 64, 8),
+                       (64, 128, 8), (32, 128, 4), (128, 256, 8), (32, 256, 4)):
         res.append(choice(f"{bt}x{br} w{nw}", lambda: K.indexer_scores_triton(q, w, summ, 0.5, block_t=bt, block_r=br,
                                                                              num_warps=nw), want, flops))
     print(f"  sweep indexer scores T={T} R={R}: " + "; ".join(res), flush=True)
@@ -535,6 +547,7 @@ def main(only=GROUPS):
         run_safely(sweep_attention)
         run_safely(sweep_attention, 131072, 8)
         run_safely(sweep_indexer)
+        run_safely(sweep_select)
         for B in (1, 16, 32):
             run_safely(bench_sliding, B)
         for R, Q in ((515, 1), (528, 1), (528, 4)):  # rings with spare slots (speculative decoding)
