@@ -628,6 +628,19 @@ def test_route(T, D, E, k):
     assert (wts - rwts).abs().max() <= 1e-6 * 3
 
 
+def test_route_ties_to_the_lower_id():
+    """x = 0: every sigmoid is 0.5, so the biased scores 0.5 + b tie wherever the biases do (12 distinct values over
+    40 experts, some negative, a +0 and a -0): slot order = the stable sort of the scores, descending."""
+    E, k = 40, 8
+    bias = (torch.randint(-6, 6, (E,), generator=_gen(5)).float() / 8).to(DEV)
+    bias[3], bias[11] = 0.0, -0.0
+    ids, wts = K.route_triton(torch.zeros(3, 64, dtype=torch.bfloat16, device=DEV), randn(E, 64, seed=2), bias, k,
+                              2.0)
+    want = torch.sort(-(0.5 + bias), stable=True).indices[:k]
+    assert torch.equal(ids, want.expand(3, k))
+    assert torch.equal(wts, torch.full_like(wts, 2.0 / k))  # every (0.5 + b) - b is 0.5 exactly, their sum 4
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # real shapes on a GPU (TP = 8 local sizes)
 
