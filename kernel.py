@@ -531,11 +531,13 @@ def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
 
 
 def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
-                          n_groups, split_len=32):
+                          n_groups, split_len=32, num_warps=4):
     """Triton sliding_decode_ref: 2 launches (3 for Q > 1 tokens per row: the keys are written first). split_len:
     ring slots per program; it depends only on R (never on the batch or Q), so a token's reduction order and result
     do not depend on the batch size. 32 on the H200 (one TP=8 layer, R = 512): 13.5 us at B = 1 and 15.5 at B = 16,
-    against 12.6 / 22.8 (16), 16.6 / 17.5 (64) and 22.5 / 23.3 (128)."""
+    against 12.6 / 22.8 (16), 16.6 / 17.5 (64) and 22.5 / 23.3 (128). num_warps of the attention launch: at 4 the
+    sm90 build spills ~75 registers to local memory, at 8 none (ahead-of-time compile); 8 is a candidate, not yet
+    timed."""
     H, G = n_heads, n_groups
     _check(H > 0 and G > 0 and H % G == 0, f"n_heads={H} must be a positive multiple of n_groups={G}")
     for name, t_ in (("ring_k", ring_k), ("ring_v", ring_v)):
@@ -581,7 +583,7 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
         qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
         float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
         BLOCK_H=max(16, triton.next_power_of_2(HG)), BLOCK_N=max(16, min(64, triton.next_power_of_2(split_len))),
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, **blocks, **_pdl())
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, **dict(blocks, num_warps=num_warps), **_pdl())
     _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
                                        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
                                        PRECISE=_PRECISE,

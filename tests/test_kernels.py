@@ -440,18 +440,21 @@ def _check_sliding(args, H, hd, label, max_ulps, **kw):
     return ulps
 
 
+@pytest.mark.parametrize("hd,half", [(32, 8), (24, 12)], ids=["partial-rotary", "full-rotary"])
 @pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("R", [8, 11])
 @pytest.mark.parametrize("B,pos", [(1, [3]), (2, [7, 8]), (3, [0, 29, 53])])
-def test_sliding_decode(B, pos, R, G):
+def test_sliding_decode(B, pos, R, G, hd, half):
     """Positions below the window, at it, and wrapped several times; a ring without (R = W) and with spare slots;
     one split (default) and 3 splits merged by log-sum-exp (split_len=4).
 
     The kernel feeds P.V the fp32 probabilities (SDPA's math) where SDPA's CPU kernel rounds them to bf16 first and
     the CUDA one does so per key tile: SDPA's o may then round to the neighbouring bf16 value. With the gate at 1
     (logit 30) out is SDPA's o: within 1 step. A gate g < 1 carries that step into out = bf(o * g), whose magnitude
-    can sit a binade lower: within 2 steps of out's magnitude. (Measured over 60 random cases: 1.0 and 2.0.)"""
-    H, hd, half, W = 4, 32, 8, 8
+    can sit a binade lower: within 2 steps of out's magnitude. (Measured over 60 random cases: 1.0 and 2.0.)
+    Rotary span: part of the head (the DSA layers' 64 of 192) or all of it (the sliding layers': no rest columns),
+    with padded column blocks (12 of 16, 24 of 32)."""
+    H, W = 4, 8
     args = _sliding_case(B, H, G, hd, half, W, R, pos, seed=B * 10 + R + G)
     for split_len in (32, 4):
         _check_sliding(args, H, hd, f"sliding decode B={B} R={R} G={G} split_len={split_len}", 2.0,
@@ -722,17 +725,20 @@ def test_gpu_select_regions_real_shape(S, T, R):
 
 
 @gpu
+@pytest.mark.parametrize("span", [192, 64])
 @pytest.mark.parametrize("B,R,p,Q", [(B, R, p, 1) for B in (1, 16) for R in (512, 515) for p in (100, 4096)]
                          + [(1, 515, 4096, 4), (16, 528, 100, 4)])
-def test_gpu_sliding_decode_real_shape(B, R, p, Q):
-    """A sliding layer's decode at TP = 8: H = 8 heads, one KV group, hd 192 with a 64-dim rotary span (the model's
-    table), W = 512; row b's Q tokens at positions p + 37 b + j (p = 4096: the ring has wrapped 8 times)."""
+def test_gpu_sliding_decode_real_shape(B, R, p, Q, span):
+    """A sliding layer's decode at TP = 8: H = 8 heads, one KV group, hd 192, W = 512; rotary span 192 (the sliding
+    layers' table: partial_rotary_factor 1) or 64 (the DSA layers' 1/3, what this test used alone before
+    2026-11-30); row b's Q tokens at positions p + 37 b + j (p = 4096: the ring has wrapped 8 times)."""
     import model
-    H, G, hd, span, W = 8, 1, 192, 64, 512
+    H, G, hd, W = 8, 1, 192, 512
     tables = model.rope_table(span, 10000.0, None, p + 37 * B + Q, DEV)
     args = _sliding_case(B, H, G, hd, span // 2, W, R, [p + 37 * b + j for b in range(B) for j in range(Q)],
                          seed=B + R + p + Q, tables=tables, Q=Q)
-    _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q}", 2.0)
+    _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span}", 2.0)
+    _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} 8 warps", 2.0, num_warps=8)
     args[0] = args[0].clone()
     args[0][:, -H:] = 30.0
-    _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} gate 1", 1.0)
+    _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} gate 1", 1.0)
