@@ -403,7 +403,8 @@ def sweep_moe_decode(T, E=44):
     for bn, nw, st, ku, swap in (((32, 64), 4, 4, 1, False), ((32, 64), 4, 4, 2, False), ((32, 64), 4, 4, 4, False),
                                  ((32, 64), 4, 2, 4, False), ((64, 128), 8, 3, 4, False), ((128, 128), 8, 3, 1, False),
                                  ((32, 64), 4, 4, 1, True), ((32, 64), 4, 4, 2, True), ((32, 64), 4, 3, 4, True),
-                                 ((32, 64), 4, 6, 1, True), ((64, 64), 4, 4, 1, True), ((32, 128), 4, 4, 1, True)):
+                                 ((32, 64), 4, 6, 1, True), ((32, 64), 4, 8, 1, True), ((32, 64), 4, 6, 2, True),
+                                 ((64, 64), 4, 4, 1, True), ((32, 128), 4, 4, 1, True)):
         kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku), swap=swap)
         res.append(choice(f"BN={bn} w{nw} st={st} k_unroll={ku}" + (" swap" if swap else ""), lambda: run(**kw),
                           want))
