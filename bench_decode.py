@@ -269,7 +269,8 @@ def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole
     world = int(os.environ.get("WORLD_SIZE", "1")) if whole_rank else 1
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"decode step {what}, 92 MoE-shaped layers, batch {batch}, context {context}, "
-              f"{'torch reference' if torch_ref else 'Triton kernels'}{' with PDL' if pdl else ''}: {step_t * 1e3:.2f} ms "
+              f"{'torch reference' if torch_ref else 'Triton kernels'}{' with PDL' if pdl else ''}: "
+              f"{step_t * 1e3:.2f} ms "
               f"(HBM floor {floor * 1e3:.2f} ms, ratio {floor / step_t:.1%}); "
               + (f"TP reductions between {world} GPUs included" if world > 1 else "collectives excluded"))
 
