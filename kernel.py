@@ -1961,8 +1961,19 @@ def _check_shared(shared, D):
     return Fs
 
 
+def _x_quant(x, xq):
+    """act_quant_triton(x), or xq = (e4m3 [T, D], fp32 [T, D/128]) when the router already wrote it (route(quant))."""
+    if xq is None:
+        return act_quant_triton(x)
+    q, sx = xq
+    _check(q.dtype == FP8 and q.shape == x.shape and sx.dtype == torch.float32
+           and tuple(sx.shape) == (x.shape[0], triton.cdiv(x.shape[1], QBLOCK)) and q.is_contiguous()
+           and sx.is_contiguous(), f"xq must be (e4m3 {tuple(x.shape)}, fp32 [T, D/128]) as act_quant_triton's")
+    return q, sx
+
+
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=False):
+                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=False, xq=None):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
     0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
@@ -2012,7 +2023,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
                   HW_CAST=not _INTERPRET, DOT_DTYPE=_DOT, PRECISE=_PRECISE)
     grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
-    xqt, sxt = act_quant_triton(x) if fp8 else (x, dummy)
+    xqt, sxt = _x_quant(x, xq) if fp8 else (x, dummy)
     _moe_decode_up_kernel[grid1](
         xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
@@ -2031,7 +2042,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     return out
 
 
-def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):
+def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
+                              xq=None):
     """Triton moe_experts_ref for prefill: only routed rows are computed, one launch per GEMM for all local experts.
 
     Steps, all on the device with static shapes (no .item()): sort the T*k (token, slot) pairs by local expert
@@ -2055,7 +2067,7 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=x.device)  # flat slot -> sorted row
     if fp8:
-        xq, sx = act_quant_triton(x)  # once per token, not per (token, expert)
+        xq, sx = _x_quant(x, xq)  # once per token, not per (token, expert)
         a = grouped_gemm_triton(xq, sx, w1, s1, row_off, row_idx=tok, w3=w3, sw3=s3, limit=limit)  # [T*k, F]
         aq, sa = act_quant_triton(a)  # rows past row_off[E] hold garbage and are never read back
         y = grouped_gemm_triton(aq, sa, w2, s2, row_off)  # [T*k, D]
@@ -2068,10 +2080,11 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     return out if shared is None else out.float() + _shared_expert(x, shared, swiglu_triton).float()
 
 
-def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):
-    """Triton moe_experts_ref: the sort-free decode path for T*k <= DECODE_SLOTS, else the sorted path."""
+def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None, xq=None):
+    """Triton moe_experts_ref: the sort-free decode path for T*k <= DECODE_SLOTS, else the sorted path. xq: x
+    already quantised (route(..., quant=True)), FP8 experts only."""
     path = moe_experts_decode_triton if ids.numel() <= DECODE_SLOTS else moe_experts_sorted_triton
-    return path(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert, shared)
+    return path(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert, shared, xq=xq)
 
 
 @triton.jit
@@ -2100,9 +2113,9 @@ def swiglu_triton(g, u, limit):
     return out
 
 
-def moe_experts(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):
+def moe_experts(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None, xq=None):
     if _triton(x):
-        return moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert, shared)
+        return moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert, shared, xq)
     return moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert, shared)
 
 
@@ -2194,12 +2207,14 @@ def swiglu(g, u, limit):
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, K_SPLIT_LEN,
-                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPLIT_LEN,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
                           DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
     bf16 MMA with fp32 accumulation computes route_ref's fp32 GEMM (bf16 x and w widened to fp32); K is split so
-    decode fills the GPU."""
+    decode fills the GPU. QUANT: the programs of the first E tile also write act_quant_ref(x) of the rows and K
+    slice they read (xq e4m3 bits [T, D], sx [T, D/128]; _act_quant_kernel's arithmetic) for the FP8 experts, so
+    that quantisation costs no launch of its own. BLOCK_K is a multiple of 128."""
     _pdl_enter(PDL)
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -2208,11 +2223,23 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, K_SPLIT_LEN,
     for k0 in range(ks0, tl.minimum(ks0 + K_SPLIT_LEN, D), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < D
-        xt = tl.load(x_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], mask=(ts[:, None] < T) & k_ok[None, :],
-                     other=0.0).to(tl.float32).to(DOT_DTYPE)
+        x_ok = (ts[:, None] < T) & k_ok[None, :]
+        xt = tl.load(x_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
         wt = tl.load(w_ptr + es[:, None].to(tl.int64) * D + ks[None, :], mask=(es[:, None] < E) & k_ok[None, :],
                      other=0.0).to(tl.float32).to(DOT_DTYPE)
-        acc = tl.dot(xt, tl.trans(wt), acc)
+        acc = tl.dot(xt.to(DOT_DTYPE), tl.trans(wt), acc)
+        if QUANT:
+            if tl.program_id(1) == 0:
+                QB: tl.constexpr = 128  # the FP8 block (QBLOCK; a plain global is not a constexpr to the compiler)
+                NB: tl.constexpr = BLOCK_K // QB
+                xb = tl.reshape(xt, (BLOCK_T * NB, QB))  # one row per (token, 128-block)
+                sx = tl.maximum(tl.max(tl.abs(xb), axis=1), 1e-10) * (1.0 / 448.0)
+                inv = tl.math.div_rn(tl.full(sx.shape, 1.0, tl.float32), sx)
+                tl.store(xq_ptr + ts[:, None].to(tl.int64) * D + ks[None, :],
+                         tl.reshape(_e4m3_bits(xb * inv[:, None]), (BLOCK_T, BLOCK_K)), mask=x_ok)
+                kb = k0 // QB + tl.arange(0, NB)
+                tl.store(sx_ptr + ts[:, None].to(tl.int64) * tl.cdiv(D, QB) + kb[None, :],
+                         tl.reshape(sx, (BLOCK_T, NB)), mask=(ts[:, None] < T) & (kb[None, :] * QB < D))
     out = part_ptr + (tl.program_id(2) * T + ts[:, None]).to(tl.int64) * E + es[None, :]
     tl.store(out, acc, mask=(ts[:, None] < T) & (es[None, :] < E))
 
@@ -2255,7 +2282,9 @@ def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
     tl.store(wts_ptr + t * TOPK + slots, wts * scale, mask=ok)
 
 
-def route_triton(x, w, bias, k, scale, renorm=True):
+def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
+    """Triton route_ref; quant: also act_quant_ref(x) -> (ids, weights, (e4m3 [T, D], fp32 [T, D/128])), written by
+    the logits kernel (the routed FP8 experts' input: one launch less per MoE layer)."""
     _check_tensor("x", x, torch.bfloat16, ndim=2)
     _check_tensor("w", w, torch.bfloat16, ndim=2)
     _check_tensor("bias", bias, torch.float32, ndim=1)
@@ -2265,8 +2294,11 @@ def route_triton(x, w, bias, k, scale, renorm=True):
            f"router shapes: x [T, {D}], w {tuple(w.shape)}, bias {tuple(bias.shape)}, k={k}")
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     wts = torch.empty(T, k, dtype=torch.float32, device=x.device)
+    xq = torch.empty(T, D, dtype=torch.uint8, device=x.device) if quant else ids
+    sx = torch.empty(T, triton.cdiv(D, QBLOCK), dtype=torch.float32, device=x.device) if quant else wts
+    done = (ids, wts, (xq.view(FP8), sx)) if quant else (ids, wts)
     if T == 0:
-        return ids, wts
+        return done
     BLOCK_T, BLOCK_E, BLOCK_K = 16, (64 if not _INTERPRET else 128), (128 if not _INTERPRET else 256)
     # split K until the GEMM has ~2 programs per SM; partial sums are added in a fixed order (deterministic)
     tiles = triton.cdiv(T, BLOCK_T) * triton.cdiv(E, BLOCK_E)
@@ -2275,15 +2307,18 @@ def route_triton(x, w, bias, k, scale, renorm=True):
     k_splits = triton.cdiv(D, split_len)
     part = torch.empty(k_splits, T, E, dtype=torch.float32, device=x.device)
     _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
-        x, w, part, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, DOT_DTYPE=_DOT,
-        num_warps=4, num_stages=3 if not _INTERPRET else 1, **_pdl())
+        x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, QUANT=bool(quant),
+        DOT_DTYPE=_DOT, num_warps=4, num_stages=3 if not _INTERPRET else 1, **_pdl())
     _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
                                 BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
                                 PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **_pdl())
-    return ids, wts
+    return done
 
 
-def route(x, w, bias, k, scale, renorm=True):
+def route(x, w, bias, k, scale, renorm=True, quant=False):
+    """-> (ids, weights, xq): xq = act_quant_ref(x) when quant on the Triton path, else None (moe_experts then
+    quantises x itself)."""
     if _triton(x):
-        return route_triton(x, w, bias, k, scale, renorm)
-    return route_ref(x, w, bias, k, scale, renorm)
+        return route_triton(x, w, bias, k, scale, renorm, True) if quant else (
+            *route_triton(x, w, bias, k, scale, renorm), None)
+    return (*route_ref(x, w, bias, k, scale, renorm), None)

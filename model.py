@@ -490,8 +490,10 @@ class MoE(nn.Module):
         contribute 0), or with the shared expert MLP, f32(routed) + f32(shared) in fp32 (the kernels run both).
         req [T]: each token's request (only read by installed Pins)."""
         c = self.cfg
-        ids, w = kernel.route(x, self.gate.weight, self.router_bias, c.moe_top_k, c.moe_router_scaling_factor,
-                              c.norm_expert_weight)  # [T, k]
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        # FP8 experts: the router's kernel also quantises x for them (xq None on the reference path)
+        ids, w, xq = kernel.route(x, self.gate.weight, self.router_bias, c.moe_top_k, c.moe_router_scaling_factor,
+                                  c.norm_expert_weight, quant=g.weight_scale_inv is not None)  # [T, k] x 2
         if self.pins is not None:
             pinned = self.pins.experts(self.layer_id, req, pos, ids)
             if pinned is not None:
@@ -499,9 +501,8 @@ class MoE(nn.Module):
                                           c.moe_router_scaling_factor, c.norm_expert_weight, ids=pinned)
         sh = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight,
                                           shared.limit)
-        g, u, d = self.gate_proj, self.up_proj, self.down_proj
         return kernel.moe_experts(x, ids, w, g.weight, u.weight, d.weight, g.weight_scale_inv, u.weight_scale_inv,
-                                  d.weight_scale_inv, self.limit, self.first_expert, sh)
+                                  d.weight_scale_inv, self.limit, self.first_expert, sh, xq)
 
 
 class Block(nn.Module):

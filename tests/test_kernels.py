@@ -629,6 +629,13 @@ def test_route(T, D, E, k):
     rids, rwts = K.route_ref(x, w, bias, k, 3.0)
     assert torch.equal(ids, rids)  # random scores: no near-ties at this size
     assert (wts - rwts).abs().max() <= 1e-6 * 3
+    # quant: the logits kernel also writes act_quant(x) for the FP8 experts (D = 192: a ragged last 128-block)
+    qids, qwts, (xq, sx) = K.route_triton(x, w, bias, k, 3.0, quant=True)
+    want_q, want_s = K.act_quant_triton(x)
+    assert torch.equal(qids, ids) and torch.equal(qwts, wts)
+    assert bytes_equal(xq, want_q) and torch.equal(sx, want_s)
+    with pytest.raises(ValueError, match="xq must be"):
+        K._x_quant(x, (xq[:, :-1], sx))
 
 
 def test_route_ties_to_the_lower_id():

@@ -1,0 +1,106 @@
+"""Every Triton kernel the model launches, compiled ahead of time for an H200 (sm90) on this CPU machine.
+
+The interpreter runs a kernel's Python and accepts code the GPU compiler rejects (e.g. a plain Python global read
+inside a jit function: kernel.py's QBLOCK once compiled under the interpreter and failed for the GPU). GPU time is
+scarce, so this test records every launch of a small model run under the interpreter (kernel, argument types,
+constexprs, options) and compiles each distinct one for sm90 in a fresh process (no GPU needed), with the GPU's
+values of the interpreter-only constexprs (DOT_DTYPE bf16, HW_CAST, PRECISE) and PDL on.
+"""
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton.language as tl
+
+import kernel
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_VALUES = {"DOT_DTYPE": tl.bfloat16, "HW_CAST": True, "PRECISE": True, "PDL": True}
+PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
+       torch.uint8: "*u8", torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1"}
+
+COMPILE = """
+import json, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernel
+failed = []
+for r in json.load(open(sys.argv[1])):
+    cons = {k: tl.dtype(v["dtype"]) if isinstance(v, dict) else v for k, v in r["constexprs"].items()}
+    src = ASTSource(fn=getattr(kernel, r["name"]), signature=r["signature"], constexprs=cons)
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=r["options"])
+    except Exception as e:
+        failed.append(f"{r['name']} {cons}: {type(e).__name__}: {str(e)[:600]}")
+print(json.dumps(failed))
+"""
+
+
+def _record(fn, args, kwargs):
+    """(name, signature, constexprs, options) of one launch, JSON-ready."""
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args), **{k: v for k, v in kwargs.items() if k in params})
+    sig, cons = {}, {}
+    for name, p in params.items():
+        v = bound.get(name, p.default)
+        if p.annotation is tl.constexpr:
+            sig[name] = "constexpr"
+            v = GPU_VALUES.get(name, v)
+            cons[name] = {"dtype": v.name} if isinstance(v, tl.dtype) else v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = PTR[v.dtype]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            sig[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+        else:
+            assert isinstance(v, float), (fn.__name__, name, type(v))
+            sig[name] = "fp32"
+    opts = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion")}
+    opts["launch_pdl"] = True
+    return {"name": fn.__name__, "signature": sig, "constexprs": cons, "options": opts}
+
+
+@pytest.mark.skipif(not INTERPRET, reason="records the interpreter's launches (CPU CI)")
+@torch.inference_mode()
+def test_every_launched_kernel_compiles_for_sm90(tp1_models, monkeypatch, tmp_path):
+    from triton.runtime.interpreter import InterpretedFunction
+    seen = {}
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        if getattr(self.fn, "__module__", "") == "kernel":
+            r = _record(self.fn, args, kwargs)
+            seen.setdefault(json.dumps(r, sort_keys=True), r)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    monkeypatch.setattr(kernel, "_triton", lambda x: True)
+    lm = tp1_models("fp8_text")
+    cache = lm.new_cache(2, 28, slack=2)
+    lm.forward(torch.tensor(list(range(40, 59)) + list(range(70, 81))), cache, [19, 11])  # prefill (2 requests)
+    lm.forward(torch.tensor([5, 6]), cache)  # a decode step: the fused and sort-free paths
+    lm.forward(torch.tensor([[7, 8, 9], [10, 11, 12]]), cache)  # 3 tokens per row
+    # the candidates that the model does not take by default
+    x, ids = torch.randn(3, 192).bfloat16(), torch.tensor([[0, 1], [1, 2], [2, 0]])
+    w1, w2 = kernel.to_e4m3(torch.randn(3, 160, 192)), kernel.to_e4m3(torch.randn(3, 192, 160))
+    s1, s2 = torch.rand(3, 2, 2) + 0.5, torch.rand(3, 2, 2) + 0.5
+    kernel.moe_experts_decode_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0, swap=True)
+    names = {r["name"] for r in seen.values()}
+    assert {"_sliding_attn_kernel", "_moe_decode_up_kernel", "_router_logits_kernel", "_select_regions_kernel",
+            "_grouped_gemm_kernel", "_add_norm_kernel"} <= names, names
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(list(seen.values())))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", COMPILE, str(path)], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    failed = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{len(seen)} launches of {len(names)} kernels compiled for sm90")
+    assert not failed, "\n".join(failed)
