@@ -2318,7 +2318,8 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
 def route(x, w, bias, k, scale, renorm=True, quant=False):
     """-> (ids, weights, xq): xq = act_quant_ref(x) when quant on the Triton path, else None (moe_experts then
     quantises x itself)."""
-    if _triton(x):
-        return route_triton(x, w, bias, k, scale, renorm, True) if quant else (
-            *route_triton(x, w, bias, k, scale, renorm), None)
-    return (*route_ref(x, w, bias, k, scale, renorm), None)
+    if not _triton(x):
+        return (*route_ref(x, w, bias, k, scale, renorm), None)
+    if quant:
+        return route_triton(x, w, bias, k, scale, renorm, quant=True)
+    return (*route_triton(x, w, bias, k, scale, renorm), None)
