@@ -454,10 +454,10 @@ def sweep_attention(ctx=131072, S=1):
     k, v = torch.randn(2, S, ctx, 1, 192, device=DEV).bfloat16().unbind(0)
     pos = torch.full((S, 1), ctx - 1, device=DEV, dtype=torch.int64)
     ids, valid = K.select_regions_ref(torch.randn(S, 1, 1, ctx // 8, device=DEV), pos // 8, 512)
-    res = []
-    for sp in (1, 4, 8, 17, 33, 65):
-        t = bench(lambda: K.sparse_attention_triton(q, k, v, ids, valid, pos, 8, 192 ** -0.5, splits=sp))
-        res.append(f"splits={sp}: {t * 1e6:.1f}us")
+    res = []  # block_n 32: a candidate (64 spills registers in the sm90 build)
+    for sp, bn in ((1, 64), (4, 64), (8, 64), (17, 64), (33, 64), (65, 64), (17, 32), (33, 32), (65, 32), (129, 32)):
+        t = bench(lambda: K.sparse_attention_triton(q, k, v, ids, valid, pos, 8, 192 ** -0.5, splits=sp, block_n=bn))
+        res.append(f"splits={sp} block_n={bn}: {t * 1e6:.1f}us")
     print(f"  sweep sparse decode S={S} ctx={ctx}: " + "; ".join(res), flush=True)
 
 

@@ -1324,9 +1324,11 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, T, G, HG,
              _bf16_round(o).to(tl.bfloat16), mask=d_ok)
 
 
-def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None):
+def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, block_n=64):
     """Triton sparse_attention_ref for decode (T = 1) and prefill (T queries). `splits` (default: enough programs
-    to fill the GPU) divides each query's key slots over programs merged by log-sum-exp."""
+    to fill the GPU) divides each query's key slots over programs merged by log-sum-exp. block_n: key slots per
+    tile; at 64 (hd 192) the sm90 build spills ~180 registers to local memory, at 32 ~15 (ahead-of-time compile):
+    32 is a candidate, not yet timed (other split boundaries: tolerance-level differences)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     S, T, G, HG, hd = q.shape
     for name, t_ in (("k", k), ("v", v)):
@@ -1344,7 +1346,7 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None):
     out = torch.empty_like(q)
     NSEL = ids.shape[-1]
     J = NSEL * blk + blk
-    BLOCK_N = 64
+    BLOCK_N = block_n
     BLOCK_H = max(16, triton.next_power_of_2(HG))
     rows = S * T * G
     if rows == 0:
