@@ -355,10 +355,12 @@ def sweep_indexer(T=256, R=131072):
     flops = 2 * T * R * 4 * 256
     res = []  # H200: 64x64 w4 414 us, 64x128 w4 248 (now the prefill default), 128x64 w8 410, 128x128 w8 338,
     # 64x256 w8 280, 256x64 w8 1206; all bit-equal
-    for bt, br, nw in ((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8), (64, 256, 8), (256, 64, 8),
-                       (64, 128, 8), (32, 128, 4), (128, 256, 8), (32, 256, 4)):
-        res.append(choice(f"{bt}x{br} w{nw}", lambda: K.indexer_scores_triton(q, w, summ, 0.5, block_t=bt, block_r=br,
-                                                                             num_warps=nw), want, flops))
+    # pc: the dot over P as chained 64-wide slices (whole-P tiles spill in the sm90 build; 64x128 w8 pc64 does not)
+    for bt, br, nw, pc in ((64, 64, 4, 256), (64, 128, 4, 256), (128, 64, 8, 256), (128, 128, 8, 256),
+                           (64, 256, 8, 256), (64, 128, 8, 256), (32, 128, 4, 256), (64, 128, 8, 64),
+                           (64, 128, 4, 64), (128, 128, 8, 64), (64, 256, 8, 64)):
+        res.append(choice(f"{bt}x{br} w{nw} pc{pc}", lambda: K.indexer_scores_triton(
+            q, w, summ, 0.5, block_t=bt, block_r=br, num_warps=nw, block_pc=pc), want, flops))
     print(f"  sweep indexer scores T={T} R={R}: " + "; ".join(res), flush=True)
 
 

@@ -967,39 +967,53 @@ def indexer_scores_ref(q, w, summ, w_scale=1.0):
 def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
                            q_stride_s, q_stride_t, q_stride_g, w_stride_s, w_stride_t, s_stride_s,
                            HG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                           HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_PC: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """scores[s, g, t, r] = sum over heads h = 0..Hg-1 in order of relu(q_h . S_r) * w_h (one fp32 accumulator),
     w_h = f32(w) * w_scale.
 
     q is rounded to e4m3 here (_to_e4m3: torch's saturating cast, so no cast launch before the kernel) and S is
     e4m3; the dot runs in DOT_DTYPE (e4m3 -> bf16 is lossless) with fp32 accumulation, which avoids the
-    reduced-precision accumulator of Hopper's fp8 MMA.
+    reduced-precision accumulator of Hopper's fp8 MMA. BLOCK_PC < BLOCK_P: each head's dot as BLOCK_P / BLOCK_PC
+    chained dots over P slices (smaller operand tiles in registers: the whole-P prefill tiles spill in the sm90
+    build), the slices re-read per head.
     """
     _pdl_enter(PDL)
     s = tl.program_id(0) // G
     g = tl.program_id(0) % G
     ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     rs = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    d = tl.arange(0, BLOCK_P)
-    t_ok, r_ok, d_ok = ts < T, rs < R, d < P
-    summ = tl.load(s_ptr + s * s_stride_s + rs[:, None] * P + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
-                   other=0.0).to(tl.float32).to(DOT_DTYPE)
+    t_ok, r_ok = ts < T, rs < R
+    if BLOCK_PC == BLOCK_P:  # one slice: S is read once for all heads
+        d = tl.arange(0, BLOCK_P)
+        summ = tl.load(s_ptr + s * s_stride_s + rs[:, None] * P + d[None, :], mask=r_ok[:, None] & (d < P)[None, :],
+                       other=0.0).to(tl.float32).to(DOT_DTYPE)
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     for h in tl.static_range(HG):
-        q = tl.load(q_ptr + s * q_stride_s + ts[:, None] * q_stride_t + g * q_stride_g + h * P + d[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        q = _to_e4m3(q, HW_CAST).to(tl.float32).to(DOT_DTYPE)
+        for c in tl.static_range(BLOCK_P // BLOCK_PC):
+            d = c * BLOCK_PC + tl.arange(0, BLOCK_PC)
+            d_ok = d < P
+            if BLOCK_PC < BLOCK_P:
+                summ = tl.load(s_ptr + s * s_stride_s + rs[:, None] * P + d[None, :],
+                               mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
+            q = tl.load(q_ptr + s * q_stride_s + ts[:, None] * q_stride_t + g * q_stride_g + h * P + d[None, :],
+                        mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            q = _to_e4m3(q, HW_CAST).to(tl.float32).to(DOT_DTYPE)
+            if c == 0:
+                dot = tl.dot(q, tl.trans(summ))
+            else:
+                dot = tl.dot(q, tl.trans(summ), dot)
         wh = tl.load(w_ptr + s * w_stride_s + ts * w_stride_t + g * HG + h, mask=t_ok, other=0.0).to(tl.float32)
         wh = wh * w_scale
-        acc = acc + tl.maximum(tl.dot(q, tl.trans(summ)), 0.0) * wh[:, None]
+        acc = acc + tl.maximum(dot, 0.0) * wh[:, None]
     out = out_ptr + ((s * G + g) * T + ts[:, None]).to(tl.int64) * R + rs[None, :]
     tl.store(out, acc, mask=t_ok[:, None] & r_ok[None, :])
 
 
-def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, num_warps=4):
+def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, num_warps=4, block_pc=None):
     """Triton indexer_scores_ref. block_t / block_r / num_warps: tile overrides (bench_kernels.py sweep_indexer; each
     score is one dot over P and a sum over heads in order whatever the tile; the sweep shows whether the GPU's MMA
-    for another tile shape gives the same bits)."""
+    for another tile shape gives the same bits). block_pc: P slice of the chained dots (a candidate, not yet timed:
+    at 64 with 64 x 128 tiles and 8 warps the sm90 build no longer spills)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     _check_tensor("w", w, w.dtype, ndim=4, contiguous=False)
     _check(w.dtype in (torch.bfloat16, torch.float32) and w.stride(3) == 1 and w.stride(2) == w.shape[3],
@@ -1019,7 +1033,8 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
         _indexer_scores_kernel[grid](q, w, summ, out, T, G, R, P, float(w_scale), q.stride(0), q.stride(1),
                                      q.stride(2),
                                      w.stride(0), w.stride(1), summ.stride(0), HG=HG, BLOCK_T=BLOCK_T,
-                                     BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P), HW_CAST=not _INTERPRET,
+                                     BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P),
+                                     BLOCK_PC=block_pc or triton.next_power_of_2(P), HW_CAST=not _INTERPRET,
                                      DOT_DTYPE=_DOT, num_warps=num_warps, **_NO_FMA, **_pdl())
     return out
 
@@ -1528,7 +1543,8 @@ def _grouped_gemm_kernel(
     Rows are sorted by expert: expert e owns rows row_off[e] .. row_off[e+1]-1 (an exclusive prefix sum on the
     device) and ceil(rows_e / BLOCK_M) M tiles, numbered expert after expert. The grid covers the worst-case tile
     count; each program rebuilds the tile prefix sum from row_off (E values), finds its expert by counting the
-    experts whose tiles end at or before its tile id, and programs past the last tile exit. GATHER: row r reads activation row row_idx[r] (the token), so X is never gathered in memory.
+    experts whose tiles end at or before its tile id, and programs past the last tile exit. GATHER: row r reads
+    activation row row_idx[r] (the token), so X is never gathered in memory.
     FP8: X and W e4m3 with scales sx [row, kb] and sw [e, nb, kb]; per K block of 128,
          acc = acc + (fp32 dot) * sx * sw (act_quant_ref / fp8_gemm_ref); else bf16 operands, fp32 accumulation.
     GATED: also runs W3 on the same rows and stores swiglu(bf(X.W^T), bf(X.W3^T)) instead of bf(X.W^T).

@@ -539,6 +539,10 @@ def test_indexer_scores(S, T, G, Hg, P, R):
     tiled = K.indexer_scores_triton(q, w, summ, block_t=32, block_r=32, num_warps=2)  # other tiles, same additions
     d = report("indexer 32x32 tiles", tiled, out)  # on GPUs another MMA shape may order a dot's products otherwise
     assert torch.equal(tiled, out) if INTERPRET else d.max() <= 1e-5 * ref.abs().max()
+    # the dot over P as chained slices of 32 (unsaturated e4m3 products: every partial sum is exact here too)
+    sliced = K.indexer_scores_triton(q, w, summ, block_pc=32)
+    d = report("indexer P slices of 32", sliced, out)
+    assert torch.equal(sliced, out) if INTERPRET else d.max() <= 1e-5 * ref.abs().max()
     # as the model calls it: q with values past e4m3's 448 (saturated in the kernel), w a bf16 column slice of the
     # packed projection, scaled by 1/sqrt(Hg) in fp32
     q = q * 100
