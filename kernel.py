@@ -48,6 +48,11 @@ def set_pdl(on: bool):
     _backend["pdl"] = bool(on) and not _INTERPRET
 
 
+# Launch choices a whole decode step is timed with (bench_decode.py --whole-rank --candidates); an argument passed to
+# a launcher overrides them. The values are the measured defaults; the alternatives are candidates until timed.
+TUNING = {"moe_swap": False, "sliding_warps": 4, "sparse_block_n": 64}
+
+
 def _pdl() -> dict:
     return {"PDL": True, "launch_pdl": True} if _backend["pdl"] else {"PDL": False}
 
@@ -531,7 +536,7 @@ def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
 
 
 def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
-                          n_groups, split_len=32, num_warps=4):
+                          n_groups, split_len=32, num_warps=None):
     """Triton sliding_decode_ref: 2 launches (3 for Q > 1 tokens per row: the keys are written first). split_len:
     ring slots per program; it depends only on R (never on the batch or Q), so a token's reduction order and result
     do not depend on the batch size. 32 on the H200 (one TP=8 layer, R = 512): 13.5 us at B = 1 and 15.5 at B = 16,
@@ -583,7 +588,7 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
         qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
         float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
         BLOCK_H=max(16, triton.next_power_of_2(HG)), BLOCK_N=max(16, min(64, triton.next_power_of_2(split_len))),
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, **dict(blocks, num_warps=num_warps), **_pdl())
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, **dict(blocks, num_warps=num_warps or TUNING["sliding_warps"]), **_pdl())
     _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
                                        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
                                        PRECISE=_PRECISE,
@@ -1339,7 +1344,7 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, T, G, HG,
              _bf16_round(o).to(tl.bfloat16), mask=d_ok)
 
 
-def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, block_n=64):
+def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, block_n=None):
     """Triton sparse_attention_ref for decode (T = 1) and prefill (T queries). `splits` (default: enough programs
     to fill the GPU) divides each query's key slots over programs merged by log-sum-exp. block_n: key slots per
     tile; at 64 (hd 192) the sm90 build spills ~180 registers to local memory, at 32 ~15 (ahead-of-time compile):
@@ -1361,7 +1366,7 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
     out = torch.empty_like(q)
     NSEL = ids.shape[-1]
     J = NSEL * blk + blk
-    BLOCK_N = block_n
+    BLOCK_N = block_n or TUNING["sparse_block_n"]
     BLOCK_H = max(16, triton.next_power_of_2(HG))
     rows = S * T * G
     if rows == 0:
@@ -1991,7 +1996,7 @@ def _x_quant(x, xq):
 
 
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=False, xq=None):
+                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=None, xq=None):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
     0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
@@ -2003,8 +2008,9 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
     block_n / num_warps / num_stages / k_unroll: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py
     sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up (same bits).
-    swap (FP8 experts; a candidate not yet timed on a GPU): the routed tiles through _decode_tile_t, the weight rows
-    as the MMA's M side (fp8 wgmma at 64 rows: gate/up tiles of 32 columns, down tiles of 64), within tolerance.
+    swap (FP8 experts; default TUNING["moe_swap"]; a candidate not yet timed on a GPU): the routed tiles through
+    _decode_tile_t, the weight rows as the MMA's M side (fp8 wgmma at 64 rows: gate/up tiles of 32 columns, down
+    tiles of 64), within tolerance.
     (Measured on the H200 and removed: a split-K gate/up, 2-8 programs per tile with fp32 partials, 2-4x slower at T=1
     and T=16; each block's dot on the CUDA cores instead of an MMA, 4-10x slower.)
     """
@@ -2037,6 +2043,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     sh = int(shared is not None)
     ranks = min(T * k, E)  # distinct local experts the slots can hit
     dummy = y
+    swap = TUNING["moe_swap"] if swap is None else swap
     common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, SWAP=bool(swap),
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
                   HW_CAST=not _INTERPRET, DOT_DTYPE=_DOT, PRECISE=_PRECISE)
@@ -2065,8 +2072,9 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     """Triton moe_experts_ref for prefill: only routed rows are computed, one launch per GEMM for all local experts.
 
     Steps, all on the device with static shapes (no .item()): sort the T*k (token, slot) pairs by local expert
-    (remote slots last), per-expert row offsets by searchsorted on the sorted keys; quantise x once per token (FP8); gate+up
-    GEMM reading token rows through the sort order, SwiGLU in its epilogue; quantise; down GEMM; slot-order combine.
+    (remote slots last), per-expert row offsets by searchsorted on the sorted keys; quantise x once per token (FP8);
+    gate+up GEMM reading token rows through the sort order, SwiGLU in its epilogue; quantise; down GEMM; slot-order
+    combine.
     The shared expert (if given) runs as torch GEMMs and swiglu_triton.
     """
     T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
