@@ -183,12 +183,13 @@ def kv_bytes(cfg, kind: str, batch: int, context: int) -> int:
 
 
 def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_shot: bool = False,
-               candidates: bool = False):
+               candidates: bool = False, pdl: bool = False):
     """The whole rank: embed, 92 layers, final norm, lm_head window, argmax; one decode step as a CUDA graph.
     Under torchrun (one process per GPU, NCCL) the step includes the real TP reductions between the GPUs (each GPU
     holds one TP=8 rank's shapes; the sums are of W partials instead of 8), timed with and without them.
     q > 1: also a step of q tokens per row (a speculative verify step) and its ratio to the 1-token step.
-    candidates: the step again under each candidate launch choice (kernel.TUNING, kernel.set_pdl), then all of them."""
+    candidates: the step again under each candidate launch choice (kernel.TUNING, kernel.set_pdl), then all of them;
+    pdl: whether the defaults launch with PDL (--pdl)."""
     import generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -239,7 +240,7 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
         f"{eager * 1e3:8.2f} ms | graph {graph_t * 1e3:7.3f} ms | {nbytes / 1e9:5.2f} GB -> floor "
         f"{nbytes / HBM_BPS * 1e3:5.2f} ms | {nbytes / graph_t / 1e9:7.1f} GB/s = {nbytes / graph_t / HBM_BPS:5.1%} of HBM")
     if candidates:  # graphs re-captured under each choice; the defaults restored after each
-        default, pdl = dict(kernel.TUNING), kernel._backend["pdl"]
+        default = dict(kernel.TUNING)
         trials = {"pdl": ({}, True), "moe_swap": ({"moe_swap": True}, pdl),
                   "sliding_warps=8": ({"sliding_warps": 8}, pdl), "sparse_block_n=32": ({"sparse_block_n": 32}, pdl)}
         trials["all"] = ({k: v for t, _ in trials.values() for k, v in t.items()}, True)
@@ -282,7 +283,7 @@ def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole
     cfg = real_rank_config()
     M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
     kernel.set_backend(not torch_ref)  # Triton for CUDA tensors unless the reference is asked for
-    step_t, floor = (bench_rank(cfg, batch, context, profile, q, one_shot, candidates) if whole_rank
+    step_t, floor = (bench_rank(cfg, batch, context, profile, q, one_shot, candidates, pdl) if whole_rank
                      else bench_layers(cfg, batch, context, profile, q))
     what = "measured" if whole_rank else "projected from the two layers"
     world = int(os.environ.get("WORLD_SIZE", "1")) if whole_rank else 1

@@ -1494,6 +1494,14 @@ def _shared_expert(x, shared, act):
 
 
 @triton.jit
+def _block_scale(x):
+    """x [M, 128] fp32 (one FP8 block per row) -> (sx, 1 / sx) [M] with act_quant_ref's arithmetic:
+    sx = max(amax, 1e-10) * (1/448); the reciprocal correctly rounded, like torch's 1 / sx."""
+    sx = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * (1.0 / 448.0)
+    return sx, tl.math.div_rn(tl.full(sx.shape, 1.0, tl.float32), sx)
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, x_stride, q_stride, s_stride,
                       BLOCK_M: tl.constexpr, QBLOCK: tl.constexpr, PDL: tl.constexpr):
     """Per row, per QBLOCK-wide K block: sx = max(amax, 1e-10) * (1/448); q = e4m3(clamp(x * (1/sx), -448, 448))."""
@@ -1503,9 +1511,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, x_stride, q_stride, s_stride,
     cols = kb * QBLOCK + tl.arange(0, QBLOCK)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
-    sx = amax * (1.0 / 448.0)
-    inv = tl.math.div_rn(tl.full(sx.shape, 1.0, tl.float32), sx)  # correctly rounded, like torch's 1 / sx
+    sx, inv = _block_scale(x)
     tl.store(q_ptr + rows[:, None] * q_stride + cols[None, :], _e4m3_bits(x * inv[:, None]), mask=mask)
     tl.store(s_ptr + rows * s_stride + kb, sx, mask=rows < M)
 
@@ -1733,8 +1739,8 @@ DECODE_SLOTS = 128
 def _quant_rows(x, HW_CAST: tl.constexpr):
     """bf16-valued fp32 [M, 128] -> (e4m3 tile, sx [M]) with act_quant_ref's arithmetic: the block is the K step,
     so quantising on load equals quantising the whole row first."""
-    sx = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * (1.0 / 448.0)
-    return _to_e4m3(x * tl.math.div_rn(tl.full(sx.shape, 1.0, tl.float32), sx)[:, None], HW_CAST), sx
+    sx, inv = _block_scale(x)
+    return _to_e4m3(x * inv[:, None], HW_CAST), sx
 
 
 @triton.jit
@@ -2259,8 +2265,7 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPL
                 QB: tl.constexpr = 128  # the FP8 block (QBLOCK; a plain global is not a constexpr to the compiler)
                 NB: tl.constexpr = BLOCK_K // QB
                 xb = tl.reshape(xt, (BLOCK_T * NB, QB))  # one row per (token, 128-block)
-                sx = tl.maximum(tl.max(tl.abs(xb), axis=1), 1e-10) * (1.0 / 448.0)
-                inv = tl.math.div_rn(tl.full(sx.shape, 1.0, tl.float32), sx)
+                sx, inv = _block_scale(xb)
                 tl.store(xq_ptr + ts[:, None].to(tl.int64) * D + ks[None, :],
                          tl.reshape(_e4m3_bits(xb * inv[:, None]), (BLOCK_T, BLOCK_K)), mask=x_ok)
                 kb = k0 // QB + tl.arange(0, NB)
