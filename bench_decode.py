@@ -7,11 +7,10 @@ replayed as a CUDA graph), the kernels of one step (profiler), and the 92-layer 
 decode step replayed as a CUDA graph and measured, not projected. Both print the ratio to the HBM floor of the
 bytes one step must read. Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP
 reductions between W GPUs (--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both
-modes): a step of Q tokens per row against a 1-token step. --pdl: every Triton kernel launched with programmatic
-dependent launch (kernel.set_pdl, a candidate); --candidates (with --whole-rank): the step under each candidate
-launch choice and all together, against the defaults.
+modes): a step of Q tokens per row against a 1-token step. --candidates (with --whole-rank): the step with each of
+kernel.TUNING's launch choices set to each of its alternatives (ALTERNATIVES), against the defaults.
 
-    python bench_decode.py [--batch 1] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile] [--pdl]
+    python bench_decode.py [--batch 1] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
     python bench_decode.py [--whole-rank] --tokens-per-row 4    # a speculative verify step (3 drafts)
     torchrun --nproc-per-node=2 bench_decode.py --whole-rank [--one-shot]
 """
@@ -27,6 +26,9 @@ import config
 import model as M
 from generate import DecodeStep
 
+# the other values of kernel.TUNING's launch choices: the earlier defaults and untimed candidates (--candidates
+# re-times the step with each)
+ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [4], "sparse_block_n": [32]}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 
@@ -183,13 +185,12 @@ def kv_bytes(cfg, kind: str, batch: int, context: int) -> int:
 
 
 def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_shot: bool = False,
-               candidates: bool = False, pdl: bool = False):
+               candidates: bool = False):
     """The whole rank: embed, 92 layers, final norm, lm_head window, argmax; one decode step as a CUDA graph.
     Under torchrun (one process per GPU, NCCL) the step includes the real TP reductions between the GPUs (each GPU
     holds one TP=8 rank's shapes; the sums are of W partials instead of 8), timed with and without them.
     q > 1: also a step of q tokens per row (a speculative verify step) and its ratio to the 1-token step.
-    candidates: the step again under each candidate launch choice (kernel.TUNING, kernel.set_pdl), then all of them;
-    pdl: whether the defaults launch with PDL (--pdl)."""
+    candidates: the step again with each of kernel.TUNING's launch choices set to each of its ALTERNATIVES."""
     import generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -241,19 +242,15 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
         f"{nbytes / HBM_BPS * 1e3:5.2f} ms | {nbytes / graph_t / 1e9:7.1f} GB/s = {nbytes / graph_t / HBM_BPS:5.1%} of HBM")
     if candidates:  # graphs re-captured under each choice; the defaults restored after each
         default = dict(kernel.TUNING)
-        trials = {"pdl": ({}, True), "moe_swap": ({"moe_swap": True}, pdl),
-                  "sliding_warps=8": ({"sliding_warps": 8}, pdl), "sparse_block_n=32": ({"sparse_block_n": 32}, pdl)}
-        trials["all"] = ({k: v for t, _ in trials.values() for k, v in t.items()}, True)
-        for name, (tune, on) in trials.items():
+        trials = {f"{k}={v}": {k: v} for k, vs in ALTERNATIVES.items() for v in vs}
+        for name, tune in trials.items():
             kernel.TUNING.update(tune)
-            kernel.set_pdl(on)
             try:
                 t = timed_graph(1)
                 say(f"candidate {name:18s}: graph {t * 1e3:7.3f} ms ({(t - graph_t) / graph_t:+6.1%} vs the defaults)")
             except Exception as e:  # one failing candidate (a capture error, a compile error) must not end the run
                 say(f"candidate {name:18s}: {type(e).__name__}: {str(e)[:200]}")
             kernel.TUNING.update(default)
-            kernel.set_pdl(pdl)
             cache.lengths.fill_(context)
     if q > 1:
         t_q = timed_graph(1, torch.zeros(batch, q, dtype=torch.long, device="cuda"))
@@ -277,19 +274,18 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
 
 
 def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False, q: int = 1,
-         one_shot: bool = False, pdl: bool = False, candidates: bool = False):
+         one_shot: bool = False, candidates: bool = False):
     torch.manual_seed(0)
-    kernel.set_pdl(pdl)
     cfg = real_rank_config()
     M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
     kernel.set_backend(not torch_ref)  # Triton for CUDA tensors unless the reference is asked for
-    step_t, floor = (bench_rank(cfg, batch, context, profile, q, one_shot, candidates, pdl) if whole_rank
+    step_t, floor = (bench_rank(cfg, batch, context, profile, q, one_shot, candidates) if whole_rank
                      else bench_layers(cfg, batch, context, profile, q))
     what = "measured" if whole_rank else "projected from the two layers"
     world = int(os.environ.get("WORLD_SIZE", "1")) if whole_rank else 1
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"decode step {what}, 92 MoE-shaped layers, batch {batch}, context {context}, "
-              f"{'torch reference' if torch_ref else 'Triton kernels'}{' with PDL' if pdl else ''}: "
+              f"{'torch reference' if torch_ref else 'Triton kernels'}: "
               f"{step_t * 1e3:.2f} ms "
               f"(HBM floor {floor * 1e3:.2f} ms, ratio {floor / step_t:.1%}); "
               + (f"TP reductions between {world} GPUs included" if world > 1 else "collectives excluded"))
@@ -307,12 +303,10 @@ if __name__ == "__main__":
                          "K + 1), compared with one token per row (layer and whole-rank modes)")
     ap.add_argument("--one-shot", action="store_true",
                     help="under torchrun with --whole-rank: also time the step with model.OneShotReduce (candidate)")
-    ap.add_argument("--pdl", action="store_true",
-                    help="launch the Triton kernels with programmatic dependent launch (kernel.set_pdl; candidate)")
     ap.add_argument("--candidates", action="store_true",
-                    help="with --whole-rank: also time the step under each candidate launch choice "
-                         "(kernel.TUNING, PDL)")
+                    help="with --whole-rank: also time the step with each of kernel.TUNING's choices set to each "
+                         "of its ALTERNATIVES")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
-    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row, a.one_shot, a.pdl, a.candidates)
+    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row, a.one_shot, a.candidates)

@@ -98,17 +98,18 @@ def test_nccl_tp2_matches_tp1(converted, kind, tmp_path):
 
 @cuda
 def test_pdl_decode_equals_plain_launches(tp1_models):
-    """kernel.set_pdl: every Triton kernel waits for its predecessor before touching memory, so the same bits: the
-    same logits (eager) and the same tokens through the captured graph."""
+    """kernel.TUNING["pdl"] (the default): every Triton kernel waits for its predecessor before touching memory, so
+    the same bits as plain launches: the same logits (eager) and the same tokens through the captured graph."""
     gpu = tp1_models("fp8_text", "cuda")
-    want = generate.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
-    logits = teacher_forced_logits(gpu, PROMPTS[1], want[1][:-1])
-    kernel.set_pdl(True)
+    assert kernel._pdl()["PDL"]  # the default on an H200
+    got = generate.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
+    got_logits = teacher_forced_logits(gpu, PROMPTS[1], got[1][:-1])
+    kernel.TUNING["pdl"] = False
     try:
-        got = generate.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
-        got_logits = teacher_forced_logits(gpu, PROMPTS[1], want[1][:-1])
+        want = generate.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
+        logits = teacher_forced_logits(gpu, PROMPTS[1], got[1][:-1])
     finally:
-        kernel.set_pdl(False)
+        kernel.TUNING["pdl"] = True
     assert got == want
     assert torch.equal(got_logits, logits)
 

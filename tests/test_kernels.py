@@ -137,7 +137,7 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
     d = report("grouped fp8 gemm", out, ref)
     assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
     # the N tiles of an M tile as consecutive programs: the same tiles (block_n 64: 4 N tiles, the last partial)
-    assert torch.equal(K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64, n_fastest=True),
+    assert torch.equal(K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64, n_fastest=False),
                        K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64))
 
 
@@ -341,7 +341,7 @@ for pdl in (True, False):
 
 
 def test_pdl_prologue_compiles_for_sm90():
-    """kernel.set_pdl's prologue compiled ahead of time for an H200 (no GPU needed; in a fresh process, as the
+    """kernel.TUNING["pdl"]'s prologue compiled ahead of time for an H200 (no GPU needed; in a fresh process, as the
     interpreter's kernels cannot be compiled): griddepcontrol.wait, then launch_dependents, before the kernel's
     first load; neither with PDL off."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -751,7 +751,7 @@ def test_gpu_sliding_decode_real_shape(B, R, p, Q, span):
     args = _sliding_case(B, H, G, hd, span // 2, W, R, [p + 37 * b + j for b in range(B) for j in range(Q)],
                          seed=B + R + p + Q, tables=tables, Q=Q)
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span}", 2.0)
-    _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} 8 warps", 2.0, num_warps=8)
+    _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} 4 warps", 2.0, num_warps=4)
     args[0] = args[0].clone()
     args[0][:, -H:] = 30.0
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} gate 1", 1.0)
