@@ -26,8 +26,8 @@ import config
 import model as M
 from generate import DecodeStep
 
-# the other values of kernel.TUNING's launch choices: the earlier defaults and untimed candidates (--candidates
-# re-times the step with each)
+# the other values of kernel.TUNING's launch choices, each measured and not taken (--candidates re-times the step
+# with each: a new candidate goes here)
 ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [4], "sparse_block_n": [32]}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 

@@ -2280,17 +2280,17 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPL
     out = part_ptr + (tl.program_id(2) * T + ts[:, None]).to(tl.int64) * E + es[None, :]
     tl.store(out, acc, mask=(ts[:, None] < T) & (es[None, :] < E))
     # after the GEMM loop, x's slice again (cache hits): inside it, the branch kept the loop from being pipelined
-    # (8.7 us per layer on the H200 for logits + quantisation, against 3.6 + 2.35 in two launches)
+    # (H200, per layer: 8.7 us for logits + quantisation that way, 6.6 us this way, 3.6 + 2.35 in two launches)
     if QUANT:
         if tl.program_id(1) == 0:
             QB: tl.constexpr = 128  # the FP8 block (QBLOCK; a plain global is not a constexpr to the compiler)
             for k0 in range(ks0, tl.minimum(ks0 + K_SPLIT_LEN, D), QB):
                 ks = k0 + tl.arange(0, QB)
                 x_ok = (ts[:, None] < T) & (ks[None, :] < D)
-                xt = tl.load(x_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], mask=x_ok, other=0.0)
-                sx, inv = _block_scale(xt.to(tl.float32))
-                tl.store(xq_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], _e4m3_bits(xt.to(tl.float32) *
-                         inv[:, None]), mask=x_ok)
+                xt = tl.load(x_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
+                sx, inv = _block_scale(xt)
+                tl.store(xq_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], _e4m3_bits(xt * inv[:, None]),
+                         mask=x_ok)
                 tl.store(sx_ptr + ts.to(tl.int64) * tl.cdiv(D, QB) + k0 // QB, sx, mask=ts < T)
 
 
