@@ -26,9 +26,10 @@ import config
 import model as M
 from generate import DecodeStep
 
-# the other values of kernel.TUNING's launch choices, each measured and not taken (--candidates re-times the step
-# with each: a new candidate goes here)
-ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [4], "sparse_block_n": [32]}
+# the other values of kernel.TUNING's launch choices: measured and not taken, or candidates not yet timed
+# (--candidates re-times the step with each)
+ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [4], "sparse_block_n": [32],
+                "moe_prefetch": [True]}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 

@@ -52,7 +52,8 @@ def _triton(x: torch.Tensor) -> bool:
 # sparse_block_n: the 64-slot sparse attention tile spills (~180 registers in the sm90 build), the 32-slot one ~15,
 #   yet 32 is no faster in decode (-0.3%, -0.5%, 0.0% over three whole steps) and slower at prefill (the sparse
 #   attention of an 8192-token chunk at 128k: 11.4 vs 9.05 ms): 64 stays.
-TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": 8, "sparse_block_n": 64}
+# moe_prefetch: the swapped expert tiles load each iteration's scales one iteration ahead (a candidate, not yet timed).
+TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": 8, "sparse_block_n": 64, "moe_prefetch": False}
 
 
 @functools.cache
@@ -1808,15 +1809,33 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
 
 
 @triton.jit
+def _scales_t(sx_ptr, sw_ptr, sw3_ptr, x_rows, row_ok, kbs, kb1, K, XQ: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The scales of K blocks kbs [K_UNROLL] (those past kb1 read as 1): x's [BLOCK_M, K_UNROLL] when XQ (else a
+    placeholder), the gate's and the up's weight scale [K_UNROLL] each."""
+    kb_ok = kbs < kb1
+    sw = tl.load(sw_ptr + kbs, mask=kb_ok, other=1.0)
+    sw3 = tl.load(sw3_ptr + kbs, mask=kb_ok, other=1.0)
+    if XQ:
+        sa = tl.load(sx_ptr + x_rows[:, None] * tl.cdiv(K, BLOCK_K) + kbs[None, :],
+                     mask=row_ok[:, None] & kb_ok[None, :], other=0.0)
+    else:
+        sa = sw
+    return sa, sw, sw3
+
+
+@triton.jit
 def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_ptr, sw3_ptr, c0, N, K, kb0, kb1,
                    XQ: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr, K_UNROLL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr, K_UNROLL: tl.constexpr, PREFETCH: tl.constexpr):
     """_decode_tile's FP8 path (columns c0 .. c0+BLOCK_N-1) with the MMA's operands swapped: the weight rows are its
     M side, [R, 128] per K block with R = BLOCK_N, or 2 * BLOCK_N when GATED (these columns' gate rows, then their up
     rows), and the few token rows its N side. At R = 64 that is one fp8 wgmma (sm90) with both operands in shared
     memory, where the plain tile (16 token rows as M) is an mma.sync whose e4m3 operands are first converted to f16 in
     registers. Same products and the same per-block scaling; the order inside a block's dot is the MMA's, as in
-    _grouped_gemm_kernel. Returns (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED)."""
+    _grouped_gemm_kernel. Returns (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED).
+    PREFETCH: the scales of an iteration's K_UNROLL blocks are loaded one iteration ahead (same values, same bits):
+    in the sm90 build the scalar scale loads sit between the cp.async waits and each block's wgmma, a memory round
+    trip per K block that no other work covers (the AOT PTX of the T = 1 gate/up kernel)."""
     R: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     r = tl.arange(0, R)
     w_rows = c0 + r % BLOCK_N  # [R] weight row (output column) of each MMA row
@@ -1824,18 +1843,33 @@ def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_pt
     w_base = tl.where(r[:, None] < BLOCK_N, w_ptr, w3_ptr) + w_rows.to(tl.int64)[:, None] * K
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride
     acc = tl.zeros((R, BLOCK_M), dtype=tl.float32)
+    uu = tl.arange(0, K_UNROLL)
+    if PREFETCH:  # [BLOCK_M, K_UNROLL] x scales (XQ), [K_UNROLL] gate / up weight scales of the first iteration
+        sa_next, sw_next, sw3_next = _scales_t(sx_ptr, sw_ptr, sw3_ptr, x_rows, row_ok, kb0 + uu, kb1, K, XQ,
+                                               BLOCK_K)
     for kb_u in range(kb0, kb1, K_UNROLL):
+        if PREFETCH:
+            sa_cur, sw_cur, sw3_cur = sa_next, sw_next, sw3_next
+            sa_next, sw_next, sw3_next = _scales_t(sx_ptr, sw_ptr, sw3_ptr, x_rows, row_ok, kb_u + K_UNROLL + uu,
+                                                   kb1, K, XQ, BLOCK_K)
         for u_ in tl.static_range(K_UNROLL):
             kb = kb_u + u_
             ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
             a = tl.load(x_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if XQ:
-                sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
+                if PREFETCH:  # column u_ of the prefetched tile (adding zeros: exact)
+                    sa = tl.sum(tl.where(uu[None, :] == u_, sa_cur, 0.0), axis=1)
+                else:
+                    sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
             else:
                 a, sa = _quant_rows(a.to(tl.float32), HW_CAST)
             b = tl.load(w_base + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
-            sw = tl.where(r < BLOCK_N, tl.load(sw_ptr + kb), tl.load(sw3_ptr + kb))  # [R]
+            if PREFETCH:
+                sw = tl.where(r < BLOCK_N, tl.sum(tl.where(uu == u_, sw_cur, 0.0), axis=0),
+                              tl.sum(tl.where(uu == u_, sw3_cur, 0.0), axis=0))
+            else:
+                sw = tl.where(r < BLOCK_N, tl.load(sw_ptr + kb), tl.load(sw3_ptr + kb))  # [R]
             acc = acc + tl.dot(b, tl.trans(a)) * sa[None, :] * sw[:, None]
     if GATED:  # rows 0..BLOCK_N-1 gate, BLOCK_N..R-1 up: split them, back to [token, column]
         g, u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
@@ -1875,7 +1909,7 @@ def _moe_decode_up_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
+    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
     slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]).
@@ -1913,7 +1947,7 @@ def _moe_decode_up_kernel(
                     g, up = _decode_tile_t(x_ptr, sx_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
                                            w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off,
                                            pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), True, True, BLOCK_M,
-                                           BLOCK_N, BLOCK_K, HW_CAST, K_UNROLL)
+                                           BLOCK_N, BLOCK_K, HW_CAST, K_UNROLL, PREFETCH)
                 else:
                     g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
                                          w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok,
@@ -1931,7 +1965,7 @@ def _moe_decode_down_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
+    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
     load (FP8).
@@ -1959,7 +1993,7 @@ def _moe_decode_down_kernel(
                 if SWAP and FP8:
                     acc, _ = _decode_tile_t(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw,
                                             sw, pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), False, False,
-                                            BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, K_UNROLL)
+                                            BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, K_UNROLL, PREFETCH)
                 else:
                     acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr,
                                           sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), FP8,
@@ -2016,7 +2050,8 @@ def _x_quant(x, xq):
 
 
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=None, xq=None):
+                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=None, xq=None,
+                              prefetch=None):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
     0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
@@ -2030,7 +2065,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up (same bits).
     swap (FP8 experts; default TUNING["moe_swap"]): the routed tiles through
     _decode_tile_t, the weight rows as the MMA's M side (fp8 wgmma at 64 rows: gate/up tiles of 32 columns, down
-    tiles of 64), within tolerance.
+    tiles of 64), within tolerance. prefetch (with swap; default TUNING["moe_prefetch"]): _decode_tile_t's PREFETCH.
     (Measured on the H200 and removed: a split-K gate/up, 2-8 programs per tile with fp32 partials, 2-4x slower at T=1
     and T=16, and again on the swapped tiles (2 / 4 programs per tile, the partials added with SwiGLU on the down
     kernel's load) on 2026-12-01: whole step 7.19 -> 9.65 / 10.63 ms; each block's dot on the CUDA cores instead of
@@ -2067,7 +2102,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     sh = int(shared is not None)
     ranks = min(T * k, E)  # distinct local experts the slots can hit
     dummy = y
-    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, SWAP=bool(swap),
+    prefetch = TUNING["moe_prefetch"] if prefetch is None else prefetch
+    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, SWAP=bool(swap), PREFETCH=bool(prefetch),
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
                   HW_CAST=not _INTERPRET, DOT_DTYPE=_DOT, PRECISE=_PRECISE)
     grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)

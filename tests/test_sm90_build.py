@@ -103,6 +103,7 @@ def test_every_launched_kernel_compiles_for_sm90(tp1_models, monkeypatch, tmp_pa
     w1, w2 = kernel.to_e4m3(torch.randn(3, 160, 192)), kernel.to_e4m3(torch.randn(3, 192, 160))
     s1, s2 = torch.rand(3, 2, 2) + 0.5, torch.rand(3, 2, 2) + 0.5
     kernel.moe_experts_decode_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0, swap=False)
+    kernel.moe_experts_decode_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0, prefetch=True)
     # BF16 experts at one token with 4 K blocks (the FP8 path unrolls 4 of them there: 240 KB for BF16 tiles)
     xb, wb = torch.randn(1, 512).bfloat16(), torch.randn(2, 128, 512).bfloat16()
     wd = torch.randn(2, 512, 128).bfloat16()
