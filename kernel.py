@@ -1843,8 +1843,8 @@ def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_pt
     w_base = tl.where(r[:, None] < BLOCK_N, w_ptr, w3_ptr) + w_rows.to(tl.int64)[:, None] * K
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride
     acc = tl.zeros((R, BLOCK_M), dtype=tl.float32)
-    uu = tl.arange(0, K_UNROLL)
     if PREFETCH:  # [BLOCK_M, K_UNROLL] x scales (XQ), [K_UNROLL] gate / up weight scales of the first iteration
+        uu = tl.arange(0, K_UNROLL)
         sa_next, sw_next, sw3_next = _scales_t(sx_ptr, sw_ptr, sw3_ptr, x_rows, row_ok, kb0 + uu, kb1, K, XQ,
                                                BLOCK_K)
     for kb_u in range(kb0, kb1, K_UNROLL):
@@ -2103,6 +2103,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     ranks = min(T * k, E)  # distinct local experts the slots can hit
     dummy = y
     prefetch = TUNING["moe_prefetch"] if prefetch is None else prefetch
+    _check(not prefetch or ku[0] & (ku[0] - 1) == 0 and ku[1] & (ku[1] - 1) == 0,
+           f"prefetch loads k_unroll {ku} blocks' scales as one vector: powers of two only")
     common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, SWAP=bool(swap), PREFETCH=bool(prefetch),
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
                   HW_CAST=not _INTERPRET, DOT_DTYPE=_DOT, PRECISE=_PRECISE)
