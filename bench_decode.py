@@ -8,13 +8,16 @@ decode step replayed as a CUDA graph and measured, not projected. Both print the
 bytes one step must read. Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP
 reductions between W GPUs (--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both
 modes): a step of Q tokens per row against a 1-token step. --candidates (with --whole-rank): the step with each of
-kernel.TUNING's launch choices set to each of its alternatives (ALTERNATIVES), against the defaults.
+kernel.TUNING's launch choices set to each of its alternatives (ALTERNATIVES), against the defaults; --tune KEY=VALUE
+changes a default for the whole run (e.g. --tune moe_stages=3,3).
 
     python bench_decode.py [--batch 1] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
+    python bench_decode.py --whole-rank --tune moe_stages=4,4 --tune moe_unroll=4,4
     python bench_decode.py [--whole-rank] --tokens-per-row 4    # a speculative verify step (3 drafts)
     torchrun --nproc-per-node=2 bench_decode.py --whole-rank [--one-shot]
 """
 import argparse
+import ast
 import os
 import time
 
@@ -28,8 +31,8 @@ from generate import DecodeStep
 
 # the other values of kernel.TUNING's launch choices: measured and not taken, or candidates not yet timed
 # (--candidates re-times the step with each)
-ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [4], "sparse_block_n": [32],
-                "moe_prefetch": [True]}
+ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
+                "moe_block_n": [(32, 64)], "moe_stages": [(4, 4)], "moe_unroll": [(4, 4)]}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 
@@ -307,7 +310,17 @@ if __name__ == "__main__":
     ap.add_argument("--candidates", action="store_true",
                     help="with --whole-rank: also time the step with each of kernel.TUNING's choices set to each "
                          "of its ALTERNATIVES")
+    ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
+                    help="set kernel.TUNING[KEY] (a Python literal) for the whole run; repeatable")
     a = ap.parse_args()
+    for kv in a.tune:
+        key, _, val = kv.partition("=")
+        if key not in kernel.TUNING:
+            raise SystemExit(f"--tune {kv}: no such choice; kernel.TUNING has {', '.join(kernel.TUNING)}")
+        try:
+            kernel.TUNING[key] = type(kernel.TUNING[key])(ast.literal_eval(val))
+        except (ValueError, SyntaxError, TypeError) as e:
+            raise SystemExit(f"--tune {kv}: {val!r} is not a {type(kernel.TUNING[key]).__name__} ({e})")
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
     main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row, a.one_shot, a.candidates)

@@ -478,8 +478,8 @@ def bench_sliding(B, R=512, split_len=32, Q=1, num_warps=None):
     t = bench(lambda: K.sliding_decode_triton(*a, split_len=split_len, num_warps=num_warps))
     t_ref = bench(lambda: K.sliding_decode_ref(*a))
     byts = 2 * rk.numel() * 2 + qkvg.numel() * 2
-    print(f"  sliding decode B={B:2d} Q={Q} R={R} split_len={split_len} warps={num_warps or K.TUNING['sliding_warps']}"
-          f": {t * 1e6:6.2f} us "
+    print(f"  sliding decode B={B:2d} Q={Q} R={R} split_len={split_len} warps={num_warps or 'tuned'}: "
+          f"{t * 1e6:6.2f} us "
           f"{byts / t / 1e9:6.0f} GB/s ({byts / t / HBM * 100:4.1f}% HBM) | torch path (graph) {t_ref * 1e6:6.1f} us",
           flush=True)
 

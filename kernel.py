@@ -48,17 +48,33 @@ def _triton(x: torch.Tensor) -> bool:
 #   CTA setup hidden); each kernel's first act is griddepcontrol.wait (the predecessor finished, its writes visible),
 #   then it lets its own successor launch, so every memory access stays ordered as without it (same bits).
 # moe_swap: moe_experts_decode_triton's routed tiles as fp8 wgmma with the weight rows as M (within tolerance).
-# sliding_warps: the 4-warp sliding decode tile spills registers in the sm90 build, 8 warps fewer.
 # sparse_block_n: the 64-slot sparse attention tile spills (~180 registers in the sm90 build), the 32-slot one ~15,
 #   yet 32 is no faster in decode (-0.3%, -0.5%, 0.0% over three whole steps) and slower at prefill (the sparse
 #   attention of an 8192-token chunk at 128k: 11.4 vs 9.05 ms): 64 stays.
-# moe_prefetch: the swapped expert tiles load each iteration's scales one iteration ahead (a candidate, not yet timed).
-TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": 8, "sparse_block_n": 64, "moe_prefetch": False}
+# sliding_warps: (fewer programs than SMs, more): warps of the sliding decode attention tile. The 4-warp tile spills
+#   registers in the sm90 build, 8 warps fewer; 8 wins at batch 1 (16 programs) and loses at batch 16 (256): on
+#   2026-12-01 (4, 4) was +2.4 / +2.5% at batch 1 and (8, 8) +1.8% at batch 16 (4 warps there: -3.2% vs 8).
+# moe_block_n: (gate/up, down) tile columns of moe_experts_decode_triton at T > 1 (at T = 1 the gate/up tile is 32
+#   columns: with 4 K blocks per iteration (64, 64) needs 288 KB of shared memory at 4 stages). moe_stages: its
+#   pipeline stages. Batch 16 (32k): (64, 64) -2.8% vs (32, 64), reverted +1.9%; 3 stages -3.3% vs 4, reverted +2.7%;
+#   batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts at T = 1; (4, 4): +2.4% (twice).
+# Measured and removed on 2026-12-01 (whole step, batch 1 / 16): scales loaded one loop iteration ahead in the
+#   swapped expert tiles (their sm90 PTX had a scalar scale load round trip per K block): +0.6 / +2.2%; the sliding
+#   tile's ring loads issued before the q / k norms (to overlap them): +2.9 / +3.1%.
+TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
+          "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1)}
 
 
 @functools.cache
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@functools.cache
+def _sms() -> int:
+    if not torch.cuda.is_available():
+        return 1
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def _pdl() -> dict:
@@ -552,9 +568,9 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     ring slots per program; it depends only on R (never on the batch or Q), so a token's reduction order and result
     do not depend on the batch size. 32 on the H200 (one TP=8 layer, R = 512): 13.5 us at B = 1 and 15.5 at B = 16,
     against 12.6 / 22.8 (16), 16.6 / 17.5 (64) and 22.5 / 23.3 (128). num_warps of the attention launch: at 4 the
-    sm90 build spills ~75 registers to local memory, at 8 fewer (TUNING["sliding_warps"]). At batch 1 the 16 programs
-    are chains of dependent instructions (ncu, H200 at base clock: 18 us, 255 registers, 0.37 instructions issued
-    per cycle); measured and removed on 2026-12-01: programs of 1 or 2 heads instead of all 8 (8x / 4x the
+    sm90 build spills ~75 registers to local memory, at 8 fewer (default: TUNING["sliding_warps"]). At batch 1 the 16
+    programs are chains of dependent instructions (ncu, H200 at base clock: 18 us, 255 registers, 0.37 instructions
+    issued per cycle); measured and removed on 2026-12-01: programs of 1 or 2 heads instead of all 8 (8x / 4x the
     programs), 14.3 / 14.2 vs 14.0 us at B = 1 and 171 / 89 vs 28 us at B = 16."""
     H, G = n_heads, n_groups
     _check(H > 0 and G > 0 and H % G == 0, f"n_heads={H} must be a positive multiple of n_groups={G}")
@@ -594,6 +610,7 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     blocks = dict(D=hd, HALF=half, BLOCK_D=triton.next_power_of_2(hd),
                   BLOCK_HALF=max(16, triton.next_power_of_2(half)),
                   BLOCK_REST=max(16, triton.next_power_of_2(rest)) if rest else 0, num_warps=4, **_NO_FMA)
+    warps = TUNING["sliding_warps"][T * G * splits >= _sms()]
     if Q > 1:
         _sliding_write_kernel[(T * G,)](qkvg, pos, ring_k, ring_v, k_norm_w, cos, sin, G, R, Q, H, qkvg.stride(0),
                                         float(eps), **blocks, **_pdl())
@@ -601,7 +618,7 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
         qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
         float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
         BLOCK_H=max(16, triton.next_power_of_2(HG)), BLOCK_N=max(16, min(64, triton.next_power_of_2(split_len))),
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, **dict(blocks, num_warps=num_warps or TUNING["sliding_warps"]), **_pdl())
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, **dict(blocks, num_warps=num_warps or warps), **_pdl())
     _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
                                        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
                                        PRECISE=_PRECISE,
@@ -1544,9 +1561,16 @@ def act_quant_triton(x):
 
 
 @triton.jit
-def _swiglu_math(g, u, limit, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr):
-    """bf16-valued fp32 g, u -> bf( min(silu(g), L) * clamp(u, -L, L) ) as fp32; silu(g) = g / (1 + exp(-g))."""
-    a = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE))
+def _swiglu_math(g, u, limit, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr, ZERO_GUARD: tl.constexpr = False):
+    """bf16-valued fp32 g, u -> bf( min(silu(g), L) * clamp(u, -L, L) ) as fp32; silu(g) = g / (1 + exp(-g)).
+    ZERO_GUARD: a zero g divides a 1 instead and keeps its own signed zero (g / 2's value): a zero dividend sends the
+    sm90 division to its slow path, which every padded row of a decode tile took (ncu: the shared expert's down
+    kernel). H200, 2026-12-01, the guard in every decode kernel: batch-1 step -2.1%, batch-16 +4%: on at T = 1 only."""
+    if ZERO_GUARD:
+        zero = g == 0.0
+        a = tl.where(zero, g, tl.math.div_rn(tl.where(zero, 1.0, g), 1.0 + _exp(-g, PRECISE)))
+    else:
+        a = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE))
     if HAS_LIMIT:
         a = tl.minimum(a, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -1763,7 +1787,8 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
                  limit, kb0, kb1, FP8: tl.constexpr, XQ: tl.constexpr, GATED: tl.constexpr,
                  X_SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, K_UNROLL: tl.constexpr):
+                 DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, K_UNROLL: tl.constexpr,
+                 ZERO_GUARD: tl.constexpr = False):
     """acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T over the K blocks kb0 .. kb1-1,
     with _grouped_gemm_kernel's arithmetic per 128-wide K block. w_ptr/w3_ptr point at the expert's [N, K] weight,
     sw_ptr/sw3_ptr at its scale row of these columns. FP8: X is quantised per 1x128 block on load (act_quant_ref), or
@@ -1787,7 +1812,7 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
                 a = a.to(tl.float32)
             if X_SWIGLU:
                 u = tl.load(x_base + u_off + ks[None, :], mask=x_ok, other=0.0)
-                a = _swiglu_math(a, u.to(tl.float32), limit, HAS_LIMIT, PRECISE)
+                a = _swiglu_math(a, u.to(tl.float32), limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
             b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if FP8:
                 if XQ:
@@ -1809,33 +1834,15 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
 
 
 @triton.jit
-def _scales_t(sx_ptr, sw_ptr, sw3_ptr, x_rows, row_ok, kbs, kb1, K, XQ: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The scales of K blocks kbs [K_UNROLL] (those past kb1 read as 1): x's [BLOCK_M, K_UNROLL] when XQ (else a
-    placeholder), the gate's and the up's weight scale [K_UNROLL] each."""
-    kb_ok = kbs < kb1
-    sw = tl.load(sw_ptr + kbs, mask=kb_ok, other=1.0)
-    sw3 = tl.load(sw3_ptr + kbs, mask=kb_ok, other=1.0)
-    if XQ:
-        sa = tl.load(sx_ptr + x_rows[:, None] * tl.cdiv(K, BLOCK_K) + kbs[None, :],
-                     mask=row_ok[:, None] & kb_ok[None, :], other=0.0)
-    else:
-        sa = sw
-    return sa, sw, sw3
-
-
-@triton.jit
 def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_ptr, sw3_ptr, c0, N, K, kb0, kb1,
                    XQ: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr, K_UNROLL: tl.constexpr, PREFETCH: tl.constexpr):
+                   BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr, K_UNROLL: tl.constexpr):
     """_decode_tile's FP8 path (columns c0 .. c0+BLOCK_N-1) with the MMA's operands swapped: the weight rows are its
     M side, [R, 128] per K block with R = BLOCK_N, or 2 * BLOCK_N when GATED (these columns' gate rows, then their up
     rows), and the few token rows its N side. At R = 64 that is one fp8 wgmma (sm90) with both operands in shared
     memory, where the plain tile (16 token rows as M) is an mma.sync whose e4m3 operands are first converted to f16 in
     registers. Same products and the same per-block scaling; the order inside a block's dot is the MMA's, as in
-    _grouped_gemm_kernel. Returns (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED).
-    PREFETCH: the scales of an iteration's K_UNROLL blocks are loaded one iteration ahead (same values, same bits):
-    in the sm90 build the scalar scale loads sit between the cp.async waits and each block's wgmma, a memory round
-    trip per K block that no other work covers (the AOT PTX of the T = 1 gate/up kernel)."""
+    _grouped_gemm_kernel. Returns (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED)."""
     R: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     r = tl.arange(0, R)
     w_rows = c0 + r % BLOCK_N  # [R] weight row (output column) of each MMA row
@@ -1843,33 +1850,20 @@ def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_pt
     w_base = tl.where(r[:, None] < BLOCK_N, w_ptr, w3_ptr) + w_rows.to(tl.int64)[:, None] * K
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride
     acc = tl.zeros((R, BLOCK_M), dtype=tl.float32)
-    if PREFETCH:  # [BLOCK_M, K_UNROLL] x scales (XQ), [K_UNROLL] gate / up weight scales of the first iteration
-        uu = tl.arange(0, K_UNROLL)
-        sa_next, sw_next, sw3_next = _scales_t(sx_ptr, sw_ptr, sw3_ptr, x_rows, row_ok, kb0 + uu, kb1, K, XQ,
-                                               BLOCK_K)
     for kb_u in range(kb0, kb1, K_UNROLL):
-        if PREFETCH:
-            sa_cur, sw_cur, sw3_cur = sa_next, sw_next, sw3_next
-            sa_next, sw_next, sw3_next = _scales_t(sx_ptr, sw_ptr, sw3_ptr, x_rows, row_ok, kb_u + K_UNROLL + uu,
-                                                   kb1, K, XQ, BLOCK_K)
         for u_ in tl.static_range(K_UNROLL):
             kb = kb_u + u_
             ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
             a = tl.load(x_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if XQ:
-                if PREFETCH:  # column u_ of the prefetched tile (adding zeros: exact)
-                    sa = tl.sum(tl.where(uu[None, :] == u_, sa_cur, 0.0), axis=1)
-                else:
-                    sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
+                sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
             else:
                 a, sa = _quant_rows(a.to(tl.float32), HW_CAST)
             b = tl.load(w_base + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
-            if PREFETCH:
-                sw = tl.where(r < BLOCK_N, tl.sum(tl.where(uu == u_, sw_cur, 0.0), axis=0),
-                              tl.sum(tl.where(uu == u_, sw3_cur, 0.0), axis=0))
-            else:
-                sw = tl.where(r < BLOCK_N, tl.load(sw_ptr + kb), tl.load(sw3_ptr + kb))  # [R]
+            # the row's own pointer, one load: a select of two loads compiled into a load and a predicated reload
+            # of the same register, whose write-after-write wait added a memory round trip per iteration (sm90 SASS)
+            sw = tl.load(tl.where(r < BLOCK_N, sw_ptr, sw3_ptr) + kb)  # [R]
             acc = acc + tl.dot(b, tl.trans(a)) * sa[None, :] * sw[:, None]
     if GATED:  # rows 0..BLOCK_N-1 gate, BLOCK_N..R-1 up: split them, back to [token, column]
         g, u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
@@ -1909,7 +1903,7 @@ def _moe_decode_up_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
     slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]).
@@ -1947,13 +1941,13 @@ def _moe_decode_up_kernel(
                     g, up = _decode_tile_t(x_ptr, sx_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
                                            w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off,
                                            pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), True, True, BLOCK_M,
-                                           BLOCK_N, BLOCK_K, HW_CAST, K_UNROLL, PREFETCH)
+                                           BLOCK_N, BLOCK_K, HW_CAST, K_UNROLL)
                 else:
                     g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
                                          w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok,
                                          D, limit, 0, tl.cdiv(D, BLOCK_K), FP8, FP8, True, False, False, BLOCK_M,
                                          BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, K_UNROLL)
-                y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE)
+                y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
                 tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
 
@@ -1965,7 +1959,7 @@ def _moe_decode_down_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
     load (FP8).
@@ -1980,7 +1974,7 @@ def _moe_decode_down_kernel(
             tok = m0 + tl.arange(0, BLOCK_M)
             acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr, cols,
                                   col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), False, False, False, True,
-                                  HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, 1)
+                                  HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, 1, ZERO_GUARD)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -1993,7 +1987,7 @@ def _moe_decode_down_kernel(
                 if SWAP and FP8:
                     acc, _ = _decode_tile_t(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw,
                                             sw, pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), False, False,
-                                            BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, K_UNROLL, PREFETCH)
+                                            BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, K_UNROLL)
                 else:
                     acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr,
                                           sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), FP8,
@@ -2050,8 +2044,7 @@ def _x_quant(x, xq):
 
 
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=None, xq=None,
-                              prefetch=None):
+                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=None, xq=None):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
     0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
@@ -2065,7 +2058,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up (same bits).
     swap (FP8 experts; default TUNING["moe_swap"]): the routed tiles through
     _decode_tile_t, the weight rows as the MMA's M side (fp8 wgmma at 64 rows: gate/up tiles of 32 columns, down
-    tiles of 64), within tolerance. prefetch (with swap; default TUNING["moe_prefetch"]): _decode_tile_t's PREFETCH.
+    tiles of 64), within tolerance.
     (Measured on the H200 and removed: a split-K gate/up, 2-8 programs per tile with fp32 partials, 2-4x slower at T=1
     and T=16, and again on the swapped tiles (2 / 4 programs per tile, the partials added with SwiGLU on the down
     kernel's load) on 2026-12-01: whole step 7.19 -> 9.65 / 10.63 ms; each block's dot on the CUDA cores instead of
@@ -2086,26 +2079,25 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     else:
         wg = wu = wd = gu = ys = y  # never read: SHARED is off
         limit_s = None
-    if not _GPU_LAUNCH:
-        bn, nw, ns = (64, 64), (4, 4), (1, 1)
-    else:  # H200 sweeps (bench_kernels.py sweep_moe_decode), routed + shared: 32-34 us at T=1 (best of 19 tile /
-        bn, nw, ns = (32, 64), (4, 4), (4, 4)  # warp / stage choices), 160-164 us at T=16 (best 153, (128, 128) w8)
-    # k_unroll 4 (same bits), H200: gate/up 12.5 vs 14.0 us at T = 1 in the whole-rank step (down: 12.9 vs 11.8);
-    # at T = 4 / 16 gate/up + down 86 / 229 vs 60 / 161 us. FP8 only: BF16 experts' 4 stages of 4 K blocks need 240 KB
-    # of shared memory (the H200 has 227).
+    # H200 sweeps (bench_kernels.py sweep_moe_decode), routed + shared: 32-34 us at T=1 (best of 19 tile / warp /
+    # stage choices), 160-164 us at T=16 (best 153, (128, 128) w8)
+    gpu = _GPU_LAUNCH
+    bn = ((32, 64) if T == 1 else TUNING["moe_block_n"]) if gpu else (64, 64)
+    nw, ns = (4, 4), TUNING["moe_stages"] if gpu else (1, 1)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     swap = TUNING["moe_swap"] if swap is None else swap
-    nkb = triton.cdiv(D, QBLOCK)
-    ku = k_unroll or (4 if fp8 and T == 1 and nkb % 4 == 0 and _GPU_LAUNCH else 1, 1)
-    _check(nkb % ku[0] == 0 and triton.cdiv(F, QBLOCK) % ku[1] == 0,
-           f"k_unroll {ku} must divide the K blocks of gate/up ({nkb}) and down ({triton.cdiv(F, QBLOCK)})")
+    # k_unroll (same bits) 4 on gate/up, H200: 12.5 vs 14.0 us at T = 1 in the whole-rank step (down: 12.9 vs 11.8);
+    # at T = 4 / 16 gate/up + down 86 / 229 vs 60 / 161 us. FP8 only: BF16 experts' 4 stages of 4 K blocks need 240 KB
+    # of shared memory (the H200 has 227).
+    nkb, nkf = triton.cdiv(D, QBLOCK), triton.cdiv(F, QBLOCK)
+    tuned = TUNING["moe_unroll"] if fp8 and T == 1 and gpu else (1, 1)
+    ku = k_unroll or tuple(u if n % u == 0 else 1 for u, n in zip(tuned, (nkb, nkf)))
+    _check(nkb % ku[0] == 0 and nkf % ku[1] == 0,
+           f"k_unroll {ku} must divide the K blocks of gate/up ({nkb}) and down ({nkf})")
     sh = int(shared is not None)
     ranks = min(T * k, E)  # distinct local experts the slots can hit
     dummy = y
-    prefetch = TUNING["moe_prefetch"] if prefetch is None else prefetch
-    _check(not prefetch or ku[0] & (ku[0] - 1) == 0 and ku[1] & (ku[1] - 1) == 0,
-           f"prefetch loads k_unroll {ku} blocks' scales as one vector: powers of two only")
-    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, SWAP=bool(swap), PREFETCH=bool(prefetch),
+    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, SWAP=bool(swap), ZERO_GUARD=T == 1,
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
                   HW_CAST=not _INTERPRET, DOT_DTYPE=_DOT, PRECISE=_PRECISE)
     grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)

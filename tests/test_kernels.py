@@ -190,9 +190,6 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
         out = K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=ku, swap=True)
         d = report(f"moe decode swap fp8={fp8} k_unroll={ku}", out, ref)
         assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
-        # the scales loaded one iteration ahead: the same values in the same arithmetic
-        assert torch.equal(K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=ku, swap=True,
-                                                       prefetch=True), out)
 
 
 def test_moe_decode_local_ids():
@@ -708,9 +705,6 @@ def test_gpu_moe_decode_real_shape(T):
         assert torch.equal(K.moe_experts_decode_triton(*args, k_unroll=ku), out)
     d = report(f"GPU moe decode swap T={T}", K.moe_experts_decode_triton(*args, swap=True), ref)
     assert d.max() <= 2e-2 * ref.float().abs().max()
-    for ku in ((1, 1), (4, 4)):  # the swapped tiles' scales one iteration ahead: the same bits
-        assert torch.equal(K.moe_experts_decode_triton(*args, swap=True, k_unroll=ku, prefetch=True),
-                           K.moe_experts_decode_triton(*args, swap=True, k_unroll=ku))
 
 
 @gpu

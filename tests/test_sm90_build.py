@@ -93,21 +93,26 @@ def test_every_launched_kernel_compiles_for_sm90(tp1_models, monkeypatch, tmp_pa
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
     monkeypatch.setattr(kernel, "_triton", lambda x: True)
     monkeypatch.setattr(kernel, "_GPU_LAUNCH", True)
+    monkeypatch.setattr(kernel, "_sms", lambda: 132)  # the H200's
     lm = tp1_models("fp8_text")
     cache = lm.new_cache(2, 28, slack=2)
     lm.forward(torch.tensor(list(range(40, 59)) + list(range(70, 81))), cache, [19, 11])  # prefill (2 requests)
     lm.forward(torch.tensor([5, 6]), cache)  # a decode step: the fused and sort-free paths
     lm.forward(torch.tensor([[7, 8, 9], [10, 11, 12]]), cache)  # 3 tokens per row
+    monkeypatch.setattr(kernel, "_sms", lambda: 1)  # the launch shapes of a grid that fills the GPU (sliding_warps)
+    lm.forward(torch.tensor([13, 14]), cache)
     # the launch choices that the model does not take by default
     x, ids = torch.randn(3, 192).bfloat16(), torch.tensor([[0, 1], [1, 2], [2, 0]])
     w1, w2 = kernel.to_e4m3(torch.randn(3, 160, 192)), kernel.to_e4m3(torch.randn(3, 192, 160))
     s1, s2 = torch.rand(3, 2, 2) + 0.5, torch.rand(3, 2, 2) + 0.5
     kernel.moe_experts_decode_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0, swap=False)
-    kernel.moe_experts_decode_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0, prefetch=True)
     # BF16 experts at one token with 4 K blocks (the FP8 path unrolls 4 of them there: 240 KB for BF16 tiles)
     xb, wb = torch.randn(1, 512).bfloat16(), torch.randn(2, 128, 512).bfloat16()
     wd = torch.randn(2, 512, 128).bfloat16()
     kernel.moe_experts_decode_triton(xb, torch.tensor([[0, 1]]), torch.rand(1, 2), wb, wb, wd, None, None, None, 7.0)
+    sb, sd = torch.rand(2, 1, 4) + 0.5, torch.rand(2, 4, 1) + 0.5  # and FP8 ones (moe_unroll)
+    kernel.moe_experts_decode_triton(xb, torch.tensor([[0, 1]]), torch.rand(1, 2), kernel.to_e4m3(wb),
+                                     kernel.to_e4m3(wb), kernel.to_e4m3(wd), sb, sb, sd, 7.0)
     kernel.moe_experts_sorted_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0)  # prefill's path
     xq, sx = kernel.act_quant_triton(x)
     kernel.grouped_gemm_triton(xq, sx, w1, s1, torch.tensor([0, 1, 1, 3], dtype=torch.int32), n_fastest=False)
