@@ -58,11 +58,13 @@ def _triton(x: torch.Tensor) -> bool:
 #   columns: with 4 K blocks per iteration (64, 64) needs 288 KB of shared memory at 4 stages). moe_stages: its
 #   pipeline stages. Batch 16 (32k): (64, 64) -2.8% vs (32, 64), reverted +1.9%; 3 stages -3.3% vs 4, reverted +2.7%;
 #   batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts at T = 1; (4, 4): +2.4% (twice).
+# gemm_lookahead: _grouped_gemm_kernel's LOOKAHEAD (prefill's down GEMM; a candidate, untimed: bench_kernels.py
+#   sweep_prefill times it).
 # Measured and removed on 2026-12-01 (whole step, batch 1 / 16): scales loaded one loop iteration ahead in the
 #   swapped expert tiles (their sm90 PTX had a scalar scale load round trip per K block): +0.6 / +2.2%; the sliding
 #   tile's ring loads issued before the q / k norms (to overlap them): +2.9 / +3.1%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
-          "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1)}
+          "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1), "gemm_lookahead": False}
 
 
 @functools.cache
@@ -1584,7 +1586,8 @@ def _grouped_gemm_kernel(
     x_stride, sx_stride, w_stride_e, w_stride_n, sw_stride_e, sw_stride_n, out_stride,
     FP8: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr, PDL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr, LOOKAHEAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile of one expert of a grouped GEMM, Y[rows of e] = X[rows of e] . W[e]^T.
 
@@ -1599,6 +1602,12 @@ def _grouped_gemm_kernel(
     N_FASTEST: a 1-D grid whose consecutive programs are the N tiles of one M tile, so the programs in flight hold a
     few experts' rows and weights (L2-sized), where the 2-D grid (M tiles fastest) runs one N tile of every expert
     at once and reads each row block from HBM once per N tile. Same tiles, same bits.
+    LOOKAHEAD (FP8, not GATED; a candidate, untimed): each block's scaled add into acc waits one iteration, so it runs
+    while the next block's MMAs do. In the sm90 SASS of the plain loop every K block issues its 4 wgmmas, waits for
+    them, then scales (128 FMUL/FFMA per thread at 128 x 128, 8 warps) with the tensor cores idle; with LOOKAHEAD the
+    scaling sits between the next block's wgmmas, at the cost of 64 register moves per block (the carried dot
+    result). Same additions in the same order: same bits. The gated kernel's build with it, and a two-blocks-per-
+    iteration loop without the moves, made ptxas wait after every single wgmma: not done.
     """
     _pdl_enter(PDL)
     if N_FASTEST:
@@ -1633,12 +1642,20 @@ def _grouped_gemm_kernel(
     sw3_base = sw3_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # LOOKAHEAD: the previous block's dot and scales (zeros
+    s_a = tl.zeros((BLOCK_M,), dtype=tl.float32)  # before the first block: acc + 0 stays +0)
+    s_w = 0.0
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
         a = tl.load(x_ptr + src[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if FP8:
+        if FP8 and LOOKAHEAD and not GATED:  # this block's MMAs are issued before the previous block's scaled add
+            sa = tl.load(sx_ptr + src * sx_stride + kb, mask=row_ok, other=0.0)
+            d_new = tl.dot(a, tl.trans(b))
+            acc = acc + d * s_a[:, None] * s_w
+            d, s_a, s_w = d_new, sa, tl.load(sw_base + kb)
+        elif FP8:
             sa = tl.load(sx_ptr + src * sx_stride + kb, mask=row_ok, other=0.0)
             # e4m3 x e4m3 -> fp32 on tensor cores; both scales applied in fp32 after each block (never folded in)
             acc = acc + tl.dot(a, tl.trans(b)) * sa[:, None] * tl.load(sw_base + kb)
@@ -1651,6 +1668,8 @@ def _grouped_gemm_kernel(
             if GATED:
                 b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 acc3 = tl.dot(a, tl.trans(b3.to(DOT_DTYPE)), acc3)
+    if FP8 and LOOKAHEAD and not GATED:
+        acc = acc + d * s_a[:, None] * s_w
     if GATED:
         y = _swiglu_math(_bf16_round(acc), _bf16_round(acc3), limit, HAS_LIMIT, PRECISE)
     else:
@@ -1665,7 +1684,7 @@ def _gemm_block_m(rows_per_expert: float) -> int:
 
 
 def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, block_m=None,
-                        block_n=None, num_stages=None, num_warps=None, n_fastest=True):
+                        block_n=None, num_stages=None, num_warps=None, n_fastest=True, lookahead=None):
     """Grouped expert GEMM over rows sorted by expert; one launch for all experts.
 
     x [Mx, K] (e4m3 with sx [Mx, ceil(K/128)] fp32, or bf16 with sx None); row_off [E+1] int32 on the device
@@ -1674,7 +1693,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     Returns [M, N] bf16: rows past row_off[E] are left unwritten. With w3 (and sw3): swiglu(X.W^T, X.W3^T, limit).
     n_fastest: _grouped_gemm_kernel's N_FASTEST program order (same bits); H200, 44 experts x 1024 rows
     (bench_kernels.py sweep_prefill): gate 580 -> 684 TFLOP/s, gate+up 549 -> 631, down 520 -> 589 (128 rows: gate
-    566 -> 608).
+    566 -> 608). lookahead: _grouped_gemm_kernel's LOOKAHEAD (default TUNING["gemm_lookahead"]; same bits; w3 None only).
     """
     fp8 = sw is not None
     E, N, K = w.shape
@@ -1726,6 +1745,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
         FP8=fp8, GATED=w3 is not None, GATHER=row_idx is not None, HAS_LIMIT=limit is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E),
         DOT_DTYPE=_DOT, PRECISE=_PRECISE, N_FASTEST=bool(n_fastest),
+        LOOKAHEAD=bool(TUNING["gemm_lookahead"] if lookahead is None else lookahead) and w3 is None,
         num_warps=num_warps or (8 if BLOCK_M >= 128 else 4),  # bf16 tiles: twice the shared memory of e4m3
         num_stages=(num_stages or (4 if fp8 else 2)) if _GPU_LAUNCH else 1, **_pdl())
     return out

@@ -139,6 +139,13 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
     # the N tiles of an M tile as consecutive programs: the same tiles (block_n 64: 4 N tiles, the last partial)
     assert torch.equal(K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64, n_fastest=False),
                        K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64))
+    # each block's scaled add one iteration late (lookahead): the same additions in the same order, at 2 K blocks
+    # and at 3 (the last one ragged)
+    assert torch.equal(K.grouped_gemm_triton(xq, sx, w, sw, row_off, lookahead=True), out)
+    w5, sw5 = fp8_weights(E, N, 320, seed=6)
+    xq5, sx5 = K.act_quant_triton(randn(38, 320, seed=4, scale=2.0))
+    assert torch.equal(K.grouped_gemm_triton(xq5, sx5, w5, sw5, row_off, lookahead=True),
+                       K.grouped_gemm_triton(xq5, sx5, w5, sw5, row_off, lookahead=False))
 
 
 def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
