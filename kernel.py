@@ -1603,11 +1603,12 @@ def _grouped_gemm_kernel(
     few experts' rows and weights (L2-sized), where the 2-D grid (M tiles fastest) runs one N tile of every expert
     at once and reads each row block from HBM once per N tile. Same tiles, same bits.
     LOOKAHEAD (FP8, not GATED; a candidate, untimed): each block's scaled add into acc waits one iteration, so it runs
-    while the next block's MMAs do. In the sm90 SASS of the plain loop every K block issues its 4 wgmmas, waits for
-    them, then scales (128 FMUL/FFMA per thread at 128 x 128, 8 warps) with the tensor cores idle; with LOOKAHEAD the
-    scaling sits between the next block's wgmmas, at the cost of 64 register moves per block (the carried dot
-    result). Same additions in the same order: same bits. The gated kernel's build with it, and a two-blocks-per-
-    iteration loop without the moves, made ptxas wait after every single wgmma: not done.
+    while the next block's MMAs do. In the sm90 SASS (Triton 3.7's build on the CPU, cuobjdump) of the plain loop
+    every K block issues its 4 wgmmas, waits for them, then scales (128 FMUL/FFMA per thread at 128 x 128, 8 warps)
+    with the tensor cores idle; with LOOKAHEAD the scaling sits between the next block's wgmmas, at the cost of 64
+    register moves per block (the carried dot result). Same additions in the same order: same bits. The gated kernel's
+    build with it, and a two-blocks-per-iteration loop without the moves, made ptxas wait after every single wgmma:
+    not done.
     """
     _pdl_enter(PDL)
     if N_FASTEST:
@@ -1693,7 +1694,8 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     Returns [M, N] bf16: rows past row_off[E] are left unwritten. With w3 (and sw3): swiglu(X.W^T, X.W3^T, limit).
     n_fastest: _grouped_gemm_kernel's N_FASTEST program order (same bits); H200, 44 experts x 1024 rows
     (bench_kernels.py sweep_prefill): gate 580 -> 684 TFLOP/s, gate+up 549 -> 631, down 520 -> 589 (128 rows: gate
-    566 -> 608). lookahead: _grouped_gemm_kernel's LOOKAHEAD (default TUNING["gemm_lookahead"]; same bits; w3 None only).
+    566 -> 608). lookahead: _grouped_gemm_kernel's LOOKAHEAD (default TUNING["gemm_lookahead"]; same bits; without
+    w3 only).
     """
     fp8 = sw is not None
     E, N, K = w.shape
@@ -1815,7 +1817,7 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
     XQ: X is already e4m3 with scales sx_ptr [row, kb] (act_quant_triton). X_SWIGLU: X is swiglu(G, U) of the bf16 G
     at x_ptr and U at x_ptr + u_off (the shared expert's down input). K_UNROLL: K blocks per loop iteration, written
     out (a candidate for more loads in flight per program; it must divide kb1 - kb0; the blocks are still added one
-    by one in K order, so every K_UNROLL gives the same bits)."""
+    by one in K order, so every K_UNROLL gives the same bits). ZERO_GUARD: _swiglu_math's (X_SWIGLU)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride
