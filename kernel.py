@@ -60,11 +60,13 @@ def _triton(x: torch.Tensor) -> bool:
 #   batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts at T = 1; (4, 4): +2.4% (twice).
 # gemm_lookahead: _grouped_gemm_kernel's LOOKAHEAD (prefill's down GEMM; a candidate, untimed: bench_kernels.py
 #   sweep_prefill times it).
+# sliding_fused_merge: _sliding_attn_kernel's FUSED_MERGE (one launch fewer per sliding layer; a candidate, untimed).
 # Measured and removed on 2026-12-01 (whole step, batch 1 / 16): scales loaded one loop iteration ahead in the
 #   swapped expert tiles (their sm90 PTX had a scalar scale load round trip per K block): +0.6 / +2.2%; the sliding
 #   tile's ring loads issued before the q / k norms (to overlap them): +2.9 / +3.1%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
-          "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1), "gemm_lookahead": False}
+          "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1), "gemm_lookahead": False,
+          "sliding_fused_merge": False}
 
 
 @functools.cache
@@ -436,12 +438,13 @@ def _sliding_write_kernel(qkvg_ptr, pos_ptr, k_ptr, v_ptr, kw_ptr, cos_ptr, sin_
 
 @triton.jit
 def _sliding_attn_kernel(
-    qkvg_ptr, pos_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, po_ptr, pml_ptr,
+    qkvg_ptr, pos_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, po_ptr, pml_ptr, cnt_ptr, out_ptr,
     G, R, W, Q, stride_t, eps, scale,
     NEW_IN_REGS: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr,
     SPLIT_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_REST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_REST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (token t, KV group g) and one split of ring row (t // Q, g)'s slots [split*SPLIT_LEN, +SPLIT_LEN), all Hg
     heads at once.
@@ -454,7 +457,9 @@ def _sliding_attn_kernel(
     d >= R - Q + 1 >= W). Online softmax over fp32 logits (q.k) * scale;
     P.V takes the fp32 probabilities (SDPA's math): on GPUs as two bf16 MMAs, P = hi + lo with hi = bf(P),
     lo = bf(P - hi) (16 of P's 24 bits; the dropped part is < 2^-16 P), on the interpreter as one fp32 dot.
-    Writes the unnormalised acc, the running max m and sum l for _sliding_merge_kernel.
+    Writes the unnormalised acc, the running max m and sum l for _sliding_merge_kernel; FUSED_MERGE (a candidate,
+    untimed): the row's last program to finish merges them itself (an arrival count per row, cnt_ptr, acquire /
+    release at GPU scope; back to 0 after the merge), one launch fewer per layer. Same merge, same bits.
     """
     _pdl_enter(PDL)
     row = tl.program_id(0)  # t * G + g
@@ -528,6 +533,13 @@ def _sliding_attn_kernel(
     tl.store(po_ptr + (part * HG + heads[:, None]) * D + dims[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
     tl.store(pml_ptr + (part * 2) * HG + heads, m_i, mask=h_ok)
     tl.store(pml_ptr + (part * 2 + 1) * HG + heads, l_i, mask=h_ok)
+    if FUSED_MERGE:
+        tl.debug_barrier()  # every thread's partials are written before the release below
+        if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            for h in range(HG):
+                _sliding_merge_head(po_ptr, pml_ptr, qkvg_ptr, out_ptr, row, h, G, stride_t, HG, D, SPLITS, BLOCK_S,
+                                    BLOCK_D, PRECISE, True)
+            tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
     # the owner of the new token's slot writes it last: a store to the rings ahead of the loop would keep the
     # compiler from issuing the ring loads before it (they may alias), a dependent round trip at the chain's head
     if NEW_IN_REGS:
@@ -536,32 +548,55 @@ def _sliding_attn_kernel(
 
 
 @triton.jit
-def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
-                          HG: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_D: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+def _sliding_merge_head(po_ptr, pml_ptr, qkvg_ptr, out_ptr, row, h, G, stride_t, HG: tl.constexpr, D: tl.constexpr,
+                        SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PRECISE: tl.constexpr,
+                        CG: tl.constexpr):
     """Log-sum-exp merge of one (row, head)'s splits, c_i = exp(m_i - max m): o = bf(sum c_i acc_i / sum c_i l_i)
-    (SDPA's bf16 result), then the gate: out = bf(o * bf(1 / (1 + exp(-logit)))) (torch.sigmoid, then mul)."""
-    _pdl_enter(PDL)
-    row = tl.program_id(0)  # t * G + g
-    h = tl.program_id(1)
+    (SDPA's bf16 result), then the gate: out = bf(o * bf(1 / (1 + exp(-logit)))) (torch.sigmoid, then mul).
+    CG: the partials are read past L1 (other programs of the running launch wrote them)."""
     t = row // G
     head = (row % G) * HG + h
     sp = tl.arange(0, BLOCK_S)
     sp_ok = sp < SPLITS
     part = (row * SPLITS + sp).to(tl.int64)
-    m = tl.load(pml_ptr + (part * 2) * HG + h, mask=sp_ok, other=float("-inf"))
-    l = tl.load(pml_ptr + (part * 2 + 1) * HG + h, mask=sp_ok, other=0.0)
+    cm: tl.constexpr = ".cg" if CG else ""
+    m = tl.load(pml_ptr + (part * 2) * HG + h, mask=sp_ok, other=float("-inf"), cache_modifier=cm)
+    l = tl.load(pml_ptr + (part * 2 + 1) * HG + h, mask=sp_ok, other=0.0, cache_modifier=cm)
     c = tl.where(m == float("-inf"), 0.0, _exp(m - tl.max(m, axis=0), PRECISE))
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
     po = tl.load(po_ptr + (part[:, None] * HG + h) * D + dims[None, :], mask=sp_ok[:, None] & d_ok[None, :],
-                 other=0.0)
+                 other=0.0, cache_modifier=cm)
     num = tl.sum(po * c[:, None], axis=0)
     o = _bf16_round(tl.math.div_rn(num, tl.full(num.shape, 1.0, tl.float32) * tl.sum(l * c, axis=0)))
     logit = tl.load(qkvg_ptr + t.to(tl.int64) * stride_t + (G * HG + 2 * G) * D + head).to(tl.float32)
     gate = _bf16_round(tl.math.div_rn(1.0, 1.0 + _exp(-logit, PRECISE)))
     tl.store(out_ptr + t.to(tl.int64) * (G * HG * D) + head * D + dims, _bf16_round(o * gate).to(tl.bfloat16),
              mask=d_ok)
+
+
+@triton.jit
+def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
+                          HG: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_D: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    """_sliding_merge_head of program (row, head)."""
+    _pdl_enter(PDL)
+    _sliding_merge_head(po_ptr, pml_ptr, qkvg_ptr, out_ptr, tl.program_id(0), tl.program_id(1), G, stride_t, HG, D,
+                        SPLITS, BLOCK_S, BLOCK_D, PRECISE, False)
+
+
+_COUNTERS: dict = {}
+
+
+def _arrival_counters(device, n: int) -> torch.Tensor:
+    """int32 [>= n] zeros that stay allocated: kernels count their programs' arrivals in them and set them back to 0
+    when the last program is done, so the next launch (a CUDA-graph replay too) finds zeros."""
+    c = _COUNTERS.get(str(device))
+    if c is None or c.numel() < n:
+        _check(not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()),
+               "arrival counters are first allocated while a CUDA graph is being captured: run the step once first")
+        c = _COUNTERS[str(device)] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
 
 
 def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
@@ -613,18 +648,21 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
                   BLOCK_HALF=max(16, triton.next_power_of_2(half)),
                   BLOCK_REST=max(16, triton.next_power_of_2(rest)) if rest else 0, num_warps=4, **_NO_FMA)
     warps = TUNING["sliding_warps"][T * G * splits >= _sms()]
+    fused = TUNING["sliding_fused_merge"]
+    cnt = _arrival_counters(qkvg.device, T * G) if fused else po
     if Q > 1:
         _sliding_write_kernel[(T * G,)](qkvg, pos, ring_k, ring_v, k_norm_w, cos, sin, G, R, Q, H, qkvg.stride(0),
                                         float(eps), **blocks, **_pdl())
     _sliding_attn_kernel[(T * G, splits)](
-        qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
-        float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
+        qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, cnt, out, G, R, window, Q, qkvg.stride(0),
+        float(eps), float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
         BLOCK_H=max(16, triton.next_power_of_2(HG)), BLOCK_N=max(16, min(64, triton.next_power_of_2(split_len))),
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, **dict(blocks, num_warps=num_warps or warps), **_pdl())
-    _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
-                                       BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
-                                       PRECISE=_PRECISE,
-                                       num_warps=4, **_pdl())
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, FUSED_MERGE=fused, BLOCK_S=triton.next_power_of_2(splits),
+        **dict(blocks, num_warps=num_warps or warps), **_pdl())
+    if not fused:
+        _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
+                                           BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
+                                           PRECISE=_PRECISE, num_warps=4, **_pdl())
     return out
 
 

@@ -466,9 +466,23 @@ def test_sliding_decode(B, pos, R, G, hd, half):
     for split_len in (32, 4):
         _check_sliding(args, H, hd, f"sliding decode B={B} R={R} G={G} split_len={split_len}", 2.0,
                        split_len=split_len)
+    _fused_merge_same_bits(args, split_len=4)
     args[0] = args[0].clone()
     args[0][:, -H:] = 30.0  # sigmoid rounds to 1.0: out = SDPA's o
     _check_sliding(args, H, hd, f"sliding decode B={B} R={R} G={G} gate 1", 1.0, split_len=4)
+
+
+def _fused_merge_same_bits(args, **kw):
+    """TUNING["sliding_fused_merge"] (each row's last program merges the splits) changes no value, and leaves the
+    arrival counters at 0 for the next launch (twice in a row)."""
+    runs = []
+    for fused in (False, True, True):
+        rings = [r.clone() for r in args[2:4]]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(K.TUNING, "sliding_fused_merge", fused)
+            runs.append((K.sliding_decode_triton(*args[:2], *rings, *args[4:], **kw), *rings))
+    assert all(bytes_equal(a, b) and bytes_equal(a, c) for a, b, c in zip(*runs))
+    assert not K._arrival_counters(args[0].device, 1).any()
 
 
 @pytest.mark.parametrize("Q,R", [(3, 10), (4, 13)])
@@ -759,6 +773,7 @@ def test_gpu_sliding_decode_real_shape(B, R, p, Q, span):
                          seed=B + R + p + Q, tables=tables, Q=Q)
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span}", 2.0)
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} 4 warps", 2.0, num_warps=4)
+    _fused_merge_same_bits(args)
     args[0] = args[0].clone()
     args[0][:, -H:] = 30.0
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} gate 1", 1.0)
