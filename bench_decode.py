@@ -33,7 +33,7 @@ from generate import DecodeStep
 # (--candidates re-times the step with each; gemm_lookahead, a prefill choice: bench_kernels.py sweep_prefill)
 ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
                 "moe_block_n": [(32, 64)], "moe_stages": [(4, 4)], "moe_unroll": [(4, 4)],
-                "sliding_fused_merge": [True]}
+                "sliding_fused_merge": [True], "route_fused_select": [True]}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 

@@ -61,12 +61,13 @@ def _triton(x: torch.Tensor) -> bool:
 # gemm_lookahead: _grouped_gemm_kernel's LOOKAHEAD (prefill's down GEMM; a candidate, untimed: bench_kernels.py
 #   sweep_prefill times it).
 # sliding_fused_merge: _sliding_attn_kernel's FUSED_MERGE (one launch fewer per sliding layer; a candidate, untimed).
+# route_fused_select: _router_logits_kernel's FUSED_SELECT (one launch fewer per MoE layer; a candidate, untimed).
 # Measured and removed on 2026-12-01 (whole step, batch 1 / 16): scales loaded one loop iteration ahead in the
 #   swapped expert tiles (their sm90 PTX had a scalar scale load round trip per K block): +0.6 / +2.2%; the sliding
 #   tile's ring loads issued before the q / k norms (to overlap them): +2.9 / +3.1%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1), "gemm_lookahead": False,
-          "sliding_fused_merge": False}
+          "sliding_fused_merge": False, "route_fused_select": False}
 
 
 @functools.cache
@@ -2346,14 +2347,20 @@ def swiglu(g, u, limit):
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPLIT_LEN,
+def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, bias_ptr, ids_ptr, wts_ptr, cnt_ptr, T, E, D,
+                          K_SPLIT_LEN, scale,
                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
-                          DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+                          DOT_DTYPE: tl.constexpr, FUSED_SELECT: tl.constexpr, K_SPLITS: tl.constexpr,
+                          TOPK: tl.constexpr, RENORM: tl.constexpr, BLOCK_ES: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                          PRECISE: tl.constexpr, PDL: tl.constexpr):
     """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
     bf16 MMA with fp32 accumulation computes route_ref's fp32 GEMM (bf16 x and w widened to fp32); K is split so
     decode fills the GPU. QUANT: the programs of the first E tile also write act_quant_ref(x) of the rows and K
     slice they read (xq e4m3 bits [T, D], sx [T, D/128]; _act_quant_kernel's arithmetic) for the FP8 experts, so
-    that quantisation costs no launch of its own. BLOCK_K is a multiple of 128."""
+    that quantisation costs no launch of its own. BLOCK_K is a multiple of 128.
+    FUSED_SELECT (a candidate, untimed): the last program to finish of a token tile runs _route_select_token for
+    its tokens (an arrival count per tile, cnt_ptr, acquire / release at GPU scope, back to 0 after), one launch
+    fewer per MoE layer; a tile's tokens are then selected one after another by one program."""
     _pdl_enter(PDL)
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -2382,22 +2389,30 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPL
                 tl.store(xq_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], _e4m3_bits(xt * inv[:, None]),
                          mask=x_ok)
                 tl.store(sx_ptr + ts.to(tl.int64) * tl.cdiv(D, QB) + k0 // QB, sx, mask=ts < T)
+    if FUSED_SELECT:
+        tl.debug_barrier()  # every thread's partials are written before the release below
+        tile = tl.program_id(0)
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) * K_SPLITS - 1:
+            for tt in range(0, tl.minimum(BLOCK_T, T - tile * BLOCK_T)):
+                _route_select_token(part_ptr, bias_ptr, ids_ptr, wts_ptr, (tile * BLOCK_T + tt).to(tl.int64), T, E,
+                                    scale, K_SPLITS, TOPK, RENORM, BLOCK_ES, BLOCK_TOPK, PRECISE, True)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
-                          K_SPLITS: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
-                          BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
-    """One token: z = sum of the K-split partials in order; sc = sigmoid(z) + b; take the TOPK largest (ties to the
+def _route_select_token(part_ptr, bias_ptr, ids_ptr, wts_ptr, t, T, E, scale, K_SPLITS: tl.constexpr,
+                        TOPK: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                        PRECISE: tl.constexpr, CG: tl.constexpr):
+    """Token t: z = sum of the K-split partials in order; sc = sigmoid(z) + b; take the TOPK largest (ties to the
     lower id, slot 0 first); w = sc[id] - b[id], renormalised by (sum + 1e-20), times scale. One reduction per slot
-    (it took three, and a store, when first written: 4.3 us at TOPK = 8 on the H200)."""
-    _pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    (it took three, and a store, when first written: 4.3 us at TOPK = 8 on the H200). CG: the partials are read past
+    L1 (other programs of the running launch wrote them)."""
     es = tl.arange(0, BLOCK_E)
     e_ok = es < E
+    cm: tl.constexpr = ".cg" if CG else ""
     z = tl.zeros((BLOCK_E,), dtype=tl.float32)
     for i in tl.static_range(K_SPLITS):
-        z = z + tl.load(part_ptr + (i * T + t) * E + es, mask=e_ok, other=0.0)
+        z = z + tl.load(part_ptr + (i * T + t) * E + es, mask=e_ok, other=0.0, cache_modifier=cm)
     bias = tl.load(bias_ptr + es, mask=e_ok, other=0.0)
     sig = tl.math.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + _exp(-z, PRECISE))
     sc = tl.where(e_ok, sig + bias + 0.0, float("-inf"))  # + 0.0: a -0 would order below +0 in the key
@@ -2420,6 +2435,16 @@ def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
         wts = tl.math.div_rn(wts, tl.full(wts.shape, 1.0, tl.float32) * (tl.sum(wts, axis=0) + 1e-20))
     tl.store(ids_ptr + t * TOPK + slots, ids, mask=ok)
     tl.store(wts_ptr + t * TOPK + slots, wts * scale, mask=ok)
+
+
+@triton.jit
+def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
+                          K_SPLITS: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    """_route_select_token of program t."""
+    _pdl_enter(PDL)
+    _route_select_token(part_ptr, bias_ptr, ids_ptr, wts_ptr, tl.program_id(0).to(tl.int64), T, E, scale, K_SPLITS,
+                        TOPK, RENORM, BLOCK_E, BLOCK_TOPK, PRECISE, False)
 
 
 def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
@@ -2446,12 +2471,17 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
     split_len = triton.cdiv(triton.cdiv(D, k_splits), BLOCK_K) * BLOCK_K
     k_splits = triton.cdiv(D, split_len)
     part = torch.empty(k_splits, T, E, dtype=torch.float32, device=x.device)
+    sel = dict(K_SPLITS=k_splits, TOPK=k, RENORM=renorm, BLOCK_TOPK=triton.next_power_of_2(k), PRECISE=_PRECISE)
+    fused = TUNING["route_fused_select"]
+    cnt = _arrival_counters(x.device, triton.cdiv(T, BLOCK_T)) if fused else part
+    # the selection's sums and products must not be contracted (_NO_FMA); the logits' tail has no a * b + c
     _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
-        x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, QUANT=bool(quant),
-        DOT_DTYPE=_DOT, num_warps=4, num_stages=3 if _GPU_LAUNCH else 1, **_pdl())
-    _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
-                                BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
-                                PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **_pdl())
+        x, w, part, xq, sx, bias, ids, wts, cnt, T, E, D, split_len, float(scale), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
+        BLOCK_K=BLOCK_K, QUANT=bool(quant), DOT_DTYPE=_DOT, FUSED_SELECT=fused, BLOCK_ES=triton.next_power_of_2(E),
+        **sel, num_warps=4, num_stages=3 if _GPU_LAUNCH else 1, **(_NO_FMA if fused else {}), **_pdl())
+    if not fused:
+        _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), BLOCK_E=triton.next_power_of_2(E),
+                                    **sel, num_warps=4, **_NO_FMA, **_pdl())
     return done
 
 

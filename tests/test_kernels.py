@@ -664,6 +664,23 @@ def test_route(T, D, E, k):
         K._x_quant(x, (xq[:, :-1], sx))
 
 
+@pytest.mark.parametrize("T,D,E,k", [(1, 2048, 160, 8), (20, 256, 40, 8)])
+def test_route_fused_select(T, D, E, k):
+    """TUNING["route_fused_select"] (the last logits program of a token tile selects its tokens): the same ids,
+    weights and quantised x as the selection kernel, twice in a row, and the arrival counters back at 0. (1, 2048,
+    160): several E tiles and K splits arrive per tile, also in the interpreter's launch shapes."""
+    x, w = randn(T, D, seed=1), randn(E, D, seed=2, scale=0.05)
+    bias = randn(E, seed=3, scale=0.1, dtype=torch.float32)
+    runs = []
+    for fused in (False, True, True):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(K.TUNING, "route_fused_select", fused)
+            ids, wts, (xq, sx) = K.route_triton(x, w, bias, k, 3.0, quant=True)
+            runs.append((ids, wts, xq.view(torch.uint8), sx))
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*runs))
+    assert not K._arrival_counters(x.device, 1).any()
+
+
 def test_route_ties_to_the_lower_id():
     """x = 0: every sigmoid is 0.5, so the biased scores 0.5 + b tie wherever the biases do (12 distinct values over
     40 experts, some negative, a +0 and a -0): slot order = the stable sort of the scores, descending."""
