@@ -2474,11 +2474,14 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
     sel = dict(K_SPLITS=k_splits, TOPK=k, RENORM=renorm, BLOCK_TOPK=triton.next_power_of_2(k), PRECISE=_PRECISE)
     fused = TUNING["route_fused_select"]
     cnt = _arrival_counters(x.device, triton.cdiv(T, BLOCK_T)) if fused else part
-    # the selection's sums and products must not be contracted (_NO_FMA); the logits' tail has no a * b + c
+    # unfused, the selection's constexprs are placeholders (one build of the logits kernel for every K split count);
+    # fused, the selection's sums and products must not be contracted (_NO_FMA): the logits' tail has no a * b + c
+    lsel = dict(sel, BLOCK_ES=triton.next_power_of_2(E)) if fused else dict(K_SPLITS=1, TOPK=1, RENORM=False,
+                                                                            BLOCK_TOPK=1, PRECISE=False, BLOCK_ES=1)
     _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
         x, w, part, xq, sx, bias, ids, wts, cnt, T, E, D, split_len, float(scale), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
-        BLOCK_K=BLOCK_K, QUANT=bool(quant), DOT_DTYPE=_DOT, FUSED_SELECT=fused, BLOCK_ES=triton.next_power_of_2(E),
-        **sel, num_warps=4, num_stages=3 if _GPU_LAUNCH else 1, **(_NO_FMA if fused else {}), **_pdl())
+        BLOCK_K=BLOCK_K, QUANT=bool(quant), DOT_DTYPE=_DOT, FUSED_SELECT=fused, **lsel, num_warps=4,
+        num_stages=3 if _GPU_LAUNCH else 1, **(_NO_FMA if fused else {}), **_pdl())
     if not fused:
         _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), BLOCK_E=triton.next_power_of_2(E),
                                     **sel, num_warps=4, **_NO_FMA, **_pdl())
