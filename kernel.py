@@ -1682,9 +1682,10 @@ def _grouped_gemm_kernel(
     sw3_base = sw3_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # LOOKAHEAD: the previous block's dot and scales (zeros
-    s_a = tl.zeros((BLOCK_M,), dtype=tl.float32)  # before the first block: acc + 0 stays +0)
-    s_w = 0.0
+    if FP8 and LOOKAHEAD and not GATED:  # the previous block's dot and scales (zeros before the first: acc stays +0)
+        d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        s_a = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        s_w = 0.0
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < K  # ragged last block: masked columns are 0 on both sides

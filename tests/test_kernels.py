@@ -466,23 +466,28 @@ def test_sliding_decode(B, pos, R, G, hd, half):
     for split_len in (32, 4):
         _check_sliding(args, H, hd, f"sliding decode B={B} R={R} G={G} split_len={split_len}", 2.0,
                        split_len=split_len)
-    _fused_merge_same_bits(args, split_len=4)
+    _fused_same_bits("sliding_fused_merge", lambda: _sliding_fresh(args, split_len=4))
     args[0] = args[0].clone()
     args[0][:, -H:] = 30.0  # sigmoid rounds to 1.0: out = SDPA's o
     _check_sliding(args, H, hd, f"sliding decode B={B} R={R} G={G} gate 1", 1.0, split_len=4)
 
 
-def _fused_merge_same_bits(args, **kw):
-    """TUNING["sliding_fused_merge"] (each row's last program merges the splits) changes no value, and leaves the
-    arrival counters at 0 for the next launch (twice in a row)."""
+def _fused_same_bits(key, run):
+    """TUNING[key] (a launch fused through arrival counters) changes no value of run()'s tensors, twice in a row: the
+    counters are back at 0 for the next launch."""
     runs = []
     for fused in (False, True, True):
-        rings = [r.clone() for r in args[2:4]]
         with pytest.MonkeyPatch.context() as mp:
-            mp.setitem(K.TUNING, "sliding_fused_merge", fused)
-            runs.append((K.sliding_decode_triton(*args[:2], *rings, *args[4:], **kw), *rings))
+            mp.setitem(K.TUNING, key, fused)
+            runs.append(run())
     assert all(bytes_equal(a, b) and bytes_equal(a, c) for a, b, c in zip(*runs))
-    assert not K._arrival_counters(args[0].device, 1).any()
+    assert not K._arrival_counters(runs[0][0].device, 1).any()
+
+
+def _sliding_fresh(args, **kw):
+    """(out, ring_k, ring_v) of sliding_decode_triton on fresh copies of the rings."""
+    rings = [r.clone() for r in args[2:4]]
+    return (K.sliding_decode_triton(*args[:2], *rings, *args[4:], **kw), *rings)
 
 
 @pytest.mark.parametrize("Q,R", [(3, 10), (4, 13)])
@@ -671,14 +676,10 @@ def test_route_fused_select(T, D, E, k):
     160): several E tiles and K splits arrive per tile, also in the interpreter's launch shapes."""
     x, w = randn(T, D, seed=1), randn(E, D, seed=2, scale=0.05)
     bias = randn(E, seed=3, scale=0.1, dtype=torch.float32)
-    runs = []
-    for fused in (False, True, True):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setitem(K.TUNING, "route_fused_select", fused)
-            ids, wts, (xq, sx) = K.route_triton(x, w, bias, k, 3.0, quant=True)
-            runs.append((ids, wts, xq.view(torch.uint8), sx))
-    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*runs))
-    assert not K._arrival_counters(x.device, 1).any()
+    def run():
+        ids, wts, xq = K.route_triton(x, w, bias, k, 3.0, quant=True)
+        return ids, wts, *xq
+    _fused_same_bits("route_fused_select", run)
 
 
 def test_route_ties_to_the_lower_id():
@@ -790,7 +791,7 @@ def test_gpu_sliding_decode_real_shape(B, R, p, Q, span):
                          seed=B + R + p + Q, tables=tables, Q=Q)
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span}", 2.0)
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} 4 warps", 2.0, num_warps=4)
-    _fused_merge_same_bits(args)
+    _fused_same_bits("sliding_fused_merge", lambda: _sliding_fresh(args))
     args[0] = args[0].clone()
     args[0][:, -H:] = 30.0
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} gate 1", 1.0)

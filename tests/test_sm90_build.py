@@ -58,7 +58,6 @@ def _record(fn, args, kwargs):
         if (isinstance(v, torch.Tensor) and v.data_ptr() % 16 == 0 or isinstance(v, int) and not isinstance(v, bool)
                 and v % 16 == 0) and p.annotation is not tl.constexpr:
             div16.append(i)
-        v = bound.get(name, p.default)
         if p.annotation is tl.constexpr:
             sig[name] = "constexpr"
             v = GPU_VALUES.get(name, v)
