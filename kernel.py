@@ -60,14 +60,11 @@ def _triton(x: torch.Tensor) -> bool:
 #   batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts at T = 1; (4, 4): +2.4% (twice).
 # gemm_lookahead: _grouped_gemm_kernel's LOOKAHEAD (prefill's down GEMM; a candidate, untimed: bench_kernels.py
 #   sweep_prefill times it).
-# sliding_fused_merge: _sliding_attn_kernel's FUSED_MERGE (one launch fewer per sliding layer; a candidate, untimed).
-# route_fused_select: _router_logits_kernel's FUSED_SELECT (one launch fewer per MoE layer; a candidate, untimed).
 # Measured and removed on 2026-12-01 (whole step, batch 1 / 16): scales loaded one loop iteration ahead in the
 #   swapped expert tiles (their sm90 PTX had a scalar scale load round trip per K block): +0.6 / +2.2%; the sliding
 #   tile's ring loads issued before the q / k norms (to overlap them): +2.9 / +3.1%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
-          "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1), "gemm_lookahead": False,
-          "sliding_fused_merge": False, "route_fused_select": False}
+          "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1), "gemm_lookahead": False}
 
 
 @functools.cache
@@ -439,13 +436,12 @@ def _sliding_write_kernel(qkvg_ptr, pos_ptr, k_ptr, v_ptr, kw_ptr, cos_ptr, sin_
 
 @triton.jit
 def _sliding_attn_kernel(
-    qkvg_ptr, pos_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, po_ptr, pml_ptr, cnt_ptr, out_ptr,
+    qkvg_ptr, pos_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, po_ptr, pml_ptr,
     G, R, W, Q, stride_t, eps, scale,
     NEW_IN_REGS: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr,
     SPLIT_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_REST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_REST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (token t, KV group g) and one split of ring row (t // Q, g)'s slots [split*SPLIT_LEN, +SPLIT_LEN), all Hg
     heads at once.
@@ -458,9 +454,7 @@ def _sliding_attn_kernel(
     d >= R - Q + 1 >= W). Online softmax over fp32 logits (q.k) * scale;
     P.V takes the fp32 probabilities (SDPA's math): on GPUs as two bf16 MMAs, P = hi + lo with hi = bf(P),
     lo = bf(P - hi) (16 of P's 24 bits; the dropped part is < 2^-16 P), on the interpreter as one fp32 dot.
-    Writes the unnormalised acc, the running max m and sum l for _sliding_merge_kernel; FUSED_MERGE (a candidate,
-    untimed): the row's last program to finish merges them itself (an arrival count per row, cnt_ptr, acquire /
-    release at GPU scope; back to 0 after the merge), one launch fewer per layer. Same merge, same bits.
+    Writes the unnormalised acc, the running max m and sum l for _sliding_merge_kernel.
     """
     _pdl_enter(PDL)
     row = tl.program_id(0)  # t * G + g
@@ -534,13 +528,6 @@ def _sliding_attn_kernel(
     tl.store(po_ptr + (part * HG + heads[:, None]) * D + dims[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
     tl.store(pml_ptr + (part * 2) * HG + heads, m_i, mask=h_ok)
     tl.store(pml_ptr + (part * 2 + 1) * HG + heads, l_i, mask=h_ok)
-    if FUSED_MERGE:
-        tl.debug_barrier()  # every thread's partials are written before the release below
-        if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            for h in range(HG):
-                _sliding_merge_head(po_ptr, pml_ptr, qkvg_ptr, out_ptr, row, h, G, stride_t, HG, D, SPLITS, BLOCK_S,
-                                    BLOCK_D, PRECISE, True)
-            tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
     # the owner of the new token's slot writes it last: a store to the rings ahead of the loop would keep the
     # compiler from issuing the ring loads before it (they may alias), a dependent round trip at the chain's head
     if NEW_IN_REGS:
@@ -549,55 +536,32 @@ def _sliding_attn_kernel(
 
 
 @triton.jit
-def _sliding_merge_head(po_ptr, pml_ptr, qkvg_ptr, out_ptr, row, h, G, stride_t, HG: tl.constexpr, D: tl.constexpr,
-                        SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PRECISE: tl.constexpr,
-                        CG: tl.constexpr):
+def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
+                          HG: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_D: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     """Log-sum-exp merge of one (row, head)'s splits, c_i = exp(m_i - max m): o = bf(sum c_i acc_i / sum c_i l_i)
-    (SDPA's bf16 result), then the gate: out = bf(o * bf(1 / (1 + exp(-logit)))) (torch.sigmoid, then mul).
-    CG: the partials are read past L1 (other programs of the running launch wrote them)."""
+    (SDPA's bf16 result), then the gate: out = bf(o * bf(1 / (1 + exp(-logit)))) (torch.sigmoid, then mul)."""
+    _pdl_enter(PDL)
+    row = tl.program_id(0)  # t * G + g
+    h = tl.program_id(1)
     t = row // G
     head = (row % G) * HG + h
     sp = tl.arange(0, BLOCK_S)
     sp_ok = sp < SPLITS
     part = (row * SPLITS + sp).to(tl.int64)
-    cm: tl.constexpr = ".cg" if CG else ""
-    m = tl.load(pml_ptr + (part * 2) * HG + h, mask=sp_ok, other=float("-inf"), cache_modifier=cm)
-    l = tl.load(pml_ptr + (part * 2 + 1) * HG + h, mask=sp_ok, other=0.0, cache_modifier=cm)
+    m = tl.load(pml_ptr + (part * 2) * HG + h, mask=sp_ok, other=float("-inf"))
+    l = tl.load(pml_ptr + (part * 2 + 1) * HG + h, mask=sp_ok, other=0.0)
     c = tl.where(m == float("-inf"), 0.0, _exp(m - tl.max(m, axis=0), PRECISE))
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
     po = tl.load(po_ptr + (part[:, None] * HG + h) * D + dims[None, :], mask=sp_ok[:, None] & d_ok[None, :],
-                 other=0.0, cache_modifier=cm)
+                 other=0.0)
     num = tl.sum(po * c[:, None], axis=0)
     o = _bf16_round(tl.math.div_rn(num, tl.full(num.shape, 1.0, tl.float32) * tl.sum(l * c, axis=0)))
     logit = tl.load(qkvg_ptr + t.to(tl.int64) * stride_t + (G * HG + 2 * G) * D + head).to(tl.float32)
     gate = _bf16_round(tl.math.div_rn(1.0, 1.0 + _exp(-logit, PRECISE)))
     tl.store(out_ptr + t.to(tl.int64) * (G * HG * D) + head * D + dims, _bf16_round(o * gate).to(tl.bfloat16),
              mask=d_ok)
-
-
-@triton.jit
-def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
-                          HG: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_D: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
-    """_sliding_merge_head of program (row, head)."""
-    _pdl_enter(PDL)
-    _sliding_merge_head(po_ptr, pml_ptr, qkvg_ptr, out_ptr, tl.program_id(0), tl.program_id(1), G, stride_t, HG, D,
-                        SPLITS, BLOCK_S, BLOCK_D, PRECISE, False)
-
-
-_COUNTERS: dict = {}
-
-
-def _arrival_counters(device, n: int) -> torch.Tensor:
-    """int32 [>= n] zeros that stay allocated: kernels count their programs' arrivals in them and set them back to 0
-    when the last program is done, so the next launch (a CUDA-graph replay too) finds zeros."""
-    c = _COUNTERS.get(str(device))
-    if c is None or c.numel() < n:
-        _check(not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()),
-               "arrival counters are first allocated while a CUDA graph is being captured: run the step once first")
-        c = _COUNTERS[str(device)] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c
 
 
 def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
@@ -649,21 +613,18 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
                   BLOCK_HALF=max(16, triton.next_power_of_2(half)),
                   BLOCK_REST=max(16, triton.next_power_of_2(rest)) if rest else 0, num_warps=4, **_NO_FMA)
     warps = TUNING["sliding_warps"][T * G * splits >= _sms()]
-    fused = TUNING["sliding_fused_merge"]
-    cnt = _arrival_counters(qkvg.device, T * G) if fused else po
     if Q > 1:
         _sliding_write_kernel[(T * G,)](qkvg, pos, ring_k, ring_v, k_norm_w, cos, sin, G, R, Q, H, qkvg.stride(0),
                                         float(eps), **blocks, **_pdl())
     _sliding_attn_kernel[(T * G, splits)](
-        qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, cnt, out, G, R, window, Q, qkvg.stride(0),
-        float(eps), float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
+        qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
+        float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
         BLOCK_H=max(16, triton.next_power_of_2(HG)), BLOCK_N=max(16, min(64, triton.next_power_of_2(split_len))),
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, FUSED_MERGE=fused, BLOCK_S=triton.next_power_of_2(splits),
-        **dict(blocks, num_warps=num_warps or warps), **_pdl())
-    if not fused:
-        _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
-                                           BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
-                                           PRECISE=_PRECISE, num_warps=4, **_pdl())
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, **dict(blocks, num_warps=num_warps or warps), **_pdl())
+    _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
+                                       BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
+                                       PRECISE=_PRECISE,
+                                       num_warps=4, **_pdl())
     return out
 
 
@@ -2348,20 +2309,14 @@ def swiglu(g, u, limit):
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, bias_ptr, ids_ptr, wts_ptr, cnt_ptr, T, E, D,
-                          K_SPLIT_LEN, scale,
+def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPLIT_LEN,
                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
-                          DOT_DTYPE: tl.constexpr, FUSED_SELECT: tl.constexpr, K_SPLITS: tl.constexpr,
-                          TOPK: tl.constexpr, RENORM: tl.constexpr, BLOCK_ES: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                          PRECISE: tl.constexpr, PDL: tl.constexpr):
+                          DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
     bf16 MMA with fp32 accumulation computes route_ref's fp32 GEMM (bf16 x and w widened to fp32); K is split so
     decode fills the GPU. QUANT: the programs of the first E tile also write act_quant_ref(x) of the rows and K
     slice they read (xq e4m3 bits [T, D], sx [T, D/128]; _act_quant_kernel's arithmetic) for the FP8 experts, so
-    that quantisation costs no launch of its own. BLOCK_K is a multiple of 128.
-    FUSED_SELECT (a candidate, untimed): the last program to finish of a token tile runs _route_select_token for
-    its tokens (an arrival count per tile, cnt_ptr, acquire / release at GPU scope, back to 0 after), one launch
-    fewer per MoE layer; a tile's tokens are then selected one after another by one program."""
+    that quantisation costs no launch of its own. BLOCK_K is a multiple of 128."""
     _pdl_enter(PDL)
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -2390,30 +2345,22 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, bias_ptr, ids_
                 tl.store(xq_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], _e4m3_bits(xt * inv[:, None]),
                          mask=x_ok)
                 tl.store(sx_ptr + ts.to(tl.int64) * tl.cdiv(D, QB) + k0 // QB, sx, mask=ts < T)
-    if FUSED_SELECT:
-        tl.debug_barrier()  # every thread's partials are written before the release below
-        tile = tl.program_id(0)
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) * K_SPLITS - 1:
-            for tt in range(0, tl.minimum(BLOCK_T, T - tile * BLOCK_T)):
-                _route_select_token(part_ptr, bias_ptr, ids_ptr, wts_ptr, (tile * BLOCK_T + tt).to(tl.int64), T, E,
-                                    scale, K_SPLITS, TOPK, RENORM, BLOCK_ES, BLOCK_TOPK, PRECISE, True)
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _route_select_token(part_ptr, bias_ptr, ids_ptr, wts_ptr, t, T, E, scale, K_SPLITS: tl.constexpr,
-                        TOPK: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                        PRECISE: tl.constexpr, CG: tl.constexpr):
-    """Token t: z = sum of the K-split partials in order; sc = sigmoid(z) + b; take the TOPK largest (ties to the
+def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
+                          K_SPLITS: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    """One token: z = sum of the K-split partials in order; sc = sigmoid(z) + b; take the TOPK largest (ties to the
     lower id, slot 0 first); w = sc[id] - b[id], renormalised by (sum + 1e-20), times scale. One reduction per slot
-    (it took three, and a store, when first written: 4.3 us at TOPK = 8 on the H200). CG: the partials are read past
-    L1 (other programs of the running launch wrote them)."""
+    (it took three, and a store, when first written: 4.3 us at TOPK = 8 on the H200)."""
+    _pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, BLOCK_E)
     e_ok = es < E
-    cm: tl.constexpr = ".cg" if CG else ""
     z = tl.zeros((BLOCK_E,), dtype=tl.float32)
     for i in tl.static_range(K_SPLITS):
-        z = z + tl.load(part_ptr + (i * T + t) * E + es, mask=e_ok, other=0.0, cache_modifier=cm)
+        z = z + tl.load(part_ptr + (i * T + t) * E + es, mask=e_ok, other=0.0)
     bias = tl.load(bias_ptr + es, mask=e_ok, other=0.0)
     sig = tl.math.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + _exp(-z, PRECISE))
     sc = tl.where(e_ok, sig + bias + 0.0, float("-inf"))  # + 0.0: a -0 would order below +0 in the key
@@ -2436,16 +2383,6 @@ def _route_select_token(part_ptr, bias_ptr, ids_ptr, wts_ptr, t, T, E, scale, K_
         wts = tl.math.div_rn(wts, tl.full(wts.shape, 1.0, tl.float32) * (tl.sum(wts, axis=0) + 1e-20))
     tl.store(ids_ptr + t * TOPK + slots, ids, mask=ok)
     tl.store(wts_ptr + t * TOPK + slots, wts * scale, mask=ok)
-
-
-@triton.jit
-def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
-                          K_SPLITS: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
-                          BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
-    """_route_select_token of program t."""
-    _pdl_enter(PDL)
-    _route_select_token(part_ptr, bias_ptr, ids_ptr, wts_ptr, tl.program_id(0).to(tl.int64), T, E, scale, K_SPLITS,
-                        TOPK, RENORM, BLOCK_E, BLOCK_TOPK, PRECISE, False)
 
 
 def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
@@ -2472,20 +2409,12 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
     split_len = triton.cdiv(triton.cdiv(D, k_splits), BLOCK_K) * BLOCK_K
     k_splits = triton.cdiv(D, split_len)
     part = torch.empty(k_splits, T, E, dtype=torch.float32, device=x.device)
-    sel = dict(K_SPLITS=k_splits, TOPK=k, RENORM=renorm, BLOCK_TOPK=triton.next_power_of_2(k), PRECISE=_PRECISE)
-    fused = TUNING["route_fused_select"]
-    cnt = _arrival_counters(x.device, triton.cdiv(T, BLOCK_T)) if fused else part
-    # unfused, the selection's constexprs are placeholders (one build of the logits kernel for every K split count);
-    # fused, the selection's sums and products must not be contracted (_NO_FMA): the logits' tail has no a * b + c
-    lsel = dict(sel, BLOCK_ES=triton.next_power_of_2(E)) if fused else dict(K_SPLITS=1, TOPK=1, RENORM=False,
-                                                                            BLOCK_TOPK=1, PRECISE=False, BLOCK_ES=1)
     _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
-        x, w, part, xq, sx, bias, ids, wts, cnt, T, E, D, split_len, float(scale), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
-        BLOCK_K=BLOCK_K, QUANT=bool(quant), DOT_DTYPE=_DOT, FUSED_SELECT=fused, **lsel, num_warps=4,
-        num_stages=3 if _GPU_LAUNCH else 1, **(_NO_FMA if fused else {}), **_pdl())
-    if not fused:
-        _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), BLOCK_E=triton.next_power_of_2(E),
-                                    **sel, num_warps=4, **_NO_FMA, **_pdl())
+        x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, QUANT=bool(quant),
+        DOT_DTYPE=_DOT, num_warps=4, num_stages=3 if _GPU_LAUNCH else 1, **_pdl())
+    _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
+                                BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
+                                PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **_pdl())
     return done
 
 
