@@ -90,9 +90,11 @@ def _pdl() -> dict:
 # bf16 tl.dot, truncates fp32->bf16 casts, mis-rounds fp32->fp8 casts and cannot call libdevice
 # (triton-lang/triton#11584). So every kernel (a) loads bf16/e4m3 and widens to fp32 before arithmetic, (b) feeds
 # tl.dot in DOT_DTYPE: fp32 under the interpreter (exact: bf16 and e4m3 products fit fp32) and bf16 on GPUs (tensor
-# cores, fp32 accumulation, same products), (c) rounds to bf16 / e4m3 with the integer helpers below, which are
-# correct on both, and (d) uses libdevice's expf on GPUs (the function torch's CUDA exp calls) and tl.exp otherwise.
+# cores, fp32 accumulation, same products), (c) rounds to bf16 / e4m3 with the GPU's converts and, under the
+# interpreter, with the integer helpers below (correct on both), and (d) uses libdevice's expf on GPUs (the function
+# torch's CUDA exp calls) and tl.exp otherwise.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_HW_BF16 = tl.constexpr(not _INTERPRET)  # a global the kernels read: a constexpr
 _DOT = tl.float32 if _INTERPRET else tl.bfloat16
 _PRECISE = not _INTERPRET
 # Kernels whose reference spells out separately rounded products are compiled without FMA contraction.
@@ -126,7 +128,11 @@ def _check_tensor(name, t, dtype, ndim=None, contiguous=True):
 
 @triton.jit
 def _bf16_round(x):
-    """fp32 -> nearest-even bf16 value, returned as fp32 (a later .to(bf16) is then exact on every backend)."""
+    """fp32 -> nearest-even bf16 value, returned as fp32 (a later .to(bf16) is then exact on every backend). GPUs:
+    the convert (cvt.rn: one instruction per two values), where the integer form took ~5 per value (~30% of the
+    sliding attention tile's instructions, ncu on the H200)."""
+    if _HW_BF16:
+        return x.to(tl.bfloat16).to(tl.float32)
     b = x.to(tl.int32, bitcast=True)
     b = b + 0x7FFF + ((b >> 16) & 1)  # round half to even on the 16 dropped bits (finite inputs)
     b = (b >> 16) << 16
@@ -213,9 +219,11 @@ def norm_rope_ref(x, weight, cos, sin, eps, bias=None, pos=None):
     half = cos.shape[-1]
     a, b = n[..., :half].float(), n[..., half:2 * half].float()
     c, s = cos.float()[:, None, :], sin.float()[:, None, :]
+    # a, b, c, s hold bf16 values: each product (8 x 8 significand bits) is exact in fp32, so both sums are rounded
+    # once: first = bf(a*c - b*s) with the products rounded separately and second = fma(a, s, b*c), the spec's forms
+    # (FMA contraction cannot change either; the exception: a product under fp32's normal range, |a*s| < 1.2e-38)
     first = a * c - b * s
-    # fma(a, s, b*c): a*s is exact in fp64, so one fp64 add then one rounding to fp32 emulates the fused op
-    second = (a.double() * s.double() + (b * c).double()).float()
+    second = a * s + b * c
     return torch.cat([first.to(torch.bfloat16), second.to(torch.bfloat16), n[..., 2 * half:]], dim=-1)
 
 
@@ -229,7 +237,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R
     RMS: n = bf((x * r) * (w + 1)), r = 1/sqrt(mean(x^2) + eps); LayerNorm: n = bf(((x - mu) * r) * w + b),
     r = 1/sqrt(E[x^2] - mu^2 + eps). Rotation on the bf16 values a = n[j], b = n[j + HALF]:
     first = bf(a*c - b*s) (products rounded separately: compiled without FMA contraction),
-    second = bf(fma(a, s, b*c)) (emulated as fp64 a*s + b*c rounded once to fp32, exactly as the reference).
+    second = bf(fma(a, s, b*c)) (_rotate: exact products, so plain fp32 adds, as the reference).
     Each norm value is elementwise, so recomputing it per slice equals storing and re-reading the bf16 row.
     """
     _pdl_enter(PDL)
@@ -256,8 +264,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R
     s = tl.load(sin_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
     a = _norm_slice(x_ptr, w_ptr, b_ptr, xbase, j, r_ok, D, mu, r, LAYERNORM)
     b = _norm_slice(x_ptr, w_ptr, b_ptr, xbase, HALF + j, r_ok, D, mu, r, LAYERNORM)
-    first = a * c - b * s
-    second = (a.to(tl.float64) * s.to(tl.float64) + (b * c).to(tl.float64)).to(tl.float32)
+    first, second = _rotate(a, b, c, s)
     tl.store(out_ptr + base + j[None, :], _bf16_round(first).to(tl.bfloat16), mask=j_ok)
     tl.store(out_ptr + base + HALF + j[None, :], _bf16_round(second).to(tl.bfloat16), mask=j_ok)
     if BLOCK_REST > 0:  # dims past the rotary span keep the norm value
@@ -265,6 +272,14 @@ def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R
         c_ok = r_ok[:, None] & (cols[None, :] < D)
         n = _norm_slice(x_ptr, w_ptr, b_ptr, xbase, cols, r_ok, D, mu, r, LAYERNORM)
         tl.store(out_ptr + base + cols[None, :], n.to(tl.bfloat16), mask=c_ok)
+
+
+@triton.jit
+def _rotate(a, b, c, s):
+    """NEOX rotation of bf16-valued fp32 pairs (norm_rope_ref): products of bf16 values are exact in fp32, so
+    a*c - b*s and a*s + b*c are each rounded once, = the spec's fma(a, s, b*c) in plain fp32 (this replaced an
+    fp64 emulation: 163 fp64 conversions per thread in the sm90 build of the sliding attention tile)."""
+    return a * c - b * s, a * s + b * c
 
 
 @triton.jit
@@ -383,8 +398,8 @@ def _head_norm_rope(x_ptr, w_ptr, base, r_ok, cos_row, sin_row, eps, D: tl.const
     s = tl.load(sin_row + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
     a = _norm_slice(x_ptr, w_ptr, w_ptr, base, j, r_ok, D, mu, r, False)
     b = _norm_slice(x_ptr, w_ptr, w_ptr, base, HALF + j, r_ok, D, mu, r, False)
-    first = _bf16_round(a * c - b * s)
-    second = _bf16_round((a.to(tl.float64) * s.to(tl.float64) + (b * c).to(tl.float64)).to(tl.float32))
+    first, second = _rotate(a, b, c, s)
+    first, second = _bf16_round(first), _bf16_round(second)
     if BLOCK_REST > 0:
         rest = _norm_slice(x_ptr, w_ptr, w_ptr, base, 2 * HALF + tl.arange(0, BLOCK_REST), r_ok, D, mu, r, False)
     else:
@@ -564,6 +579,12 @@ def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
              mask=d_ok)
 
 
+def _heads_block(HG: int) -> int:
+    """The head axis of the decode attention tiles (the M side of their dots): 8 at TP = 8's 8 heads per group, where
+    16 padded every q norm, RoPE and softmax element twice (Triton pads an MMA's M on NVIDIA GPUs itself)."""
+    return max(8, triton.next_power_of_2(HG))
+
+
 def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
                           n_groups, split_len=32, num_warps=None):
     """Triton sliding_decode_ref: 2 launches (3 for Q > 1 tokens per row: the keys are written first). split_len:
@@ -608,7 +629,7 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     po = torch.empty(T * G * splits * HG * hd, dtype=torch.float32, device=qkvg.device)
     pml = torch.empty(T * G * splits * 2 * HG, dtype=torch.float32, device=qkvg.device)
     rest = hd - 2 * half
-    # no FMA: the rotation's products are rounded separately (norm_rope_ref)
+    # no FMA: the norms' sums of squares and the softmax round their products separately, as the references do
     blocks = dict(D=hd, HALF=half, BLOCK_D=triton.next_power_of_2(hd),
                   BLOCK_HALF=max(16, triton.next_power_of_2(half)),
                   BLOCK_REST=max(16, triton.next_power_of_2(rest)) if rest else 0, num_warps=4, **_NO_FMA)
@@ -619,7 +640,7 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     _sliding_attn_kernel[(T * G, splits)](
         qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
         float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
-        BLOCK_H=max(16, triton.next_power_of_2(HG)), BLOCK_N=max(16, min(64, triton.next_power_of_2(split_len))),
+        BLOCK_H=_heads_block(HG), BLOCK_N=max(16, min(64, triton.next_power_of_2(split_len))),
         DOT_DTYPE=_DOT, PRECISE=_PRECISE, **dict(blocks, num_warps=num_warps or warps), **_pdl())
     _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
                                        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
@@ -1399,7 +1420,7 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
     NSEL = ids.shape[-1]
     J = NSEL * blk + blk
     BLOCK_N = block_n or TUNING["sparse_block_n"]
-    BLOCK_H = max(16, triton.next_power_of_2(HG))
+    BLOCK_H = _heads_block(HG)
     rows = S * T * G
     if rows == 0:
         return out

@@ -303,6 +303,18 @@ def test_norm_rope(T, n, D, half, layernorm):
     assert torch.equal(K.norm_rope_ref(x, w, tab_c, tab_s, 1e-5, b, pos=pos), ref)
 
 
+def test_rotation_plain_fp32_is_the_spec_fma():
+    """The rotation's plain fp32 a*s + b*c (norm_rope_ref, _rotate) equals fma(a, s, b*c) for bf16 inputs: exact
+    products, one rounding (fma emulated in fp64: a*s exact, one add, one rounding to fp32 of an exact sum). bf16
+    values over 2^-60 .. 2^60 (norm outputs and table entries), so products stay in fp32's normal range."""
+    g = _gen(5)
+    a, b, c, s = (torch.ldexp(torch.randn(200_000, generator=g), torch.randint(-60, 60, (200_000,), generator=g))
+                  .bfloat16().float() for _ in range(4))
+    fma = (a.double() * s.double() + (b * c).double()).float()
+    assert torch.equal(a * s + b * c, fma)
+    assert torch.equal((a * s).double(), a.double() * s.double())  # why: the products are exact in fp32
+
+
 @pytest.mark.parametrize("T,D,src,out", [(1, 256, torch.float32, torch.bfloat16), (5, 200, torch.float32, torch.bfloat16),
                                           (3, 256, torch.bfloat16, torch.bfloat16), (2, 96, torch.float32, torch.float32)])
 def test_rms_norm(T, D, src, out):
