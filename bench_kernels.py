@@ -295,9 +295,6 @@ def sweep_gemm_prefill(rows_per_expert, E=44):
                                    (128, 128, 8, 4, 1), (128, 64, 8, 4, 1), (64, 128, 4, 4, 1), (128, 128, 8, 3, 1)):
             kw = dict(block_m=bm, block_n=bn, num_stages=st, num_warps=nw, n_fastest=bool(nf))
             res.append(choice(f"{bm}x{bn} w{nw} s{st}" + (" n" if nf else ""), lambda: run(**kw), want, flops))
-        if not gated:  # the candidate: each block's scaling one iteration late, under the next block's MMAs
-            kw = dict(block_m=128, block_n=128, num_stages=4, num_warps=8, lookahead=True)
-            res.append(choice("128x128 w8 s4 n lookahead", lambda: run(**kw), want, flops))
         print(f"  sweep prefill {what} rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
 
 

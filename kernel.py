@@ -58,13 +58,16 @@ def _triton(x: torch.Tensor) -> bool:
 #   columns: with 4 K blocks per iteration (64, 64) needs 288 KB of shared memory at 4 stages). moe_stages: its
 #   pipeline stages. Batch 16 (32k): (64, 64) -2.8% vs (32, 64), reverted +1.9%; 3 stages -3.3% vs 4, reverted +2.7%;
 #   batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts at T = 1; (4, 4): +2.4% (twice).
-# gemm_lookahead: _grouped_gemm_kernel's LOOKAHEAD (prefill's down GEMM; a candidate, untimed: bench_kernels.py
-#   sweep_prefill times it).
 # Measured and removed on 2026-12-01 (whole step, batch 1 / 16): scales loaded one loop iteration ahead in the
 #   swapped expert tiles (their sm90 PTX had a scalar scale load round trip per K block): +0.6 / +2.2%; the sliding
-#   tile's ring loads issued before the q / k norms (to overlap them): +2.9 / +3.1%.
+#   tile's ring loads issued before the q / k norms (to overlap them): +2.9 / +3.1%; launches fused through arrival
+#   counters (the sliding attention's last program merging the splits, the router's last logits program selecting):
+#   +13.6 / +3.0% and +1.5 / +26%.
+# sliding_split: ring slots per sliding decode program (a function of R only: batch-invariant results); select_warps:
+#   the router selection's warps (4 reduce through shared memory and barriers, 1 through shuffles only). Candidates.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
-          "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1), "gemm_lookahead": False}
+          "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1),
+          "sliding_split": 32, "select_warps": 4}
 
 
 @functools.cache
@@ -94,7 +97,7 @@ def _pdl() -> dict:
 # interpreter, with the integer helpers below (correct on both), and (d) uses libdevice's expf on GPUs (the function
 # torch's CUDA exp calls) and tl.exp otherwise.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_HW_BF16 = tl.constexpr(not _INTERPRET)  # a global the kernels read: a constexpr
+_HW_CONVERT = tl.constexpr(not _INTERPRET)  # a global the kernels read: a constexpr
 _DOT = tl.float32 if _INTERPRET else tl.bfloat16
 _PRECISE = not _INTERPRET
 # Kernels whose reference spells out separately rounded products are compiled without FMA contraction.
@@ -131,7 +134,7 @@ def _bf16_round(x):
     """fp32 -> nearest-even bf16 value, returned as fp32 (a later .to(bf16) is then exact on every backend). GPUs:
     the convert (cvt.rn: one instruction per two values), where the integer form took ~5 per value (~30% of the
     sliding attention tile's instructions, ncu on the H200)."""
-    if _HW_BF16:
+    if _HW_CONVERT:
         return x.to(tl.bfloat16).to(tl.float32)
     b = x.to(tl.int32, bitcast=True)
     b = b + 0x7FFF + ((b >> 16) & 1)  # round half to even on the 16 dropped bits (finite inputs)
@@ -163,12 +166,14 @@ def _e4m3_bits(x):
 
 
 @triton.jit
-def _to_e4m3(x, HW_CAST: tl.constexpr):
-    """fp32 -> float8_e4m3fn with torch's saturating round-to-nearest-even cast. HW_CAST: the GPU's convert after
-    the clamp (equal to _e4m3_bits, tests/test_kernels.py checks it; with the integer helper the decode indexer
-    kernel took 114 us per call on the H200, with the convert under 7); the interpreter needs the helper."""
-    if HW_CAST:
-        return tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+def _to_e4m3(x):
+    """fp32 -> float8_e4m3fn with torch's saturating round-to-nearest-even cast. GPUs: the convert, which
+    saturates itself (cvt.rn.satfinite: |x| >= 464 would round to 480, not finite in e4m3fn, and becomes 448, as
+    after a clamp; a clamp before it cost 2 instructions per value, ~11% of the batch-1 down tile's K loop in its sm90
+    build); equal to _e4m3_bits (tests/test_kernels.py checks both); with the integer helper the decode indexer
+    kernel took 114 us per call on the H200, with the convert under 7; the interpreter needs the helper."""
+    if _HW_CONVERT:
+        return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     else:
         return _e4m3_bits(x).to(tl.float8e4nv, bitcast=True)
 
@@ -586,7 +591,7 @@ def _heads_block(HG: int) -> int:
 
 
 def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
-                          n_groups, split_len=32, num_warps=None):
+                          n_groups, split_len=None, num_warps=None):
     """Triton sliding_decode_ref: 2 launches (3 for Q > 1 tokens per row: the keys are written first). split_len:
     ring slots per program; it depends only on R (never on the batch or Q), so a token's reduction order and result
     do not depend on the batch size. 32 on the H200 (one TP=8 layer, R = 512): 13.5 us at B = 1 and 15.5 at B = 16,
@@ -625,6 +630,7 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     if T == 0:
         return out
     HG = H // G
+    split_len = split_len or TUNING["sliding_split"]
     splits = triton.cdiv(R, split_len)
     po = torch.empty(T * G * splits * HG * hd, dtype=torch.float32, device=qkvg.device)
     pml = torch.empty(T * G * splits * 2 * HG, dtype=torch.float32, device=qkvg.device)
@@ -895,7 +901,7 @@ def _summary_add(num, den, z, kv, m, PRECISE: tl.constexpr):
 def _summary_bytes(num, den):
     """S = num / max(den, 1e-20) (0 where den is 0) as e4m3 bytes: fp32 -> bf16 -> e4m3, both RNE."""
     s = tl.where(den > 0, tl.math.div_rn(num, tl.maximum(den, 1e-20)), 0.0)
-    return _e4m3_bits(_bf16_round(s))
+    return _to_e4m3(_bf16_round(s)).to(tl.uint8, bitcast=True)
 
 
 def region_summary_triton(k, z):
@@ -1025,7 +1031,7 @@ def indexer_scores_ref(q, w, summ, w_scale=1.0):
 def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
                            q_stride_s, q_stride_t, q_stride_g, w_stride_s, w_stride_t, s_stride_s,
                            HG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                           BLOCK_PC: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_PC: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """scores[s, g, t, r] = sum over heads h = 0..Hg-1 in order of relu(q_h . S_r) * w_h (one fp32 accumulator),
     w_h = f32(w) * w_scale.
 
@@ -1055,7 +1061,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
                                mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
             q = tl.load(q_ptr + s * q_stride_s + ts[:, None] * q_stride_t + g * q_stride_g + h * P + d[None, :],
                         mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            q = _to_e4m3(q, HW_CAST).to(tl.float32).to(DOT_DTYPE)
+            q = _to_e4m3(q).to(tl.float32).to(DOT_DTYPE)
             if c == 0:
                 dot = tl.dot(q, tl.trans(summ))
             else:
@@ -1092,7 +1098,7 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
                                      q.stride(2),
                                      w.stride(0), w.stride(1), summ.stride(0), HG=HG, BLOCK_T=BLOCK_T,
                                      BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P),
-                                     BLOCK_PC=block_pc or triton.next_power_of_2(P), HW_CAST=not _INTERPRET,
+                                     BLOCK_PC=block_pc or triton.next_power_of_2(P),
                                      DOT_DTYPE=_DOT, num_warps=num_warps, **_NO_FMA, **_pdl())
     return out
 
@@ -1565,7 +1571,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, x_stride, q_stride, s_stride,
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     sx, inv = _block_scale(x)
-    tl.store(q_ptr + rows[:, None] * q_stride + cols[None, :], _e4m3_bits(x * inv[:, None]), mask=mask)
+    tl.store(q_ptr + rows[:, None] * q_stride + cols[None, :],
+             _to_e4m3(x * inv[:, None]).to(tl.uint8, bitcast=True), mask=mask)
     tl.store(s_ptr + rows * s_stride + kb, sx, mask=rows < M)
 
 
@@ -1607,7 +1614,7 @@ def _grouped_gemm_kernel(
     x_stride, sx_stride, w_stride_e, w_stride_n, sw_stride_e, sw_stride_n, out_stride,
     FP8: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr, LOOKAHEAD: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile of one expert of a grouped GEMM, Y[rows of e] = X[rows of e] . W[e]^T.
@@ -1623,13 +1630,10 @@ def _grouped_gemm_kernel(
     N_FASTEST: a 1-D grid whose consecutive programs are the N tiles of one M tile, so the programs in flight hold a
     few experts' rows and weights (L2-sized), where the 2-D grid (M tiles fastest) runs one N tile of every expert
     at once and reads each row block from HBM once per N tile. Same tiles, same bits.
-    LOOKAHEAD (FP8, not GATED; a candidate, untimed): each block's scaled add into acc waits one iteration, so it runs
-    while the next block's MMAs do. In the sm90 SASS (Triton 3.7's build on the CPU, cuobjdump) of the plain loop
-    every K block issues its 4 wgmmas, waits for them, then scales (128 FMUL/FFMA per thread at 128 x 128, 8 warps)
-    with the tensor cores idle; with LOOKAHEAD the scaling sits between the next block's wgmmas, at the cost of 64
-    register moves per block (the carried dot result). Same additions in the same order: same bits. The gated kernel's
-    build with it, and a two-blocks-per-iteration loop without the moves, made ptxas wait after every single wgmma:
-    not done.
+    In the sm90 SASS (Triton 3.7's build on the CPU) every FP8 K block issues its 4 wgmmas, waits for them, then
+    scales (128 FMUL/FFMA per thread at 128 x 128, 8 warps) with the tensor cores idle. Measured and removed on
+    2026-12-01: the scaled add one iteration late (the scaling between the next block's wgmmas, 64 register moves
+    per block): H200, down shape, 128 / 512 / 1024 rows per expert: 539 / 619 / 631 -> 466 / 502 / 508 TFLOP/s.
     """
     _pdl_enter(PDL)
     if N_FASTEST:
@@ -1664,21 +1668,12 @@ def _grouped_gemm_kernel(
     sw3_base = sw3_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FP8 and LOOKAHEAD and not GATED:  # the previous block's dot and scales (zeros before the first: acc stays +0)
-        d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        s_a = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        s_w = 0.0
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
         a = tl.load(x_ptr + src[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if FP8 and LOOKAHEAD and not GATED:  # this block's MMAs are issued before the previous block's scaled add
-            sa = tl.load(sx_ptr + src * sx_stride + kb, mask=row_ok, other=0.0)
-            d_new = tl.dot(a, tl.trans(b))
-            acc = acc + d * s_a[:, None] * s_w
-            d, s_a, s_w = d_new, sa, tl.load(sw_base + kb)
-        elif FP8:
+        if FP8:
             sa = tl.load(sx_ptr + src * sx_stride + kb, mask=row_ok, other=0.0)
             # e4m3 x e4m3 -> fp32 on tensor cores; both scales applied in fp32 after each block (never folded in)
             acc = acc + tl.dot(a, tl.trans(b)) * sa[:, None] * tl.load(sw_base + kb)
@@ -1691,8 +1686,6 @@ def _grouped_gemm_kernel(
             if GATED:
                 b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 acc3 = tl.dot(a, tl.trans(b3.to(DOT_DTYPE)), acc3)
-    if FP8 and LOOKAHEAD and not GATED:
-        acc = acc + d * s_a[:, None] * s_w
     if GATED:
         y = _swiglu_math(_bf16_round(acc), _bf16_round(acc3), limit, HAS_LIMIT, PRECISE)
     else:
@@ -1707,7 +1700,7 @@ def _gemm_block_m(rows_per_expert: float) -> int:
 
 
 def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, block_m=None,
-                        block_n=None, num_stages=None, num_warps=None, n_fastest=True, lookahead=None):
+                        block_n=None, num_stages=None, num_warps=None, n_fastest=True):
     """Grouped expert GEMM over rows sorted by expert; one launch for all experts.
 
     x [Mx, K] (e4m3 with sx [Mx, ceil(K/128)] fp32, or bf16 with sx None); row_off [E+1] int32 on the device
@@ -1716,8 +1709,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     Returns [M, N] bf16: rows past row_off[E] are left unwritten. With w3 (and sw3): swiglu(X.W^T, X.W3^T, limit).
     n_fastest: _grouped_gemm_kernel's N_FASTEST program order (same bits); H200, 44 experts x 1024 rows
     (bench_kernels.py sweep_prefill): gate 580 -> 684 TFLOP/s, gate+up 549 -> 631, down 520 -> 589 (128 rows: gate
-    566 -> 608). lookahead: _grouped_gemm_kernel's LOOKAHEAD (default TUNING["gemm_lookahead"]; same bits; without
-    w3 only).
+    566 -> 608).
     """
     fp8 = sw is not None
     E, N, K = w.shape
@@ -1769,7 +1761,6 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
         FP8=fp8, GATED=w3 is not None, GATHER=row_idx is not None, HAS_LIMIT=limit is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E),
         DOT_DTYPE=_DOT, PRECISE=_PRECISE, N_FASTEST=bool(n_fastest),
-        LOOKAHEAD=bool(TUNING["gemm_lookahead"] if lookahead is None else lookahead) and w3 is None,
         num_warps=num_warps or (8 if BLOCK_M >= 128 else 4),  # bf16 tiles: twice the shared memory of e4m3
         num_stages=(num_stages or (4 if fp8 else 2)) if _GPU_LAUNCH else 1, **_pdl())
     return out
@@ -1819,18 +1810,18 @@ DECODE_SLOTS = 128
 
 
 @triton.jit
-def _quant_rows(x, HW_CAST: tl.constexpr):
+def _quant_rows(x):
     """bf16-valued fp32 [M, 128] -> (e4m3 tile, sx [M]) with act_quant_ref's arithmetic: the block is the K step,
     so quantising on load equals quantising the whole row first."""
     sx, inv = _block_scale(x)
-    return _to_e4m3(x * inv[:, None], HW_CAST), sx
+    return _to_e4m3(x * inv[:, None]), sx
 
 
 @triton.jit
 def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, sw_ptr, sw3_ptr, cols, col_ok, K,
                  limit, kb0, kb1, FP8: tl.constexpr, XQ: tl.constexpr, GATED: tl.constexpr,
                  X_SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, K_UNROLL: tl.constexpr,
                  ZERO_GUARD: tl.constexpr = False):
     """acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T over the K blocks kb0 .. kb1-1,
@@ -1863,7 +1854,7 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
                     aq = a
                     sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
                 else:
-                    aq, sa = _quant_rows(a, HW_CAST)
+                    aq, sa = _quant_rows(a)
                 acc = acc + tl.dot(aq, tl.trans(b)) * sa[:, None] * tl.load(sw_ptr + kb)
                 if GATED:
                     b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
@@ -1880,7 +1871,7 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
 @triton.jit
 def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_ptr, sw3_ptr, c0, N, K, kb0, kb1,
                    XQ: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, HW_CAST: tl.constexpr, K_UNROLL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr):
     """_decode_tile's FP8 path (columns c0 .. c0+BLOCK_N-1) with the MMA's operands swapped: the weight rows are its
     M side, [R, 128] per K block with R = BLOCK_N, or 2 * BLOCK_N when GATED (these columns' gate rows, then their up
     rows), and the few token rows its N side. At R = 64 that is one fp8 wgmma (sm90) with both operands in shared
@@ -1903,7 +1894,7 @@ def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_pt
             if XQ:
                 sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
             else:
-                a, sa = _quant_rows(a.to(tl.float32), HW_CAST)
+                a, sa = _quant_rows(a.to(tl.float32))
             b = tl.load(w_base + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
             # the row's own pointer, one load: a select of two loads compiled into a load and a predicated reload
             # of the same register, whose write-after-write wait added a memory round trip per iteration (sm90 SASS)
@@ -1946,7 +1937,7 @@ def _moe_decode_up_kernel(
     T, D, F, FS, E, first_expert, limit, w_stride_e, sw_stride_e, sw_stride_n,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
-    BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
     K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
@@ -1969,7 +1960,7 @@ def _moe_decode_up_kernel(
                 tok = m0 + tl.arange(0, BLOCK_M)
                 acc, _ = _decode_tile(xb_ptr, xb_ptr, tok, tok < T, D, 0, w, w, w, w, cols, col_ok, D, limit, 0,
                                       tl.cdiv(D, BLOCK_K), False, False, False, False, False, BLOCK_M, BLOCK_N,
-                                      BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, K_UNROLL)
+                                      BLOCK_K, DOT_DTYPE, PRECISE, K_UNROLL)
                 out = gu_ptr + ((pid_n // nt) * T + tok)[:, None] * FS + cols[None, :]
                 tl.store(out, _bf16_round(acc).to(tl.bfloat16), mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -1985,12 +1976,12 @@ def _moe_decode_up_kernel(
                     g, up = _decode_tile_t(x_ptr, sx_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
                                            w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off,
                                            pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), True, True, BLOCK_M,
-                                           BLOCK_N, BLOCK_K, HW_CAST, K_UNROLL)
+                                           BLOCK_N, BLOCK_K, K_UNROLL)
                 else:
                     g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
                                          w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok,
                                          D, limit, 0, tl.cdiv(D, BLOCK_K), FP8, FP8, True, False, False, BLOCK_M,
-                                         BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, K_UNROLL)
+                                         BLOCK_N, BLOCK_K, DOT_DTYPE, PRECISE, K_UNROLL)
                 y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
                 tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
@@ -2002,7 +1993,7 @@ def _moe_decode_down_kernel(
     T, D, F, FS, E, first_expert, limit, limit_s, w_stride_e, sw_stride_e, sw_stride_n,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
-    BLOCK_E: tl.constexpr, HW_CAST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
     K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
@@ -2018,7 +2009,7 @@ def _moe_decode_down_kernel(
             tok = m0 + tl.arange(0, BLOCK_M)
             acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr, cols,
                                   col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), False, False, False, True,
-                                  HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, DOT_DTYPE, PRECISE, 1, ZERO_GUARD)
+                                  HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, PRECISE, 1, ZERO_GUARD)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -2031,11 +2022,11 @@ def _moe_decode_down_kernel(
                 if SWAP and FP8:
                     acc, _ = _decode_tile_t(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw,
                                             sw, pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), False, False,
-                                            BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST, K_UNROLL)
+                                            BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL)
                 else:
                     acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr,
                                           sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), FP8,
-                                          False, False, False, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, HW_CAST,
+                                          False, False, False, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K,
                                           DOT_DTYPE, PRECISE, K_UNROLL)
                 tl.store(y_ptr + slot.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
@@ -2143,7 +2134,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     dummy = y
     common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, SWAP=bool(swap), ZERO_GUARD=T == 1,
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
-                  HW_CAST=not _INTERPRET, DOT_DTYPE=_DOT, PRECISE=_PRECISE)
+                  DOT_DTYPE=_DOT, PRECISE=_PRECISE)
     grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
     xqt, sxt = _x_quant(x, xq) if fp8 else (x, dummy)
     _moe_decode_up_kernel[grid1](
@@ -2332,6 +2323,7 @@ def swiglu(g, u, limit):
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPLIT_LEN,
                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+                          QUANT_T: tl.constexpr,
                           DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
     bf16 MMA with fp32 accumulation computes route_ref's fp32 GEMM (bf16 x and w widened to fp32); K is split so
@@ -2355,17 +2347,20 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPL
     tl.store(out, acc, mask=(ts[:, None] < T) & (es[None, :] < E))
     # after the GEMM loop, x's slice again (cache hits): inside it, the branch kept the loop from being pipelined
     # (H200, per layer: 8.7 us for logits + quantisation that way, 6.6 us this way, 3.6 + 2.35 in two launches)
+    # QUANT_T = BLOCK_T, or next_pow2(T) when T < BLOCK_T (one tile): the tile's first QUANT_T rows hold all of its
+    # tokens, so at T = 1 one row is quantised, not 16 (16x fewer instructions)
     if QUANT:
         if tl.program_id(1) == 0:
             QB: tl.constexpr = 128  # the FP8 block (QBLOCK; a plain global is not a constexpr to the compiler)
+            tq = tl.program_id(0) * BLOCK_T + tl.arange(0, QUANT_T)
             for k0 in range(ks0, tl.minimum(ks0 + K_SPLIT_LEN, D), QB):
                 ks = k0 + tl.arange(0, QB)
-                x_ok = (ts[:, None] < T) & (ks[None, :] < D)
-                xt = tl.load(x_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
+                x_ok = (tq[:, None] < T) & (ks[None, :] < D)
+                xt = tl.load(x_ptr + tq[:, None].to(tl.int64) * D + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
                 sx, inv = _block_scale(xt)
-                tl.store(xq_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], _e4m3_bits(xt * inv[:, None]),
-                         mask=x_ok)
-                tl.store(sx_ptr + ts.to(tl.int64) * tl.cdiv(D, QB) + k0 // QB, sx, mask=ts < T)
+                tl.store(xq_ptr + tq[:, None].to(tl.int64) * D + ks[None, :],
+                         _to_e4m3(xt * inv[:, None]).to(tl.uint8, bitcast=True), mask=x_ok)
+                tl.store(sx_ptr + tq.to(tl.int64) * tl.cdiv(D, QB) + k0 // QB, sx, mask=tq < T)
 
 
 @triton.jit
@@ -2432,10 +2427,12 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
     part = torch.empty(k_splits, T, E, dtype=torch.float32, device=x.device)
     _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
         x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, QUANT=bool(quant),
+        QUANT_T=min(BLOCK_T, triton.next_power_of_2(T)),
         DOT_DTYPE=_DOT, num_warps=4, num_stages=3 if _GPU_LAUNCH else 1, **_pdl())
     _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
                                 BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
-                                PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **_pdl())
+                                PRECISE=_PRECISE, num_warps=TUNING["select_warps"] if _GPU_LAUNCH else 4, **_NO_FMA,
+                                **_pdl())
     return done
 
 

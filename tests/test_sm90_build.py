@@ -5,7 +5,7 @@ inside a jit function: kernel.py's QBLOCK once compiled under the interpreter an
 scarce, so this test records every launch of a small model run under the interpreter (kernel, argument types,
 constexprs, options) with the GPU's launch shapes (kernel._GPU_LAUNCH: tiles, stages, unrolling), and compiles each
 distinct one for sm90 in a fresh process (no GPU needed), with the GPU's values of the interpreter-only constexprs
-(DOT_DTYPE bf16, HW_CAST, PRECISE) and PDL on; a build that needs more shared memory than an H200 block has fails.
+(DOT_DTYPE bf16, PRECISE) and PDL on; a build that needs more shared memory than an H200 block has fails.
 """
 import inspect
 import json
@@ -21,7 +21,7 @@ import kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPU_VALUES = {"DOT_DTYPE": tl.bfloat16, "HW_CAST": True, "PRECISE": True, "PDL": True}
+GPU_VALUES = {"DOT_DTYPE": tl.bfloat16, "PRECISE": True, "PDL": True}
 PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
        torch.uint8: "*u8", torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1"}
 
@@ -115,7 +115,6 @@ def test_every_launched_kernel_compiles_for_sm90(tp1_models, monkeypatch, tmp_pa
     kernel.moe_experts_sorted_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0)  # prefill's path
     xq, sx = kernel.act_quant_triton(x)
     kernel.grouped_gemm_triton(xq, sx, w1, s1, torch.tensor([0, 1, 1, 3], dtype=torch.int32), n_fastest=False)
-    kernel.grouped_gemm_triton(xq, sx, w1, s1, torch.tensor([0, 1, 1, 3], dtype=torch.int32), lookahead=True)
     names = {r["name"] for r in seen.values()}
     assert {"_sliding_attn_kernel", "_moe_decode_up_kernel", "_router_logits_kernel", "_select_regions_kernel",
             "_grouped_gemm_kernel", "_add_norm_kernel"} <= names, names
