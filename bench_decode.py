@@ -32,8 +32,8 @@ from generate import DecodeStep
 # the other values of kernel.TUNING's launch choices: measured and not taken, or candidates not yet timed
 # (--candidates re-times the step with each)
 ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
-                "moe_block_n": [(32, 64)], "moe_stages": [(4, 4)], "moe_unroll": [(4, 4)], "sliding_split": [16, 64],
-                "select_warps": [1]}
+                "moe_block_n": [(32, 64)], "moe_stages": [(4, 4)], "moe_unroll": [(4, 4)], "skinny_all": [False],
+                "router_block_e": [64]}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 

@@ -63,11 +63,16 @@ def _triton(x: torch.Tensor) -> bool:
 #   tile's ring loads issued before the q / k norms (to overlap them): +2.9 / +3.1%; launches fused through arrival
 #   counters (the sliding attention's last program merging the splits, the router's last logits program selecting):
 #   +13.6 / +3.0% and +1.5 / +26%.
-# sliding_split: ring slots per sliding decode program (a function of R only: batch-invariant results); select_warps:
-#   the router selection's warps (4 reduce through shared memory and barriers, 1 through shuffles only). Candidates.
+# skinny_all: model.linear's few-row projections (sliding packed QKV, o_proj, lm_head, dense MLPs) through
+#   skinny_linear, not cuBLAS: -1.1% / -2.3% (batch 1 / 16, 2026-12-01). router_block_e: experts per router-logits
+#   program; 32 (88 programs at batch 1, each reading half of 64's bytes): -0.6% / -0.8%.
+# Measured and not taken on 2026-12-01 (batch 1 / 16): sliding split_len 16 / 64 / 128 (-0.5 / +0.9 / +5.7% and
+#   +2.0 / -0.4 / -0.2% vs 32); the router selection in 1 warp (shuffles only, no barriers): +1.2 / +0.2%; the
+#   swapped down tile at T = 1 loading and quantising its one row, broadcast to the MMA's 16 (its sm90 K loop
+#   254 -> 173 instructions): +3.5% at batch 1; the shared expert's gate/up in 16-column tiles: +0.1 / -0.8%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1),
-          "sliding_split": 32, "select_warps": 4}
+          "skinny_all": True, "router_block_e": 32}
 
 
 @functools.cache
@@ -591,7 +596,7 @@ def _heads_block(HG: int) -> int:
 
 
 def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
-                          n_groups, split_len=None, num_warps=None):
+                          n_groups, split_len=32, num_warps=None):
     """Triton sliding_decode_ref: 2 launches (3 for Q > 1 tokens per row: the keys are written first). split_len:
     ring slots per program; it depends only on R (never on the batch or Q), so a token's reduction order and result
     do not depend on the batch size. 32 on the H200 (one TP=8 layer, R = 512): 13.5 us at B = 1 and 15.5 at B = 16,
@@ -630,7 +635,6 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     if T == 0:
         return out
     HG = H // G
-    split_len = split_len or TUNING["sliding_split"]
     splits = triton.cdiv(R, split_len)
     po = torch.empty(T * G * splits * HG * hd, dtype=torch.float32, device=qkvg.device)
     pml = torch.empty(T * G * splits * 2 * HG, dtype=torch.float32, device=qkvg.device)
@@ -2283,9 +2287,10 @@ def skinny_linear_triton(x, w, block_n=32, block_k=256, num_stages=4):
 
 
 def skinny_linear(x, w):
-    """x . w^T for the DSA layers' packed projection (w [3468, 4096] at TP=8): at <= 16 rows this kernel reads w
-    at ~3.2 TB/s where cuBLAS's GEMV reaches ~1.7 (H200, bench_kernels.py --only gemm; the sliding layers' narrower
-    packed weight, o_proj and lm_head measured no faster than cuBLAS, so they keep F.linear)."""
+    """x . w^T at <= 16 rows through the Triton kernel, else F.linear: the DSA layers' packed projection (w [3468,
+    4096] at TP=8: ~3.2 TB/s where cuBLAS's GEMV reaches ~1.7, H200, bench_kernels.py --only gemm) and, through
+    model.linear (TUNING["skinny_all"]), every other decode projection (alone each measured no faster than cuBLAS;
+    the whole step -1.1% / -2.3% at batch 1 / 16; cuBLAS ran o_proj as split-K plus a reduce launch)."""
     if _triton(x) and x.shape[0] <= 16:
         return skinny_linear_triton(x, w)
     return skinny_linear_ref(x, w)
@@ -2418,7 +2423,7 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
     done = (ids, wts, (xq.view(FP8), sx)) if quant else (ids, wts)
     if T == 0:
         return done
-    BLOCK_T, BLOCK_E, BLOCK_K = 16, (64 if _GPU_LAUNCH else 128), (128 if _GPU_LAUNCH else 256)
+    BLOCK_T, BLOCK_E, BLOCK_K = 16, (TUNING["router_block_e"] if _GPU_LAUNCH else 128), (128 if _GPU_LAUNCH else 256)
     # split K until the GEMM has ~2 programs per SM; partial sums are added in a fixed order (deterministic)
     tiles = triton.cdiv(T, BLOCK_T) * triton.cdiv(E, BLOCK_E)
     k_splits = max(1, min(triton.cdiv(264, tiles), triton.cdiv(D, 4 * BLOCK_K), 16))
@@ -2431,8 +2436,7 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
         DOT_DTYPE=_DOT, num_warps=4, num_stages=3 if _GPU_LAUNCH else 1, **_pdl())
     _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
                                 BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
-                                PRECISE=_PRECISE, num_warps=TUNING["select_warps"] if _GPU_LAUNCH else 4, **_NO_FMA,
-                                **_pdl())
+                                PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **_pdl())
     return done
 
 

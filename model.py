@@ -116,7 +116,10 @@ class Norm(nn.Module):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """bf16 GEMM (fp32 accumulation, bf16 result)."""
+    """bf16 GEMM (fp32 accumulation, bf16 result): kernel.skinny_linear at <= 16 rows on the Triton path (unless
+    kernel.TUNING["skinny_all"] is off), else F.linear."""
+    if kernel.TUNING["skinny_all"]:
+        return kernel.skinny_linear(x, w)
     return F.linear(x, w)
 
 
