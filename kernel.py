@@ -51,9 +51,9 @@ def _triton(x: torch.Tensor) -> bool:
 # sparse_block_n: the 64-slot sparse attention tile spills (~180 registers in the sm90 build), the 32-slot one ~15,
 #   yet 32 is no faster in decode (-0.3%, -0.5%, 0.0% over three whole steps) and slower at prefill (the sparse
 #   attention of an 8192-token chunk at 128k: 11.4 vs 9.05 ms): 64 stays.
-# sliding_warps: (fewer programs than SMs, more): warps of the sliding decode attention tile. The 4-warp tile spills
-#   registers in the sm90 build, 8 warps fewer; 8 wins at batch 1 (16 programs) and loses at batch 16 (256): on
-#   2026-12-01 (4, 4) was +2.4 / +2.5% at batch 1 and (8, 8) +1.8% at batch 16 (4 warps there: -3.2% vs 8).
+# sliding_warps: (fewer programs than SMs, more): warps of the sliding decode attention tile. 8 wins at batch 1 (16
+#   programs) and loses at batch 16 (256): on 2026-12-01 (4, 4) was +2.4 / +2.5% at batch 1 and (8, 8) +1.8% at
+#   batch 16 (4 warps there: -3.2% vs 8); with 8-row head tiles (third session) +0.6% and +2.8%.
 # moe_block_n: (gate/up, down) tile columns of moe_experts_decode_triton at T > 1 (at T = 1 the gate/up tile is 32
 #   columns: with 4 K blocks per iteration (64, 64) needs 288 KB of shared memory at 4 stages). moe_stages: its
 #   pipeline stages. Batch 16 (32k): (64, 64) -2.8% vs (32, 64), reverted +1.9%; 3 stages -3.3% vs 4, reverted +2.7%;
@@ -600,11 +600,14 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     """Triton sliding_decode_ref: 2 launches (3 for Q > 1 tokens per row: the keys are written first). split_len:
     ring slots per program; it depends only on R (never on the batch or Q), so a token's reduction order and result
     do not depend on the batch size. 32 on the H200 (one TP=8 layer, R = 512): 13.5 us at B = 1 and 15.5 at B = 16,
-    against 12.6 / 22.8 (16), 16.6 / 17.5 (64) and 22.5 / 23.3 (128). num_warps of the attention launch: at 4 the
-    sm90 build spills ~75 registers to local memory, at 8 fewer (default: TUNING["sliding_warps"]). At batch 1 the 16
-    programs are chains of dependent instructions (ncu, H200 at base clock: 18 us, 255 registers, 0.37 instructions
-    issued per cycle); measured and removed on 2026-12-01: programs of 1 or 2 heads instead of all 8 (8x / 4x the
-    programs), 14.3 / 14.2 vs 14.0 us at B = 1 and 171 / 89 vs 28 us at B = 16."""
+    against 12.6 / 22.8 (16), 16.6 / 17.5 (64) and 22.5 / 23.3 (128); whole steps on 2026-12-01, third session: 16 /
+    64 / 128 were -0.5 / +0.9 / +5.7% at batch 1 and +2.0 / -0.4 / -0.2% at 16. num_warps of the attention launch
+    (default: TUNING["sliding_warps"]): with 16-row head tiles and the integer bf16 rounding, the 4-warp sm90 build
+    spilled ~75 registers and the 8-warp one fewer; with 8 rows and the convert neither spills. At batch 1 the 16
+    programs are issue-bound chains (ncu, H200 at base clock, 16 head rows: 17-18 us, 255 registers, 1.5 instructions
+    issued per active cycle, ~3770 per warp; ~2180 in the sm90 build since); measured and removed on 2026-12-01:
+    programs of 1 or 2 heads instead of all 8 (8x / 4x the programs), 14.3 / 14.2 vs 14.0 us at B = 1 and 171 / 89
+    vs 28 us at B = 16."""
     H, G = n_heads, n_groups
     _check(H > 0 and G > 0 and H % G == 0, f"n_heads={H} must be a positive multiple of n_groups={G}")
     for name, t_ in (("ring_k", ring_k), ("ring_v", ring_v)):
@@ -654,8 +657,7 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
         DOT_DTYPE=_DOT, PRECISE=_PRECISE, **dict(blocks, num_warps=num_warps or warps), **_pdl())
     _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
                                        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
-                                       PRECISE=_PRECISE,
-                                       num_warps=4, **_pdl())
+                                       PRECISE=_PRECISE, num_warps=4, **_pdl())
     return out
 
 

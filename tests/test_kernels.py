@@ -656,7 +656,7 @@ def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
 # router
 
 
-@pytest.mark.parametrize("T,D,E,k", [(1, 192, 12, 3), (20, 256, 40, 8)])
+@pytest.mark.parametrize("T,D,E,k", [(1, 192, 12, 3), (3, 192, 12, 3), (20, 256, 40, 8)])
 def test_route(T, D, E, k):
     x, w = randn(T, D, seed=1), randn(E, D, seed=2, scale=0.05)
     bias = randn(E, seed=3, scale=0.1, dtype=torch.float32)
