@@ -127,3 +127,15 @@ def test_every_launched_kernel_compiles_for_sm90(tp1_models, monkeypatch, tmp_pa
     failed = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{len(seen)} launches of {len(names)} kernels compiled for sm90")
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="a CPU build")
+def test_sass_tool_reports_the_router_loops():
+    """sass.py (the offline SASS report) records, builds and summarises a snippet's launches."""
+    snippet = ("x = torch.randn(1, 256).bfloat16(); w = torch.randn(40, 256).bfloat16()\n"
+               "K.route_triton(x, w, torch.zeros(40), 4, 3.0, quant=True)")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "sass.py"), snippet, "--only", "logits"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "_router_logits_kernel" in out.stdout and "_router_select_kernel" not in out.stdout
+    assert "HMMA" in out.stdout and " loop 0x" in out.stdout  # the logits GEMM's K loop on the tensor cores
