@@ -1,9 +1,10 @@
 """The sm90 (H200) SASS of the Triton kernels that a Python snippet launches, built on this CPU: no GPU needed.
 
 Runs the snippet under the Triton interpreter with the GPU's launch shapes (kernel._GPU_LAUNCH, 132 SMs), records
-each distinct launch (tests/test_sm90_build.py's _record), compiles it for sm90 in a process without the interpreter
-(the Triton wheel ships ptxas and cuobjdump) and prints, per launch: SASS instructions, local-memory spills, shared
-memory, and every loop's length with its commonest opcodes. A decode kernel that is issue-bound pays its loop's
+each distinct launch (launch_record), compiles it for sm90 in a process without the interpreter (build; the Triton
+wheel ships ptxas and cuobjdump) and prints, per launch: SASS instructions, local-memory spills, shared memory, and
+every loop's length with its commonest opcodes. tests/test_sm90_build.py builds every launch of a model run the same
+way. A decode kernel that is issue-bound pays its loop's
 instructions per K block; but counts only guide: a shorter loop has measured slower (kernel.TUNING's notes).
 
     python sass.py "x = torch.randn(1, 4096).bfloat16(); w = torch.randn(352, 4096).bfloat16()
@@ -12,12 +13,16 @@ instructions per K block; but counts only guide: a shorter loop has measured slo
 import argparse
 import ast
 import collections
+import inspect
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+
+import torch
+import triton.language as tl  # kernel.py (whose @triton.jit needs TRITON_INTERPRET set first) is imported later
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 BUILD = """
@@ -30,25 +35,76 @@ for i, r in enumerate(json.load(open(sys.argv[1]))):
     cons = {k: tl.dtype(v["dtype"]) if isinstance(v, dict) else v for k, v in r["constexprs"].items()}
     src = ASTSource(fn=getattr(kernel, r["name"]), signature=r["signature"], constexprs=cons,
                     attrs={(j,): [["tt.divisibility", 16]] for j in r["div16"]})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=r["options"])
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=r["options"])
+    except Exception as e:
+        print(json.dumps({"error": f"{type(e).__name__}: {str(e)[:600]}"}))
+        continue
     open(f"{sys.argv[2]}/{i}.cubin", "wb").write(k.asm["cubin"])
     print(json.dumps({"shared": k.metadata.shared}))
 """
+GPU_VALUES = {"DOT_DTYPE": tl.bfloat16, "PRECISE": True, "PDL": True}  # constexprs that differ under the interpreter
+PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
+       torch.uint8: "*u8", torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1"}
+
+
+def launch_record(fn, args, kwargs) -> dict:
+    """(name, signature, constexprs, options, div16) of one interpreter launch of a kernel.py function, JSON-ready,
+    with GPU_VALUES. div16: the arguments that the GPU launcher marks 16-divisible (pointers at 16-byte addresses,
+    integers that are multiples of 16); without that hint the compiler neither vectorises nor pipelines their loads
+    (an up to 20x smaller shared-memory footprint)."""
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args), **{k: v for k, v in kwargs.items() if k in params})
+    sig, cons, div16 = {}, {}, []
+    for i, (name, p) in enumerate(params.items()):
+        v = bound.get(name, p.default)
+        if (isinstance(v, torch.Tensor) and v.data_ptr() % 16 == 0 or isinstance(v, int) and not isinstance(v, bool)
+                and v % 16 == 0) and p.annotation is not tl.constexpr:
+            div16.append(i)
+        if p.annotation is tl.constexpr:
+            sig[name] = "constexpr"
+            v = GPU_VALUES.get(name, v)
+            cons[name] = {"dtype": v.name} if isinstance(v, tl.dtype) else v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = PTR[v.dtype]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            sig[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+        else:
+            assert isinstance(v, float), (fn.__name__, name, type(v))
+            sig[name] = "fp32"
+    opts = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion")}
+    opts["launch_pdl"] = True
+    return {"name": fn.__name__, "signature": sig, "constexprs": cons, "options": opts, "div16": div16}
+
+
+def build(launches: list, out_dir: str, timeout: int = 900) -> list:
+    """Compiles each launch_record for sm90 in a process without the interpreter; writes out_dir/<i>.cubin and
+    returns per launch {"shared": bytes} or {"error": message}."""
+    path = os.path.join(out_dir, "launches.json")
+    with open(path, "w") as f:
+        json.dump(launches, f)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", BUILD, path, out_dir], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=timeout)
+    if out.returncode:
+        raise RuntimeError(f"the sm90 build process failed:\n{out.stderr[-3000:]}")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
 LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
 
 
 def record(snippet: str, tune: dict) -> list:
     """The distinct launches of kernel.py's Triton functions while the snippet runs under the interpreter."""
-    import torch
     from triton.runtime.interpreter import InterpretedFunction
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
     import kernel
-    from test_sm90_build import _record
     seen, run = {}, InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         if getattr(self.fn, "__module__", "") == "kernel":
-            r = _record(self.fn, args, kwargs)
+            r = launch_record(self.fn, args, kwargs)
             seen.setdefault(json.dumps(r, sort_keys=True), r)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
@@ -100,21 +156,17 @@ def main():
     import triton  # its wheel carries the CUDA binary tools
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
-        json.dump(launches, open(os.path.join(tmp, "launches.json"), "w"))
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        built = subprocess.run([sys.executable, "-c", BUILD, os.path.join(tmp, "launches.json"), tmp], env=env,
-                               cwd=ROOT, capture_output=True, text=True)
-        if built.returncode:
-            sys.exit(f"sass.py: the sm90 build failed:\n{built.stderr[-3000:]}")
-        meta = [json.loads(line) for line in built.stdout.splitlines() if line.startswith("{")]
-        for i, (r, m) in enumerate(zip(launches, meta)):
+        for i, (r, b) in enumerate(zip(launches, build(launches, tmp))):
+            if "error" in b:
+                print(f"[{i}] {r['name']}: the sm90 build failed: {b['error']}")
+                continue
             sass = subprocess.run([cuobjdump, "-sass", os.path.join(tmp, f"{i}.cubin")], capture_output=True,
                                   text=True, check=True).stdout
             if a.dump:
                 os.makedirs(a.dump, exist_ok=True)
                 open(os.path.join(a.dump, f"{i}_{r['name']}.sass"), "w").write(sass)
             cons = {k: v for k, v in r["constexprs"].items() if not isinstance(v, dict)}  # dtypes left out
-            print(f"[{i}] {r['name']} {r['options']} shared {m['shared']} B\n    constexprs {cons}\n    "
+            print(f"[{i}] {r['name']} {r['options']} shared {b['shared']} B\n    constexprs {cons}\n    "
                   + summary(sass).replace("\n", "\n    "))
 
 

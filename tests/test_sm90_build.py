@@ -4,10 +4,10 @@ The interpreter runs a kernel's Python and accepts code the GPU compiler rejects
 inside a jit function: kernel.py's QBLOCK once compiled under the interpreter and failed for the GPU). GPU time is
 scarce, so this test records every launch of a small model run under the interpreter (kernel, argument types,
 constexprs, options) with the GPU's launch shapes (kernel._GPU_LAUNCH: tiles, stages, unrolling), and compiles each
-distinct one for sm90 in a fresh process (no GPU needed), with the GPU's values of the interpreter-only constexprs
-(DOT_DTYPE bf16, PRECISE) and PDL on; a build that needs more shared memory than an H200 block has fails.
+distinct one for sm90 in a fresh process (sass.py's launch_record and build; no GPU needed), with the GPU's values
+of the interpreter-only constexprs (DOT_DTYPE bf16, PRECISE) and PDL on; a build that needs more shared memory than
+an H200 block has fails.
 """
-import inspect
 import json
 import os
 import subprocess
@@ -15,67 +15,12 @@ import sys
 
 import pytest
 import torch
-import triton.language as tl
 
 import kernel
+from sass import build, launch_record
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPU_VALUES = {"DOT_DTYPE": tl.bfloat16, "PRECISE": True, "PDL": True}
-PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
-       torch.uint8: "*u8", torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1"}
-
-COMPILE = """
-import json, sys
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import kernel
-failed = []
-for r in json.load(open(sys.argv[1])):
-    cons = {k: tl.dtype(v["dtype"]) if isinstance(v, dict) else v for k, v in r["constexprs"].items()}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in r["div16"]}
-    src = ASTSource(fn=getattr(kernel, r["name"]), signature=r["signature"], constexprs=cons, attrs=attrs)
-    try:
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=r["options"])
-        if k.metadata.shared > 232448:  # an H200 block's shared memory limit (227 KB): launching it would fail
-            failed.append(f"{r['name']} {cons} {r['options']}: {k.metadata.shared} bytes of shared memory")
-    except Exception as e:
-        failed.append(f"{r['name']} {cons}: {type(e).__name__}: {str(e)[:600]}")
-print(json.dumps(failed))
-"""
-
-
-def _record(fn, args, kwargs):
-    """(name, signature, constexprs, options, div16) of one launch, JSON-ready. div16: the arguments that the GPU
-    launcher marks 16-divisible (pointers at 16-byte addresses, integers that are multiples of 16); without that
-    hint the compiler neither vectorises nor pipelines their loads (an up to 20x smaller shared-memory footprint)."""
-    params = inspect.signature(fn).parameters
-    bound = dict(zip(params, args), **{k: v for k, v in kwargs.items() if k in params})
-    sig, cons, div16 = {}, {}, []
-    for i, (name, p) in enumerate(params.items()):
-        v = bound.get(name, p.default)
-        if (isinstance(v, torch.Tensor) and v.data_ptr() % 16 == 0 or isinstance(v, int) and not isinstance(v, bool)
-                and v % 16 == 0) and p.annotation is not tl.constexpr:
-            div16.append(i)
-        if p.annotation is tl.constexpr:
-            sig[name] = "constexpr"
-            v = GPU_VALUES.get(name, v)
-            cons[name] = {"dtype": v.name} if isinstance(v, tl.dtype) else v
-        elif isinstance(v, torch.Tensor):
-            sig[name] = PTR[v.dtype]
-        elif isinstance(v, bool):
-            sig[name] = "i1"
-        elif isinstance(v, int):
-            sig[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
-        else:
-            assert isinstance(v, float), (fn.__name__, name, type(v))
-            sig[name] = "fp32"
-    opts = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion")}
-    opts["launch_pdl"] = True
-    return {"name": fn.__name__, "signature": sig, "constexprs": cons, "options": opts, "div16": div16}
-
-
 @pytest.mark.skipif(not INTERPRET, reason="records the interpreter's launches (CPU CI)")
 @torch.inference_mode()
 def test_every_launched_kernel_compiles_for_sm90(tp1_models, monkeypatch, tmp_path):
@@ -85,7 +30,7 @@ def test_every_launched_kernel_compiles_for_sm90(tp1_models, monkeypatch, tmp_pa
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         if getattr(self.fn, "__module__", "") == "kernel":
-            r = _record(self.fn, args, kwargs)
+            r = launch_record(self.fn, args, kwargs)
             seen.setdefault(json.dumps(r, sort_keys=True), r)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
@@ -118,13 +63,10 @@ def test_every_launched_kernel_compiles_for_sm90(tp1_models, monkeypatch, tmp_pa
     names = {r["name"] for r in seen.values()}
     assert {"_sliding_attn_kernel", "_moe_decode_up_kernel", "_router_logits_kernel", "_select_regions_kernel",
             "_grouped_gemm_kernel", "_add_norm_kernel"} <= names, names
-    path = tmp_path / "launches.json"
-    path.write_text(json.dumps(list(seen.values())))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", COMPILE, str(path)], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    failed = json.loads(out.stdout.strip().splitlines()[-1])
+    launches = list(seen.values())
+    failed = [f"{r['name']} {r['constexprs']} {r['options']}: " + (b.get("error") or f"{b['shared']} bytes of shared "
+              "memory") for r, b in zip(launches, build(launches, str(tmp_path)))
+              if "error" in b or b["shared"] > 232448]  # an H200 block's shared memory limit (227 KB)
     print(f"{len(seen)} launches of {len(names)} kernels compiled for sm90")
     assert not failed, "\n".join(failed)
 
