@@ -317,7 +317,7 @@ def test_norm_rope(T, n, D, half, layernorm):
 def test_rotation_plain_fp32_is_the_spec_fma():
     """The rotation's plain fp32 a*s + b*c (norm_rope_ref, _rotate) equals fma(a, s, b*c) for bf16 inputs: exact
     products, one rounding (fma emulated in fp64: a*s exact, one add, one rounding to fp32 of an exact sum). bf16
-    values over 2^-60 .. 2^60 (norm outputs and table entries), so products stay in fp32's normal range."""
+    values of randn * 2^e, e in -60 .. 59 (norm outputs and table entries sit far inside that range)."""
     g = _gen(5)
     a, b, c, s = (torch.ldexp(torch.randn(200_000, generator=g), torch.randint(-60, 60, (200_000,), generator=g))
                   .bfloat16().float() for _ in range(4))
