@@ -17,7 +17,6 @@ changes a default for the whole run (e.g. --tune moe_stages=3,3).
     torchrun --nproc-per-node=2 bench_decode.py --whole-rank [--one-shot]
 """
 import argparse
-import ast
 import os
 import time
 
@@ -314,14 +313,10 @@ if __name__ == "__main__":
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="set kernel.TUNING[KEY] (a Python literal) for the whole run; repeatable")
     a = ap.parse_args()
-    for kv in a.tune:
-        key, _, val = kv.partition("=")
-        if key not in kernel.TUNING:
-            raise SystemExit(f"--tune {kv}: no such choice; kernel.TUNING has {', '.join(kernel.TUNING)}")
-        try:
-            kernel.TUNING[key] = type(kernel.TUNING[key])(ast.literal_eval(val))
-        except (ValueError, SyntaxError, TypeError) as e:
-            raise SystemExit(f"--tune {kv}: {val!r} is not a {type(kernel.TUNING[key]).__name__} ({e})")
+    try:
+        kernel.set_tuning(a.tune)
+    except ValueError as e:
+        raise SystemExit(str(e))
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
     main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row, a.one_shot, a.candidates)

@@ -14,6 +14,7 @@ Python launch overhead (~50-100 us per launcher call on the H200 machine).
 Shape legend: T tokens, S sequences, G KV/provider groups, Hg heads per group, P indexer proxy dim,
 R regions, K selected regions, E experts, F expert width, D hidden, M rows, N out features.
 """
+import ast
 import functools
 import os
 
@@ -73,6 +74,19 @@ def _triton(x: torch.Tensor) -> bool:
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1),
           "skinny_all": True, "router_block_e": 32}
+
+
+def set_tuning(items) -> None:
+    """Applies "KEY=VALUE" strings (a Python literal, converted to the default's type) to TUNING; ValueError names a
+    bad key or value. bench_decode.py's and sass.py's --tune."""
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in TUNING:
+            raise ValueError(f"--tune {item}: no such choice; kernel.TUNING has {', '.join(TUNING)}")
+        try:
+            TUNING[key] = type(TUNING[key])(ast.literal_eval(value))
+        except (ValueError, SyntaxError, TypeError) as e:
+            raise ValueError(f"--tune {item}: {value!r} is not a {type(TUNING[key]).__name__} ({e})") from None
 
 
 @functools.cache
@@ -1620,8 +1634,7 @@ def _grouped_gemm_kernel(
     x_stride, sx_stride, w_stride_e, w_stride_n, sw_stride_e, sw_stride_n, out_stride,
     FP8: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr,
-    PDL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr, PDL: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile of one expert of a grouped GEMM, Y[rows of e] = X[rows of e] . W[e]^T.
 
@@ -2330,8 +2343,7 @@ def swiglu(g, u, limit):
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPLIT_LEN,
                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
-                          QUANT_T: tl.constexpr,
-                          DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+                          QUANT_T: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
     bf16 MMA with fp32 accumulation computes route_ref's fp32 GEMM (bf16 x and w widened to fp32); K is split so
     decode fills the GPU. QUANT: the programs of the first E tile also write act_quant_ref(x) of the rows and K

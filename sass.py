@@ -11,7 +11,6 @@ instructions per K block; but counts only guide: a shorter loop has measured slo
     K.route_triton(x, w, torch.zeros(352), 8, 3.0, quant=True)" [--tune KEY=VALUE] [--only NAME] [--dump DIR]
 """
 import argparse
-import ast
 import collections
 import inspect
 import json
@@ -96,7 +95,7 @@ def build(launches: list, out_dir: str, timeout: int = 900) -> list:
 LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
 
 
-def record(snippet: str, tune: dict) -> list:
+def record(snippet: str, tune: list) -> list:
     """The distinct launches of kernel.py's Triton functions while the snippet runs under the interpreter."""
     from triton.runtime.interpreter import InterpretedFunction
     import kernel
@@ -110,10 +109,10 @@ def record(snippet: str, tune: dict) -> list:
 
     InterpretedFunction.run = recording_run
     kernel._GPU_LAUNCH, kernel._sms = True, lambda: 132
-    unknown = set(tune) - set(kernel.TUNING)
-    if unknown:
-        sys.exit(f"sass.py: --tune {sorted(unknown)}: not keys of kernel.TUNING ({', '.join(kernel.TUNING)})")
-    kernel.TUNING.update(tune)
+    try:
+        kernel.set_tuning(tune)
+    except ValueError as e:
+        sys.exit(f"sass.py: {e}")
     with torch.inference_mode():
         exec(snippet, {"torch": torch, "K": kernel, "kernel": kernel})
     return list(seen.values())
@@ -143,14 +142,7 @@ def main():
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter must be on before triton is imported
         os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, TRITON_INTERPRET="1"))
-    tune = {}
-    for item in a.tune:
-        key, _, value = item.partition("=")
-        try:
-            tune[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            sys.exit(f"sass.py: --tune {item!r}: the value must be a Python literal (e.g. moe_stages=3,3)")
-    launches = [r for r in record(a.snippet, tune) if not a.only or a.only in r["name"]]
+    launches = [r for r in record(a.snippet, a.tune) if not a.only or a.only in r["name"]]
     if not launches:
         sys.exit("sass.py: the snippet launched no kernel of kernel.py" + (f" matching {a.only!r}" if a.only else ""))
     import triton  # its wheel carries the CUDA binary tools
