@@ -7,9 +7,9 @@ replayed as a CUDA graph), the kernels of one step (profiler), and the 92-layer 
 decode step replayed as a CUDA graph and measured, not projected. Both print the ratio to the HBM floor of the
 bytes one step must read. Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP
 reductions between W GPUs (--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both
-modes): a step of Q tokens per row against a 1-token step. --candidates (with --whole-rank): the step with each of
-kernel.TUNING's launch choices set to each of its alternatives (ALTERNATIVES), against the defaults; --tune KEY=VALUE
-changes a default for the whole run (e.g. --tune moe_stages=3,3).
+modes): a step of Q tokens per row against a 1-token step. --candidates [KEY ...] (with --whole-rank): the step with
+each of kernel.TUNING's launch choices (or only the KEYs) set to each of its alternatives (ALTERNATIVES), against the
+defaults; --tune KEY=VALUE changes a default for the whole run (e.g. --tune moe_stages=3,3).
 
     python bench_decode.py [--batch 1] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
     python bench_decode.py --whole-rank --tune moe_stages=4,4 --tune moe_unroll=4,4
@@ -31,8 +31,8 @@ from generate import DecodeStep
 # the other values of kernel.TUNING's launch choices: measured and not taken, or candidates not yet timed
 # (--candidates re-times the step with each)
 ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
-                "moe_block_n": [(32, 64)], "moe_stages": [(4, 4)], "moe_unroll": [(4, 4)], "skinny_all": [False],
-                "router_block_e": [64]}
+                "moe_block_n": [(32, 64), (64, 64)], "moe_stages": [(4, 4)], "moe_unroll": [(4, 4)],
+                "skinny_all": [False], "router_block_e": [64]}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 
@@ -189,12 +189,13 @@ def kv_bytes(cfg, kind: str, batch: int, context: int) -> int:
 
 
 def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_shot: bool = False,
-               candidates: bool = False):
+               candidates: "bool | list" = False):
     """The whole rank: embed, 92 layers, final norm, lm_head window, argmax; one decode step as a CUDA graph.
     Under torchrun (one process per GPU, NCCL) the step includes the real TP reductions between the GPUs (each GPU
     holds one TP=8 rank's shapes; the sums are of W partials instead of 8), timed with and without them.
     q > 1: also a step of q tokens per row (a speculative verify step) and its ratio to the 1-token step.
-    candidates: the step again with each of kernel.TUNING's launch choices set to each of its ALTERNATIVES."""
+    candidates: the step again with each of kernel.TUNING's launch choices (True) or of those named (a list) set to
+    each of its ALTERNATIVES."""
     import generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -246,7 +247,8 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
         f"{nbytes / HBM_BPS * 1e3:5.2f} ms | {nbytes / graph_t / 1e9:7.1f} GB/s = {nbytes / graph_t / HBM_BPS:5.1%} of HBM")
     if candidates:  # graphs re-captured under each choice; the defaults restored after each
         default = dict(kernel.TUNING)
-        trials = {f"{k}={v}": {k: v} for k, vs in ALTERNATIVES.items() for v in vs}
+        trials = {f"{k}={v}": {k: v} for k, vs in ALTERNATIVES.items() for v in vs
+                  if candidates is True or k in candidates}
         for name, tune in trials.items():
             kernel.TUNING.update(tune)
             try:
@@ -278,7 +280,7 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
 
 
 def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False, q: int = 1,
-         one_shot: bool = False, candidates: bool = False):
+         one_shot: bool = False, candidates: "bool | list" = False):
     torch.manual_seed(0)
     cfg = real_rank_config()
     M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
@@ -307,9 +309,9 @@ if __name__ == "__main__":
                          "K + 1), compared with one token per row (layer and whole-rank modes)")
     ap.add_argument("--one-shot", action="store_true",
                     help="under torchrun with --whole-rank: also time the step with model.OneShotReduce (candidate)")
-    ap.add_argument("--candidates", action="store_true",
-                    help="with --whole-rank: also time the step with each of kernel.TUNING's choices set to each "
-                         "of its ALTERNATIVES")
+    ap.add_argument("--candidates", nargs="*", metavar="KEY",
+                    help="with --whole-rank: also time the step with each of kernel.TUNING's choices (or only these "
+                         "KEYs) set to each of its ALTERNATIVES")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="set kernel.TUNING[KEY] (a Python literal) for the whole run; repeatable")
     a = ap.parse_args()
@@ -317,6 +319,11 @@ if __name__ == "__main__":
         kernel.set_tuning(a.tune)
     except ValueError as e:
         raise SystemExit(str(e))
+    bad = set(a.candidates or ()) - set(ALTERNATIVES)
+    if bad:
+        raise SystemExit(f"--candidates {' '.join(sorted(bad))}: no alternatives; those with some: "
+                         f"{', '.join(ALTERNATIVES)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
-    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row, a.one_shot, a.candidates)
+    cands = a.candidates if a.candidates else a.candidates == []  # [] (the flag alone): every choice
+    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row, a.one_shot, cands)

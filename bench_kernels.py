@@ -275,26 +275,32 @@ def sweep_gemm(rows_per_expert, E=44):
 
 
 def sweep_gemm_prefill(rows_per_expert, E=44):
-    """Tile/warp/stage choices of the grouped FP8 GEMM at prefill sizes: ungated gate shape, gated gate/up
-    (two accumulators, SwiGLU epilogue; FLOPs of both) and the down shape. (BLOCK_N stays <= 128: a tile must sit in
-    one 128-wide weight-scale block.)"""
+    """Tile/warp/stage choices of the grouped FP8 GEMM at prefill sizes, with pointer loads (p) or TMA (t): ungated
+    gate shape, gated gate/up (two accumulators, SwiGLU epilogue; FLOPs of both; "gathered": rows read through
+    row_idx, as the model's gate/up, so only the weights come by TMA) and the down shape. (BLOCK_N stays <= 128: a
+    tile must sit in one 128-wide weight-scale block.) 4-warp tiles of 64 x 128 with 3 stages fit 3 CTAs per SM
+    (sm90 build: 159 registers, 72 KB of shared memory), so one CTA's scaling can overlap another's wgmmas."""
     M = E * rows_per_expert
     row_off = torch.arange(0, M + 1, rows_per_expert, device=DEV, dtype=torch.int32)
-    for what, N, Kd, gated in (("gate", 1536, 4096, False), ("gate+up", 1536, 4096, True), ("down", 4096, 1536, False)):
+    ident = torch.arange(M, device=DEV, dtype=torch.int32)
+    for what, N, Kd, gated in (("gate", 1536, 4096, False), ("gate+up", 1536, 4096, True),
+                               ("gate+up gathered", 1536, 4096, True), ("down", 4096, 1536, False)):
         w, sw = fp8_weights(E, N, Kd)
         w3, sw3 = fp8_weights(E, N, Kd, seed=1) if gated else (None, None)
         xq, sx = K.act_quant_triton(torch.randn(M, Kd, device=DEV).bfloat16())
         flops = 2 * M * N * Kd * (2 if gated else 1)
         res = []
-        run = lambda **kw: K.grouped_gemm_triton(xq, sx, w, sw, row_off, w3=w3, sw3=sw3,  # noqa: E731
-                                                 limit=7.0 if gated else None, **kw)
-        want = run()  # the defaults' output: every config must give the same bits (same K order per element)
-        # n: the candidate program order (an M tile's N tiles consecutive: each row block read from HBM once)
-        for bm, bn, nw, st, nf in ((128, 128, 8, 3, 0), (128, 128, 8, 4, 0), (128, 128, 4, 3, 0), (128, 64, 4, 4, 0),
-                                   (128, 64, 8, 4, 0), (64, 128, 4, 4, 0), (256, 128, 8, 3, 0), (256, 64, 8, 4, 0),
-                                   (128, 128, 8, 4, 1), (128, 64, 8, 4, 1), (64, 128, 4, 4, 1), (128, 128, 8, 3, 1)):
-            kw = dict(block_m=bm, block_n=bn, num_stages=st, num_warps=nw, n_fastest=bool(nf))
-            res.append(choice(f"{bm}x{bn} w{nw} s{st}" + (" n" if nf else ""), lambda: run(**kw), want, flops))
+        run = lambda **kw: K.grouped_gemm_triton(  # noqa: E731
+            xq, sx, w, sw, row_off, w3=w3, sw3=sw3, limit=7.0 if gated else None,
+            row_idx=ident if "gathered" in what else None, **kw)
+        want = run(tma=False)  # every config must give the same bits (same K order per element)
+        tiles = (((128, 64, 8, 4), (64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3)) if gated else
+                 ((128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3),
+                  (64, 64, 4, 4)))
+        for bm, bn, nw, st in tiles:
+            for tma in (False, True):
+                kw = dict(block_m=bm, block_n=bn, num_stages=st, num_warps=nw, tma=tma)
+                res.append(choice(f"{bm}x{bn} w{nw} s{st} {'t' if tma else 'p'}", lambda: run(**kw), want, flops))
         print(f"  sweep prefill {what} rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
 
 
@@ -429,6 +435,30 @@ def bench_skinny_linear(M, N, Kd, what):
           + " | ".join(res) + f" | max diff {d:.3g}", flush=True)
 
 
+def sweep_skinny(M):
+    """Tiles, K steps, stages and warps of the few-row bf16 GEMM at one TP=8 rank's decode projections. Each timed
+    call runs over enough weight copies (>= 128 MB) that they come from HBM, as in a decode step, not from L2."""
+    for N, Kd, what in ((1928, 4096, "packed qkvg"), (3468, 4096, "packed DSA"), (4096, 1536, "o_proj"),
+                        (16112, 4096, "lm_head")):
+        x = torch.randn(M, Kd, device=DEV).bfloat16()
+        copies = -(-128 * 2 ** 20 // (N * Kd * 2))
+        ws = [(torch.randn(N, Kd, device=DEV) * Kd ** -0.5).bfloat16() for _ in range(copies)]
+        want = K.skinny_linear_triton(x, ws[0])
+        res = []
+        for bn, bk, st, nw in ((32, 256, 4, 4), (16, 256, 4, 4), (16, 256, 6, 4), (16, 512, 3, 4), (16, 512, 4, 4),
+                               (16, 128, 8, 4), (32, 256, 6, 4), (32, 512, 4, 8), (64, 256, 4, 4), (64, 128, 6, 4)):
+            kw = dict(block_n=bn, block_k=bk, num_stages=st, num_warps=nw)
+            try:
+                same = "=" if torch.equal(K.skinny_linear_triton(x, ws[0], **kw), want) else "DIFFERS"
+                t = bench(lambda: [K.skinny_linear_triton(x, w, **kw) for w in ws]) / copies
+                res.append(f"{bn}x{bk} s{st} w{nw}: {t * 1e6:.1f}us {N * Kd * 2 / t / 1e9:.0f} GB/s {same}")
+            except Exception as e:
+                res.append(f"{bn}x{bk} s{st} w{nw}: {type(e).__name__}")
+        t = bench(lambda: [K.skinny_linear_ref(x, w) for w in ws]) / copies
+        print(f"  sweep skinny {what} M={M} {Kd}->{N} (cuBLAS {t * 1e6:.1f}us {N * Kd * 2 / t / 1e9:.0f} GB/s): "
+              + "; ".join(res), flush=True)
+
+
 def bench_attention(ctx, S=1):
     Hg, hd = 8, 192
     N = ctx
@@ -536,6 +566,8 @@ def main(only=GROUPS):
             run_safely(sweep_gemm, r)
         for T in (1, 16):
             run_safely(sweep_moe_decode, T)
+        for M in (1, 16):
+            run_safely(sweep_skinny, M)
     if "sweep_prefill" in only:
         for r in (128, 512, 1024):
             run_safely(sweep_gemm_prefill, r)

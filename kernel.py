@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -58,7 +59,9 @@ def _triton(x: torch.Tensor) -> bool:
 # moe_block_n: (gate/up, down) tile columns of moe_experts_decode_triton at T > 1 (at T = 1 the gate/up tile is 32
 #   columns: with 4 K blocks per iteration (64, 64) needs 288 KB of shared memory at 4 stages). moe_stages: its
 #   pipeline stages. Batch 16 (32k): (64, 64) -2.8% vs (32, 64), reverted +1.9%; 3 stages -3.3% vs 4, reverted +2.7%;
-#   batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts at T = 1; (4, 4): +2.4% (twice).
+#   (64, 128) -5.2% vs (64, 64) (fourth session: 13.08 -> 12.39 ms; half as many down programs per expert, each
+#   quantising the same rows of a); batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts
+#   at T = 1; (4, 4): +2.4% (twice).
 # Measured and removed on 2026-12-01 (whole step, batch 1 / 16): scales loaded one loop iteration ahead in the
 #   swapped expert tiles (their sm90 PTX had a scalar scale load round trip per K block): +0.6 / +2.2%; the sliding
 #   tile's ring loads issued before the q / k norms (to overlap them): +2.9 / +3.1%; launches fused through arrival
@@ -72,7 +75,7 @@ def _triton(x: torch.Tensor) -> bool:
 #   swapped down tile at T = 1 loading and quantising its one row, broadcast to the MMA's 16 (its sm90 K loop
 #   254 -> 173 instructions): +3.5% at batch 1; the shared expert's gate/up in 16-column tiles: +0.1 / -0.8%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
-          "moe_block_n": (64, 64), "moe_stages": (3, 3), "moe_unroll": (4, 1),
+          "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
           "skinny_all": True, "router_block_e": 32}
 
 
@@ -1629,12 +1632,12 @@ def _swiglu_math(g, u, limit, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr, ZE
 
 @triton.jit
 def _grouped_gemm_kernel(
-    x_ptr, sx_ptr, row_idx_ptr, w_ptr, sw_ptr, w3_ptr, sw3_ptr, out_ptr, row_off_ptr,
+    x_ptr, sx_ptr, row_idx_ptr, w_ptr, sw_ptr, w3_ptr, sw3_ptr, out_ptr, row_off_ptr, x_desc, w_desc, w3_desc,
     N, K, E, limit,
     x_stride, sx_stride, w_stride_e, w_stride_n, sw_stride_e, sw_stride_n, out_stride,
     FP8: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr, PDL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile of one expert of a grouped GEMM, Y[rows of e] = X[rows of e] . W[e]^T.
 
@@ -1649,6 +1652,10 @@ def _grouped_gemm_kernel(
     N_FASTEST: a 1-D grid whose consecutive programs are the N tiles of one M tile, so the programs in flight hold a
     few experts' rows and weights (L2-sized), where the 2-D grid (M tiles fastest) runs one N tile of every expert
     at once and reads each row block from HBM once per N tile. Same tiles, same bits.
+    TMA: the weight tiles (and X's, when not GATHER) come through tensor descriptors (w_desc over W as [E*N, K],
+    x_desc over X [M, K]): one copy instruction per tile instead of a pointer per 16 bytes. A tile that runs past its
+    expert's last row or column reads the next expert's (or the zeros past the tensor's end); those outputs are
+    never stored. Same products, same order: same bits.
     In the sm90 SASS (Triton 3.7's build on the CPU) every FP8 K block issues its 4 wgmmas, waits for them, then
     scales (128 FMUL/FFMA per thread at 128 x 128, 8 warps) with the tensor cores idle. Measured and removed on
     2026-12-01: the scaled add one iteration late (the scaling between the next block's wgmmas, 64 register moves
@@ -1690,14 +1697,24 @@ def _grouped_gemm_kernel(
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
-        a = tl.load(x_ptr + src[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if TMA and not GATHER:
+            a = x_desc.load([row0 + (pid_m - tile0) * BLOCK_M, kb * BLOCK_K])
+        else:
+            a = tl.load(x_ptr + src[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+        if TMA:
+            b = w_desc.load([e * N + pid_n * BLOCK_N, kb * BLOCK_K])
+        else:
+            b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if FP8:
             sa = tl.load(sx_ptr + src * sx_stride + kb, mask=row_ok, other=0.0)
             # e4m3 x e4m3 -> fp32 on tensor cores; both scales applied in fp32 after each block (never folded in)
             acc = acc + tl.dot(a, tl.trans(b)) * sa[:, None] * tl.load(sw_base + kb)
             if GATED:
-                b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                if TMA:
+                    b3 = w3_desc.load([e * N + pid_n * BLOCK_N, kb * BLOCK_K])
+                else:
+                    b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 acc3 = acc3 + tl.dot(a, tl.trans(b3)) * sa[:, None] * tl.load(sw3_base + kb)
         else:
             a = a.to(DOT_DTYPE)
@@ -1719,7 +1736,7 @@ def _gemm_block_m(rows_per_expert: float) -> int:
 
 
 def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, block_m=None,
-                        block_n=None, num_stages=None, num_warps=None, n_fastest=True):
+                        block_n=None, num_stages=None, num_warps=None, n_fastest=True, tma=None):
     """Grouped expert GEMM over rows sorted by expert; one launch for all experts.
 
     x [Mx, K] (e4m3 with sx [Mx, ceil(K/128)] fp32, or bf16 with sx None); row_off [E+1] int32 on the device
@@ -1729,6 +1746,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     n_fastest: _grouped_gemm_kernel's N_FASTEST program order (same bits); H200, 44 experts x 1024 rows
     (bench_kernels.py sweep_prefill): gate 580 -> 684 TFLOP/s, gate+up 549 -> 631, down 520 -> 589 (128 rows: gate
     566 -> 608).
+    tma: _grouped_gemm_kernel's TMA (same bits) where the strides allow it; None: FP8 on sm90 GPUs.
     """
     fp8 = sw is not None
     E, N, K = w.shape
@@ -1756,6 +1774,18 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     if M == 0 or E == 0:
         return out
     BLOCK_M = block_m or _gemm_block_m(M / E)
+    if tma is None:
+        tma = fp8 and _GPU_LAUNCH and _sm90()
+    # descriptors need 16-byte row strides
+    tma = tma and w.is_contiguous() and (K * w.element_size()) % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
+    if tma and BLOCK_M == 128 and block_m is None:
+        # H200, bench_kernels.py sweep_prefill, 44 experts x 128 / 512 / 1024 rows, TFLOP/s, pointer loads -> TMA:
+        # down 534 / 613 / 618 (128 x 128 tiles, 8 warps, 4 stages) -> 590 / 708 / 727 (64 x 128, 4 warps, 3 stages:
+        # 159 registers and 72 KB, so 3 CTAs share an SM and one's scaling overlaps another's wgmmas); gate+up with
+        # gathered rows 538 / 592 / 596 (128 x 64, 8 warps, 4 stages) -> 577 / 654 / 661 (128 x 64, 4 warps, 3
+        # stages); gate+up with sorted rows 128 x 64 at 4 warps only 525 at 512 rows, 64 x 64 661
+        BLOCK_M, block_n = (128 if row_idx is not None else 64, 64) if w3 is not None else (64, 128)
+        num_warps, num_stages = num_warps or 4, num_stages or 3
     # Measured on the H200 (bench_kernels.py sweep): the ungated GEMM is fastest with 128-wide N tiles, except when
     # so few tiles have rows (at most min(M, E) experts are active) that 128-wide tiles leave SMs idle: then 32.
     # The gated kernel keeps two fp32 accumulators and was validated at 64, like BLOCK_M = 64 (other pairs untested).
@@ -1770,16 +1800,21 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     grid = (min(triton.cdiv(M, BLOCK_M) + E, M), triton.cdiv(N, BLOCK_N))
     if n_fastest:
         grid = (grid[0] * grid[1],)
+    descs = [None] * 3  # x, w, w3: TMA copies whole tiles (zeros past the tensor's end) into shared memory
+    if tma:
+        descs = [None if row_idx is not None else TensorDescriptor.from_tensor(x, [BLOCK_M, QBLOCK])] + [
+            TensorDescriptor.from_tensor(t.view(E * N, K), [BLOCK_N, QBLOCK]) if t is not None else None
+            for t in (w, w3)]
     dummy = out  # never read when the matching constexpr is off
     _grouped_gemm_kernel[grid](
         x, sx if fp8 else dummy, row_idx if row_idx is not None else dummy, w, sw if fp8 else dummy,
-        w3 if w3 is not None else w, (sw3 if w3 is not None else sw) if fp8 else dummy, out, row_off,
+        w3 if w3 is not None else w, (sw3 if w3 is not None else sw) if fp8 else dummy, out, row_off, *descs,
         N, K, E, float(limit) if limit is not None else 0.0,
         x.stride(0), sx.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
         sw.stride(0) if fp8 else 0, sw.stride(1) if fp8 else 0, out.stride(0),
         FP8=fp8, GATED=w3 is not None, GATHER=row_idx is not None, HAS_LIMIT=limit is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E),
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, N_FASTEST=bool(n_fastest),
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, N_FASTEST=bool(n_fastest), TMA=bool(tma),
         num_warps=num_warps or (8 if BLOCK_M >= 128 else 4),  # bf16 tiles: twice the shared memory of e4m3
         num_stages=(num_stages or (4 if fp8 else 2)) if _GPU_LAUNCH else 1, **_pdl())
     return out
@@ -2285,8 +2320,12 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, out_stride,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def skinny_linear_triton(x, w, block_n=32, block_k=256, num_stages=4):
-    """Triton skinny_linear_ref for M <= 16 rows."""
+def skinny_linear_triton(x, w, block_n=None, block_k=None, num_stages=None, num_warps=4):
+    """Triton skinny_linear_ref for M <= 16 rows. Tiles: the widest of 64 / 32 / 16 columns that still gives >= 100
+    programs. H200, weights from HBM (bench_kernels.py sweep_skinny, M = 1; M = 16 within 0.5 us): packed QKV 1928
+    columns 9.1 -> 7.7 us (16 x 512 vs 32 x 256), lm_head 16112: 38.9 -> 32.6 us (64 x 128, 6 stages; cuBLAS 32.4),
+    o_proj 4096: 5.3 (32 x 256, the best of 10), packed DSA 3468: 9.9 (32 x 256; 9.5 at 6 stages). Every choice
+    gives the same bits: the MMAs accumulate K in 16-wide steps in order whatever the K block."""
     _check_tensor("x", x, torch.bfloat16, ndim=2, contiguous=False)
     _check(x.stride(1) == 1, f"x must have contiguous rows, got strides {x.stride()}")
     _check_tensor("w", w, torch.bfloat16, ndim=2)
@@ -2294,10 +2333,12 @@ def skinny_linear_triton(x, w, block_n=32, block_k=256, num_stages=4):
     N = w.shape[0]
     _check(w.shape[1] == K and M <= 16, f"x [M <= 16, K] and w [N, K]: got {tuple(x.shape)}, {tuple(w.shape)}")
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    bn, bk, ns = (64, 128, 6) if N >= 6400 else (32, 256, 4) if N >= 3200 else (16, 512, 4)
+    block_n, block_k, num_stages = block_n or bn, block_k or bk, num_stages or ns
     if M and N:
         _skinny_linear_kernel[(triton.cdiv(N, block_n),)](
             x, w, out, M, N, K, x.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-            DOT_DTYPE=_DOT, num_warps=4, num_stages=num_stages if _GPU_LAUNCH else 1, **_pdl())
+            DOT_DTYPE=_DOT, num_warps=num_warps, num_stages=num_stages if _GPU_LAUNCH else 1, **_pdl())
     return out
 
 

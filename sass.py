@@ -2,10 +2,10 @@
 
 Runs the snippet under the Triton interpreter with the GPU's launch shapes (kernel._GPU_LAUNCH, 132 SMs), records
 each distinct launch (launch_record), compiles it for sm90 in a process without the interpreter (build; the Triton
-wheel ships ptxas and cuobjdump) and prints, per launch: SASS instructions, local-memory spills, shared memory, and
-every loop's length with its commonest opcodes. tests/test_sm90_build.py builds every launch of a model run the same
-way. A decode kernel that is issue-bound pays its loop's
-instructions per K block; but counts only guide: a shorter loop has measured slower (kernel.TUNING's notes).
+wheel ships ptxas and cuobjdump) and prints, per launch: SASS instructions, local-memory spills, shared memory,
+registers (with shared memory they set how many CTAs share an SM) and every loop's length with its commonest opcodes.
+tests/test_sm90_build.py builds every launch of a model run the same way. A decode kernel that is issue-bound pays
+its loop's instructions per K block; but counts only guide: a shorter loop has measured slower (kernel.TUNING's notes).
 
     python sass.py "x = torch.randn(1, 4096).bfloat16(); w = torch.randn(352, 4096).bfloat16()
     K.route_triton(x, w, torch.zeros(352), 8, 3.0, quant=True)" [--tune KEY=VALUE] [--only NAME] [--dump DIR]
@@ -22,6 +22,7 @@ import tempfile
 
 import torch
 import triton.language as tl  # kernel.py (whose @triton.jit needs TRITON_INTERPRET set first) is imported later
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 BUILD = """
@@ -66,6 +67,10 @@ def launch_record(fn, args, kwargs) -> dict:
             cons[name] = {"dtype": v.name} if isinstance(v, tl.dtype) else v
         elif isinstance(v, torch.Tensor):
             sig[name] = PTR[v.dtype]
+        elif isinstance(v, TensorDescriptor):
+            sig[name] = f"tensordesc<{PTR[v.base.dtype][1:]}{list(v.block_shape)}>"
+        elif v is None:  # an unused descriptor
+            sig[name], cons[name] = "constexpr", None
         elif isinstance(v, bool):
             sig[name] = "i1"
         elif isinstance(v, int):
@@ -154,11 +159,15 @@ def main():
                 continue
             sass = subprocess.run([cuobjdump, "-sass", os.path.join(tmp, f"{i}.cubin")], capture_output=True,
                                   text=True, check=True).stdout
+            res = subprocess.run([cuobjdump, "--dump-resource-usage", os.path.join(tmp, f"{i}.cubin")],
+                                 capture_output=True, text=True, check=True).stdout
+            regs = re.search(r"REG:(\d+)", res)
             if a.dump:
                 os.makedirs(a.dump, exist_ok=True)
                 open(os.path.join(a.dump, f"{i}_{r['name']}.sass"), "w").write(sass)
             cons = {k: v for k, v in r["constexprs"].items() if not isinstance(v, dict)}  # dtypes left out
-            print(f"[{i}] {r['name']} {r['options']} shared {b['shared']} B\n    constexprs {cons}\n    "
+            print(f"[{i}] {r['name']} {r['options']} shared {b['shared']} B, {regs.group(1) if regs else '?'} "
+                  f"registers\n    constexprs {cons}\n    "
                   + summary(sass).replace("\n", "\n    "))
 
 

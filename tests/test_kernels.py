@@ -139,6 +139,15 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
     # the N tiles of an M tile as consecutive programs: the same tiles (block_n 64: 4 N tiles, the last partial)
     assert torch.equal(K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64, n_fastest=False),
                        K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64))
+    # tiles through tensor descriptors (TMA): the same bits, also where a tile runs into the next expert's rows (the
+    # 1-row expert's 16-row tile) or columns (N = 200: the last 64-wide tile); gated with gathered rows: weights only
+    w3, sw3 = fp8_weights(E, N, Kd, seed=6)
+    tok = torch.tensor([5, 0, 3] + list(range(35)), dtype=torch.int32, device=DEV)
+    for bn in (64, 128):
+        assert torch.equal(K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=bn, tma=True),
+                           K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=bn, tma=False))
+    assert torch.equal(*[K.grouped_gemm_triton(xq, sx, w, sw, row_off, row_idx=tok, w3=w3, sw3=sw3, limit=7.0,
+                                               block_n=64, tma=t) for t in (True, False)])
 
 
 def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
@@ -257,6 +266,9 @@ def test_skinny_linear(M, N, Kd):
     ref = K.skinny_linear_ref(x, w)
     d = report("skinny linear", out, ref)
     assert (d > 0).float().mean() < 0.1 and d.max() <= 2 ** -7 * ref.float().abs().max()
+    if not INTERPRET:  # the tiles chosen by width: the MMAs sum K in 16-wide steps in order whatever the K block
+        for bn, bk in ((16, 512), (32, 256), (64, 128)):
+            assert torch.equal(K.skinny_linear_triton(x, w, block_n=bn, block_k=bk), out), (bn, bk)
 
 
 def test_launchers_reject_bad_inputs():
