@@ -59,8 +59,8 @@ def _triton(x: torch.Tensor) -> bool:
 # moe_block_n: (gate/up, down) tile columns of moe_experts_decode_triton at T > 1 (at T = 1 the gate/up tile is 32
 #   columns: with 4 K blocks per iteration (64, 64) needs 288 KB of shared memory at 4 stages). moe_stages: its
 #   pipeline stages. Batch 16 (32k): (64, 64) -2.8% vs (32, 64), reverted +1.9%; 3 stages -3.3% vs 4, reverted +2.7%;
-#   (64, 128) -5.2% vs (64, 64) (fourth session: 13.08 -> 12.39 ms; half as many down programs per expert, each
-#   quantising the same rows of a); batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts
+#   (64, 128) -5.2% vs (64, 64) (fourth session: 13.08 -> 12.39 ms; each down program quantises its expert's rows
+#   of a, and there are half as many); batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts
 #   at T = 1; (4, 4): +2.4% (twice). moe_a_once: moe_experts_decode_triton's a_once at T > 1 (a candidate, not yet
 #   timed).
 # Measured and removed on 2026-12-01 (whole step, batch 1 / 16): scales loaded one loop iteration ahead in the
@@ -2154,8 +2154,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     a_once (FP8 with swap; default TUNING["moe_a_once"] at T > 1): the down launch's inputs prepared once between
     the two launches (same bits): a quantised (act_quant_triton over [T*k, F]) and the shared expert's SwiGLU applied
     (swiglu_triton), so the D / BLOCK_N down programs stop redoing both for the same rows (the analogue of step 0 for
-    x). sm90 build at T = 16, 128-column down tiles: the routed K loop 315 -> 197 instructions per K block; the
-    shared one is 2071 with SwiGLU on load.
+    x). sm90 build at T = 16, 128-column down tiles: 4224 -> 1936 instructions and no spills (19 before); K loops
+    per block: routed 315 -> 198, shared 2071 -> 157.
     (Measured on the H200 and removed: a split-K gate/up, 2-8 programs per tile with fp32 partials, 2-4x slower at T=1
     and T=16, and again on the swapped tiles (2 / 4 programs per tile, the partials added with SwiGLU on the down
     kernel's load) on 2026-12-01: whole step 7.19 -> 9.65 / 10.63 ms; each block's dot on the CUDA cores instead of
