@@ -168,7 +168,7 @@ def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
     return (x, ids.to(DEV), wts, w1, w3, w2, s1, s3, s2), sh
 
 
-# the sorted path (and the decode path with a_once) quantises its whole gate/up buffer, whose rows past the routed
+# the sorted path (and the decode path with quant_a) quantises its whole gate/up buffer, whose rows past the routed
 # ones are uninitialised and never read back: the interpreter's numpy warns when such garbage holds inf or huge values
 # (inf * 0 or an overflow in the scaling)
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
@@ -201,9 +201,11 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
         out = K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=ku, swap=True)
         d = report(f"moe decode swap fp8={fp8} k_unroll={ku}", out, ref)
         assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
-    # the down inputs prepared once before its launch (a quantised, the shared SwiGLU) instead of in every program
-    assert torch.equal(*[K.moe_experts_decode_triton(*args, limit, first, sh, swap=True, a_once=o)
-                         for o in (True, False)])
+    # a quantised once before the down launch, the shared SwiGLU in the gate/up kernel: not in every down program
+    for kw in (dict(quant_a=True), dict(shared_gated=True), dict(quant_a=True, shared_gated=True)):
+        assert torch.equal(K.moe_experts_decode_triton(*args, limit, first, sh, swap=True, **kw),
+                           K.moe_experts_decode_triton(*args, limit, first, sh, swap=True, quant_a=False,
+                                                       shared_gated=False)), kw
 
 
 def test_moe_decode_local_ids():
@@ -752,7 +754,8 @@ def test_gpu_moe_decode_real_shape(T):
         assert torch.equal(K.moe_experts_decode_triton(*args, k_unroll=ku), out)
     d = report(f"GPU moe decode swap T={T}", K.moe_experts_decode_triton(*args, swap=True), ref)
     assert d.max() <= 2e-2 * ref.float().abs().max()
-    assert torch.equal(*[K.moe_experts_decode_triton(*args, swap=True, a_once=o) for o in (True, False)])
+    assert torch.equal(K.moe_experts_decode_triton(*args, swap=True, quant_a=True, shared_gated=True),
+                       K.moe_experts_decode_triton(*args, swap=True, quant_a=False, shared_gated=False))
 
 
 @gpu
