@@ -1777,8 +1777,9 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     BLOCK_M = block_m or _gemm_block_m(M / E)
     if tma is None:
         tma = fp8 and _GPU_LAUNCH and _sm90()
-    # descriptors need 16-byte row strides
-    tma = tma and w.is_contiguous() and (K * w.element_size()) % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
+    # descriptors need 16-byte aligned bases and row strides
+    tma = (tma and w.is_contiguous() and (K * w.element_size()) % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
+           and all(t.data_ptr() % 16 == 0 for t in (x, w, w3) if t is not None))
     if tma and BLOCK_M == 128 and block_m is None:
         # H200, bench_kernels.py sweep_prefill, 44 experts x 128 / 512 / 1024 rows, TFLOP/s, pointer loads -> TMA:
         # down 534 / 613 / 618 (128 x 128 tiles, 8 warps, 4 stages) -> 590 / 708 / 727 (64 x 128, 4 warps, 3 stages:
