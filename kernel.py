@@ -1786,8 +1786,8 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
         # 159 registers and 72 KB, so 3 CTAs share an SM and one's scaling overlaps another's wgmmas); gate+up with
         # gathered rows 538 / 592 / 596 (128 x 64, 8 warps, 4 stages) -> 577 / 654 / 661 (128 x 64, 4 warps, 3
         # stages); gate+up with sorted rows 128 x 64 at 4 warps only 525 at 512 rows, 64 x 64 661
-        BLOCK_M, block_n = (128 if row_idx is not None else 64, 64) if w3 is not None else (64, 128)
-        num_warps, num_stages = num_warps or 4, num_stages or 3
+        BLOCK_M, bn = (128 if row_idx is not None else 64, 64) if w3 is not None else (64, 128)
+        block_n, num_warps, num_stages = block_n or bn, num_warps or 4, num_stages or 3
     # Measured on the H200 (bench_kernels.py sweep): the ungated GEMM is fastest with 128-wide N tiles, except when
     # so few tiles have rows (at most min(M, E) experts are active) that 128-wide tiles leave SMs idle: then 32.
     # The gated kernel keeps two fp32 accumulators and was validated at 64, like BLOCK_M = 64 (other pairs untested).
