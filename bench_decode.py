@@ -32,8 +32,7 @@ from generate import DecodeStep
 # (--candidates re-times the step with each)
 ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
                 "moe_block_n": [(32, 64), (64, 64)], "moe_stages": [(4, 4)], "moe_unroll": [(4, 4)],
-                "skinny_all": [False], "router_block_e": [64], "moe_quant_a": [True],
-                "moe_shared_gated": [True]}
+                "skinny_all": [False], "router_block_e": [64]}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 

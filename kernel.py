@@ -59,15 +59,16 @@ def _triton(x: torch.Tensor) -> bool:
 # moe_block_n: (gate/up, down) tile columns of moe_experts_decode_triton at T > 1 (at T = 1 the gate/up tile is 32
 #   columns: with 4 K blocks per iteration (64, 64) needs 288 KB of shared memory at 4 stages). moe_stages: its
 #   pipeline stages. Batch 16 (32k): (64, 64) -2.8% vs (32, 64), reverted +1.9%; 3 stages -3.3% vs 4, reverted +2.7%;
-#   (64, 128) -5.2% vs (64, 64) (fourth session: 13.08 -> 12.39 ms; each down program quantises its expert's rows
-#   of a, and there are half as many); batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts
-#   at T = 1; (4, 4): +2.4% (twice). moe_quant_a, moe_shared_gated: moe_experts_decode_triton's quant_a (at T > 1)
-#   and shared_gated, candidates not yet timed.
+#   (64, 128) -5.2% vs (64, 64) (fourth session: 13.08 -> 12.39 ms; half as many down programs per expert, each
+#   quantising the same rows of a); batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts
+#   at T = 1; (4, 4): +2.4% (twice).
 # Measured and removed on 2026-12-01 (whole step, batch 1 / 16): scales loaded one loop iteration ahead in the
 #   swapped expert tiles (their sm90 PTX had a scalar scale load round trip per K block): +0.6 / +2.2%; the sliding
 #   tile's ring loads issued before the q / k norms (to overlap them): +2.9 / +3.1%; launches fused through arrival
 #   counters (the sliding attention's last program merging the splits, the router's last logits program selecting):
-#   +13.6 / +3.0% and +1.5 / +26%.
+#   +13.6 / +3.0% and +1.5 / +26%. Fifth session (eager kernel sums per step, --profile; batch 1 / 16): the shared
+#   expert's SwiGLU in the gate/up kernel's epilogue (gate and up of half the columns per program): up +177 / -13 us,
+#   down -68 / -107 us; the down kernel's a quantised once in a launch between (T > 1): down -163 us, the launch +444.
 # skinny_all: model.linear's few-row projections (sliding packed QKV, o_proj, lm_head, dense MLPs) through
 #   skinny_linear, not cuBLAS: -1.1% / -2.3% (batch 1 / 16, 2026-12-01). router_block_e: experts per router-logits
 #   program; 32 (88 programs at batch 1, each reading half of 64's bytes): -0.6% / -0.8%.
@@ -77,7 +78,7 @@ def _triton(x: torch.Tensor) -> bool:
 #   254 -> 173 instructions): +3.5% at batch 1; the shared expert's gate/up in 16-column tiles: +0.1 / -0.8%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
-          "skinny_all": True, "router_block_e": 32, "moe_quant_a": False, "moe_shared_gated": False}
+          "skinny_all": True, "router_block_e": 32}
 
 
 def set_tuning(items) -> None:
@@ -1990,36 +1991,21 @@ def _decode_rows(hit, before, m0, BLOCK_M: tl.constexpr, BLOCK_TK: tl.constexpr)
 @triton.jit
 def _moe_decode_up_kernel(
     x_ptr, sx_ptr, xb_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, a_ptr, wg_ptr, wu_ptr, gu_ptr,
-    T, D, F, FS, E, first_expert, limit, limit_s, w_stride_e, sw_stride_e, sw_stride_n,
-    TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
+    T, D, F, FS, E, first_expert, limit, w_stride_e, sw_stride_e, sw_stride_n,
+    TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, SH_GATED: tl.constexpr, PDL: tl.constexpr,
+    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
     slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]).
     Shared expert (SHARED, axis-1 program 0): tiles 0..nt-1 of its gate, then of its up, every token a row, stored
     separately as bf16 gu[0] = bf(x.wg^T), gu[1] = bf(x.wu^T) (MLP's rounding points): half the bytes per program of
-    a gated tile, so the shared programs finish with the routed ones. SH_GATED: gate and up of BLOCK_N / 2 columns
-    per program instead (the same bytes), stored as gu[0] = swiglu(bf(x.wg^T), bf(x.wu^T)) [T, FS]: the down
-    kernel's shared programs then skip SwiGLU on load."""
+    a gated tile, so the shared programs finish with the routed ones."""
     _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     u = tl.program_id(1)
-    if u < SHARED and SH_GATED:
-        SBN: tl.constexpr = BLOCK_N // 2
-        cols = pid_n * SBN + tl.arange(0, SBN)
-        col_ok = cols < FS
-        if pid_n < tl.cdiv(FS, SBN):
-            for m0 in range(0, T, BLOCK_M):
-                tok = m0 + tl.arange(0, BLOCK_M)
-                g, up = _decode_tile(xb_ptr, xb_ptr, tok, tok < T, D, 0, wg_ptr, wu_ptr, wg_ptr, wu_ptr, cols, col_ok,
-                                     D, limit_s, 0, tl.cdiv(D, BLOCK_K), False, False, True, False, False, BLOCK_M,
-                                     SBN, BLOCK_K, DOT_DTYPE, PRECISE, K_UNROLL)
-                y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit_s, HAS_LIMIT_S, PRECISE, ZERO_GUARD)
-                tl.store(gu_ptr + tok[:, None] * FS + cols[None, :], y.to(tl.bfloat16),
-                         mask=(tok < T)[:, None] & col_ok[None, :])
-    elif u < SHARED:
+    if u < SHARED:
         nt = tl.cdiv(FS, BLOCK_N)
         if pid_n < 2 * nt:
             w = wg_ptr
@@ -2060,18 +2046,16 @@ def _moe_decode_up_kernel(
 
 @triton.jit
 def _moe_decode_down_kernel(
-    a_ptr, sa_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, gu_ptr, wd_ptr, ys_ptr,
+    a_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, gu_ptr, wd_ptr, ys_ptr,
     T, D, F, FS, E, first_expert, limit, limit_s, w_stride_e, sw_stride_e, sw_stride_n,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, AQ: tl.constexpr, SH_GATED: tl.constexpr,
-    PDL: tl.constexpr,
+    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
-    load (FP8), or (AQ, FP8 with SWAP) read already quantised: a_ptr e4m3 with scales sa_ptr [T*k, F/128].
-    Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load (SH_GATED: the
-    gate/up kernel stored the SwiGLU in gu[0])."""
+    load (FP8).
+    Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load."""
     _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     u = tl.program_id(1)
@@ -2081,7 +2065,7 @@ def _moe_decode_down_kernel(
         for m0 in range(0, T, BLOCK_M):
             tok = m0 + tl.arange(0, BLOCK_M)
             acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr, cols,
-                                  col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), False, False, False, not SH_GATED,
+                                  col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), False, False, False, True,
                                   HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, PRECISE, 1, ZERO_GUARD)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
@@ -2093,8 +2077,8 @@ def _moe_decode_down_kernel(
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
                 if SWAP and FP8:
-                    acc, _ = _decode_tile_t(a_ptr, sa_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw,
-                                            sw, pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), AQ, False,
+                    acc, _ = _decode_tile_t(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw,
+                                            sw, pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), False, False,
                                             BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL)
                 else:
                     acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr,
@@ -2152,8 +2136,7 @@ def _x_quant(x, xq):
 
 
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=None, xq=None,
-                              quant_a=None, shared_gated=None):
+                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=None, xq=None):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
     0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
@@ -2168,12 +2151,6 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     swap (FP8 experts; default TUNING["moe_swap"]): the routed tiles through
     _decode_tile_t, the weight rows as the MMA's M side (fp8 wgmma at 64 rows: gate/up tiles of 32 columns, down
     tiles of 64), within tolerance.
-    quant_a (FP8 with swap; default TUNING["moe_quant_a"] at T > 1): a quantised once between the launches
-    (act_quant_triton over [T*k, F]), not in each of an expert's D / BLOCK_N down programs (the analogue of step 0
-    for x). shared_gated (default TUNING["moe_shared_gated"]): the gate/up kernel's SH_GATED, the shared expert's
-    SwiGLU in its epilogue instead of in every down program's load. Both give the same bits. sm90 build at T = 16,
-    128-column down tiles, both on: the down kernel 4224 -> 1936 instructions and no spills (19 before); its K loops
-    per block: routed 315 -> 198, shared 2071 -> 157.
     (Measured on the H200 and removed: a split-K gate/up, 2-8 programs per tile with fp32 partials, 2-4x slower at T=1
     and T=16, and again on the swapped tiles (2 / 4 programs per tile, the partials added with SwiGLU on the down
     kernel's load) on 2026-12-01: whole step 7.19 -> 9.65 / 10.63 ms; each block's dot on the CUDA cores instead of
@@ -2187,10 +2164,9 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         return out
     a = torch.empty(T * k, F, dtype=torch.bfloat16, device=x.device)  # remote slots' rows stay unwritten
     y = torch.empty(T * k, D, dtype=torch.bfloat16, device=x.device)
-    shared_gated = (TUNING["moe_shared_gated"] if shared_gated is None else shared_gated) and shared is not None
     if shared is not None:
         wg, wu, wd, limit_s = shared
-        gu = torch.empty(1 if shared_gated else 2, T, Fs, dtype=torch.bfloat16, device=x.device)
+        gu = torch.empty(2, T, Fs, dtype=torch.bfloat16, device=x.device)
         ys = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
     else:
         wg = wu = wd = gu = ys = y  # never read: SHARED is off
@@ -2215,24 +2191,20 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     dummy = y
     common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, SWAP=bool(swap), ZERO_GUARD=T == 1,
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
-                  DOT_DTYPE=_DOT, PRECISE=_PRECISE, HAS_LIMIT_S=limit_s is not None, SH_GATED=shared_gated)
-    shared_programs = triton.cdiv(Fs, bn[0] // 2) if shared_gated else 2 * triton.cdiv(Fs, bn[0])
-    grid1 = (max(triton.cdiv(F, bn[0]), shared_programs), ranks + sh)
+                  DOT_DTYPE=_DOT, PRECISE=_PRECISE)
+    grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
     xqt, sxt = _x_quant(x, xq) if fp8 else (x, dummy)
     _moe_decode_up_kernel[grid1](
         xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu,
-        T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
-        float(limit_s) if limit_s is not None else 0.0, w1.stride(0),
+        T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
         s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, K_UNROLL=ku[0],
         BLOCK_N=bn[0], num_warps=nw[0], num_stages=ns[0], **common, **_pdl())
-    quant_a = (TUNING["moe_quant_a"] and T > 1 if quant_a is None else quant_a) and fp8 and bool(swap)
-    aq, sa = act_quant_triton(a) if quant_a else (a, dummy)  # the remote slots' garbage rows too: never read
     _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
-        aq, sa, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys,
+        a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
         float(limit_s) if limit_s is not None else 0.0, w2.stride(0), s2.stride(0) if fp8 else 0,
-        s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, K_UNROLL=ku[1],
-        BLOCK_N=bn[1], num_warps=nw[1], num_stages=ns[1], AQ=quant_a, **common, **_pdl())
+        s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None, K_UNROLL=ku[1],
+        BLOCK_N=bn[1], num_warps=nw[1], num_stages=ns[1], **common, **_pdl())
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
     _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, ids, weights, ys, out, D, E, int(first_expert),
                                                              TOPK=k, SHARED=sh, BLOCK_D=BLOCK_D, num_warps=4,

@@ -168,11 +168,9 @@ def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
     return (x, ids.to(DEV), wts, w1, w3, w2, s1, s3, s2), sh
 
 
-# the sorted path (and the decode path with quant_a) quantises its whole gate/up buffer, whose rows past the routed
-# ones are uninitialised and never read back: the interpreter's numpy warns when such garbage holds inf or huge values
-# (inf * 0 or an overflow in the scaling)
+# the sorted path quantises its whole gate/up buffer, whose rows past the routed ones are uninitialised and never read
+# back: the interpreter's numpy warns when such garbage holds inf (inf * 0 in the scaling)
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
-@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("T,k,E,first,shared,limit", [
     (1, 4, 4, 0, None, 7.0),     # one token, ids of rank 0 (remote ones above the range)
@@ -201,11 +199,6 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
         out = K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=ku, swap=True)
         d = report(f"moe decode swap fp8={fp8} k_unroll={ku}", out, ref)
         assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
-    # a quantised once before the down launch, the shared SwiGLU in the gate/up kernel: not in every down program
-    for kw in (dict(quant_a=True), dict(shared_gated=True), dict(quant_a=True, shared_gated=True)):
-        assert torch.equal(K.moe_experts_decode_triton(*args, limit, first, sh, swap=True, **kw),
-                           K.moe_experts_decode_triton(*args, limit, first, sh, swap=True, quant_a=False,
-                                                       shared_gated=False)), kw
 
 
 def test_moe_decode_local_ids():
@@ -754,8 +747,6 @@ def test_gpu_moe_decode_real_shape(T):
         assert torch.equal(K.moe_experts_decode_triton(*args, k_unroll=ku), out)
     d = report(f"GPU moe decode swap T={T}", K.moe_experts_decode_triton(*args, swap=True), ref)
     assert d.max() <= 2e-2 * ref.float().abs().max()
-    assert torch.equal(K.moe_experts_decode_triton(*args, swap=True, quant_a=True, shared_gated=True),
-                       K.moe_experts_decode_triton(*args, swap=True, quant_a=False, shared_gated=False))
 
 
 @gpu
