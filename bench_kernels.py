@@ -304,6 +304,27 @@ def sweep_gemm_prefill(rows_per_expert, E=44):
         print(f"  sweep prefill {what} rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
 
 
+
+def sweep_gemm_wgmma(rows_per_expert, E=44, stages=(3, 4, 5)):
+    """The Gluon grouped GEMM (kernel.grouped_gemm_wgmma: 128 x 128 tiles, two math warpgroups and a TMA warp,
+    persistent) at its stage counts beside grouped_gemm_triton's own kernel (wgmma=False); same bits asserted."""
+    M = E * rows_per_expert
+    row_off = torch.arange(0, M + 1, rows_per_expert, device=DEV, dtype=torch.int32)
+    perm = torch.randperm(M, device=DEV, generator=torch.Generator(device=DEV).manual_seed(0)).to(torch.int32)
+    for what, N, Kd, gated in (("gate+up gathered", 1536, 4096, True), ("down", 4096, 1536, False)):
+        w, sw = fp8_weights(E, N, Kd)
+        w3, sw3 = fp8_weights(E, N, Kd, seed=1) if gated else (None, None)
+        xq, sx = K.act_quant_triton(torch.randn(M, Kd, device=DEV).bfloat16())
+        kw = dict(w3=w3, sw3=sw3, limit=7.0 if gated else None, row_idx=perm if gated else None)
+        flops = 2 * M * N * Kd * (2 if gated else 1)
+        want = K.grouped_gemm_triton(xq, sx, w, sw, row_off, wgmma=False, **kw)
+        res = [choice("triton", lambda: K.grouped_gemm_triton(xq, sx, w, sw, row_off, wgmma=False, **kw), want,
+                      flops)]
+        for st in stages:
+            res.append(choice(f"wgmma s{st}", lambda: K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, stages=st, **kw),
+                              want, flops))
+        print(f"  sweep wgmma {what} rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
+
 def bench_moe(T, E=44):
     D, Fw = 4096, 1536
     (w1, s1), (w3, s3), (w2, s2) = fp8_weights(E, Fw, D, 1), fp8_weights(E, Fw, D, 2), fp8_weights(E, D, Fw, 3)
@@ -571,6 +592,7 @@ def main(only=GROUPS):
     if "sweep_prefill" in only:
         for r in (128, 512, 1024):
             run_safely(sweep_gemm_prefill, r)
+            run_safely(sweep_gemm_wgmma, r)
     if "moe" in only:
         for T in (1, 16, 4096):
             run_safely(bench_moe, T)

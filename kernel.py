@@ -24,6 +24,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma as gtma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -1738,7 +1742,7 @@ def _gemm_block_m(rows_per_expert: float) -> int:
 
 
 def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, block_m=None,
-                        block_n=None, num_stages=None, num_warps=None, n_fastest=True, tma=None):
+                        block_n=None, num_stages=None, num_warps=None, n_fastest=True, tma=None, wgmma=None):
     """Grouped expert GEMM over rows sorted by expert; one launch for all experts.
 
     x [Mx, K] (e4m3 with sx [Mx, ceil(K/128)] fp32, or bf16 with sx None); row_off [E+1] int32 on the device
@@ -1749,6 +1753,8 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     (bench_kernels.py sweep_prefill): gate 580 -> 684 TFLOP/s, gate+up 549 -> 631, down 520 -> 589 (128 rows: gate
     566 -> 608).
     tma: _grouped_gemm_kernel's TMA (same bits) where the strides allow it; None: FP8 on sm90 GPUs.
+    wgmma: grouped_gemm_wgmma instead (same bits; TMA-able FP8 on sm90 only); None: for the gated GEMM with
+    128-row tiles and no tile arguments, where it measured faster (its docstring).
     """
     fp8 = sw is not None
     E, N, K = w.shape
@@ -1781,6 +1787,10 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     # descriptors need 16-byte aligned bases and row strides
     tma = (tma and w.is_contiguous() and (K * w.element_size()) % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
            and all(t.data_ptr() % 16 == 0 for t in (x, w, w3) if t is not None))
+    if wgmma is None:
+        wgmma = w3 is not None and BLOCK_M == 128 and block_m is block_n is num_stages is num_warps is None
+    if tma and wgmma:
+        return grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx, w3, sw3, limit)
     if tma and BLOCK_M == 128 and block_m is None:
         # H200, bench_kernels.py sweep_prefill, 44 experts x 128 / 512 / 1024 rows, TFLOP/s, pointer loads -> TMA:
         # down 534 / 613 / 618 (128 x 128 tiles, 8 warps, 4 stages) -> 590 / 708 / 727 (64 x 128, 4 warps, 3 stages:
@@ -1822,6 +1832,183 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
         num_stages=(num_stages or (4 if fp8 else 2)) if _GPU_LAUNCH else 1, **_pdl())
     return out
 
+
+# The grouped FP8 GEMM again, in Gluon (explicit TMA, mbarriers, wgmma and warp specialisation; sm90 only, never
+# under the interpreter: the CPU runs grouped_gemm_triton). Triton's sm90 build of _grouped_gemm_kernel keeps every
+# warpgroup of a CTA in lockstep (CTA barriers around each stage), so a CTA's tensor cores idle while it scales;
+# 64 x 128 tiles at 3 CTAs per SM overlap CTAs instead, but read 1.5x the bytes per FLOP of a 128 x 128 tile from
+# L2 (ncu, down shape, 1024 rows per expert: L2 throughput 79%, tensor pipe 51%). Here a 128 x 128 tile is split
+# between two math warpgroups (64 rows each) that never wait for each other, fed by one TMA warp through
+# `stages` ready / empty mbarrier pairs.
+
+
+@gluon.jit
+def _add_i32(a, b):
+    return a + b
+
+
+@gluon.jit
+def _wg_tile(t, row_off_ptr, N, E, BLOCK_M: gl.constexpr, OUT_N: gl.constexpr, BLOCK_E: gl.constexpr):
+    """Tile t of the grouped GEMM (M tiles expert after expert, N tiles fastest) -> (expert, first row, end of the
+    expert's rows, first column); expert >= E past the last tile."""
+    n_tiles = gl.cdiv(N, OUT_N)
+    pid_m = t // n_tiles
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    experts = gl.arange(0, BLOCK_E, layout=lay)
+    r0 = gl.load(row_off_ptr + experts, mask=experts < E, other=0)
+    r1 = gl.load(row_off_ptr + 1 + experts, mask=experts < E, other=0)
+    tiles = (r1 - r0 + BLOCK_M - 1) // BLOCK_M
+    tile_end = gl.associative_scan(tiles, 0, _add_i32)
+    e = gl.sum((tile_end <= pid_m).to(gl.int32), axis=0)
+    tile0 = gl.sum(gl.where(experts == e, tile_end - tiles, 0), axis=0)
+    row0 = gl.sum(gl.where(experts == e, r0, 0), axis=0)
+    row1 = gl.sum(gl.where(experts == e, r1, 0), axis=0)
+    return e, row0 + (pid_m - tile0) * BLOCK_M, row1, (t % n_tiles) * OUT_N
+
+
+@gluon.jit
+def _wg_loader(x_desc, w_desc, w3_desc, a_s, b_s, ready, empty, row_off_ptr, N, K, E, total,
+               GATED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_E: gl.constexpr,
+               STAGES: gl.constexpr):
+    """The TMA warp: K block after K block of this CTA's tiles into stage i % STAGES (i counts the CTA's blocks),
+    each once both math warpgroups have released it; GATED: W's and W3's OUT_N rows as the two halves of one
+    B tile, so one wgmma computes gate | up."""
+    OUT_N: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+    KB = gl.cdiv(K, 128)
+    i = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        e, m0, row1, n0 = _wg_tile(t, row_off_ptr, N, E, BLOCK_M, OUT_N, BLOCK_E)
+        if e < E:
+            for kb in range(KB):
+                s = i % STAGES  # a fresh barrier counts as released: the first pass waits for parity 1
+                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, x_desc.block_type.nbytes + BLOCK_N * 128)
+                gtma.async_copy_global_to_shared(x_desc, [m0, kb * 128], bar, a_s.index(s))
+                if GATED:
+                    gtma.async_copy_global_to_shared(w_desc, [e * N + n0, kb * 128], bar,
+                                                     b_s.index(s).slice(0, OUT_N))
+                    gtma.async_copy_global_to_shared(w3_desc, [e * N + n0, kb * 128], bar,
+                                                     b_s.index(s).slice(OUT_N, OUT_N))
+                else:
+                    gtma.async_copy_global_to_shared(w_desc, [e * N + n0, kb * 128], bar, b_s.index(s))
+                i += 1
+
+
+@gluon.jit
+def _wg_math(half, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr, row_off_ptr,
+             N, K, E, total, limit, sx_stride, sw_stride_e, sw_stride_n, out_stride,
+             GATED: gl.constexpr, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             BLOCK_E: gl.constexpr, STAGES: gl.constexpr, PRECISE: gl.constexpr):
+    """Math warpgroup `half`: rows [half * BLOCK_M / 2, +BLOCK_M / 2) of each tile. Per K block: wgmma into fresh
+    registers, wait, release the stage, then acc + d * sx * sw as _grouped_gemm_kernel rounds it (same bits). The
+    other warpgroup's wgmmas run meanwhile. (A second register tile in flight during the scaling is what ptxas
+    refuses: it serialises every wgmma when registers of one in flight are read, C7514.) The epilogue goes through
+    shared memory: bf16 rows stored whole to global memory; GATED: gate and up halves split for the SwiGLU."""
+    OUT_N: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+    HM: gl.constexpr = BLOCK_M // 2
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    KB = gl.cdiv(K, 128)
+    i = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        e, m0, row1, n0 = _wg_tile(t, row_off_ptr, N, E, BLOCK_M, OUT_N, BLOCK_E)
+        if e < E:
+            rows = m0 + half * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))
+            row_ok = rows < row1
+            sw_off = e.to(gl.int64) * sw_stride_e + (n0 // 128) * sw_stride_n
+            acc = gl.zeros([HM, BLOCK_N], gl.float32, mma)
+            for kb in range(KB):
+                s = i % STAGES
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                d = warpgroup_mma(a_s.index(s).slice(half * HM, HM), b_s.index(s).permute((1, 0)), acc,
+                                  use_acc=False, is_async=True)
+                sa = gl.load(sx_ptr + rows * sx_stride + kb, mask=row_ok, other=0.0)
+                sg = gl.load(sw_ptr + sw_off + kb)
+                if GATED:
+                    sg = gl.where(cols < OUT_N, sg, gl.load(sw3_ptr + sw_off + kb))[None, :]
+                d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = acc + d * sa[:, None] * sg
+                i += 1
+            cs = c_s.index(half)
+            cs.store(_bf16_round(acc).to(gl.bfloat16))
+            orow = m0 + half * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, out_l))
+            ocol = n0 + gl.arange(0, OUT_N, layout=gl.SliceLayout(0, out_l))
+            if GATED:
+                g = cs.slice(0, OUT_N, dim=1).load(out_l).to(gl.float32)
+                u = cs.slice(OUT_N, OUT_N, dim=1).load(out_l).to(gl.float32)
+                y = _swiglu_math(g, u, limit, HAS_LIMIT, PRECISE).to(gl.bfloat16)
+            else:
+                y = cs.load(out_l)
+            gl.store(out_ptr + orow.to(gl.int64)[:, None] * out_stride + ocol[None, :], y,
+                     mask=(orow < row1)[:, None] & (ocol < N)[None, :])
+
+
+@gluon.jit
+def _grouped_wgmma_kernel(
+    x_desc, w_desc, w3_desc, sx_ptr, sw_ptr, sw3_ptr, out_ptr, row_off_ptr,
+    N, K, E, total, limit, sx_stride, sw_stride_e, sw_stride_n, out_stride,
+    GATED: gl.constexpr, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_E: gl.constexpr, STAGES: gl.constexpr, PRECISE: gl.constexpr, MATH_REGS: gl.constexpr,
+):
+    """Persistent: CTA p takes tiles p, p + grid, ... of `total` (the worst-case count; tiles past the last real
+    one are skipped). Partitions: math warpgroups 0 (the default, 4 warps) and 1, the TMA warp (40 registers)."""
+    a_s = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, 128], x_desc.layout)
+    b_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, 128], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M // 2, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    gl.warp_specialize([
+        (_wg_math, (0, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr, row_off_ptr, N, K, E, total,
+                    limit, sx_stride, sw_stride_e, sw_stride_n, out_stride, GATED, HAS_LIMIT, BLOCK_M, BLOCK_N,
+                    BLOCK_E, STAGES, PRECISE)),
+        (_wg_math, (1, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr, row_off_ptr, N, K, E, total,
+                    limit, sx_stride, sw_stride_e, sw_stride_n, out_stride, GATED, HAS_LIMIT, BLOCK_M, BLOCK_N,
+                    BLOCK_E, STAGES, PRECISE)),
+        (_wg_loader, (x_desc, w_desc, w3_desc, a_s, b_s, ready, empty, row_off_ptr, N, K, E, total,
+                      GATED, BLOCK_M, BLOCK_N, BLOCK_E, STAGES))],
+                       [4, 1], [MATH_REGS, 40])
+
+
+def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, stages=4):
+    """grouped_gemm_triton for FP8 on sm90 through _grouped_wgmma_kernel (Gluon): same arguments, and the same bits
+    as its tiles of >= 64 rows (wgmma too; its 16-row tiles add a K block's products in another order).
+
+    row_idx: the rows are gathered first (x and sx indexed by row_idx: one pass over M x K bytes, as TMA on sm90
+    reads whole row blocks only). Persistent: one CTA per SM walks the tiles (N fastest, so the CTAs in flight share an
+    M tile's rows and an expert's weights in L2) while the TMA warp keeps `stages` K blocks in flight across tile
+    boundaries. H200, 44 experts, TFLOP/s at 256 / 1024 rows per expert (bench_kernels.py sweep_gemm_wgmma; stages
+    3-5 within 1%): gathered gate+up 662 / 731 (the gather 40 / 133 us of it) vs grouped_gemm_triton's 614 / 679;
+    down 635 / 698 vs 672 / 743 (so grouped_gemm_triton keeps it). Without the scaling (one accumulator chain, a
+    probe, wrong results) the same feed reached only 766 / 889 on the down shape: more needs fewer bytes per FLOP
+    into shared memory (TMA multicast across a cluster, wider tiles), not better overlap."""
+    E, N, K = w.shape
+    _check(sw is not None and w.dtype == FP8 and x.dtype == FP8, "grouped_gemm_wgmma is for e4m3 x and w")
+    M = x.shape[0] if row_idx is None else row_idx.numel()
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    if M == 0 or E == 0:
+        return out
+    if row_idx is not None:  # index_select has no e4m3 kernel: gather the bytes
+        x, sx = x.view(torch.uint8)[row_idx].view(FP8), sx[row_idx]
+    BLOCK_M, BLOCK_N = 128, 128
+    gated = w3 is not None
+    out_n = BLOCK_N // 2 if gated else BLOCK_N
+    wl = gl.NVMMASharedLayout.get_default_for([out_n, QBLOCK], gl.float8e4nv)
+    x_desc = GluonDescriptor.from_tensor(x, [BLOCK_M, QBLOCK], gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M, QBLOCK], gl.float8e4nv))
+    w_desc, w3_desc = (GluonDescriptor.from_tensor(t.view(E * N, K), [out_n, QBLOCK], wl) for t in (w, w3 if gated else w))
+    total = (triton.cdiv(M, BLOCK_M) + E) * triton.cdiv(N, out_n)  # worst case over any split of M rows into E experts
+    _grouped_wgmma_kernel[(min(total, _sms()),)](
+        x_desc, w_desc, w3_desc, sx, sw, sw3 if gated else sw, out, row_off, N, K, E, total,
+        float(limit) if limit is not None else 0.0, sx.stride(0), sw.stride(0), sw.stride(1), out.stride(0),
+        GATED=gated, HAS_LIMIT=limit is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_E=triton.next_power_of_2(E), STAGES=stages, PRECISE=_PRECISE, MATH_REGS=232, num_warps=4)
+    return out
 
 @triton.jit
 def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, D, y_stride, out_stride,

@@ -148,6 +148,12 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
                            K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=bn, tma=False))
     assert torch.equal(*[K.grouped_gemm_triton(xq, sx, w, sw, row_off, row_idx=tok, w3=w3, sw3=sw3, limit=7.0,
                                                block_n=64, tma=t) for t in (True, False)])
+    # the Gluon kernel: 128-row tiles, two warpgroups of 64 rows, x by TMA too; the same bits as Triton's tiles of
+    # >= 64 rows (wgmma; the default 16-row tiles here add each K block's products in another order: 1 ulp apart)
+    if not INTERPRET and K._sm90():
+        for kw in (dict(), dict(row_idx=tok, w3=w3, sw3=sw3, limit=7.0)):
+            assert torch.equal(K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, **kw),
+                               K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_m=128, tma=False, **kw)), sorted(kw)
 
 
 def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
@@ -703,7 +709,7 @@ def test_route_ties_to_the_lower_id():
 
 
 @gpu
-@pytest.mark.parametrize("T", [1, 16, 512])
+@pytest.mark.parametrize("T", [1, 16, 512, 8192])
 def test_gpu_moe_fp8_real_shape(T):
     E, D, F, k = 44, 4096, 1536, 8
     g = _gen(T)
