@@ -73,6 +73,7 @@ def _triton(x: torch.Tensor) -> bool:
 #   +13.6 / +3.0% and +1.5 / +26%. Fifth session (eager kernel sums per step, --profile; batch 1 / 16): the shared
 #   expert's SwiGLU in the gate/up kernel's epilogue (gate and up of half the columns per program): up +177 / -13 us,
 #   down -68 / -107 us; the down kernel's a quantised once in a launch between (T > 1): down -163 us, the launch +444.
+# banded_fused: banded_attention's fused SDPA kernels for the sliding layers' prefill (not yet measured: off).
 # skinny_all: model.linear's few-row projections (sliding packed QKV, o_proj, lm_head, dense MLPs) through
 #   skinny_linear, not cuBLAS: -1.1% / -2.3% (batch 1 / 16, 2026-12-01). router_block_e: experts per router-logits
 #   program; 32 (88 programs at batch 1, each reading half of 64's bytes): -0.6% / -0.8%.
@@ -82,7 +83,7 @@ def _triton(x: torch.Tensor) -> bool:
 #   254 -> 173 instructions): +3.5% at batch 1; the shared expert's gate/up in 16-column tiles: +0.1 / -0.8%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
-          "skinny_all": True, "router_block_e": 32}
+          "skinny_all": True, "router_block_e": 32, "banded_fused": False}
 
 
 def set_tuning(items) -> None:
@@ -367,6 +368,27 @@ def norm_rope(x, weight, cos, sin, eps, bias=None, pos=None):
 # --------------------------------------------------------------------------------------------------
 # 1b. fused sliding-window decode
 
+
+def banded_attention_ref(q, k, v, mask, scale):
+    """Prefill attention of a query chunk: q [H, n, hd], k, v [G, m, hd] bf16 (H / G query heads per group), mask
+    [n, m] bool -> [H, n, hd] bf16. SDPA's math path: fp32 logits * scale, fp32 softmax and sum, one rounding."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def banded_attention(q, k, v, mask, scale, backends=None):
+    """banded_attention_ref, or on CUDA with TUNING["banded_fused"] (or given `backends`, a list of SDPBackend) one
+    of SDPA's fused kernels: memory-efficient or cuDNN, whose probabilities meet V in bf16 (a few bf16 ulps from the
+    math path). SDPA dispatches 4-D inputs with as many key as query heads to them; for the model's 3-D GQA call it
+    runs the math path, fp32 GEMMs on the CUDA cores: H200, bench_prefill.py --profile, 8k-token sliding layer (9.2
+    ms, 8.1 ms of kernels): fp32 GEMMs 2.97 ms, softmax 0.63, elementwise ~1.1. Not yet measured on a GPU (so off):
+    bench_kernels.py sweep_banded times and checks both."""
+    if backends is None and not (_triton(q) and TUNING["banded_fused"]):
+        return banded_attention_ref(q, k, v, mask, scale)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    rep = q.shape[0] // k.shape[0]
+    k, v = (t.repeat_interleave(rep, 0)[None] for t in (k, v))
+    with sdpa_kernel(backends or [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):
+        return torch.nn.functional.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, scale=scale)[0]
 
 def ring_attention_ref(q, k, v, pos, ring_k, ring_v, window, scale):
     """Sliding-window attention of Q = T / B new tokens per ring row (row-major [B, Q]): their keys/values are

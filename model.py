@@ -369,8 +369,7 @@ class Attention(nn.Module):
                 c1, k0 = min(n, c0 + 2048), max(0, m + c0 - W + 1)
                 dq = torch.arange(m + c0, m + c1, device=q.device)[:, None] - torch.arange(k0, m + c1, device=q.device)
                 mask = (dq >= 0) & (dq < W)
-                o = F.scaled_dot_product_attention(qb[:, c0:c1], kb[:, k0:m + c1], vb[:, k0:m + c1], attn_mask=mask,
-                                                   scale=self.scale, enable_gqa=True)
+                o = kernel.banded_attention(qb[:, c0:c1], kb[:, k0:m + c1], vb[:, k0:m + c1], mask, self.scale)
                 out[s + c0:s + c1] = o.transpose(0, 1)
             keep = torch.arange(max(0, n - R), n, device=q.device)  # the ring keeps the last R positions
             cache.k[b, :, (p0 + keep) % R] = kb[:, m + keep]

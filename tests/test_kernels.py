@@ -174,9 +174,11 @@ def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
     return (x, ids.to(DEV), wts, w1, w3, w2, s1, s3, s2), sh
 
 
-# the sorted path quantises its whole gate/up buffer, whose rows past the routed ones are uninitialised and never read
-# back: the interpreter's numpy warns when such garbage holds inf (inf * 0 in the scaling)
+# the sorted path quantises its whole gate/up buffer, and the decode path's tiles the padding rows of theirs: rows that
+# are uninitialised and never read back; the interpreter's numpy warns when such garbage holds inf or huge values
+# (inf * 0 or an overflow in the scaling)
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("T,k,E,first,shared,limit", [
     (1, 4, 4, 0, None, 7.0),     # one token, ids of rank 0 (remote ones above the range)
@@ -754,6 +756,23 @@ def test_gpu_moe_decode_real_shape(T):
     d = report(f"GPU moe decode swap T={T}", K.moe_experts_decode_triton(*args, swap=True), ref)
     assert d.max() <= 2e-2 * ref.float().abs().max()
 
+
+
+@gpu
+def test_gpu_banded_attention_real_shape():
+    """A sliding layer's prefill chunk at one TP=8 rank's shapes (8 query heads on 1 KV group, head_dim 192, window
+    512, 2048 queries after 511 cached keys): SDPA's fused kernels (TUNING["banded_fused"]) against the math path."""
+    from torch.nn.attention import SDPBackend
+    H, hd, W, n, m = 8, 192, 512, 2048, 511
+    q, k, v = randn(H, n, hd, seed=1), randn(1, m + n, hd, seed=2), randn(1, m + n, hd, seed=3)
+    dq = torch.arange(m, m + n, device=DEV)[:, None] - torch.arange(m + n, device=DEV)
+    mask = (dq >= 0) & (dq < W)
+    out = K.banded_attention(q, k, v, mask, hd ** -0.5, [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+    ref = K.banded_attention_ref(q, k, v, mask, hd ** -0.5)
+    ulp = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp_min(2 ** -60))) - 7)
+    d = report("GPU banded attention", out, ref)
+    print(f"max {((out.float() - ref.float()).abs() / ulp).max().item():.1f} bf16 ulps")
+    assert d.max() <= 2e-2 * ref.float().abs().max()
 
 @gpu
 @pytest.mark.parametrize("ctx", [16384, 131072])
