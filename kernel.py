@@ -380,7 +380,7 @@ def banded_attention(q, k, v, mask, scale, backends=None):
     of SDPA's fused kernels: memory-efficient or cuDNN, whose probabilities meet V in bf16 (a few bf16 ulps from the
     math path). SDPA dispatches 4-D inputs with as many key as query heads to them; for the model's 3-D GQA call it
     runs the math path, fp32 GEMMs on the CUDA cores: H200, bench_prefill.py --profile, 8k-token sliding layer (9.2
-    ms, 8.1 ms of kernels): fp32 GEMMs 2.97 ms, softmax 0.63, elementwise ~1.1. Not yet measured on a GPU (so off):
+    ms, 8.1 ms of kernels): fp32 GEMMs 2.97 ms, softmax 0.63. The fused path is not yet measured on a GPU (so off):
     bench_kernels.py sweep_banded times and checks both."""
     if backends is None and not (_triton(q) and TUNING["banded_fused"]):
         return banded_attention_ref(q, k, v, mask, scale)
