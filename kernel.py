@@ -1810,7 +1810,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     tma = (tma and w.is_contiguous() and (K * w.element_size()) % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
            and all(t.data_ptr() % 16 == 0 for t in (x, w, w3) if t is not None))
     if wgmma is None:
-        wgmma = w3 is not None and BLOCK_M == 128 and block_m is block_n is num_stages is num_warps is None
+        wgmma = w3 is not None and BLOCK_M == 128 and all(a is None for a in (block_m, block_n, num_stages, num_warps))
     if tma and wgmma:
         return grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx, w3, sw3, limit)
     if tma and BLOCK_M == 128 and block_m is None:
@@ -2023,7 +2023,8 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
     wl = gl.NVMMASharedLayout.get_default_for([out_n, QBLOCK], gl.float8e4nv)
     x_desc = GluonDescriptor.from_tensor(x, [BLOCK_M, QBLOCK], gl.NVMMASharedLayout.get_default_for(
         [BLOCK_M, QBLOCK], gl.float8e4nv))
-    w_desc, w3_desc = (GluonDescriptor.from_tensor(t.view(E * N, K), [out_n, QBLOCK], wl) for t in (w, w3 if gated else w))
+    w_desc, w3_desc = (GluonDescriptor.from_tensor(t.view(E * N, K), [out_n, QBLOCK], wl)
+                       for t in (w, w3 if gated else w))
     total = (triton.cdiv(M, BLOCK_M) + E) * triton.cdiv(N, out_n)  # worst case over any split of M rows into E experts
     _grouped_wgmma_kernel[(min(total, _sms()),)](
         x_desc, w_desc, w3_desc, sx, sw, sw3 if gated else sw, out, row_off, N, K, E, total,
