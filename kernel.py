@@ -73,7 +73,8 @@ def _triton(x: torch.Tensor) -> bool:
 #   +13.6 / +3.0% and +1.5 / +26%. Fifth session (eager kernel sums per step, --profile; batch 1 / 16): the shared
 #   expert's SwiGLU in the gate/up kernel's epilogue (gate and up of half the columns per program): up +177 / -13 us,
 #   down -68 / -107 us; the down kernel's a quantised once in a launch between (T > 1): down -163 us, the launch +444.
-# banded_fused: banded_attention's fused SDPA kernels for the sliding layers' prefill (not yet measured: off).
+# banded: the sliding layers' prefill attention (banded_attention): "math" (SDPA's math path), "sdpa" (its fused
+#   kernels) or "triton" (_banded_attn_kernel); the two alternatives are not yet measured on a GPU.
 # skinny_all: model.linear's few-row projections (sliding packed QKV, o_proj, lm_head, dense MLPs) through
 #   skinny_linear, not cuBLAS: -1.1% / -2.3% (batch 1 / 16, 2026-12-01). router_block_e: experts per router-logits
 #   program; 32 (88 programs at batch 1, each reading half of 64's bytes): -0.6% / -0.8%.
@@ -83,7 +84,7 @@ def _triton(x: torch.Tensor) -> bool:
 #   254 -> 173 instructions): +3.5% at batch 1; the shared expert's gate/up in 16-column tiles: +0.1 / -0.8%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
-          "skinny_all": True, "router_block_e": 32, "banded_fused": False}
+          "skinny_all": True, "router_block_e": 32, "banded": "math"}
 
 
 def set_tuning(items) -> None:
@@ -369,26 +370,124 @@ def norm_rope(x, weight, cos, sin, eps, bias=None, pos=None):
 # 1b. fused sliding-window decode
 
 
-def banded_attention_ref(q, k, v, mask, scale):
-    """Prefill attention of a query chunk: q [H, n, hd], k, v [G, m, hd] bf16 (H / G query heads per group), mask
-    [n, m] bool -> [H, n, hd] bf16. SDPA's math path: fp32 logits * scale, fp32 softmax and sum, one rounding."""
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+def banded_attention_ref(q, k, v, off, window, scale):
+    """Prefill attention of a query chunk: q [H, n, hd], k, v [G, L, hd] bf16 (H / G query heads per group); query
+    i's own key is key off + i and it sees keys (off + i - window, off + i] -> [H, n, hd] bf16. SDPA's math path:
+    fp32 logits * scale, fp32 softmax and sum, one rounding."""
+    dq = off + torch.arange(q.shape[1], device=q.device)[:, None] - torch.arange(k.shape[1], device=q.device)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=(dq >= 0) & (dq < window),
+                                                            scale=scale, enable_gqa=True)
 
 
-def banded_attention(q, k, v, mask, scale, backends=None):
-    """banded_attention_ref, or on CUDA with TUNING["banded_fused"] (or given `backends`, a list of SDPBackend) one
-    of SDPA's fused kernels: memory-efficient or cuDNN, whose probabilities meet V in bf16 (a few bf16 ulps from the
-    math path). SDPA dispatches 4-D inputs with as many key as query heads to them; for the model's 3-D GQA call it
-    runs the math path, fp32 GEMMs on the CUDA cores: H200, bench_prefill.py --profile, 8k-token sliding layer (9.2
-    ms, 8.1 ms of kernels): fp32 GEMMs 2.97 ms, softmax 0.63. The fused path is not yet measured on a GPU (so off):
-    bench_kernels.py sweep_banded times and checks both."""
-    if backends is None and not (_triton(q) and TUNING["banded_fused"]):
-        return banded_attention_ref(q, k, v, mask, scale)
+@triton.jit
+def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, L, off, W, scale, sq_h, sq_t, sk_g, sk_t, so_h, so_t,
+                        HG: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                        DA: tl.constexpr, BLOCK_DB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Queries [q0, q0 + BLOCK_Q) of KV group g with all its HG heads as the rows of one tile (row r: query
+    q0 + r // HG, head g * HG + r % HG), so each key block is loaded once for HG heads; only the key blocks of the
+    band are visited. head_dim in two power-of-two pieces, DA + BLOCK_DB (192 = 128 + 64: no padding to 256). The
+    arithmetic of _sliding_attn_kernel: online softmax of fp32 logits (q.k) * scale, P.V with the fp32
+    probabilities (on GPUs as bf16 hi + lo halves), one bf16 rounding of acc / l."""
+    _pdl_enter(PDL)
+    q0 = tl.program_id(0) * BLOCK_Q
+    g = tl.program_id(1)
+    r = tl.arange(0, BLOCK_Q * HG)
+    qi = q0 + r // HG
+    head = g * HG + r % HG
+    row_ok = qi < n
+    da = tl.arange(0, DA)
+    db = DA + tl.arange(0, BLOCK_DB)
+    db_ok = db < D
+    qrow = q_ptr + head.to(tl.int64)[:, None] * sq_h + qi.to(tl.int64)[:, None] * sq_t
+    qa = tl.load(qrow + da[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
+    qb = tl.load(qrow + db[None, :], mask=row_ok[:, None] & db_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
+    own = off + qi  # each row's own key
+    m_i = tl.full((BLOCK_Q * HG,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_Q * HG,), dtype=tl.float32)
+    acc_a = tl.zeros((BLOCK_Q * HG, DA), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_Q * HG, BLOCK_DB), dtype=tl.float32)
+    for k0 in range(tl.maximum(off + q0 - W + 1, 0), tl.minimum(off + q0 + BLOCK_Q, L), BLOCK_N):
+        ks = k0 + tl.arange(0, BLOCK_N)
+        k_ok = ks < L
+        krow = ks.to(tl.int64)[:, None] * sk_t + g.to(tl.int64) * sk_g
+        ka = tl.load(k_ptr + krow + da[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
+        kb = tl.load(k_ptr + krow + db[None, :], mask=k_ok[:, None] & db_ok[None, :],
+                     other=0.0).to(tl.float32).to(DOT_DTYPE)
+        dist = own[:, None] - ks[None, :]
+        ok = (dist >= 0) & (dist < W) & k_ok[None, :] & row_ok[:, None]
+        sc = tl.dot(qb, tl.trans(kb), tl.dot(qa, tl.trans(ka)))
+        sc = tl.where(ok, sc * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key so far: avoid inf - inf
+        alpha = _exp(m_i - m_use, PRECISE)
+        pr = _exp(sc - m_use[:, None], PRECISE)
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        va = tl.load(v_ptr + krow + da[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
+        vb = tl.load(v_ptr + krow + db[None, :], mask=k_ok[:, None] & db_ok[None, :],
+                     other=0.0).to(tl.float32).to(DOT_DTYPE)
+        acc_a = acc_a * alpha[:, None]
+        acc_b = acc_b * alpha[:, None]
+        if PRECISE:  # GPU: fp32 P as hi + lo bf16 halves on the tensor cores
+            hi = _bf16_round(pr)
+            lo = _bf16_round(pr - hi).to(DOT_DTYPE)
+            hi = hi.to(DOT_DTYPE)
+            acc_a = tl.dot(lo, va, tl.dot(hi, va, acc_a))
+            acc_b = tl.dot(lo, vb, tl.dot(hi, vb, acc_b))
+        else:  # interpreter: DOT_DTYPE is fp32
+            acc_a = tl.dot(pr, va, acc_a)
+            acc_b = tl.dot(pr, vb, acc_b)
+        m_i = m_new
+    inv = tl.where(row_ok, l_i, 1.0)[:, None]
+    orow = o_ptr + head.to(tl.int64)[:, None] * so_h + qi.to(tl.int64)[:, None] * so_t
+    oa = _bf16_round(tl.math.div_rn(acc_a, inv * tl.full(acc_a.shape, 1.0, tl.float32)))
+    tl.store(orow + da[None, :], oa.to(tl.bfloat16), mask=row_ok[:, None])
+    ob = _bf16_round(tl.math.div_rn(acc_b, inv * tl.full(acc_b.shape, 1.0, tl.float32)))
+    tl.store(orow + db[None, :], ob.to(tl.bfloat16), mask=row_ok[:, None] & db_ok[None, :])
+
+
+def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4):
+    """Triton banded_attention_ref (_banded_attn_kernel): within 2 bf16 steps of it (online softmax; CPU tests). The
+    sm90 build at one TP=8 rank's shapes (8 heads per group: 64-row tiles, head_dim 128 + 64): 32-key blocks at 4
+    warps take 216 registers and no spills (64-key blocks: 255 and 25 spilled, also at 8 warps). Not yet timed."""
+    _check_tensor("q", q, torch.bfloat16, ndim=3, contiguous=False)
+    _check_tensor("k", k, torch.bfloat16, ndim=3, contiguous=False)
+    _check_tensor("v", v, torch.bfloat16, ndim=3, contiguous=False)
+    H, n, D = q.shape
+    G, L = k.shape[:2]
+    _check(v.shape == k.shape and k.shape[2] == D and H % G == 0 and 0 <= off and off + n <= L,
+           f"banded attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, off {off}")
+    _check(q.stride(2) == k.stride(2) == v.stride(2) == 1 and k.stride() == v.stride(), "rows must be contiguous")
+    out = torch.empty(H, n, D, dtype=torch.bfloat16, device=q.device)
+    HG = H // G
+    BLOCK_Q = max(1, 64 // HG) if _GPU_LAUNCH else triton.next_power_of_2(max(1, 16 // HG))
+    if n:
+        _banded_attn_kernel[(triton.cdiv(n, BLOCK_Q), G)](
+            q, k, v, out, n, L, int(off), int(window), float(scale), q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), out.stride(0), out.stride(1), HG=HG, D=D, BLOCK_Q=BLOCK_Q, BLOCK_N=block_n,
+            DA=1 << (D.bit_length() - 1), BLOCK_DB=max(1, triton.next_power_of_2(D - (1 << (D.bit_length() - 1)))),
+            DOT_DTYPE=_DOT, PRECISE=_PRECISE, num_warps=num_warps,
+            num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
+    return out
+
+
+def banded_attention(q, k, v, off, window, scale, how=None):
+    """banded_attention_ref, or (how, default TUNING["banded"]; CUDA only) "triton": banded_attention_triton; "sdpa":
+    SDPA's fused kernels (memory-efficient or cuDNN, whose probabilities meet V in bf16), given 4-D inputs with as
+    many key as query heads (for the 3-D GQA call SDPA takes the math path). H200, bench_prefill.py --profile,
+    8k-token sliding layer (9.2 ms, 8.1 ms of kernels): the math path's fp32 GEMMs 2.97 ms, softmax 0.63. Neither
+    alternative is measured on a GPU yet (so "math"): bench_kernels.py sweep_banded times and checks them."""
+    how = (TUNING["banded"] if how is None else how) if _triton(q) else "math"
+    if how == "triton":
+        return banded_attention_triton(q, k, v, off, window, scale)
+    if how == "math":
+        return banded_attention_ref(q, k, v, off, window, scale)
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    rep = q.shape[0] // k.shape[0]
-    k, v = (t.repeat_interleave(rep, 0)[None] for t in (k, v))
-    with sdpa_kernel(backends or [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):
-        return torch.nn.functional.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, scale=scale)[0]
+    dq = off + torch.arange(q.shape[1], device=q.device)[:, None] - torch.arange(k.shape[1], device=q.device)
+    k, v = (t.repeat_interleave(q.shape[0] // k.shape[0], 0)[None] for t in (k, v))
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):
+        return torch.nn.functional.scaled_dot_product_attention(q[None], k, v, attn_mask=(dq >= 0) & (dq < window),
+                                                                scale=scale)[0]
 
 def ring_attention_ref(q, k, v, pos, ring_k, ring_v, window, scale):
     """Sliding-window attention of Q = T / B new tokens per ring row (row-major [B, Q]): their keys/values are

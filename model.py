@@ -367,9 +367,8 @@ class Attention(nn.Module):
                 kb, vb = torch.cat([cache.k[b][:, old], kb], 1), torch.cat([cache.v[b][:, old], vb], 1)
             for c0 in range(0, n, 2048):  # query chunks; query i (key index m + i) sees keys (m + i - W, m + i]
                 c1, k0 = min(n, c0 + 2048), max(0, m + c0 - W + 1)
-                dq = torch.arange(m + c0, m + c1, device=q.device)[:, None] - torch.arange(k0, m + c1, device=q.device)
-                mask = (dq >= 0) & (dq < W)
-                o = kernel.banded_attention(qb[:, c0:c1], kb[:, k0:m + c1], vb[:, k0:m + c1], mask, self.scale)
+                o = kernel.banded_attention(qb[:, c0:c1], kb[:, k0:m + c1], vb[:, k0:m + c1], m + c0 - k0, W,
+                                            self.scale)
                 out[s + c0:s + c1] = o.transpose(0, 1)
             keep = torch.arange(max(0, n - R), n, device=q.device)  # the ring keeps the last R positions
             cache.k[b, :, (p0 + keep) % R] = kb[:, m + keep]
