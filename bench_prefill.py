@@ -9,6 +9,7 @@ DSA layer at the largest N the time of the sparse-attention pieces of its last c
 the whole prompt (printed too: it includes the Triton compiles).
 
     python bench_prefill.py [--tokens 8192 32768 131072] [--chunk 8192] [--layers sliding dsa] [--profile]
+                            [--tune KEY=VALUE]
 """
 import argparse
 import time
@@ -167,7 +168,13 @@ if __name__ == "__main__":
     ap.add_argument("--layers", nargs="+", choices=list(LAYER_ID), default=list(LAYER_ID))
     ap.add_argument("--reps", type=int, default=1, help="time each prefill this many times, keep the best")
     ap.add_argument("--profile", action="store_true", help="print the device time of each kernel of the last chunk")
+    ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
+                    help="set kernel.TUNING[KEY] for the run (e.g. --tune banded=triton; repeatable)")
     a = ap.parse_args()
+    try:
+        kernel.set_tuning(a.tune)
+    except ValueError as e:
+        raise SystemExit(str(e))
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill.py needs a CUDA device")
     main(a.tokens, a.chunk, a.layers, a.reps, a.profile)

@@ -95,7 +95,7 @@ def set_tuning(items) -> None:
         if key not in TUNING:
             raise ValueError(f"--tune {item}: no such choice; kernel.TUNING has {', '.join(TUNING)}")
         try:
-            TUNING[key] = type(TUNING[key])(ast.literal_eval(value))
+            TUNING[key] = value if isinstance(TUNING[key], str) else type(TUNING[key])(ast.literal_eval(value))
         except (ValueError, SyntaxError, TypeError) as e:
             raise ValueError(f"--tune {item}: {value!r} is not a {type(TUNING[key]).__name__} ({e})") from None
 
@@ -477,7 +477,9 @@ def banded_attention(q, k, v, off, window, scale, how=None):
     many key as query heads (for the 3-D GQA call SDPA takes the math path). H200, bench_prefill.py --profile,
     8k-token sliding layer (9.2 ms, 8.1 ms of kernels): the math path's fp32 GEMMs 2.97 ms, softmax 0.63. Neither
     alternative is measured on a GPU yet (so "math"): bench_kernels.py sweep_banded times and checks them."""
-    how = (TUNING["banded"] if how is None else how) if _triton(q) else "math"
+    how = TUNING["banded"] if how is None else how
+    _check(how in ("math", "sdpa", "triton"), f"banded attention: {how!r} is not math, sdpa or triton")
+    how = how if _triton(q) else "math"
     if how == "triton":
         return banded_attention_triton(q, k, v, off, window, scale)
     if how == "math":

@@ -550,6 +550,20 @@ def test_banded_attention_matches_reference(H, G, hd, off, n, W):
     with pytest.raises(ValueError, match="banded attention"):
         K.banded_attention_triton(q, k[:, :-1], v[:, :-1], off, W, 1.0)
 
+
+def test_set_tuning_parses_values_and_names_bad_ones(monkeypatch):
+    """--tune KEY=VALUE (bench_decode.py, bench_prefill.py, sass.py): literals for typed choices, bare words for the
+    string ones; an unknown key or a malformed value is named."""
+    monkeypatch.setattr(K, "TUNING", dict(K.TUNING))
+    K.set_tuning(["banded=triton", "moe_block_n=(32, 64)", "pdl=False"])
+    assert (K.TUNING["banded"], K.TUNING["moe_block_n"], K.TUNING["pdl"]) == ("triton", (32, 64), False)
+    with pytest.raises(ValueError, match="nokey"):
+        K.set_tuning(["nokey=1"])
+    with pytest.raises(ValueError, match="moe_block_n"):
+        K.set_tuning(["moe_block_n=wide"])
+    with pytest.raises(ValueError, match="'wide' is not math, sdpa or triton"):
+        K.banded_attention(*(torch.zeros(1, 1, 8).bfloat16() for _ in range(3)), 0, 1, 1.0, "wide")
+
 def test_sliding_decode_rejects_bad_inputs():
     args = _sliding_case(1, 4, 2, 32, 8, 8, 8, [3], seed=0)
     with pytest.raises(ValueError, match="multiple of n_groups"):
