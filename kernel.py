@@ -380,7 +380,7 @@ def banded_attention_ref(q, k, v, off, window, scale):
 
 
 @triton.jit
-def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, L, off, W, scale, sq_h, sq_t, sk_g, sk_t, so_h, so_t,
+def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, L, off, W, scale, sq_h, sq_t, sk_g, sk_t, sv_g, sv_t, so_h, so_t,
                         HG: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                         DA: tl.constexpr, BLOCK_DB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
                         PDL: tl.constexpr):
@@ -411,6 +411,7 @@ def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, L, off, W, scale, sq_h, s
         ks = k0 + tl.arange(0, BLOCK_N)
         k_ok = ks < L
         krow = ks.to(tl.int64)[:, None] * sk_t + g.to(tl.int64) * sk_g
+        vrow = ks.to(tl.int64)[:, None] * sv_t + g.to(tl.int64) * sv_g
         ka = tl.load(k_ptr + krow + da[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
         kb = tl.load(k_ptr + krow + db[None, :], mask=k_ok[:, None] & db_ok[None, :],
                      other=0.0).to(tl.float32).to(DOT_DTYPE)
@@ -423,8 +424,8 @@ def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, L, off, W, scale, sq_h, s
         alpha = _exp(m_i - m_use, PRECISE)
         pr = _exp(sc - m_use[:, None], PRECISE)
         l_i = l_i * alpha + tl.sum(pr, axis=1)
-        va = tl.load(v_ptr + krow + da[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
-        vb = tl.load(v_ptr + krow + db[None, :], mask=k_ok[:, None] & db_ok[None, :],
+        va = tl.load(v_ptr + vrow + da[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
+        vb = tl.load(v_ptr + vrow + db[None, :], mask=k_ok[:, None] & db_ok[None, :],
                      other=0.0).to(tl.float32).to(DOT_DTYPE)
         acc_a = acc_a * alpha[:, None]
         acc_b = acc_b * alpha[:, None]
@@ -457,14 +458,15 @@ def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4
     G, L = k.shape[:2]
     _check(v.shape == k.shape and k.shape[2] == D and H % G == 0 and 0 <= off and off + n <= L,
            f"banded attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, off {off}")
-    _check(q.stride(2) == k.stride(2) == v.stride(2) == 1 and k.stride() == v.stride(), "rows must be contiguous")
+    _check(q.stride(2) == k.stride(2) == v.stride(2) == 1, "banded attention: rows of q, k, v must be contiguous")
     out = torch.empty(H, n, D, dtype=torch.bfloat16, device=q.device)
     HG = H // G
     BLOCK_Q = max(1, 64 // HG) if _GPU_LAUNCH else triton.next_power_of_2(max(1, 16 // HG))
     if n:
         _banded_attn_kernel[(triton.cdiv(n, BLOCK_Q), G)](
             q, k, v, out, n, L, int(off), int(window), float(scale), q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), out.stride(0), out.stride(1), HG=HG, D=D, BLOCK_Q=BLOCK_Q, BLOCK_N=block_n,
+            k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), HG=HG, D=D, BLOCK_Q=BLOCK_Q,
+            BLOCK_N=block_n,
             DA=1 << (D.bit_length() - 1), BLOCK_DB=max(1, triton.next_power_of_2(D - (1 << (D.bit_length() - 1)))),
             DOT_DTYPE=_DOT, PRECISE=_PRECISE, num_warps=num_warps,
             num_stages=2 if _GPU_LAUNCH else 1, **_pdl())

@@ -258,22 +258,25 @@ def test_multi_token_decode_equals_token_by_token(tp1_models, kind):
 @torch.inference_mode()
 def test_model_on_the_triton_kernels_matches_the_references(tp1_models, monkeypatch):
     """The whole model with every Triton kernel (the interpreter on CPU) against the PyTorch references: a batched
-    prefill, a one-token step (the fused sliding-window kernel, the sort-free MoE path, the DSA cache-write and
-    selection kernels) and a three-token step. GPU time is scarce: this is what catches a kernel wired in with the
-    wrong strides or shapes before a GPU run. Decisions pinned; rounding noise only."""
+    prefill, a prefill chunk on top of it, a one-token step (the fused sliding-window kernel, the sort-free MoE path,
+    the DSA cache-write and selection kernels) and a three-token step; the sliding prefill through the banded Triton
+    kernel (TUNING["banded"] "triton", not yet the default). GPU time is scarce: this is what catches a kernel wired
+    in with the wrong strides, shapes or offsets before a GPU run. Decisions pinned; rounding noise only."""
     lm = tp1_models("fp8_text")
-    ids, cont = prompt(19, seed=3), prompt(8, seed=4)
+    ids, cont = prompt(19, seed=3), prompt(14, seed=4)
 
     def run():
-        cache = lm.new_cache(2, 28, slack=2)
+        cache = lm.new_cache(2, 34, slack=2)
         first = lm.forward(torch.tensor(ids + ids[:11]), cache, [19, 11])[:, None]  # [2, 1, V]
+        more = lm.forward(torch.tensor(cont[8:14]), cache, [2, 4])[:, None]  # chunks after cached keys
         one = lm.forward(torch.tensor(cont[:2]), cache)[:, None]
         three = lm.forward(torch.tensor([cont[2:5], cont[5:8]]), cache)  # [2, 3, V]
-        return torch.cat([first, one, three], 1)
+        return torch.cat([first, more, one, three], 1)
 
     with pinned(lm, M.Pins()) as rec:
         ref = run()
     monkeypatch.setattr(kernel, "_triton", lambda x: True)
+    monkeypatch.setitem(kernel.TUNING, "banded", "triton")
     with pinned(lm, M.Pins(rec.data)):
         got = run()
     d = (got - ref).abs().amax(-1) / ref.std(-1)
