@@ -450,7 +450,7 @@ def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, L, off, W, scale, sq_h, s
 def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4):
     """Triton banded_attention_ref (_banded_attn_kernel): within 2 bf16 steps of it (online softmax; CPU tests). The
     sm90 build at one TP=8 rank's shapes (8 heads per group: 64-row tiles, head_dim 128 + 64): 32-key blocks at 4
-    warps take 216 registers and no spills (64-key blocks: 255 and 25 spilled, also at 8 warps). Not yet timed."""
+    warps take 204 registers and no spills (64-key blocks: 255 and 25 spilled, also at 8 warps). Not yet timed."""
     _check_tensor("q", q, torch.bfloat16, ndim=3, contiguous=False)
     _check_tensor("k", k, torch.bfloat16, ndim=3, contiguous=False)
     _check_tensor("v", v, torch.bfloat16, ndim=3, contiguous=False)
