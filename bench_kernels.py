@@ -304,7 +304,6 @@ def sweep_gemm_prefill(rows_per_expert, E=44):
         print(f"  sweep prefill {what} rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
 
 
-
 def sweep_gemm_wgmma(rows_per_expert, E=44, stages=(3, 4, 5)):
     """The Gluon grouped GEMM (kernel.grouped_gemm_wgmma: 128 x 128 tiles, two math warpgroups and a TMA warp,
     persistent) at its stage counts beside grouped_gemm_triton's own kernel (wgmma=False); same bits asserted."""
@@ -351,6 +350,7 @@ def sweep_banded(T=8192, chunks=(512, 2048)):
             except RuntimeError as e:
                 res.append(f"{how} {chunk}: {str(e)[:60]}")
     print(f"  sweep banded attention T={T}: " + "; ".join(res), flush=True)
+
 
 def bench_moe(T, E=44):
     D, Fw = 4096, 1536

@@ -370,13 +370,18 @@ def norm_rope(x, weight, cos, sin, eps, bias=None, pos=None):
 # 1b. fused sliding-window decode
 
 
+def _band_mask(n, L, off, window, device):
+    """[n, L] bool: query i sees keys (off + i - window, off + i]."""
+    dq = off + torch.arange(n, device=device)[:, None] - torch.arange(L, device=device)
+    return (dq >= 0) & (dq < window)
+
+
 def banded_attention_ref(q, k, v, off, window, scale):
     """Prefill attention of a query chunk: q [H, n, hd], k, v [G, L, hd] bf16 (H / G query heads per group); query
     i's own key is key off + i and it sees keys (off + i - window, off + i] -> [H, n, hd] bf16. SDPA's math path:
     fp32 logits * scale, fp32 softmax and sum, one rounding."""
-    dq = off + torch.arange(q.shape[1], device=q.device)[:, None] - torch.arange(k.shape[1], device=q.device)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=(dq >= 0) & (dq < window),
-                                                            scale=scale, enable_gqa=True)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=_band_mask(q.shape[1], k.shape[1], off, window, q.device), scale=scale, enable_gqa=True)
 
 
 @triton.jit
@@ -462,14 +467,13 @@ def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4
     out = torch.empty(H, n, D, dtype=torch.bfloat16, device=q.device)
     HG = H // G
     BLOCK_Q = max(1, 64 // HG) if _GPU_LAUNCH else triton.next_power_of_2(max(1, 16 // HG))
+    DA = 1 << (D.bit_length() - 1)  # head_dim = DA + the rest, each piece a power of two (192 = 128 + 64)
     if n:
         _banded_attn_kernel[(triton.cdiv(n, BLOCK_Q), G)](
             q, k, v, out, n, L, int(off), int(window), float(scale), q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), HG=HG, D=D, BLOCK_Q=BLOCK_Q,
-            BLOCK_N=block_n,
-            DA=1 << (D.bit_length() - 1), BLOCK_DB=max(1, triton.next_power_of_2(D - (1 << (D.bit_length() - 1)))),
-            DOT_DTYPE=_DOT, PRECISE=_PRECISE, num_warps=num_warps,
-            num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
+            BLOCK_N=block_n, DA=DA, BLOCK_DB=max(1, triton.next_power_of_2(D - DA)), DOT_DTYPE=_DOT,
+            PRECISE=_PRECISE, num_warps=num_warps, num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
     return out
 
 
@@ -487,11 +491,11 @@ def banded_attention(q, k, v, off, window, scale, how=None):
     if how == "math":
         return banded_attention_ref(q, k, v, off, window, scale)
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    dq = off + torch.arange(q.shape[1], device=q.device)[:, None] - torch.arange(k.shape[1], device=q.device)
+    mask = _band_mask(q.shape[1], k.shape[1], off, window, q.device)
     k, v = (t.repeat_interleave(q.shape[0] // k.shape[0], 0)[None] for t in (k, v))
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):
-        return torch.nn.functional.scaled_dot_product_attention(q[None], k, v, attn_mask=(dq >= 0) & (dq < window),
-                                                                scale=scale)[0]
+        return torch.nn.functional.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, scale=scale)[0]
+
 
 def ring_attention_ref(q, k, v, pos, ring_k, ring_v, window, scale):
     """Sliding-window attention of Q = T / B new tokens per ring row (row-major [B, Q]): their keys/values are
@@ -2135,6 +2139,7 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
         GATED=gated, HAS_LIMIT=limit is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_E=triton.next_power_of_2(E), STAGES=stages, PRECISE=_PRECISE, MATH_REGS=232, num_warps=4)
     return out
+
 
 @triton.jit
 def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, D, y_stride, out_stride,

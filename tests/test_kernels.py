@@ -534,7 +534,6 @@ def test_sliding_decode_multi_token(B, first, Q, R):
         K.sliding_decode_triton(*args[:2], *short, *args[4:])
 
 
-
 @pytest.mark.parametrize("H,G,hd", [(4, 2, 24), (4, 1, 32), (3, 3, 16)])
 @pytest.mark.parametrize("off,n,W", [(0, 13, 5), (4, 9, 5), (3, 21, 8), (0, 1, 4)])
 def test_banded_attention_matches_reference(H, G, hd, off, n, W):
@@ -563,6 +562,7 @@ def test_set_tuning_parses_values_and_names_bad_ones(monkeypatch):
         K.set_tuning(["moe_block_n=wide"])
     with pytest.raises(ValueError, match="'wide' is not math, sdpa or triton"):
         K.banded_attention(*(torch.zeros(1, 1, 8).bfloat16() for _ in range(3)), 0, 1, 1.0, "wide")
+
 
 def test_sliding_decode_rejects_bad_inputs():
     args = _sliding_case(1, 4, 2, 32, 8, 8, 8, [3], seed=0)
@@ -787,7 +787,6 @@ def test_gpu_moe_decode_real_shape(T):
     assert d.max() <= 2e-2 * ref.float().abs().max()
 
 
-
 @gpu
 @pytest.mark.parametrize("how", ["triton", "sdpa"])
 def test_gpu_banded_attention_real_shape(how):
@@ -800,6 +799,7 @@ def test_gpu_banded_attention_real_shape(how):
     ulps = ((out.float() - ref.float()).abs() / bf16_ulp(ref.float().abs().amax(-1, keepdim=True))).max().item()
     print(f"GPU banded attention {how}: max {ulps:.2f} bf16 steps of the row's magnitude")
     assert ulps <= 2.0
+
 
 @gpu
 @pytest.mark.parametrize("ctx", [16384, 131072])

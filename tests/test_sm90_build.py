@@ -21,6 +21,8 @@ from sass import build, launch_record
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 @pytest.mark.skipif(not INTERPRET, reason="records the interpreter's launches (CPU CI)")
 @torch.inference_mode()
 def test_every_launched_kernel_compiles_for_sm90(tp1_models, monkeypatch, tmp_path):
