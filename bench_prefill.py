@@ -79,9 +79,10 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
         kernel.region_summary(ki.view(-1, blk, sp.proxy_dim), zi.contiguous().view(-1, blk, sp.proxy_dim))
         return qi, wi
     qi, wi = indexer()
-    subs = [(c0, min(C, c0 + 256)) for c0 in range(0, C, 256)]  # the 256-query chunks of model._dsa
+    step = kernel.dsa_query_chunk(res, a.n_groups, N // blk)
+    subs = [(c0, min(C, c0 + step)) for c0 in range(0, C, step)]  # the query chunks of model._dsa
     scores = [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale)
-              for c0, c1 in subs]  # [1, G, 256, R] each
+              for c0, c1 in subs]  # [1, G, step, R] each
     sel = [kernel.select_regions(s, pos[None, c0:c1] // blk, sp.topk) for s, (c0, c1) in zip(scores, subs)]
     q = torch.randn(1, C, a.n_groups, a.n_heads // a.n_groups, cfg.head_dim, device="cuda").bfloat16()
     pieces = {
@@ -99,7 +100,7 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
     t = {k: timed(f, 3) for k, f in pieces.items()}
     t["rest (QKV, o_proj, MoE...)"] = t["whole layer chunk"] - sum(v for k, v in t.items() if k != "whole layer chunk")
     print(f"dsa breakdown, chunk of {C} at positions {p0}..{N - 1} ({N // blk} regions, {len(subs)} query chunks "
-          f"of 256): " + " | ".join(f"{k} {v * 1e3:.2f} ms" for k, v in t.items()))
+          f"of {step}): " + " | ".join(f"{k} {v * 1e3:.2f} ms" for k, v in t.items()))
 
 
 def main(tokens: list, C: int, layers: list, reps: int, profile: bool = False):

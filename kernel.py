@@ -73,8 +73,10 @@ def _triton(x: torch.Tensor) -> bool:
 #   +13.6 / +3.0% and +1.5 / +26%. Fifth session (eager kernel sums per step, --profile; batch 1 / 16): the shared
 #   expert's SwiGLU in the gate/up kernel's epilogue (gate and up of half the columns per program): up +177 / -13 us,
 #   down -68 / -107 us; the down kernel's a quantised once in a launch between (T > 1): down -163 us, the launch +444.
-# banded: the sliding layers' prefill attention (banded_attention): "math" (SDPA's math path), "sdpa" (its fused
-#   kernels) or "triton" (_banded_attn_kernel); the two alternatives are not yet measured on a GPU.
+# banded: the sliding layers' prefill attention (banded_attention): "triton" (_banded_attn_kernel) or "math" (SDPA's
+#   math path, the reference). H200, 2026-12-01, bench_kernels.py sweep_banded, 8k / 32k tokens in 2048-query chunks:
+#   math 5.78 / 24.1 ms, SDPA's fused kernels on 4-D equal-head inputs 0.95 / 3.85 ms (removed), triton 0.21 / 0.83
+#   ms (all within 1 bf16 step of the math path); bench_prefill.py sliding layer at 8k: 9.7 / 5.7 / 5.1 ms.
 # skinny_all: model.linear's few-row projections (sliding packed QKV, o_proj, lm_head, dense MLPs) through
 #   skinny_linear, not cuBLAS: -1.1% / -2.3% (batch 1 / 16, 2026-12-01). router_block_e: experts per router-logits
 #   program; 32 (88 programs at batch 1, each reading half of 64's bytes): -0.6% / -0.8%.
@@ -84,7 +86,7 @@ def _triton(x: torch.Tensor) -> bool:
 #   254 -> 173 instructions): +3.5% at batch 1; the shared expert's gate/up in 16-column tiles: +0.1 / -0.8%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
-          "skinny_all": True, "router_block_e": 32, "banded": "math"}
+          "skinny_all": True, "router_block_e": 32, "banded": "triton"}
 
 
 def set_tuning(items) -> None:
@@ -370,18 +372,13 @@ def norm_rope(x, weight, cos, sin, eps, bias=None, pos=None):
 # 1b. fused sliding-window decode
 
 
-def _band_mask(n, L, off, window, device):
-    """[n, L] bool: query i sees keys (off + i - window, off + i]."""
-    dq = off + torch.arange(n, device=device)[:, None] - torch.arange(L, device=device)
-    return (dq >= 0) & (dq < window)
-
-
 def banded_attention_ref(q, k, v, off, window, scale):
     """Prefill attention of a query chunk: q [H, n, hd], k, v [G, L, hd] bf16 (H / G query heads per group); query
     i's own key is key off + i and it sees keys (off + i - window, off + i] -> [H, n, hd] bf16. SDPA's math path:
     fp32 logits * scale, fp32 softmax and sum, one rounding."""
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=_band_mask(q.shape[1], k.shape[1], off, window, q.device), scale=scale, enable_gqa=True)
+    dq = off + torch.arange(q.shape[1], device=q.device)[:, None] - torch.arange(k.shape[1], device=q.device)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=(dq >= 0) & (dq < window), scale=scale,
+                                                            enable_gqa=True)
 
 
 @triton.jit
@@ -455,7 +452,8 @@ def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, L, off, W, scale, sq_h, s
 def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4):
     """Triton banded_attention_ref (_banded_attn_kernel): within 2 bf16 steps of it (online softmax; CPU tests). The
     sm90 build at one TP=8 rank's shapes (8 heads per group: 64-row tiles, head_dim 128 + 64): 32-key blocks at 4
-    warps take 204 registers and no spills (64-key blocks: 255 and 25 spilled, also at 8 warps). Not yet timed."""
+    warps take 204 registers and no spills (64-key blocks: 255 and 25 spilled, also at 8 warps). GPU: block_n and
+    head_dim's pieces of at least 16 (tl.dot's smallest)."""
     _check_tensor("q", q, torch.bfloat16, ndim=3, contiguous=False)
     _check_tensor("k", k, torch.bfloat16, ndim=3, contiguous=False)
     _check_tensor("v", v, torch.bfloat16, ndim=3, contiguous=False)
@@ -466,8 +464,10 @@ def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4
     _check(q.stride(2) == k.stride(2) == v.stride(2) == 1, "banded attention: rows of q, k, v must be contiguous")
     out = torch.empty(H, n, D, dtype=torch.bfloat16, device=q.device)
     HG = H // G
+    _check(HG & (HG - 1) == 0 or not _GPU_LAUNCH, f"banded attention: {HG} query heads per KV group (GPU: a power of 2)")
     BLOCK_Q = max(1, 64 // HG) if _GPU_LAUNCH else triton.next_power_of_2(max(1, 16 // HG))
-    DA = 1 << (D.bit_length() - 1)  # head_dim = DA + the rest, each piece a power of two (192 = 128 + 64)
+    # head_dim = DA + the rest, each piece a power of two (192 = 128 + 64; 128 = 64 + 64: tl.dot's K is at least 16)
+    DA = 1 << (D - 1).bit_length() - 1
     if n:
         _banded_attn_kernel[(triton.cdiv(n, BLOCK_Q), G)](
             q, k, v, out, n, L, int(off), int(window), float(scale), q.stride(0), q.stride(1), k.stride(0),
@@ -478,23 +478,18 @@ def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4
 
 
 def banded_attention(q, k, v, off, window, scale, how=None):
-    """banded_attention_ref, or (how, default TUNING["banded"]; CUDA only) "triton": banded_attention_triton; "sdpa":
-    SDPA's fused kernels (memory-efficient or cuDNN, whose probabilities meet V in bf16), given 4-D inputs with as
-    many key as query heads (for the 3-D GQA call SDPA takes the math path). H200, bench_prefill.py --profile,
-    8k-token sliding layer (9.2 ms, 8.1 ms of kernels): the math path's fp32 GEMMs 2.97 ms, softmax 0.63. Neither
-    alternative is measured on a GPU yet (so "math"): bench_kernels.py sweep_banded times and checks them."""
+    """banded_attention_ref, or on CUDA with how (default TUNING["banded"]) "triton": banded_attention_triton. The
+    reference runs in chunks of 2048 queries so that its [queries, keys] mask and logits stay small."""
     how = TUNING["banded"] if how is None else how
-    _check(how in ("math", "sdpa", "triton"), f"banded attention: {how!r} is not math, sdpa or triton")
-    how = how if _triton(q) else "math"
-    if how == "triton":
+    _check(how in ("math", "triton"), f"banded attention: {how!r} is not math or triton")
+    if how == "triton" and _triton(q):
         return banded_attention_triton(q, k, v, off, window, scale)
-    if how == "math":
-        return banded_attention_ref(q, k, v, off, window, scale)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    mask = _band_mask(q.shape[1], k.shape[1], off, window, q.device)
-    k, v = (t.repeat_interleave(q.shape[0] // k.shape[0], 0)[None] for t in (k, v))
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):
-        return torch.nn.functional.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, scale=scale)[0]
+    out = torch.empty_like(q)
+    for c0 in range(0, q.shape[1], 2048):  # query c0 + i sees keys (off + c0 + i - window, off + c0 + i]
+        c1, k0 = min(q.shape[1], c0 + 2048), max(0, off + c0 - window + 1)
+        out[:, c0:c1] = banded_attention_ref(q[:, c0:c1], k[:, k0:off + c1], v[:, k0:off + c1], off + c0 - k0,
+                                             window, scale)
+    return out
 
 
 def ring_attention_ref(q, k, v, pos, ring_k, ring_v, window, scale):
@@ -1424,6 +1419,16 @@ def select_regions(scores, n_hist, topk):
     return select_regions_ref(scores, n_hist, topk)
 
 
+def dsa_query_chunk(x, groups, regions):
+    """Queries per launch of a DSA prefill's scores, selection and sparse attention (model._dsa): 256 for the
+    references (sparse_attention_ref gathers every query's selected keys), else as many (a multiple of 256) as keep
+    the fp32 scores [groups, queries, regions] within 128 MiB: at 256, each launch's host time exceeded its GPU time
+    (H200, 32k context: 32 launches of each per 8k chunk)."""
+    if not _triton(x):
+        return 256
+    return max(256, (1 << 27) // (4 * groups * max(regions, 1)) // 256 * 256)
+
+
 def sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale):
     """Attention over the selected history regions plus the current region.
 
@@ -1882,8 +1887,8 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     (bench_kernels.py sweep_prefill): gate 580 -> 684 TFLOP/s, gate+up 549 -> 631, down 520 -> 589 (128 rows: gate
     566 -> 608).
     tma: _grouped_gemm_kernel's TMA (same bits) where the strides allow it; None: FP8 on sm90 GPUs.
-    wgmma: grouped_gemm_wgmma instead (same bits; TMA-able FP8 on sm90 only); None: for the gated GEMM with
-    128-row tiles and no tile arguments, where it measured faster (its docstring).
+    wgmma: grouped_gemm_wgmma instead (same bits; TMA-able FP8 on sm90 only); None: at 128-row tiles and no tile
+    arguments, where it measured faster (its docstring).
     """
     fp8 = sw is not None
     E, N, K = w.shape
@@ -1917,7 +1922,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     tma = (tma and w.is_contiguous() and (K * w.element_size()) % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
            and all(t.data_ptr() % 16 == 0 for t in (x, w, w3) if t is not None))
     if wgmma is None:
-        wgmma = w3 is not None and BLOCK_M == 128 and all(a is None for a in (block_m, block_n, num_stages, num_warps))
+        wgmma = BLOCK_M == 128 and all(a is None for a in (block_m, block_n, num_stages, num_warps))
     if tma and wgmma:
         return grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx, w3, sw3, limit)
     if tma and BLOCK_M == 128 and block_m is None:
@@ -2000,9 +2005,10 @@ def _wg_loader(x_desc, w_desc, w3_desc, a_s, b_s, ready, empty, row_off_ptr, N, 
                GATED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_E: gl.constexpr,
                STAGES: gl.constexpr):
     """The TMA warp: K block after K block of this CTA's tiles into stage i % STAGES (i counts the CTA's blocks),
-    each once both math warpgroups have released it; GATED: W's and W3's OUT_N rows as the two halves of one
-    B tile, so one wgmma computes gate | up."""
-    OUT_N: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+    each once both math warpgroups have released it. The B tile is two boxes of BLOCK_N / 2 weight rows: GATED, W's
+    and W3's rows of the same output columns (one tile computes gate and up); else W's next rows."""
+    H2: gl.constexpr = BLOCK_N // 2
+    OUT_N: gl.constexpr = H2 if GATED else BLOCK_N
     KB = gl.cdiv(K, 128)
     i = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -2014,13 +2020,12 @@ def _wg_loader(x_desc, w_desc, w3_desc, a_s, b_s, ready, empty, row_off_ptr, N, 
                 bar = ready.index(s)
                 mbarrier.expect(bar, x_desc.block_type.nbytes + BLOCK_N * 128)
                 gtma.async_copy_global_to_shared(x_desc, [m0, kb * 128], bar, a_s.index(s))
+                gtma.async_copy_global_to_shared(w_desc, [e * N + n0, kb * 128], bar, b_s.index(s).slice(0, H2))
                 if GATED:
-                    gtma.async_copy_global_to_shared(w_desc, [e * N + n0, kb * 128], bar,
-                                                     b_s.index(s).slice(0, OUT_N))
-                    gtma.async_copy_global_to_shared(w3_desc, [e * N + n0, kb * 128], bar,
-                                                     b_s.index(s).slice(OUT_N, OUT_N))
+                    gtma.async_copy_global_to_shared(w3_desc, [e * N + n0, kb * 128], bar, b_s.index(s).slice(H2, H2))
                 else:
-                    gtma.async_copy_global_to_shared(w_desc, [e * N + n0, kb * 128], bar, b_s.index(s))
+                    gtma.async_copy_global_to_shared(w_desc, [e * N + n0 + H2, kb * 128], bar,
+                                                     b_s.index(s).slice(H2, H2))
                 i += 1
 
 
@@ -2029,16 +2034,17 @@ def _wg_math(half, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr
              N, K, E, total, limit, sx_stride, sw_stride_e, sw_stride_n, out_stride,
              GATED: gl.constexpr, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              BLOCK_E: gl.constexpr, STAGES: gl.constexpr, PRECISE: gl.constexpr):
-    """Math warpgroup `half`: rows [half * BLOCK_M / 2, +BLOCK_M / 2) of each tile. Per K block: wgmma into fresh
-    registers, wait, release the stage, then acc + d * sx * sw as _grouped_gemm_kernel rounds it (same bits). The
-    other warpgroup's wgmmas run meanwhile. (A second register tile in flight during the scaling is what ptxas
+    """Math warpgroup `half`: rows [half * BLOCK_M / 2, +BLOCK_M / 2) of each tile, as two accumulators of
+    BLOCK_N / 2 columns, one per B box (GATED: gate and up). Per K block and box: wgmma into fresh registers, wait,
+    then acc + d * sx * sw as _grouped_gemm_kernel rounds it (same bits); the stage is released after the second.
+    The other warpgroup's wgmmas run meanwhile. (A second register tile in flight during the scaling is what ptxas
     refuses: it serialises every wgmma when registers of one in flight are read, C7514.) The epilogue goes through
-    shared memory: bf16 rows stored whole to global memory; GATED: gate and up halves split for the SwiGLU."""
-    OUT_N: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+    shared memory so that bf16 rows are stored whole; GATED: SwiGLU of the two accumulators."""
+    H2: gl.constexpr = BLOCK_N // 2
+    OUT_N: gl.constexpr = H2 if GATED else BLOCK_N
     HM: gl.constexpr = BLOCK_M // 2
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H2, 32])
     out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     KB = gl.cdiv(K, 128)
     i = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -2046,33 +2052,41 @@ def _wg_math(half, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr
         if e < E:
             rows = m0 + half * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))
             row_ok = rows < row1
-            sw_off = e.to(gl.int64) * sw_stride_e + (n0 // 128) * sw_stride_n
-            acc = gl.zeros([HM, BLOCK_N], gl.float32, mma)
+            # each box lies in one 128-column scale block (H2 divides 128)
+            sw0 = sw_ptr + e.to(gl.int64) * sw_stride_e + (n0 // 128) * sw_stride_n
+            sw1 = sw3_ptr + e.to(gl.int64) * sw_stride_e + ((n0 if GATED else n0 + H2) // 128) * sw_stride_n
+            acc0 = gl.zeros([HM, H2], gl.float32, mma)
+            acc1 = gl.zeros([HM, H2], gl.float32, mma)
             for kb in range(KB):
                 s = i % STAGES
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                d = warpgroup_mma(a_s.index(s).slice(half * HM, HM), b_s.index(s).permute((1, 0)), acc,
-                                  use_acc=False, is_async=True)
-                sa = gl.load(sx_ptr + rows * sx_stride + kb, mask=row_ok, other=0.0)
-                sg = gl.load(sw_ptr + sw_off + kb)
-                if GATED:
-                    sg = gl.where(cols < OUT_N, sg, gl.load(sw3_ptr + sw_off + kb))[None, :]
+                a = a_s.index(s).slice(half * HM, HM)
+                d = warpgroup_mma(a, b_s.index(s).slice(0, H2).permute((1, 0)), acc0, use_acc=False, is_async=True)
+                sa = gl.load(sx_ptr + rows * sx_stride + kb, mask=row_ok, other=0.0)[:, None]
+                g0 = gl.load(sw0 + kb)
+                g1 = gl.load(sw1 + kb, mask=GATED or n0 + H2 < N, other=0.0)
+                d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+                # through a (no-op) wait: else LLVM sinks this scaling below the next wgmma, holding two register
+                # tiles at once (256 registers: spills)
+                acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0 + d * sa * g0,))
+                d = warpgroup_mma(a, b_s.index(s).slice(H2, H2).permute((1, 0)), acc1, use_acc=False, is_async=True)
                 d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
                 mbarrier.arrive(empty.index(s), count=1)
-                acc = acc + d * sa[:, None] * sg
+                acc1 = acc1 + d * sa * g1
                 i += 1
             cs = c_s.index(half)
-            cs.store(_bf16_round(acc).to(gl.bfloat16))
             orow = m0 + half * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, out_l))
-            ocol = n0 + gl.arange(0, OUT_N, layout=gl.SliceLayout(0, out_l))
+            ocol = n0 + gl.arange(0, H2, layout=gl.SliceLayout(0, out_l))
+            optr = out_ptr + orow.to(gl.int64)[:, None] * out_stride + ocol[None, :]
             if GATED:
-                g = cs.slice(0, OUT_N, dim=1).load(out_l).to(gl.float32)
-                u = cs.slice(OUT_N, OUT_N, dim=1).load(out_l).to(gl.float32)
-                y = _swiglu_math(g, u, limit, HAS_LIMIT, PRECISE).to(gl.bfloat16)
+                cs.store(_swiglu_math(_bf16_round(acc0), _bf16_round(acc1), limit, HAS_LIMIT, PRECISE)
+                         .to(gl.bfloat16))
+                gl.store(optr, cs.load(out_l), mask=(orow < row1)[:, None] & (ocol < N)[None, :])
             else:
-                y = cs.load(out_l)
-            gl.store(out_ptr + orow.to(gl.int64)[:, None] * out_stride + ocol[None, :], y,
-                     mask=(orow < row1)[:, None] & (ocol < N)[None, :])
+                cs.store(_bf16_round(acc0).to(gl.bfloat16))
+                gl.store(optr, cs.load(out_l), mask=(orow < row1)[:, None] & (ocol < N)[None, :])
+                cs.store(_bf16_round(acc1).to(gl.bfloat16))
+                gl.store(optr + H2, cs.load(out_l), mask=(orow < row1)[:, None] & (ocol + H2 < N)[None, :])
 
 
 @gluon.jit
@@ -2088,7 +2102,8 @@ def _grouped_wgmma_kernel(
     b_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, 128], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    c_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M // 2, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    c_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M // 2, BLOCK_N // 2],
+                                    gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
@@ -2104,18 +2119,18 @@ def _grouped_wgmma_kernel(
                        [4, 1], [MATH_REGS, 40])
 
 
-def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, stages=4):
+def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, stages=3, block_n=256):
     """grouped_gemm_triton for FP8 on sm90 through _grouped_wgmma_kernel (Gluon): same arguments, and the same bits
     as its tiles of >= 64 rows (wgmma too; its 16-row tiles add a K block's products in another order).
 
     row_idx: the rows are gathered first (x and sx indexed by row_idx: one pass over M x K bytes, as TMA on sm90
     reads whole row blocks only). Persistent: one CTA per SM walks the tiles (N fastest, so the CTAs in flight share an
     M tile's rows and an expert's weights in L2) while the TMA warp keeps `stages` K blocks in flight across tile
-    boundaries. H200, 44 experts, TFLOP/s at 256 / 1024 rows per expert (bench_kernels.py sweep_gemm_wgmma; stages
-    3-5 within 1%): gathered gate+up 662 / 731 (the gather 40 / 133 us of it) vs grouped_gemm_triton's 614 / 679;
-    down 635 / 698 vs 672 / 743 (so grouped_gemm_triton keeps it). Without the scaling (one accumulator chain, a
-    probe, wrong results) the same feed reached only 766 / 889 on the down shape: more needs fewer bytes per FLOP
-    into shared memory (TMA multicast across a cluster, wider tiles), not better overlap."""
+    boundaries. block_n: B tile rows (128 or 256; gated: half W's, half W3's). H200, 44 experts, TFLOP/s at 256 /
+    1024 rows per expert (bench_kernels.py sweep_gemm_wgmma, 2026-12-01): gathered gate+up (the gather 40 / 133 us
+    of it) 622 / 670 at 128 columns, 699 / 768 at 256 (3 stages; 4: within 1%); grouped_gemm_triton 609 / 670. Down
+    635 / 694, 687 / 754, grouped_gemm_triton 669 / 726. (The 128-column tile without the scaling, a probe with
+    wrong results, reached only 766 / 889 on the down shape: its feed, not the scaling, capped it.)"""
     E, N, K = w.shape
     _check(sw is not None and w.dtype == FP8 and x.dtype == FP8, "grouped_gemm_wgmma is for e4m3 x and w")
     M = x.shape[0] if row_idx is None else row_idx.numel()
@@ -2124,19 +2139,20 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
         return out
     if row_idx is not None:  # index_select has no e4m3 kernel: gather the bytes
         x, sx = x.view(torch.uint8)[row_idx].view(FP8), sx[row_idx]
-    BLOCK_M, BLOCK_N = 128, 128
+    BLOCK_M = 128
+    _check(block_n in (128, 256), f"grouped_gemm_wgmma: block_n {block_n} is not 128 or 256")
     gated = w3 is not None
-    out_n = BLOCK_N // 2 if gated else BLOCK_N
-    wl = gl.NVMMASharedLayout.get_default_for([out_n, QBLOCK], gl.float8e4nv)
+    out_n = block_n // 2 if gated else block_n
+    wl = gl.NVMMASharedLayout.get_default_for([block_n // 2, QBLOCK], gl.float8e4nv)
     x_desc = GluonDescriptor.from_tensor(x, [BLOCK_M, QBLOCK], gl.NVMMASharedLayout.get_default_for(
         [BLOCK_M, QBLOCK], gl.float8e4nv))
-    w_desc, w3_desc = (GluonDescriptor.from_tensor(t.view(E * N, K), [out_n, QBLOCK], wl)
+    w_desc, w3_desc = (GluonDescriptor.from_tensor(t.view(E * N, K), [block_n // 2, QBLOCK], wl)
                        for t in (w, w3 if gated else w))
     total = (triton.cdiv(M, BLOCK_M) + E) * triton.cdiv(N, out_n)  # worst case over any split of M rows into E experts
     _grouped_wgmma_kernel[(min(total, _sms()),)](
         x_desc, w_desc, w3_desc, sx, sw, sw3 if gated else sw, out, row_off, N, K, E, total,
         float(limit) if limit is not None else 0.0, sx.stride(0), sw.stride(0), sw.stride(1), out.stride(0),
-        GATED=gated, HAS_LIMIT=limit is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        GATED=gated, HAS_LIMIT=limit is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_E=triton.next_power_of_2(E), STAGES=stages, PRECISE=_PRECISE, MATH_REGS=232, num_warps=4)
     return out
 

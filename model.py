@@ -365,11 +365,7 @@ class Attention(nn.Module):
             if m:
                 old = torch.arange(p0 - m, p0, device=q.device) % R
                 kb, vb = torch.cat([cache.k[b][:, old], kb], 1), torch.cat([cache.v[b][:, old], vb], 1)
-            for c0 in range(0, n, 2048):  # query chunks; query i (key index m + i) sees keys (m + i - W, m + i]
-                c1, k0 = min(n, c0 + 2048), max(0, m + c0 - W + 1)
-                o = kernel.banded_attention(qb[:, c0:c1], kb[:, k0:m + c1], vb[:, k0:m + c1], m + c0 - k0, W,
-                                            self.scale)
-                out[s + c0:s + c1] = o.transpose(0, 1)
+            out[s:s + n] = kernel.banded_attention(qb, kb, vb, m, W, self.scale).transpose(0, 1)  # query i: key m + i
             keep = torch.arange(max(0, n - R), n, device=q.device)  # the ring keeps the last R positions
             cache.k[b, :, (p0 + keep) % R] = kb[:, m + keep]
             cache.v[b, :, (p0 + keep) % R] = vb[:, m + keep]
@@ -429,8 +425,9 @@ class Attention(nn.Module):
             tail = q0 + n - done * blk
             cache.pk[b, :tail], cache.pz[b, :tail] = kr[done * blk:], zr[done * blk:]
             nr = end // blk  # every region completed so far; a query at p selects among regions < p // blk
-            for c0 in range(0, n, 256):  # query chunks bound the reference's gathered keys
-                c1 = min(n, c0 + 256)
+            step = kernel.dsa_query_chunk(q, G, nr)
+            for c0 in range(0, n, step):  # query chunks bound the scores (and the reference's gathered keys)
+                c1 = min(n, c0 + step)
                 pb = pos[s + c0:s + c1][None]
                 scores = kernel.indexer_scores(qi[None, s + c0:s + c1], wi[None, s + c0:s + c1],
                                                cache.summ[b:b + 1, :nr].view(kernel.FP8), self.w_scale)

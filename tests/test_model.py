@@ -223,6 +223,26 @@ def test_chunked_prefill_equals_one_shot(tp1_models, kind, chunk):
 
 
 @torch.inference_mode()
+def test_dsa_query_chunks_do_not_change_the_prefill(tp1_models, monkeypatch):
+    """The DSA prefill's scores, selection and sparse attention run in query chunks (kernel.dsa_query_chunk: 256 on
+    the references, larger with the Triton kernels): odd chunks of 5 queries give the one-launch result. Decisions
+    pinned (the scores' GEMM rounds differently at other row counts)."""
+    lm = tp1_models("fp8_text")
+    ps = [prompt(37, seed=5), prompt(42, seed=6)]
+
+    def run():
+        return generate.prefill(lm, lm.new_cache(2, 46), ps)
+
+    with monkeypatch.context() as mp, pinned(lm, M.Pins()) as rec:  # first: its rows never meet stale copies
+        mp.setattr(kernel, "dsa_query_chunk", lambda x, groups, regions: 5)
+        chunked = run()
+    with pinned(lm, M.Pins(rec.data)):
+        whole = run()
+    d = (chunked - whole).abs().amax(-1) / whole.std(-1)
+    assert d.max() < NOISE["fp8"], d
+
+
+@torch.inference_mode()
 @pytest.mark.parametrize("kind", ["bf16_text", "fp8_text"])
 def test_multi_token_decode_equals_token_by_token(tp1_models, kind):
     """A decode step of Q tokens per row (ids [B, Q]: the speculative verify step, static shapes) equals Q one-token

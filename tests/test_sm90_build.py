@@ -10,6 +10,7 @@ an H200 block has fails.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -94,16 +95,16 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 import kernel
-for gated in (False, True):
-    wn = 64 if gated else 128
+for gated, block_n in ((False, 128), (True, 128), (False, 256), (True, 256)):
+    wn = block_n // 2
     xl, wl = (gl.NVMMASharedLayout.get_default_for([n, 128], gl.float8e4nv) for n in (128, wn))
     sig = {"x_desc": f"tensordesc<fp8e4nv[128, 128],{xl}>", "w_desc": f"tensordesc<fp8e4nv[{wn}, 128],{wl}>",
            "w3_desc": f"tensordesc<fp8e4nv[{wn}, 128],{wl}>", "sx_ptr": "*fp32", "sw_ptr": "*fp32",
            "sw3_ptr": "*fp32", "out_ptr": "*bf16", "row_off_ptr": "*i32", "N": "i32", "K": "i32", "E": "i32",
            "total": "i32", "limit": "fp32", "sx_stride": "i32", "sw_stride_e": "i32", "sw_stride_n": "i32",
            "out_stride": "i32"}
-    cons = dict(GATED=gated, HAS_LIMIT=True, BLOCK_M=128, BLOCK_N=128, BLOCK_E=64, STAGES=4, PRECISE=True,
-                MATH_REGS=232)
+    cons = dict(GATED=gated, HAS_LIMIT=True, BLOCK_M=128, BLOCK_N=block_n, BLOCK_E=64,
+                STAGES=3 if block_n == 256 else 4, PRECISE=True, MATH_REGS=232)
     sig.update({k: "constexpr" for k in cons})
     src = GluonASTSource(fn=kernel._grouped_wgmma_kernel, signature=sig, constexprs=cons,
                          attrs={(j,): [["tt.divisibility", 16]] for j in (3, 4, 5, 6, 7, 16)})
@@ -111,14 +112,15 @@ for gated in (False, True):
     open(sys.argv[1], "w").write(k.asm["ptx"])
     ptxas = subprocess.run([sys.argv[2], "-arch=sm_90a", "-v", sys.argv[1], "-o", sys.argv[1] + ".cubin"],
                            capture_output=True, text=True)
-    print(json.dumps({"gated": gated, "shared": k.metadata.shared, "ptxas": ptxas.stderr}))
+    print(json.dumps({"gated": gated, "block_n": block_n, "shared": k.metadata.shared, "ptxas": ptxas.stderr}))
 """
 
 
 @pytest.mark.skipif(not INTERPRET, reason="a CPU build")
 def test_gluon_grouped_gemm_compiles_for_sm90(tmp_path):
-    """kernel._grouped_wgmma_kernel (Gluon, run on sm90 GPUs only) built for an H200: both variants fit its shared
-    memory, spill nothing, and ptxas keeps the wgmmas asynchronous (its C7514 note: serialised)."""
+    """kernel._grouped_wgmma_kernel (Gluon, run on sm90 GPUs only) built for an H200: its variants (gated or not, 128
+    or 256 B tile rows) fit its shared memory, spill (almost) nothing, and ptxas keeps the wgmmas asynchronous (its
+    C7514 note: serialised)."""
     import triton
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -126,7 +128,10 @@ def test_gluon_grouped_gemm_compiles_for_sm90(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     builds = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [b["gated"] for b in builds] == [False, True]
+    assert [(b["gated"], b["block_n"]) for b in builds] == [(False, 128), (True, 128), (False, 256), (True, 256)]
     for b in builds:
         assert b["shared"] <= 232448 and "C7514" not in b["ptxas"], b
-        assert "0 bytes spill stores" in b["ptxas"] and "Used " in b["ptxas"], b
+        # 256 columns (two 64 x 128 fp32 accumulators + a wgmma's): a few scalars spilled around the tile setup and
+        # the SwiGLU epilogue; the K loop has no local memory access (SASS, Triton 3.6 and 3.7)
+        spilled = int(re.findall(r"(\d+) bytes spill stores", b["ptxas"])[0])
+        assert spilled <= (128 if b["block_n"] == 256 else 0) and "Used " in b["ptxas"], b
