@@ -464,7 +464,8 @@ def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4
     _check(q.stride(2) == k.stride(2) == v.stride(2) == 1, "banded attention: rows of q, k, v must be contiguous")
     out = torch.empty(H, n, D, dtype=torch.bfloat16, device=q.device)
     HG = H // G
-    _check(HG & (HG - 1) == 0 or not _GPU_LAUNCH, f"banded attention: {HG} query heads per KV group (GPU: a power of 2)")
+    _check(HG & (HG - 1) == 0 or not _GPU_LAUNCH,
+           f"banded attention: {HG} query heads per KV group (GPU: a power of 2)")
     BLOCK_Q = max(1, 64 // HG) if _GPU_LAUNCH else triton.next_power_of_2(max(1, 16 // HG))
     # head_dim = DA + the rest, each piece a power of two (192 = 128 + 64; 128 = 64 + 64: tl.dot's K is at least 16)
     DA = 1 << (D - 1).bit_length() - 1
@@ -1724,13 +1725,16 @@ def _block_scale(x):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, x_stride, q_stride, s_stride,
-                      BLOCK_M: tl.constexpr, QBLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Per row, per QBLOCK-wide K block: sx = max(amax, 1e-10) * (1/448); q = e4m3(clamp(x * (1/sx), -448, 448))."""
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, end_ptr, M, K, x_stride, q_stride, s_stride,
+                      BLOCK_M: tl.constexpr, QBLOCK: tl.constexpr, HAS_END: tl.constexpr, PDL: tl.constexpr):
+    """Per row, per QBLOCK-wide K block: sx = max(amax, 1e-10) * (1/448); q = e4m3(clamp(x * (1/sx), -448, 448)).
+    HAS_END: rows from end_ptr[0] on are skipped."""
     _pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     cols = kb * QBLOCK + tl.arange(0, QBLOCK)
+    if HAS_END:
+        M = tl.minimum(M, tl.load(end_ptr))
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     sx, inv = _block_scale(x)
@@ -1739,8 +1743,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, x_stride, q_stride, s_stride,
     tl.store(s_ptr + rows * s_stride + kb, sx, mask=rows < M)
 
 
-def act_quant_triton(x):
-    """Triton act_quant_ref for a 2-D bf16 x [M, K] -> (e4m3 [M, K], fp32 [M, ceil(K/128)])."""
+def act_quant_triton(x, end=None):
+    """Triton act_quant_ref for a 2-D bf16 x [M, K] -> (e4m3 [M, K], fp32 [M, ceil(K/128)]). end: None, or an int32
+    device tensor whose first entry bounds the rows quantised (the rest stay unwritten; no host sync)."""
     _check_tensor("x", x, torch.bfloat16, ndim=2)
     M, K = x.shape
     kb = triton.cdiv(K, QBLOCK)
@@ -1748,8 +1753,9 @@ def act_quant_triton(x):
     s = torch.empty(M, kb, dtype=torch.float32, device=x.device)
     BLOCK_M = 32
     if M > 0:
-        _act_quant_kernel[(triton.cdiv(M, BLOCK_M), kb)](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
-                                                         BLOCK_M=BLOCK_M, QBLOCK=QBLOCK, num_warps=4, **_pdl())
+        _act_quant_kernel[(triton.cdiv(M, BLOCK_M), kb)](x, q, s, s if end is None else end, M, K, x.stride(0),
+                                                         q.stride(0), s.stride(0), BLOCK_M=BLOCK_M, QBLOCK=QBLOCK,
+                                                         HAS_END=end is not None, num_warps=4, **_pdl())
     return q.view(FP8), s
 
 
@@ -2123,22 +2129,23 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
     """grouped_gemm_triton for FP8 on sm90 through _grouped_wgmma_kernel (Gluon): same arguments, and the same bits
     as its tiles of >= 64 rows (wgmma too; its 16-row tiles add a K block's products in another order).
 
-    row_idx: the rows are gathered first (x and sx indexed by row_idx: one pass over M x K bytes, as TMA on sm90
-    reads whole row blocks only). Persistent: one CTA per SM walks the tiles (N fastest, so the CTAs in flight share an
-    M tile's rows and an expert's weights in L2) while the TMA warp keeps `stages` K blocks in flight across tile
-    boundaries. block_n: B tile rows (128 or 256; gated: half W's, half W3's). H200, 44 experts, TFLOP/s at 256 /
-    1024 rows per expert (bench_kernels.py sweep_gemm_wgmma, 2026-12-01): gathered gate+up (the gather 40 / 133 us
-    of it) 622 / 670 at 128 columns, 699 / 768 at 256 (3 stages; 4: within 1%); grouped_gemm_triton 609 / 670. Down
-    635 / 694, 687 / 754, grouped_gemm_triton 669 / 726. (The 128-column tile without the scaling, a probe with
-    wrong results, reached only 766 / 889 on the down shape: its feed, not the scaling, capped it.)"""
+    row_idx: the rows are gathered first (gather_rows_triton, as TMA on sm90 reads whole row blocks only; the rows
+    of no expert, past row_off[E], are skipped). Persistent: one CTA per SM walks the tiles (N fastest, so the CTAs
+    in flight share an M tile's rows and an expert's weights in L2) while the TMA warp keeps `stages` K blocks in
+    flight across tile boundaries. block_n: B tile rows (128 or 256; gated: half W's, half W3's). H200, 44
+    experts, TFLOP/s at 256 / 1024 rows per expert (bench_kernels.py sweep_gemm_wgmma, 2026-12-02): gathered gate+up
+    (the gather, a torch index then, 40 / 133 us of it) 622 / 670 at 128 columns, 699 / 768 at 256 (3 stages; 4:
+    within 1%); grouped_gemm_triton 609 / 670. Down 635 / 694, 687 / 754, grouped_gemm_triton 669 / 726. (The
+    128-column tile without the scaling, a probe with wrong results, reached only 766 / 889 on the down shape: its
+    feed, not the scaling, capped it.)"""
     E, N, K = w.shape
     _check(sw is not None and w.dtype == FP8 and x.dtype == FP8, "grouped_gemm_wgmma is for e4m3 x and w")
     M = x.shape[0] if row_idx is None else row_idx.numel()
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M == 0 or E == 0:
         return out
-    if row_idx is not None:  # index_select has no e4m3 kernel: gather the bytes
-        x, sx = x.view(torch.uint8)[row_idx].view(FP8), sx[row_idx]
+    if row_idx is not None:  # only the rows of some expert: in the MoE, remote slots sort past row_off[E]
+        x, sx = gather_rows_triton(x, row_idx, row_off[E:]), gather_rows_triton(sx, row_idx, row_off[E:])
     BLOCK_M = 128
     _check(block_n in (128, 256), f"grouped_gemm_wgmma: block_n {block_n} is not 128 or 256")
     gated = w3 is not None
@@ -2158,10 +2165,40 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, D, y_stride, out_stride,
-                        TOPK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _gather_rows_kernel(src_ptr, idx_ptr, end_ptr, dst_ptr, M, W, src_stride, dst_stride,
+                        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    """dst[r] = src[idx[r]] (W words) for rows r < min(M, end_ptr[0])."""
+    _pdl_enter(PDL)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < tl.minimum(M, tl.load(end_ptr))
+    src = src_ptr + tl.load(idx_ptr + rows, mask=ok, other=0).to(tl.int64)[:, None] * src_stride
+    dst = dst_ptr + rows.to(tl.int64)[:, None] * dst_stride
+    for w0 in range(0, W, BLOCK_W):
+        ws = w0 + tl.arange(0, BLOCK_W)
+        m = ok[:, None] & (ws < W)[None, :]
+        tl.store(dst + ws[None, :], tl.load(src + ws[None, :], mask=m), mask=m)
+
+
+def gather_rows_triton(src, idx, end):
+    """src [S, W] -> [M, W] (M = idx.numel()): row r is src[idx[r]] for r < end[0], an int32 device tensor (no host
+    sync); rows past it stay unwritten. Rows of whole 4-byte words move as int32 (e4m3 rows of K % 4 == 0)."""
+    _check_tensor("idx", idx, torch.int32, ndim=1)
+    _check(src.dim() == 2 and src.stride(1) == 1, f"src must be 2-D with contiguous rows, got {tuple(src.shape)}")
+    words = src.view(torch.uint8)
+    words = words.view(torch.int32) if words.shape[1] % 4 == 0 and words.stride(0) % 4 == 0 else words
+    out = torch.empty(idx.numel(), *words.shape[1:], dtype=words.dtype, device=src.device)
+    if idx.numel():
+        _gather_rows_kernel[(triton.cdiv(idx.numel(), 8),)](words, idx, end, out, idx.numel(), words.shape[1],
+                                                            words.stride(0), out.stride(0), BLOCK_R=8,
+                                                            BLOCK_W=256, num_warps=4, **_pdl())
+    return out.view(torch.uint8).view(src.dtype)
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, D, y_stride, out_stride,
+                        TOPK: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[t] = bf( sum over slots j = 0..k-1 in order (one fp32 accumulator) of f32(Y[inv[t, j]]) * w[t, j] ),
-    skipping slots whose expert lives on another rank (id < 0)."""
+    skipping slots whose expert lives on another rank (id < 0); SHARED: out[t] = f32(that) + f32(ys[t]) in fp32."""
     _pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -2172,7 +2209,12 @@ def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, D, y_stride, 
         r = tl.load(inv_ptr + t * TOPK + j).to(tl.int64)
         y = tl.load(y_ptr + r * y_stride + cols, mask=col_ok & local, other=0.0).to(tl.float32)
         acc = acc + y * tl.load(wts_ptr + t * TOPK + j)
-    tl.store(out_ptr + t * out_stride + cols, _bf16_round(acc).to(tl.bfloat16), mask=col_ok)
+    r = _bf16_round(acc)
+    if SHARED:
+        s = tl.load(ys_ptr + t.to(tl.int64) * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * out_stride + cols, r + s, mask=col_ok)
+    else:
+        tl.store(out_ptr + t * out_stride + cols, r.to(tl.bfloat16), mask=col_ok)
 
 
 def _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2):
@@ -2554,14 +2596,14 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     (remote slots last), per-expert row offsets by searchsorted on the sorted keys; quantise x once per token (FP8);
     gate+up GEMM reading token rows through the sort order, SwiGLU in its epilogue; quantise; down GEMM; slot-order
     combine.
-    The shared expert (if given) runs as torch GEMMs and swiglu_triton.
+    The shared expert (if given) runs as torch GEMMs and swiglu_triton; the combine adds its output in fp32.
     """
     T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
     if shared is not None:
         _check_shared(shared, D)
-    out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(T, D, dtype=torch.bfloat16 if shared is None else torch.float32, device=x.device)
     if T == 0:
-        return out if shared is None else out.float()
+        return out
     loc = ids - first_expert
     ids = torch.where((loc >= 0) & (loc < E), loc, -1)  # local ids, -1 for remote (the combine reads ids >= 0)
     key = torch.where(ids >= 0, ids, E).flatten()  # [T*k]; remote slots get key E and sort last
@@ -2574,15 +2616,17 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     if fp8:
         xq, sx = _x_quant(x, xq)  # once per token, not per (token, expert)
         a = grouped_gemm_triton(xq, sx, w1, s1, row_off, row_idx=tok, w3=w3, sw3=s3, limit=limit)  # [T*k, F]
-        aq, sa = act_quant_triton(a)  # rows past row_off[E] hold garbage and are never read back
+        aq, sa = act_quant_triton(a, end=row_off[E:])  # rows past row_off[E] (remote slots) stay unwritten
         y = grouped_gemm_triton(aq, sa, w2, s2, row_off)  # [T*k, D]
     else:
         a = grouped_gemm_triton(x, None, w1, None, row_off, row_idx=tok, w3=w3, limit=limit)
         y = grouped_gemm_triton(a, None, w2, None, row_off)
+    ys = y if shared is None else _shared_expert(x, shared, swiglu_triton)  # [T, D] bf16 (ys unread without it)
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
-    _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, inv, ids, weights, out, D, y.stride(0), out.stride(0),
-                                                      TOPK=k, BLOCK_D=BLOCK_D, num_warps=4, **_NO_FMA, **_pdl())
-    return out if shared is None else out.float() + _shared_expert(x, shared, swiglu_triton).float()
+    _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, inv, ids, weights, ys, out, D, y.stride(0), out.stride(0),
+                                                      TOPK=k, SHARED=shared is not None, BLOCK_D=BLOCK_D,
+                                                      num_warps=4, **_NO_FMA, **_pdl())
+    return out
 
 
 def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None, xq=None):

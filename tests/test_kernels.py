@@ -89,6 +89,22 @@ def test_act_quant_bit_exact(M, Kd):
     assert torch.equal(s, sr)
 
 
+def test_gather_rows_and_act_quant_stop_at_a_device_end():
+    """gather_rows_triton (the Gluon GEMM's row gather: e4m3 rows as int32 words, fp32 scales, odd byte widths as
+    bytes) and act_quant_triton(end=): the rows before end[0], an int32 device tensor (no host sync), as indexing and
+    the full quantisation give them."""
+    x = randn(9, 256, seed=4, scale=3.0)
+    q, s = K.act_quant_triton(x)
+    idx = torch.tensor([4, 0, 8, 8, 3, 1], dtype=torch.int32, device=DEV)
+    end = torch.tensor([4], dtype=torch.int32, device=DEV)
+    for t in (q, s, q[:, :6]):
+        g = K.gather_rows_triton(t, idx, end)
+        assert g.dtype == t.dtype and tuple(g.shape) == (6, t.shape[1])
+        assert bytes_equal(g[:4], t[idx[:4].long()])
+    qe, se = K.act_quant_triton(x, end=end)
+    assert bytes_equal(qe[:4], q[:4]) and torch.equal(se[:4], s[:4])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # routed experts
 
