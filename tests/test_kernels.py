@@ -400,10 +400,12 @@ _PDL_PTX = """
 import triton, kernel as K
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-sig = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", M="i32", K="i32", x_stride="i32", q_stride="i32",
-           s_stride="i32", BLOCK_M="constexpr", QBLOCK="constexpr", PDL="constexpr")
+sig = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", end_ptr="*i32", M="i32", K="i32", x_stride="i32",
+           q_stride="i32", s_stride="i32", BLOCK_M="constexpr", QBLOCK="constexpr", HAS_END="constexpr",
+           PDL="constexpr")
 for pdl in (True, False):
-    src = ASTSource(fn=K._act_quant_kernel, signature=sig, constexprs=dict(BLOCK_M=4, QBLOCK=128, PDL=pdl))
+    src = ASTSource(fn=K._act_quant_kernel, signature=sig, constexprs=dict(BLOCK_M=4, QBLOCK=128, HAS_END=True,
+                                                                           PDL=pdl))
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(launch_pdl=pdl)).asm["ptx"]
     print(pdl, *[ptx.find(i) for i in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "ld.global")])
 """
