@@ -253,6 +253,14 @@ class Pins:
 # attention
 
 
+def _ring_runs(p: int, L: int, R: int) -> list:
+    """Positions p .. p+L-1 (L <= R) of a ring of R slots (position q in slot q mod R) as at most two runs of
+    consecutive slots: (first slot, offset among the L positions, length). Slices, so no index tensors to build."""
+    s = p % R
+    first = min(L, R - s)
+    return [(s, 0, first)] + ([(0, first, L - first)] if L > first else [])
+
+
 class Attention(nn.Module):
     """GQA attention with q/k norm + partial RoPE and a head-wise sigmoid output gate; sliding-window (SDPA with a
     ring cache) or, on DSA layers, indexer + region top-k sparse attention."""
@@ -363,12 +371,13 @@ class Attention(nn.Module):
             qb, kb, vb = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [H|G, n, hd]
             m = min(p0, W - 1)  # cached keys in the window of the chunk's first query: positions p0-m .. p0-1
             if m:
-                old = torch.arange(p0 - m, p0, device=q.device) % R
-                kb, vb = torch.cat([cache.k[b][:, old], kb], 1), torch.cat([cache.v[b][:, old], vb], 1)
+                kb, vb = (torch.cat([ring[b][:, r0:r0 + ln] for r0, _, ln in _ring_runs(p0 - m, m, R)] + [t], 1)
+                          for ring, t in ((cache.k, kb), (cache.v, vb)))
             out[s:s + n] = kernel.banded_attention(qb, kb, vb, m, W, self.scale).transpose(0, 1)  # query i: key m + i
-            keep = torch.arange(max(0, n - R), n, device=q.device)  # the ring keeps the last R positions
-            cache.k[b, :, (p0 + keep) % R] = kb[:, m + keep]
-            cache.v[b, :, (p0 + keep) % R] = vb[:, m + keep]
+            L = min(n, R)  # the ring keeps the chunk's last L positions, p0+n-L .. p0+n-1 (key m+n-L ..)
+            for r0, o, ln in _ring_runs(p0 + n - L, L, R):
+                cache.k[b, :, r0:r0 + ln] = kb[:, m + n - L + o:m + n - L + o + ln]
+                cache.v[b, :, r0:r0 + ln] = vb[:, m + n - L + o:m + n - L + o + ln]
         return out
 
     # ---- DSA
