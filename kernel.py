@@ -1977,8 +1977,8 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
 # under the interpreter: the CPU runs grouped_gemm_triton). Triton's sm90 build of _grouped_gemm_kernel keeps every
 # warpgroup of a CTA in lockstep (CTA barriers around each stage), so a CTA's tensor cores idle while it scales;
 # 64 x 128 tiles at 3 CTAs per SM overlap CTAs instead, but read 1.5x the bytes per FLOP of a 128 x 128 tile from
-# L2 (ncu, down shape, 1024 rows per expert: L2 throughput 79%, tensor pipe 51%). Here a 128 x 128 tile is split
-# between two math warpgroups (64 rows each) that never wait for each other, fed by one TMA warp through
+# L2 (ncu, down shape, 1024 rows per expert: L2 throughput 79%, tensor pipe 51%). Here a 128 x 256 tile (or 128 x 128)
+# is split between two math warpgroups (64 rows each) that never wait for each other, fed by one TMA warp through
 # `stages` ready / empty mbarrier pairs.
 
 
@@ -2012,9 +2012,11 @@ def _wg_loader(x_desc, w_desc, w3_desc, a_s, b_s, ready, empty, row_off_ptr, N, 
                STAGES: gl.constexpr):
     """The TMA warp: K block after K block of this CTA's tiles into stage i % STAGES (i counts the CTA's blocks),
     each once both math warpgroups have released it. The B tile is two boxes of BLOCK_N / 2 weight rows: GATED, W's
-    and W3's rows of the same output columns (one tile computes gate and up); else W's next rows."""
+    and W3's rows of the same output columns (one tile computes gate and up); else W's next rows (w3_desc is W's
+    then)."""
     H2: gl.constexpr = BLOCK_N // 2
     OUT_N: gl.constexpr = H2 if GATED else BLOCK_N
+    SECOND: gl.constexpr = 0 if GATED else H2  # the second box: W3's rows of the same columns, or W's next rows
     KB = gl.cdiv(K, 128)
     i = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -2027,11 +2029,8 @@ def _wg_loader(x_desc, w_desc, w3_desc, a_s, b_s, ready, empty, row_off_ptr, N, 
                 mbarrier.expect(bar, x_desc.block_type.nbytes + BLOCK_N * 128)
                 gtma.async_copy_global_to_shared(x_desc, [m0, kb * 128], bar, a_s.index(s))
                 gtma.async_copy_global_to_shared(w_desc, [e * N + n0, kb * 128], bar, b_s.index(s).slice(0, H2))
-                if GATED:
-                    gtma.async_copy_global_to_shared(w3_desc, [e * N + n0, kb * 128], bar, b_s.index(s).slice(H2, H2))
-                else:
-                    gtma.async_copy_global_to_shared(w_desc, [e * N + n0 + H2, kb * 128], bar,
-                                                     b_s.index(s).slice(H2, H2))
+                gtma.async_copy_global_to_shared(w3_desc, [e * N + n0 + SECOND, kb * 128], bar,
+                                                 b_s.index(s).slice(H2, H2))
                 i += 1
 
 
@@ -2048,6 +2047,7 @@ def _wg_math(half, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr
     shared memory so that bf16 rows are stored whole; GATED: SwiGLU of the two accumulators."""
     H2: gl.constexpr = BLOCK_N // 2
     OUT_N: gl.constexpr = H2 if GATED else BLOCK_N
+    SECOND: gl.constexpr = 0 if GATED else H2  # the second box's first column past n0 (as _wg_loader)
     HM: gl.constexpr = BLOCK_M // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H2, 32])
     out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -2060,7 +2060,7 @@ def _wg_math(half, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr
             row_ok = rows < row1
             # each box lies in one 128-column scale block (H2 divides 128)
             sw0 = sw_ptr + e.to(gl.int64) * sw_stride_e + (n0 // 128) * sw_stride_n
-            sw1 = sw3_ptr + e.to(gl.int64) * sw_stride_e + ((n0 if GATED else n0 + H2) // 128) * sw_stride_n
+            sw1 = sw3_ptr + e.to(gl.int64) * sw_stride_e + ((n0 + SECOND) // 128) * sw_stride_n
             acc0 = gl.zeros([HM, H2], gl.float32, mma)
             acc1 = gl.zeros([HM, H2], gl.float32, mma)
             for kb in range(KB):
@@ -2070,7 +2070,7 @@ def _wg_math(half, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr
                 d = warpgroup_mma(a, b_s.index(s).slice(0, H2).permute((1, 0)), acc0, use_acc=False, is_async=True)
                 sa = gl.load(sx_ptr + rows * sx_stride + kb, mask=row_ok, other=0.0)[:, None]
                 g0 = gl.load(sw0 + kb)
-                g1 = gl.load(sw1 + kb, mask=GATED or n0 + H2 < N, other=0.0)
+                g1 = gl.load(sw1 + kb, mask=n0 + SECOND < N, other=0.0)
                 d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
                 # through a (no-op) wait: else LLVM sinks this scaling below the next wgmma, holding two register
                 # tiles at once (256 registers: spills)
@@ -2195,6 +2195,17 @@ def gather_rows_triton(src, idx, end):
 
 
 @triton.jit
+def _combine_store(acc, ys_row, out_row, cols, col_ok, SHARED: tl.constexpr):
+    """A combine's token row: bf(acc) as bf16, or SHARED: f32(bf(acc)) + f32(ys) in fp32 (the shared expert's
+    output added at the rounding point of moe_experts_ref)."""
+    r = _bf16_round(acc)
+    if SHARED:
+        tl.store(out_row + cols, r + tl.load(ys_row + cols, mask=col_ok, other=0.0).to(tl.float32), mask=col_ok)
+    else:
+        tl.store(out_row + cols, r.to(tl.bfloat16), mask=col_ok)
+
+
+@triton.jit
 def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, D, y_stride, out_stride,
                         TOPK: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[t] = bf( sum over slots j = 0..k-1 in order (one fp32 accumulator) of f32(Y[inv[t, j]]) * w[t, j] ),
@@ -2209,12 +2220,7 @@ def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, D, y_
         r = tl.load(inv_ptr + t * TOPK + j).to(tl.int64)
         y = tl.load(y_ptr + r * y_stride + cols, mask=col_ok & local, other=0.0).to(tl.float32)
         acc = acc + y * tl.load(wts_ptr + t * TOPK + j)
-    r = _bf16_round(acc)
-    if SHARED:
-        s = tl.load(ys_ptr + t.to(tl.int64) * D + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * out_stride + cols, r + s, mask=col_ok)
-    else:
-        tl.store(out_ptr + t * out_stride + cols, r.to(tl.bfloat16), mask=col_ok)
+    _combine_store(acc, ys_ptr + t.to(tl.int64) * D, out_ptr + t * out_stride, cols, col_ok, SHARED)
 
 
 def _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2):
@@ -2480,12 +2486,7 @@ def _moe_decode_combine_kernel(y_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, D, E, f
         local = (loc >= 0) & (loc < E)
         y = tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * D + cols, mask=col_ok & local, other=0.0).to(tl.float32)
         acc = acc + y * tl.load(wts_ptr + t * TOPK + j)
-    r = _bf16_round(acc)
-    if SHARED:
-        s = tl.load(ys_ptr + t.to(tl.int64) * D + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t.to(tl.int64) * D + cols, r + s, mask=col_ok)
-    else:
-        tl.store(out_ptr + t.to(tl.int64) * D + cols, r.to(tl.bfloat16), mask=col_ok)
+    _combine_store(acc, ys_ptr + t.to(tl.int64) * D, out_ptr + t.to(tl.int64) * D, cols, col_ok, SHARED)
 
 
 def _check_shared(shared, D):

@@ -193,9 +193,9 @@ def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
     return (x, ids.to(DEV), wts, w1, w3, w2, s1, s3, s2), sh
 
 
-# the sorted path quantises its whole gate/up buffer, and the decode path's tiles the padding rows of theirs: rows that
-# are uninitialised and never read back; the interpreter's numpy warns when such garbage holds inf or huge values
-# (inf * 0 or an overflow in the scaling)
+# the sorted path's last GEMM tiles read rows past row_off[E], and the decode path's tiles their padding rows: rows
+# that are uninitialised and never stored back; the interpreter's numpy warns when such garbage holds inf or huge
+# values (inf * 0 or an overflow in the scaling)
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
