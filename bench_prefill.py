@@ -4,14 +4,18 @@ Builds the sliding-window MoE layer (4) and the DSA MoE layer (7) with one rank'
 group, 44 FP8 experts, indexer 4 heads x 256) and random weights, and prefills N tokens of one request in chunks of
 C tokens on a growing cache, as generate.prefill does. Per case: time, tokens/s per rank (every rank sees every
 token, so this is also the 8-GPU rate with collectives excluded), peak memory and the share of the FLOP roofline
-(bf16 767 TFLOP/s, fp8 1263 TFLOP/s). Then the projected 92-layer prefill (69 sliding + 23 DSA layers), and for the
-DSA layer at the largest N the time of the sparse-attention pieces of its last chunk. Timed after a first pass over
-the whole prompt (printed too: it includes the Triton compiles).
+(bf16 767 TFLOP/s, fp8 1263 TFLOP/s); also the kernels' time back to back (the host queues each chunk behind a
+sleep kernel) and the host's enqueue time: one layer timed between syncs is bound by whichever is slower, a forward
+pass by the larger sum over its layers. Then the projected 92-layer prefill (69 sliding + 23 DSA layers), and for
+the DSA layer at the largest N the time of the sparse-attention pieces of its last chunk. Timed after a first pass
+over the whole prompt (printed too: it includes the Triton compiles); best of --reps.
 
-    python bench_prefill.py [--tokens 8192 32768 131072] [--chunk 8192] [--layers sliding dsa] [--profile]
+    python bench_prefill.py [--tokens 8192 32768 131072] [--chunk 16384] [--layers sliding dsa] [--profile]
                             [--tune KEY=VALUE]
 """
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -19,6 +23,7 @@ import torch
 import kernel
 import model as M
 from bench_decode import kernel_table, real_rank_config, randomise
+from generate import PREFILL_CHUNK
 
 BF16_FLOPS, FP8_FLOPS = 767e12, 1263e12  # H200 dense GEMM ceilings measured with PyTorch (ENVIRONMENT.md)
 LAYER_ID = {"sliding": 4, "dsa": 7}
@@ -44,12 +49,15 @@ def flops(block: M.Block, cfg, kind: str, N: int) -> tuple[float, float]:
     return 2 * N * dense + float(attn), fp8
 
 
+def chunk(block, cache, rope, res, p0: int, n: int):
+    """Positions p0 .. p0+n-1 on top of the cache, as Step5ForCausalLM.forward builds spans/pos. res [C, D] fp32."""
+    block(res[:n], torch.arange(p0, p0 + n, device="cuda"), rope, [(0, n, p0)], cache)
+
+
 def prefill(block, cache, rope, res, N: int, C: int):
-    """Chunks of C tokens on top of the cache, as Step5ForCausalLM.forward builds spans/pos. res [C, D] fp32."""
+    """Chunks of C tokens on top of the cache."""
     for p0 in range(0, N, C):
-        n = min(C, N - p0)
-        pos = torch.arange(p0, p0 + n, device="cuda")
-        block(res[:n], pos, rope, [(0, n, p0)], cache)
+        chunk(block, cache, rope, res, p0, min(C, N - p0))
 
 
 def timed(fn, reps=1):
@@ -61,6 +69,29 @@ def timed(fn, reps=1):
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def timed_split(block, cache, rope, res, N: int, C: int, reps: int, hold: float) -> tuple[float, float]:
+    """(device seconds, host seconds) of prefill(), each the best of reps, summed over its chunks. Before each chunk
+    a sleep kernel of `hold` seconds keeps the GPU busy while the host enqueues the chunk (a few hundred launches,
+    well within the launch queue), so events around the chunk time its kernels back to back, as in a forward pass
+    whose host runs layers ahead, and the host's enqueue time is measured apart from them."""
+    dev = host = float("inf")
+    for _ in range(reps):
+        d = h = 0.0
+        for p0 in range(0, N, C):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(hold * 2e9))  # clock cycles at up to ~2 GHz: at least `hold` seconds
+            t = time.perf_counter()
+            a.record()
+            chunk(block, cache, rope, res, p0, min(C, N - p0))
+            b.record()
+            h += time.perf_counter() - t
+            torch.cuda.synchronize()
+            d += a.elapsed_time(b) / 1e3
+        dev, host = min(dev, d), min(host, h)
+    return dev, host
 
 
 def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
@@ -132,23 +163,33 @@ def main(tokens: list, C: int, layers: list, reps: int, profile: bool = False):
                     torch.cuda.reset_peak_memory_stats()
                     t = timed(lambda: prefill(block, cache, rope, res, N, C), reps)  # restarts at p0=0: overwrites
                     peak = torch.cuda.max_memory_allocated() / 2 ** 30
+                    dev, host = timed_split(block, cache, rope, res, N, C, reps, 2 * t * C / N + 0.005)
                     if kind == "dsa" and N == max(tokens):
                         dsa_breakdown(block, cache, rope, res, N, min(C, N), cfg)
-                    if profile and N == max(tokens):  # device time per kernel of the last chunk, run again
+                    if profile and N == max(tokens):  # the last chunk again: device time per kernel, host per call
                         c = min(C, N)
-                        print(kernel_table(lambda: block(res[:c], torch.arange(N - c, N, device="cuda"), rope,
-                                                         [(0, c, N - c)], cache), 12))
+                        print(kernel_table(lambda: chunk(block, cache, rope, res, N - c, c), 12))
+                        torch.cuda.synchronize()
+                        torch.cuda._sleep(int(0.2 * 2e9))  # the GPU busy: the host never waits for a full queue
+                        with cProfile.Profile() as prof:
+                            chunk(block, cache, rope, res, N - c, c)
+                        calls = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:25]
+                        print("host: " + " | ".join(f"{fn} ({file.rsplit('/', 1)[-1]}:{line}) x{n} {own * 1e6:.0f} us "
+                                                    f"(with callees {cum * 1e6:.0f})"
+                                                    for (file, line, fn), (_, n, own, cum, _) in calls))
             except torch.cuda.OutOfMemoryError as e:
                 print(f"{kind:8s} N={N:7d}: out of memory ({str(e)[:120]})")
                 cache = None
                 torch.cuda.empty_cache()
                 continue
-            results[kind, N] = t
+            results[kind, N] = t, dev, host
             fb, f8 = flops(block, cfg, kind, N)
             ideal = fb / BF16_FLOPS + f8 / FP8_FLOPS
             print(f"{kind:8s} N={N:7d} chunk {C}: {t * 1e3:9.1f} ms  {N / t:9.0f} tok/s/rank  peak {peak:6.2f} GiB  "
                   f"{(fb + f8) / t / 1e12:6.1f} TFLOP/s ({fb / N / 1e6:.0f} bf16 + {f8 / N / 1e6:.0f} fp8 MFLOP/token)"
-                  f"  roofline {ideal * 1e3:7.1f} ms = {ideal / t:5.1%} | first pass {first:.2f} s")
+                  f"  roofline {ideal * 1e3:7.1f} ms = {ideal / t:5.1%} | first pass {first:.2f} s | kernels back to "
+                  f"back {dev * 1e3:.1f} ms ({N / dev:.0f} tok/s, roofline {ideal / dev:.1%}), host enqueue "
+                  f"{host * 1e3:.1f} ms")
             cache = None
             torch.cuda.empty_cache()
         block = None
@@ -157,18 +198,23 @@ def main(tokens: list, C: int, layers: list, reps: int, profile: bool = False):
     n_sl = cfg.num_hidden_layers - n_dsa
     for N in tokens:
         if ("sliding", N) in results and ("dsa", N) in results:
-            t = n_sl * results["sliding", N] + n_dsa * results["dsa", N]
+            t, dev, host = (n_sl * s + n_dsa * d for s, d in zip(results["sliding", N], results["dsa", N]))
+            # a forward pass never syncs between layers, so its host runs ahead: it takes the larger of the two sums
+            fwd = max(dev, host)
             print(f"projected prefill of {N} tokens, {n_sl} sliding + {n_dsa} DSA MoE-shaped layers, chunk {C}: "
-                  f"{t:.2f} s = {N / t:.0f} tok/s per rank (collectives, embedding and head excluded)")
+                  f"{fwd:.2f} s = {N / fwd:.0f} tok/s per rank (kernels back to back {dev:.2f} s, host enqueue "
+                  f"{host:.2f} s; layers timed one by one between syncs {t:.2f} s; collectives, embedding and head "
+                  "excluded)")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
-    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help=f"default {PREFILL_CHUNK}, generate.py's")
     ap.add_argument("--layers", nargs="+", choices=list(LAYER_ID), default=list(LAYER_ID))
-    ap.add_argument("--reps", type=int, default=1, help="time each prefill this many times, keep the best")
-    ap.add_argument("--profile", action="store_true", help="print the device time of each kernel of the last chunk")
+    ap.add_argument("--reps", type=int, default=2, help="time each prefill this many times, keep the best")
+    ap.add_argument("--profile", action="store_true",
+                    help="the last chunk's device time per kernel and its host time per Python call (cProfile)")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="set kernel.TUNING[KEY] for the run (e.g. --tune banded=triton; repeatable)")
     a = ap.parse_args()

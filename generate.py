@@ -31,6 +31,11 @@ import model as M
 IMAGE_KEYS = ("pixel_values", "patch_pixel_values", "num_patches", "image_embeds")
 PROGRESS_AFTER_S = 5.0  # a prefill that runs longer than this reports its progress on rank 0
 MAX_LISTED = 10  # bad requests listed in one message
+# tokens per prompt per prefill pass. H200, one TP=8 rank's layers (bench_prefill.py, 2026-12-02), 128k tokens, 92
+# layers' kernels back to back: 6.46 / 6.21 / 6.10 s at chunks of 8192 / 16384 / 32768; a sliding layer's chunk takes
+# 3-4 ms to enqueue at 8192 and at 16384 (2.0 / 3.6 ms of kernels), so at 8192 the host bound the prefill (6.64 s);
+# a layer's peak memory 2.7 / 4.4 / 8.0 GiB
+PREFILL_CHUNK = 16384
 
 
 class UserError(Exception):
@@ -637,7 +642,7 @@ def phase(fn, *args, errors=(UserError, config.ConfigError, M.ShardError)):
 
 def main(tp_dir: str, prompt: str | None = None, prompt_json: str | None = None, prompt_json_batch: str | None = None,
          image_inputs: str | None = None, images: list | None = None, save_image_inputs: str | None = None,
-         max_new_tokens: int = 128, prefill_chunk: int = 8192, ep_size: int | None = None,
+         max_new_tokens: int = 128, prefill_chunk: int = PREFILL_CHUNK, ep_size: int | None = None,
          tokenizer: str | None = None, raw_prompt: bool = False, print_ids: bool = False, as_json: bool = False,
          device: str = "auto", cuda_graph: bool = True, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
          seed: int = 0, speculative: int = 0, ignore_eos: bool = False) -> list:
@@ -817,8 +822,9 @@ if __name__ == "__main__":
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ignore-eos", action="store_true",
                     help="generate exactly --max-new-tokens tokens per request, past any EOS (benchmarks, tests)")
-    ap.add_argument("--prefill-chunk", type=int, default=8192, metavar="N",
-                    help="prefill at most N tokens of each prompt per pass (bounds activation memory; default 8192)")
+    ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
+                    help=f"prefill at most N tokens of each prompt per pass (bounds activation memory; default "
+                    f"{PREFILL_CHUNK})")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample from softmax(logits / T); 0 (the default) is greedy decoding")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0: no limit; "

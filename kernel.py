@@ -77,6 +77,13 @@ def _triton(x: torch.Tensor) -> bool:
 #   math path, the reference). H200, 2026-12-01, bench_kernels.py sweep_banded, 8k / 32k tokens in 2048-query chunks:
 #   math 5.78 / 24.1 ms, SDPA's fused kernels on 4-D equal-head inputs 0.95 / 3.85 ms (removed), triton 0.21 / 0.83
 #   ms (all within 1 bf16 step of the math path); bench_prefill.py sliding layer at 8k: 9.7 / 5.7 / 5.1 ms.
+# Measured and not taken on 2026-12-02 (whole step, batch 1 / 16): weights asked of L2 before the PDL wait, so that
+#   they stream in while the previous kernel runs (one cp.async.bulk.prefetch.L2 per thread or row): the router logits
+#   kernel's rows -3.5 / -0.6% in one run, +1.9 / +2.0 / -0.2% in the next three; the skinny projections' rows (up to
+#   16 MB per launch) -1.3 / +0.3%; the MoE decode kernels' shared-expert rows (before the wait) and routed tiles'
+#   rows (after it) -2.0 / +10.5%; all of those, with each routed program also prefetching its share of its expert's
+#   w2 for the down launch, +5.6 / +16%. Note: --candidates times each choice after the defaults, and in these runs
+#   the later timings were ~2% faster whatever the choice: effects below ~2% need the order swapped to be believed.
 # skinny_all: model.linear's few-row projections (sliding packed QKV, o_proj, lm_head, dense MLPs) through
 #   skinny_linear, not cuBLAS: -1.1% / -2.3% (batch 1 / 16, 2026-12-01). router_block_e: experts per router-logits
 #   program; 32 (88 programs at batch 1, each reading half of 64's bytes): -0.6% / -0.8%.
@@ -148,17 +155,20 @@ def _pdl_enter(PDL: tl.constexpr):
 
 
 def _check(cond, msg):
+    """ValueError(msg) unless cond. msg may be a function that builds the message, called only then: a prefill
+    chunk runs dozens of checks on the host, and formatting shapes into an f-string ahead of time cost ~2.5 us each."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg() if callable(msg) else msg)
 
 
 def _check_tensor(name, t, dtype, ndim=None, contiguous=True):
-    _check(isinstance(t, torch.Tensor), f"{name} must be a tensor, got {type(t).__name__}")
-    _check(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
+    _check(isinstance(t, torch.Tensor), lambda: f"{name} must be a tensor, got {type(t).__name__}")
+    _check(t.dtype == dtype, lambda: f"{name} must be {dtype}, got {t.dtype}")
     if ndim is not None:
-        _check(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+        _check(t.dim() == ndim, lambda: f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if contiguous:
-        _check(t.is_contiguous(), f"{name} must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
+        _check(t.is_contiguous(), lambda: f"{name} must be contiguous (shape {tuple(t.shape)}, strides "
+                                          f"{t.stride()})")
 
 
 @triton.jit
@@ -334,20 +344,20 @@ def _norm_slice(x_ptr, w_ptr, b_ptr, base, cols, r_ok, D: tl.constexpr, mu, r, L
 def norm_rope_triton(x, weight, cos, sin, eps, bias=None, pos=None):
     _check_tensor("x", x, torch.bfloat16, ndim=3, contiguous=False)
     T, NH, D = x.shape
-    _check(x.stride(2) == 1 and x.stride(1) == D, f"x must have contiguous heads (strides {x.stride()})")
+    _check(x.stride(2) == 1 and x.stride(1) == D, lambda: f"x must have contiguous heads (strides {x.stride()})")
     _check_tensor("weight", weight, torch.float32, ndim=1)
-    _check(weight.numel() == D, f"weight must be [{D}], got {tuple(weight.shape)}")
+    _check(weight.numel() == D, lambda: f"weight must be [{D}], got {tuple(weight.shape)}")
     if bias is not None:
         _check_tensor("bias", bias, torch.float32, ndim=1)
-        _check(bias.numel() == D, f"bias must be [{D}], got {tuple(bias.shape)}")
+        _check(bias.numel() == D, lambda: f"bias must be [{D}], got {tuple(bias.shape)}")
     _check_tensor("cos", cos, torch.bfloat16, ndim=2)
     _check_tensor("sin", sin, torch.bfloat16, ndim=2)
     half = cos.shape[1]
     if pos is not None:
         _check_tensor("pos", pos, torch.int64, ndim=1)
-        _check(pos.numel() == T, f"pos must be [T={T}], got {tuple(pos.shape)}")
+        _check(pos.numel() == T, lambda: f"pos must be [T={T}], got {tuple(pos.shape)}")
     _check(cos.shape == sin.shape and (pos is not None or cos.shape[0] == T) and 2 * half <= D,
-           f"cos/sin must be [T={T} (or the whole table with pos), half <= {D // 2}], got {tuple(cos.shape)}, "
+           lambda: f"cos/sin must be [T={T} (or the whole table with pos), half <= {D // 2}], got {tuple(cos.shape)}, "
            f"{tuple(sin.shape)}")
     out = torch.empty((T, NH, D), dtype=x.dtype, device=x.device)
     rows = T * NH
@@ -460,12 +470,12 @@ def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4
     H, n, D = q.shape
     G, L = k.shape[:2]
     _check(v.shape == k.shape and k.shape[2] == D and H % G == 0 and 0 <= off and off + n <= L,
-           f"banded attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, off {off}")
+           lambda: f"banded attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, off {off}")
     _check(q.stride(2) == k.stride(2) == v.stride(2) == 1, "banded attention: rows of q, k, v must be contiguous")
     out = torch.empty(H, n, D, dtype=torch.bfloat16, device=q.device)
     HG = H // G
     _check(HG & (HG - 1) == 0 or not _GPU_LAUNCH,
-           f"banded attention: {HG} query heads per KV group (GPU: a power of 2)")
+           lambda: f"banded attention: {HG} query heads per KV group (GPU: a power of 2)")
     BLOCK_Q = max(1, 64 // HG) if _GPU_LAUNCH else triton.next_power_of_2(max(1, 16 // HG))
     # head_dim = DA + the rest, each piece a power of two (192 = 128 + 64; 128 = 64 + 64: tl.dot's K is at least 16)
     DA = 1 << (D - 1).bit_length() - 1
@@ -482,7 +492,7 @@ def banded_attention(q, k, v, off, window, scale, how=None):
     """banded_attention_ref, or on CUDA with how (default TUNING["banded"]) "triton": banded_attention_triton. The
     reference runs in chunks of 2048 queries so that its [queries, keys] mask and logits stay small."""
     how = TUNING["banded"] if how is None else how
-    _check(how in ("math", "triton"), f"banded attention: {how!r} is not math or triton")
+    _check(how in ("math", "triton"), lambda: f"banded attention: {how!r} is not math or triton")
     if how == "triton" and _triton(q):
         return banded_attention_triton(q, k, v, off, window, scale)
     out = torch.empty_like(q)
@@ -757,31 +767,31 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     programs of 1 or 2 heads instead of all 8 (8x / 4x the programs), 14.3 / 14.2 vs 14.0 us at B = 1 and 171 / 89
     vs 28 us at B = 16."""
     H, G = n_heads, n_groups
-    _check(H > 0 and G > 0 and H % G == 0, f"n_heads={H} must be a positive multiple of n_groups={G}")
+    _check(H > 0 and G > 0 and H % G == 0, lambda: f"n_heads={H} must be a positive multiple of n_groups={G}")
     for name, t_ in (("ring_k", ring_k), ("ring_v", ring_v)):
         _check_tensor(name, t_, torch.bfloat16, ndim=4)
     B, _, R, hd = ring_k.shape
     T = qkvg.shape[0]
     Q = T // B if B else 1
     _check(ring_v.shape == ring_k.shape and ring_k.shape[1] == G,
-           f"ring_k, ring_v must both be [B, G={G}, R, hd], got {tuple(ring_k.shape)}, {tuple(ring_v.shape)}")
+           lambda: f"ring_k, ring_v must both be [B, G={G}, R, hd], got {tuple(ring_k.shape)}, {tuple(ring_v.shape)}")
     _check_tensor("qkvg", qkvg, torch.bfloat16, ndim=2, contiguous=False)
     width = H * hd + 2 * G * hd + H
     _check(T == B * Q and qkvg.shape[1] == width and qkvg.stride(1) == 1,
-           f"qkvg must be [B*Q (B={B}), H*hd + 2*G*hd + H = {width}] with unit column stride, got "
+           lambda: f"qkvg must be [B*Q (B={B}), H*hd + 2*G*hd + H = {width}] with unit column stride, got "
            f"{tuple(qkvg.shape)} strides {qkvg.stride()}")
     _check(0 < window and window + Q - 1 <= R,
-           f"window={window} with {Q} tokens per row needs a ring of window + {Q - 1} slots, not R={R}")
+           lambda: f"window={window} with {Q} tokens per row needs a ring of window + {Q - 1} slots, not R={R}")
     _check_tensor("pos", pos, torch.int64, ndim=1)
-    _check(pos.numel() == T, f"pos must be [T={T}], got {tuple(pos.shape)}")
+    _check(pos.numel() == T, lambda: f"pos must be [T={T}], got {tuple(pos.shape)}")
     for name, w_ in (("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w)):
         _check_tensor(name, w_, torch.float32, ndim=1)
-        _check(w_.numel() == hd, f"{name} must be [{hd}], got {tuple(w_.shape)}")
+        _check(w_.numel() == hd, lambda: f"{name} must be [{hd}], got {tuple(w_.shape)}")
     _check_tensor("cos", cos, torch.bfloat16, ndim=2)
     _check_tensor("sin", sin, torch.bfloat16, ndim=2)
     half = cos.shape[1]
     _check(cos.shape == sin.shape and 0 < 2 * half <= hd,
-           f"cos/sin must be [n_pos, half <= {hd // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+           lambda: f"cos/sin must be [n_pos, half <= {hd // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
     out = torch.empty(T, H * hd, dtype=torch.bfloat16, device=qkvg.device)
     if T == 0:
         return out
@@ -847,12 +857,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, x_stride, out_stride, eps, OUT_BF
 def rms_norm_triton(x, w, eps, out_dtype=None):
     _check_tensor("x", x, x.dtype, ndim=2, contiguous=False)
     _check(x.dtype in (torch.float32, torch.bfloat16) and x.stride(1) == 1,
-           f"x must be fp32/bf16 with contiguous rows, got {x.dtype} strides {x.stride()}")
+           lambda: f"x must be fp32/bf16 with contiguous rows, got {x.dtype} strides {x.stride()}")
     T, D = x.shape
     _check_tensor("w", w, torch.float32, ndim=1)
-    _check(w.numel() == D, f"w must be [{D}], got {tuple(w.shape)}")
+    _check(w.numel() == D, lambda: f"w must be [{D}], got {tuple(w.shape)}")
     out_dtype = out_dtype or x.dtype
-    _check(out_dtype in (torch.float32, torch.bfloat16), f"out_dtype must be fp32 or bf16, got {out_dtype}")
+    _check(out_dtype in (torch.float32, torch.bfloat16), lambda: f"out_dtype must be fp32 or bf16, got {out_dtype}")
     out = torch.empty((T, D), dtype=out_dtype, device=x.device)
     if T:
         _rms_norm_kernel[(T,)](x, w, out, D, x.stride(0), out.stride(0), float(eps),
@@ -918,7 +928,7 @@ def _add_norm_outputs(res, w):
     T, D = res.shape
     if w is not None:
         _check_tensor("w", w, torch.float32, ndim=1)
-        _check(w.numel() == D, f"w must be [{D}], got {tuple(w.shape)}")
+        _check(w.numel() == D, lambda: f"w must be [{D}], got {tuple(w.shape)}")
     return torch.empty_like(res), (torch.empty(T, D, dtype=torch.bfloat16, device=res.device) if w is not None
                                    else None)
 
@@ -928,7 +938,7 @@ def add_norm_triton(res, parts, w, eps):
     T, D = res.shape
     _check_tensor("parts", parts, parts.dtype, ndim=3)
     _check(parts.dtype in (torch.bfloat16, torch.float32) and tuple(parts.shape[1:]) == (T, D),
-           f"parts must be bf16/fp32 [W, T={T}, D={D}], got {parts.dtype} {tuple(parts.shape)}")
+           lambda: f"parts must be bf16/fp32 [W, T={T}, D={D}], got {parts.dtype} {tuple(parts.shape)}")
     out, h = _add_norm_outputs(res, w)
     if T:
         _add_norm_kernel[(T,)](res, parts, w if w is not None else res, out, h if h is not None else out,
@@ -984,7 +994,8 @@ def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0,
         _check_tensor(name, t_, torch.int64, ndim=1)
     W = bufs.numel()
     _check(pads.numel() == W and 0 <= rank < W and parts_dtype in (torch.bfloat16, torch.float32),
-           f"bufs, pads must both hold W={W} addresses, 0 <= rank={rank} < W, parts bf16/fp32 (got {parts_dtype})")
+           lambda: f"bufs, pads must both hold W={W} addresses, 0 <= rank={rank} < W, parts bf16/fp32 "
+           f"(got {parts_dtype})")
     out, h = _add_norm_outputs(res, w)
     if T:
         _peer_add_norm_kernel[(T,)](res, bufs, pads, w if w is not None else res, out, h if h is not None else out,
@@ -1061,7 +1072,7 @@ def _summary_bytes(num, den):
 def region_summary_triton(k, z):
     _check_tensor("k", k, torch.bfloat16, ndim=3)
     _check_tensor("z", z, torch.bfloat16, ndim=3)
-    _check(k.shape == z.shape, f"k {tuple(k.shape)} and z {tuple(z.shape)} must both be [N, blk, P]")
+    _check(k.shape == z.shape, lambda: f"k {tuple(k.shape)} and z {tuple(z.shape)} must both be [N, blk, P]")
     N, blk, P = k.shape
     out = torch.empty(N, P, dtype=torch.uint8, device=k.device)
     if N:
@@ -1139,11 +1150,11 @@ def dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
     for name, t in (("k", k), ("v", v)):
         _check_tensor(name, t, torch.bfloat16, ndim=3, contiguous=False)
         _check(tuple(t.shape) == (B, G, hd) and t.stride(2) == 1 and t.stride(1) == hd,
-               f"{name} must be [B, G, hd] with contiguous rows, got {tuple(t.shape)} strides {t.stride()}")
+               lambda: f"{name} must be [B, G, hd] with contiguous rows, got {tuple(t.shape)} strides {t.stride()}")
     P = pk.shape[2]
     for name, t in (("ki", ki), ("zi", zi)):
         _check_tensor(name, t, torch.bfloat16, ndim=2, contiguous=False)
-        _check(tuple(t.shape) == (B, P) and t.stride(1) == 1, f"{name} must be [B={B}, P={P}] with unit stride")
+        _check(tuple(t.shape) == (B, P) and t.stride(1) == 1, lambda: f"{name} must be [B={B}, P={P}] with unit stride")
     _check_tensor("pos", pos, torch.int64, ndim=1, contiguous=False)  # a column of [B, Q] positions
     for name, t, dt in (("ck", ck, torch.bfloat16), ("cv", cv, torch.bfloat16), ("pk", pk, torch.bfloat16),
                         ("pz", pz, torch.bfloat16), ("summ", summ, torch.uint8)):
@@ -1235,13 +1246,15 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     _check_tensor("w", w, w.dtype, ndim=4, contiguous=False)
     _check(w.dtype in (torch.bfloat16, torch.float32) and w.stride(3) == 1 and w.stride(2) == w.shape[3],
-           f"w must be bf16/fp32 with contiguous heads per token (a column slice of the packed projection is "
+           lambda: f"w must be bf16/fp32 with contiguous heads per token (a column slice of the packed projection is "
            f"fine), got {w.dtype} strides {w.stride()}")
     _check_tensor("summ", summ, FP8, ndim=3)
     S, T, G, HG, P = q.shape
     R = summ.shape[1]
-    _check(tuple(w.shape) == (S, T, G, HG), f"w must be [S, T, G, Hg] = {(S, T, G, HG)}, got {tuple(w.shape)}")
-    _check(summ.shape[0] == S and summ.shape[2] == P, f"summ must be [S={S}, R, P={P}], got {tuple(summ.shape)}")
+    _check(tuple(w.shape) == (S, T, G, HG),
+           lambda: f"w must be [S, T, G, Hg] = {(S, T, G, HG)}, got {tuple(w.shape)}")
+    _check(summ.shape[0] == S and summ.shape[2] == P,
+           lambda: f"summ must be [S={S}, R, P={P}], got {tuple(summ.shape)}")
     out = torch.empty(S, G, T, R, dtype=torch.float32, device=q.device)
     BLOCK_T = block_t or (16 if T <= 16 else 64)
     # H200, 256 queries x 131072 regions (a 1M-token prefill chunk): 64 x 128 248 us, 64 x 64 414 us (best of 6)
@@ -1385,7 +1398,7 @@ def select_regions_triton(scores, n_hist, topk, chunk=4096):
     _check_tensor("scores", scores, torch.float32, ndim=4)
     _check_tensor("n_hist", n_hist, torch.int64, ndim=2)
     S, G, T, R = scores.shape
-    _check(tuple(n_hist.shape) == (S, T), f"n_hist must be [S, T] = {(S, T)}, got {tuple(n_hist.shape)}")
+    _check(tuple(n_hist.shape) == (S, T), lambda: f"n_hist must be [S, T] = {(S, T)}, got {tuple(n_hist.shape)}")
     K = min(topk, R)
     ids = torch.empty(S, G, T, K, dtype=torch.int64, device=scores.device)
     valid = torch.empty(S, G, T, K, dtype=torch.bool, device=scores.device)
@@ -1577,15 +1590,15 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
     for name, t_ in (("k", k), ("v", v)):
         _check_tensor(name, t_, torch.bfloat16, ndim=4)
         _check(t_.shape[0] == S and t_.shape[2] == G and t_.shape[3] == hd,
-               f"{name} must be [S={S}, N, G={G}, hd={hd}], got {tuple(t_.shape)}")
+               lambda: f"{name} must be [S={S}, N, G={G}, hd={hd}], got {tuple(t_.shape)}")
     _check(k.shape == v.shape and k.stride() == v.stride(), "k and v must have the same shape and layout")
     _check(ids.dtype == torch.int64 and ids.dim() == 4 and ids.stride(-1) == 1,
-           f"ids must be int64 [S, G, T, K] with unit last stride, got {ids.dtype} {tuple(ids.shape)}")
-    _check(tuple(ids.shape[:3]) == (S, G, T), f"ids must be [S={S}, G={G}, T={T}, K], got {tuple(ids.shape)}")
+           lambda: f"ids must be int64 [S, G, T, K] with unit last stride, got {ids.dtype} {tuple(ids.shape)}")
+    _check(tuple(ids.shape[:3]) == (S, G, T), lambda: f"ids must be [S={S}, G={G}, T={T}, K], got {tuple(ids.shape)}")
     _check(valid.dtype == torch.bool and valid.shape == ids.shape and valid.stride(-1) == 1,
-           f"valid must be bool like ids {tuple(ids.shape)} with unit last stride")
+           lambda: f"valid must be bool like ids {tuple(ids.shape)} with unit last stride")
     _check_tensor("pos", pos, pos.dtype, ndim=2)
-    _check(tuple(pos.shape) == (S, T) and not pos.is_floating_point(), f"pos must be integer [S={S}, T={T}]")
+    _check(tuple(pos.shape) == (S, T) and not pos.is_floating_point(), lambda: f"pos must be integer [S={S}, T={T}]")
     out = torch.empty_like(q)
     NSEL = ids.shape[-1]
     J = NSEL * blk + blk
@@ -1900,16 +1913,16 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     E, N, K = w.shape
     _check_tensor("w", w, FP8 if fp8 else torch.bfloat16, ndim=3)
     _check_tensor("x", x, FP8 if fp8 else torch.bfloat16, ndim=2)
-    _check(x.shape[1] == K, f"x has K={x.shape[1]} but w has K={K}")
+    _check(x.shape[1] == K, lambda: f"x has K={x.shape[1]} but w has K={K}")
     _check_tensor("row_off", row_off, torch.int32, ndim=1)
-    _check(row_off.numel() == E + 1, f"row_off must have E+1={E + 1} entries, got {row_off.numel()}")
+    _check(row_off.numel() == E + 1, lambda: f"row_off must have E+1={E + 1} entries, got {row_off.numel()}")
     if fp8:
         _check_tensor("sw", sw, torch.float32, ndim=3)
         _check(tuple(sw.shape) == (E, triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)),
-               f"sw must be [E, ceil(N/128), ceil(K/128)] = {(E, triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK))}, "
-               f"got {tuple(sw.shape)}")
+               lambda: f"sw must be [E, ceil(N/128), ceil(K/128)] = "
+               f"{(E, triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK))}, got {tuple(sw.shape)}")
         _check_tensor("sx", sx, torch.float32, ndim=2)
-        _check(tuple(sx.shape) == (x.shape[0], triton.cdiv(K, QBLOCK)), f"sx shape {tuple(sx.shape)} != "
+        _check(tuple(sx.shape) == (x.shape[0], triton.cdiv(K, QBLOCK)), lambda: f"sx shape {tuple(sx.shape)} != "
                f"{(x.shape[0], triton.cdiv(K, QBLOCK))}")
     if w3 is not None:
         _check(w3.shape == w.shape and w3.dtype == w.dtype and w3.is_contiguous(), "w3 must match w")
@@ -2147,7 +2160,7 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
     if row_idx is not None:  # only the rows of some expert: in the MoE, remote slots sort past row_off[E]
         x, sx = gather_rows_triton(x, row_idx, row_off[E:]), gather_rows_triton(sx, row_idx, row_off[E:])
     BLOCK_M = 128
-    _check(block_n in (128, 256), f"grouped_gemm_wgmma: block_n {block_n} is not 128 or 256")
+    _check(block_n in (128, 256), lambda: f"grouped_gemm_wgmma: block_n {block_n} is not 128 or 256")
     gated = w3 is not None
     out_n = block_n // 2 if gated else block_n
     wl = gl.NVMMASharedLayout.get_default_for([block_n // 2, QBLOCK], gl.float8e4nv)
@@ -2183,7 +2196,8 @@ def gather_rows_triton(src, idx, end):
     """src [S, W] -> [M, W] (M = idx.numel()): row r is src[idx[r]] for r < end[0], an int32 device tensor (no host
     sync); rows past it stay unwritten. Rows of whole 4-byte words move as int32 (e4m3 rows of K % 4 == 0)."""
     _check_tensor("idx", idx, torch.int32, ndim=1)
-    _check(src.dim() == 2 and src.stride(1) == 1, f"src must be 2-D with contiguous rows, got {tuple(src.shape)}")
+    _check(src.dim() == 2 and src.stride(1) == 1,
+           lambda: f"src must be 2-D with contiguous rows, got {tuple(src.shape)}")
     words = src.view(torch.uint8)
     words = words.view(torch.int32) if words.shape[1] % 4 == 0 and words.stride(0) % 4 == 0 else words
     out = torch.empty(idx.numel(), *words.shape[1:], dtype=words.dtype, device=src.device)
@@ -2229,11 +2243,11 @@ def _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2):
     _check_tensor("ids", ids, torch.int64, ndim=2)
     _check_tensor("weights", weights, torch.float32, ndim=2)
     _check(ids.shape[0] == T and weights.shape == ids.shape,
-           f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={T}, k]")
+           lambda: f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={T}, k]")
     fp8 = s1 is not None
     E, F, _ = w1.shape
     _check(tuple(w1.shape) == (E, F, D) and tuple(w3.shape) == (E, F, D) and tuple(w2.shape) == (E, D, F),
-           f"expert weights must be w1, w3 [E, F, D={D}] and w2 [E, D, F]; got {tuple(w1.shape)}, "
+           lambda: f"expert weights must be w1, w3 [E, F, D={D}] and w2 [E, D, F]; got {tuple(w1.shape)}, "
            f"{tuple(w3.shape)}, {tuple(w2.shape)}")
     _check((s3 is not None) == fp8 and (s2 is not None) == fp8, "s1, s3, s2 must be all set (FP8) or all None")
     return T, D, ids.shape[1], E, F, fp8
@@ -2496,8 +2510,8 @@ def _check_shared(shared, D):
         _check_tensor(name, t_, torch.bfloat16, ndim=2)
     Fs = wg.shape[0]
     _check(tuple(wg.shape) == (Fs, D) and tuple(wu.shape) == (Fs, D) and tuple(wd.shape) == (D, Fs),
-           f"shared weights must be wg, wu [Fs, D={D}] and wd [D, Fs]; got {tuple(wg.shape)}, {tuple(wu.shape)}, "
-           f"{tuple(wd.shape)}")
+           lambda: f"shared weights must be wg, wu [Fs, D={D}] and wd [D, Fs]; got {tuple(wg.shape)}, "
+           f"{tuple(wu.shape)}, {tuple(wd.shape)}")
     return Fs
 
 
@@ -2508,7 +2522,7 @@ def _x_quant(x, xq):
     q, sx = xq
     _check(q.dtype == FP8 and q.shape == x.shape and sx.dtype == torch.float32
            and tuple(sx.shape) == (x.shape[0], triton.cdiv(x.shape[1], QBLOCK)) and q.is_contiguous()
-           and sx.is_contiguous(), f"xq must be (e4m3 {tuple(x.shape)}, fp32 [T, D/128]) as act_quant_triton's")
+           and sx.is_contiguous(), lambda: f"xq must be (e4m3 {tuple(x.shape)}, fp32 [T, D/128]) as act_quant_triton's")
     return q, sx
 
 
@@ -2535,7 +2549,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     """
     T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
     Fs = _check_shared(shared, D) if shared is not None else 0
-    _check(T * k <= DECODE_SLOTS, f"the decode path takes T*k <= {DECODE_SLOTS} slots, got {T}*{k}")
+    _check(T * k <= DECODE_SLOTS, lambda: f"the decode path takes T*k <= {DECODE_SLOTS} slots, got {T}*{k}")
     out = torch.empty(T, D, dtype=torch.float32 if shared is not None else torch.bfloat16, device=x.device)
     if T == 0:
         return out
@@ -2562,7 +2576,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     tuned = TUNING["moe_unroll"] if fp8 and T == 1 and gpu else (1, 1)
     ku = k_unroll or tuple(u if n % u == 0 else 1 for u, n in zip(tuned, (nkb, nkf)))
     _check(nkb % ku[0] == 0 and nkf % ku[1] == 0,
-           f"k_unroll {ku} must divide the K blocks of gate/up ({nkb}) and down ({nkf})")
+           lambda: f"k_unroll {ku} must divide the K blocks of gate/up ({nkb}) and down ({nkf})")
     sh = int(shared is not None)
     ranks = min(T * k, E)  # distinct local experts the slots can hit
     dummy = y
@@ -2652,7 +2666,7 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, HAS_LIMIT: tl.constexpr, BLO
 def swiglu_triton(g, u, limit):
     _check_tensor("g", g, torch.bfloat16)
     _check_tensor("u", u, torch.bfloat16)
-    _check(g.shape == u.shape, f"g {tuple(g.shape)} and u {tuple(u.shape)} must have the same shape")
+    _check(g.shape == u.shape, lambda: f"g {tuple(g.shape)} and u {tuple(u.shape)} must have the same shape")
     out = torch.empty_like(g)
     n = g.numel()
     BLOCK = 2048
@@ -2709,11 +2723,11 @@ def skinny_linear_triton(x, w, block_n=None, block_k=None, num_stages=None, num_
     o_proj 4096: 5.3 (32 x 256, the best of 10), packed DSA 3468: 9.9 (32 x 256; 9.5 at 6 stages). Every choice
     gives the same bits: the MMAs accumulate K in 16-wide steps in order whatever the K block."""
     _check_tensor("x", x, torch.bfloat16, ndim=2, contiguous=False)
-    _check(x.stride(1) == 1, f"x must have contiguous rows, got strides {x.stride()}")
+    _check(x.stride(1) == 1, lambda: f"x must have contiguous rows, got strides {x.stride()}")
     _check_tensor("w", w, torch.bfloat16, ndim=2)
     M, K = x.shape
     N = w.shape[0]
-    _check(w.shape[1] == K and M <= 16, f"x [M <= 16, K] and w [N, K]: got {tuple(x.shape)}, {tuple(w.shape)}")
+    _check(w.shape[1] == K and M <= 16, lambda: f"x [M <= 16, K] and w [N, K]: got {tuple(x.shape)}, {tuple(w.shape)}")
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     bn, bk, ns = (64, 128, 6) if N >= 6400 else (32, 256, 4) if N >= 3200 else (16, 512, 4)
     block_n, block_k, num_stages = block_n or bn, block_k or bk, num_stages or ns
@@ -2852,7 +2866,7 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
     T, D = x.shape
     E = w.shape[0]
     _check(w.shape[1] == D and bias.numel() == E and 0 < k <= E,
-           f"router shapes: x [T, {D}], w {tuple(w.shape)}, bias {tuple(bias.shape)}, k={k}")
+           lambda: f"router shapes: x [T, {D}], w {tuple(w.shape)}, bias {tuple(bias.shape)}, k={k}")
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     wts = torch.empty(T, k, dtype=torch.float32, device=x.device)
     xq = torch.empty(T, D, dtype=torch.uint8, device=x.device) if quant else ids
