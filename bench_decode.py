@@ -9,7 +9,8 @@ bytes one step must read. Under `torchrun --nproc-per-node=W`, --whole-rank also
 reductions between W GPUs (--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both
 modes): a step of Q tokens per row against a 1-token step. --candidates [KEY ...] (with --whole-rank): the step with
 each of kernel.TUNING's launch choices (or only the KEYs) set to each of its alternatives (ALTERNATIVES), against the
-defaults; --tune KEY=VALUE changes a default for the whole run (e.g. --tune moe_stages=3,3).
+defaults timed just before and after it; --tune KEY=VALUE changes a default for the whole run (e.g. --tune
+moe_stages=3,3).
 
     python bench_decode.py [--batch 1] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
     python bench_decode.py --whole-rank --tune moe_stages=4,4 --tune moe_unroll=4,4
@@ -178,6 +179,26 @@ def bench_layers(cfg, batch: int, context: int, profile: bool, q: int = 1):
     return step_t, floor
 
 
+def timed_around(timed, trials: dict, tuning: dict) -> dict:
+    """name -> (candidate seconds, defaults seconds) for each trial (a dict of tuning changes), or name -> the
+    exception its timing raised. The defaults are timed just before and just after each candidate and averaged:
+    timed once before all of them, the defaults looked ~2% slower than every candidate (H200, 2026-12-02, a candidate
+    equal to the old default included), so a drift within the process cancels. tuning is restored after each."""
+    default, out = dict(tuning), {}
+    for name, tune in trials.items():
+        before = timed()
+        tuning.update(tune)
+        try:
+            t = timed()
+        except Exception as e:  # one failing candidate (a capture or compile error) must not end the run
+            out[name] = e
+            continue
+        finally:
+            tuning.update(default)
+        out[name] = t, (before + timed()) / 2
+    return out
+
+
 def kv_bytes(cfg, kind: str, batch: int, context: int) -> int:
     """Cache bytes one decode step of a layer reads: the window (sliding) or the selected regions plus the summaries
     (DSA), keys and values of one KV group of head_dim bf16."""
@@ -245,19 +266,15 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
     say(f"whole rank: {kernels} kernels per step ({kernels / cfg.num_hidden_layers:.1f} per layer) | eager "
         f"{eager * 1e3:8.2f} ms | graph {graph_t * 1e3:7.3f} ms | {nbytes / 1e9:5.2f} GB -> floor "
         f"{nbytes / HBM_BPS * 1e3:5.2f} ms | {nbytes / graph_t / 1e9:7.1f} GB/s = {nbytes / graph_t / HBM_BPS:5.1%} of HBM")
-    if candidates:  # graphs re-captured under each choice; the defaults restored after each
-        default = dict(kernel.TUNING)
+    if candidates:  # graphs re-captured under each choice
         trials = {f"{k}={v}": {k: v} for k, vs in ALTERNATIVES.items() for v in vs
                   if candidates is True or k in candidates}
-        for name, tune in trials.items():
-            kernel.TUNING.update(tune)
-            try:
-                t = timed_graph(1)
-                say(f"candidate {name:18s}: graph {t * 1e3:7.3f} ms ({(t - graph_t) / graph_t:+6.1%} vs the defaults)")
-            except Exception as e:  # one failing candidate (a capture error, a compile error) must not end the run
-                say(f"candidate {name:18s}: {type(e).__name__}: {str(e)[:200]}")
-            kernel.TUNING.update(default)
-            cache.lengths.fill_(context)
+        for name, r in timed_around(lambda: timed_graph(1), trials, kernel.TUNING).items():
+            if isinstance(r, Exception):
+                say(f"candidate {name:18s}: {type(r).__name__}: {str(r)[:200]}")
+            else:
+                say(f"candidate {name:18s}: graph {r[0] * 1e3:7.3f} ms ({r[0] / r[1] - 1:+6.1%} vs the defaults timed "
+                    f"around it: {r[1] * 1e3:7.3f} ms)")
     if q > 1:
         t_q = timed_graph(1, torch.zeros(batch, q, dtype=torch.long, device="cuda"))
         say(f"verify step of {q} tokens per row: {t_q * 1e3:7.3f} ms = {t_q / graph_t:.2f}x the 1-token step")

@@ -82,8 +82,8 @@ def _triton(x: torch.Tensor) -> bool:
 #   kernel's rows -3.5 / -0.6% in one run, +1.9 / +2.0 / -0.2% in the next three; the skinny projections' rows (up to
 #   16 MB per launch) -1.3 / +0.3%; the MoE decode kernels' shared-expert rows (before the wait) and routed tiles'
 #   rows (after it) -2.0 / +10.5%; all of those, with each routed program also prefetching its share of its expert's
-#   w2 for the down launch, +5.6 / +16%. Note: --candidates times each choice after the defaults, and in these runs
-#   the later timings were ~2% faster whatever the choice: effects below ~2% need the order swapped to be believed.
+#   w2 for the down launch, +5.6 / +16%. --candidates then timed each choice once after the defaults, and those later
+#   timings were ~2% faster whatever the choice; it now times the defaults just before and after each candidate.
 # skinny_all: model.linear's few-row projections (sliding packed QKV, o_proj, lm_head, dense MLPs) through
 #   skinny_linear, not cuBLAS: -1.1% / -2.3% (batch 1 / 16, 2026-12-01). router_block_e: experts per router-logits
 #   program; 32 (88 programs at batch 1, each reading half of 64's bytes): -0.6% / -0.8%.

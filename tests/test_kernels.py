@@ -587,6 +587,24 @@ def test_set_tuning_parses_values_and_names_bad_ones(monkeypatch):
         K.banded_attention(*(torch.zeros(1, 1, 8).bfloat16() for _ in range(3)), 0, 1, 1.0, "wide")
 
 
+def test_candidates_are_timed_between_two_timings_of_the_defaults():
+    """bench_decode.py --candidates: a timer that speeds up by 1% per call (the drift seen on the H200) and a
+    candidate 3% slower than the defaults: timed around it, the ratio is exactly 1.03 (timed after the defaults, it
+    looked 2% slower). A failing candidate is reported and the tuning restored either way."""
+    import bench_decode
+    tuning, calls = {"choice": "a", "other": 1}, []
+
+    def timed():
+        calls.append(tuning["choice"])
+        if tuning["choice"] == "bad":
+            raise RuntimeError("no capture")
+        return (1.0 - 0.01 * len(calls)) * (1.03 if tuning["choice"] == "b" else 1.0)
+    got = bench_decode.timed_around(timed, {"b": {"choice": "b"}, "bad": {"choice": "bad"}}, tuning)
+    assert got["b"][0] / got["b"][1] == pytest.approx(1.03, abs=1e-12)
+    assert isinstance(got["bad"], RuntimeError) and calls == ["a", "b", "a", "a", "bad"]
+    assert tuning == {"choice": "a", "other": 1}
+
+
 def test_checks_build_their_messages_only_when_they_fail():
     """_check's message may be a function (the launchers' shape f-strings cost the prefill's host ~2.5 us each when
     built ahead of time): not called when the check passes, its text raised when it fails."""
