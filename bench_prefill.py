@@ -126,7 +126,7 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
                                                              pos[None, c0:c1], blk, a.scale)
                                      for (i, v), (c0, c1) in zip(sel, subs)],
         # the whole layer on that chunk again (rewrites the same cache rows with the same values)
-        "whole layer chunk": lambda: block(res[:C], pos, rope, [(0, C, p0)], lc),
+        "whole layer chunk": lambda: chunk(block, lc, rope, res, p0, C),
     }
     t = {k: timed(f, 3) for k, f in pieces.items()}
     t["rest (QKV, o_proj, MoE...)"] = t["whole layer chunk"] - sum(v for k, v in t.items() if k != "whole layer chunk")
