@@ -5,8 +5,9 @@ Default: a sliding-window MoE layer and a DSA MoE layer with the real shapes of 
 replayed as a CUDA graph), the kernels of one step (profiler), and the 92-layer step projected from the two.
 --whole-rank: the whole rank instead (92 layers, final norm, lm_head window, argmax; ~75 GB of FP8 experts), one
 decode step replayed as a CUDA graph and measured, not projected. Both print the ratio to the HBM floor of the
-bytes one step must read. Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP
-reductions between W GPUs (--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both
+bytes one step must read. --profile: the device time of each kernel of one eager step, and with --whole-rank also
+each kernel's share of the replayed graph (replay_table: how far each kernel moved the end of the work done).
+Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP reductions between W GPUs (--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both
 modes): a step of Q tokens per row against a 1-token step. --candidates [KEY ...] (with --whole-rank): the step with
 each of kernel.TUNING's launch choices (or only the KEYs) set to each of its alternatives (ALTERNATIVES), against the
 defaults timed just before and after it; --tune KEY=VALUE changes a default for the whole run (e.g. --tune
@@ -32,8 +33,10 @@ from generate import DecodeStep
 # the other values of kernel.TUNING's launch choices: measured and not taken, or candidates not yet timed
 # (--candidates re-times the step with each)
 ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
-                "moe_block_n": [(32, 64), (64, 64)], "moe_stages": [(4, 4)], "moe_unroll": [(4, 4)],
-                "skinny_all": [False], "router_block_e": [64]}
+                "moe_block_n": [(32, 64), (64, 64)], "moe_stages": [(4, 4), (6, 6)],
+                "moe_unroll": [(4, 4), (8, 1), (4, 2)],
+                "skinny_all": [False], "router_block_e": [64], "sliding_hoist": [False], "skinny_stages": [4],
+                "router_hoist": [False]}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 
@@ -89,6 +92,28 @@ def count_kernels(fn) -> int:
 def kernel_table(fn, rows: int) -> str:
     """Device time per kernel of one eager call: where a step's time goes."""
     return profiled(fn).key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+
+
+def replay_table(replay, rows: int, reps: int = 3) -> str:
+    """Where a replayed graph's time goes: per kernel name, the time by which each of its kernels moved the end of
+    the work done so far (its end minus the latest end before it, >= 0), summed over `reps` replays and divided by
+    reps. With PDL a kernel starts (and waits) inside its predecessor, so its own duration overstates it; these
+    shares add up to the step (gaps included: a launch gap counts for the kernel after it)."""
+    torch.cuda.synchronize()
+    p = profiled(lambda: [replay() for _ in range(reps)])
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in p.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    share, count, end = {}, {}, ks[0][0]
+    for t0, t1, name in ks:
+        share[name] = share.get(name, 0.0) + max(t1 - end, 0.0)
+        count[name] = count.get(name, 0) + 1
+        end = max(end, t1)
+    total = sum(share.values())
+    lines = [f"graph replay, {len(ks) / reps:.0f} kernels, {total / reps:.1f} us per step (profiler clock):",
+             f"{'share us':>9s} {'%':>6s} {'n':>5s}  kernel"]
+    for name in sorted(share, key=share.get, reverse=True)[:rows]:
+        lines.append(f"{share[name] / reps:9.1f} {share[name] / total:6.1%} {count[name] // reps:5d}  {name[:90]}")
+    return "\n".join(lines)
 
 
 def weight_bytes(mod: torch.nn.Module, batch: int, cfg: config.Step5Config) -> int:
@@ -261,6 +286,11 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
         say(kernel_table(lambda: step(ids), 30))
         cache.lengths.fill_(context)
     graph_t = timed_graph(1)
+    if profile:
+        replay = generate.DecodeStep(step, graph=True, state=lambda: (cache.lengths,))
+        replay(ids)
+        say(replay_table(replay.graph.replay, 40))
+        cache.lengths.fill_(context)
     nbytes = weight_bytes(m, batch, cfg) + sum(kv_bytes(cfg, "dsa" if cfg.is_dsa(i) else "sliding", batch, context)
                                                for i in range(cfg.num_hidden_layers))
     say(f"whole rank: {kernels} kernels per step ({kernels / cfg.num_hidden_layers:.1f} per layer) | eager "

@@ -114,13 +114,13 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
     subs = [(c0, min(C, c0 + step)) for c0 in range(0, C, step)]  # the query chunks of model._dsa
     scores = [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale)
               for c0, c1 in subs]  # [1, G, step, R] each
-    sel = [kernel.select_regions(s, pos[None, c0:c1] // blk, sp.topk) for s, (c0, c1) in zip(scores, subs)]
+    sel = [kernel.select_regions(s, pos[None, c0:c1], sp.topk, blk) for s, (c0, c1) in zip(scores, subs)]
     q = torch.randn(1, C, a.n_groups, a.n_heads // a.n_groups, cfg.head_dim, device="cuda").bfloat16()
     pieces = {
         "indexer proj+summ": indexer,
         "scores": lambda: [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale)
                            for c0, c1 in subs],
-        "selection": lambda: [kernel.select_regions(s, pos[None, c0:c1] // blk, sp.topk)
+        "selection": lambda: [kernel.select_regions(s, pos[None, c0:c1], sp.topk, blk)
                               for s, (c0, c1) in zip(scores, subs)],
         "sparse attention": lambda: [kernel.sparse_attention(q[:, c0:c1], lc.k[:1, :N], lc.v[:1, :N], i, v,
                                                              pos[None, c0:c1], blk, a.scale)

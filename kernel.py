@@ -91,9 +91,25 @@ def _triton(x: torch.Tensor) -> bool:
 #   +2.0 / -0.4 / -0.2% vs 32); the router selection in 1 warp (shuffles only, no barriers): +1.2 / +0.2%; the
 #   swapped down tile at T = 1 loading and quantising its one row, broadcast to the MMA's 16 (its sm90 K loop
 #   254 -> 173 instructions): +3.5% at batch 1; the shared expert's gate/up in 16-column tiles: +0.1 / -0.8%.
+# Reads before the PDL wait (eighth session, 2026-12-02, whole step, batch 1 / 16, each against the defaults timed
+#   around it): a kernel's loads of data that its predecessor does not write overlap the predecessor's tail, which
+#   a latency-bound decode kernel otherwise pays after the wait. sliding_hoist: the sliding attention's cached keys and
+#   values of its split (Q = 1): -2.8 / -0.8%, and +3.1% when set back in the next run. router_hoist: the router
+#   logits' weight tile (one K step of 512 columns, 32 KB, in registers): -1.3 / -0.6%. Parameters (norm weights,
+#   biases) and the position's RoPE table rows are always read before the wait (_norm_params). Measured and not
+#   taken: the decode down projection's whole weight tile (T = 1, 32-column tiles, 48 KB in registers): +26.9% at
+#   batch 1 (200 KB of shared memory for the mma operands: one CTA per SM, so the shared expert's programs, first in
+#   launch order and waiting, held the SMs); skinny_linear's first K blocks in registers (8 warps), 64 / 128 KB per
+#   program: +47 / +91% at batch 1, +22 / +160% at 16.
+# skinny_stages: skinny_linear's pipeline stages for the packed projections and o_proj: 6 vs 4: -1.5 / -2.7%, and
+#   +1.5% when set back in the next run; 3: +0.9 / +0.5%. Also measured on 2026-12-02 and not taken: the T = 1 decode
+#   expert tiles (gate/up, down columns) (16, 64) / (32, 32) / (16, 32) vs (32, 64): +3.4 / +1.5 / +5.3%; moe_stages
+#   (6, 6): +8.6% at batch 16 (over the shared memory at batch 1); moe_unroll (4, 2): -0.5%, (8, 1) over the shared
+#   memory.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
-          "skinny_all": True, "router_block_e": 32, "banded": "triton"}
+          "skinny_all": True, "router_block_e": 32, "banded": "triton", "sliding_hoist": True, "skinny_stages": 6,
+          "router_hoist": True}
 
 
 def set_tuning(items) -> None:
@@ -286,11 +302,23 @@ def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R
     first = bf(a*c - b*s) (products rounded separately: compiled without FMA contraction),
     second = bf(fma(a, s, b*c)) (_rotate: exact products, so plain fp32 adds, as the reference).
     Each norm value is elementwise, so recomputing it per slice equals storing and re-reading the bf16 row.
+    The weights, bias, positions and table rows are read before the PDL wait: the positions are written before any
+    layer's kernels (by torch ops, which trigger no early launch), never by the predecessor, which writes x.
     """
-    _pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < ROWS
     tok = rows // NH
+    j = tl.arange(0, BLOCK_HALF)
+    j_ok = r_ok[:, None] & (j[None, :] < HALF)
+    trow = tl.load(pos_ptr + tok, mask=r_ok, other=0) if GATHER else tok  # the table row of each token
+    c = tl.load(cos_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
+    wb_a = _norm_params(w_ptr, b_ptr, j, D, LAYERNORM)
+    wb_b = _norm_params(w_ptr, b_ptr, HALF + j, D, LAYERNORM)
+    if BLOCK_REST > 0:
+        cols = 2 * HALF + tl.arange(0, BLOCK_REST)
+        wb_r = _norm_params(w_ptr, b_ptr, cols, D, LAYERNORM)
+    _pdl_enter(PDL)
     # x rows may be strided per token (q/k are column slices of the packed QKV output); out is contiguous
     xbase = tok.to(tl.int64)[:, None] * stride_xt + (rows % NH).to(tl.int64)[:, None] * D
     base = rows.to(tl.int64)[:, None] * D
@@ -304,21 +332,14 @@ def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R
     else:
         mu = tl.zeros((BLOCK_R,), dtype=tl.float32)
         r = tl.math.div_rn(one, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
-    j = tl.arange(0, BLOCK_HALF)
-    j_ok = r_ok[:, None] & (j[None, :] < HALF)
-    trow = tl.load(pos_ptr + tok, mask=r_ok, other=0) if GATHER else tok  # the table row of each token
-    c = tl.load(cos_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
-    a = _norm_slice(x_ptr, w_ptr, b_ptr, xbase, j, r_ok, D, mu, r, LAYERNORM)
-    b = _norm_slice(x_ptr, w_ptr, b_ptr, xbase, HALF + j, r_ok, D, mu, r, LAYERNORM)
+    a = _norm_slice(x_ptr, xbase, j, r_ok, D, mu, r, wb_a, LAYERNORM)
+    b = _norm_slice(x_ptr, xbase, HALF + j, r_ok, D, mu, r, wb_b, LAYERNORM)
     first, second = _rotate(a, b, c, s)
     tl.store(out_ptr + base + j[None, :], _bf16_round(first).to(tl.bfloat16), mask=j_ok)
     tl.store(out_ptr + base + HALF + j[None, :], _bf16_round(second).to(tl.bfloat16), mask=j_ok)
     if BLOCK_REST > 0:  # dims past the rotary span keep the norm value
-        cols = 2 * HALF + tl.arange(0, BLOCK_REST)
-        c_ok = r_ok[:, None] & (cols[None, :] < D)
-        n = _norm_slice(x_ptr, w_ptr, b_ptr, xbase, cols, r_ok, D, mu, r, LAYERNORM)
-        tl.store(out_ptr + base + cols[None, :], n.to(tl.bfloat16), mask=c_ok)
+        n = _norm_slice(x_ptr, xbase, cols, r_ok, D, mu, r, wb_r, LAYERNORM)
+        tl.store(out_ptr + base + cols[None, :], n.to(tl.bfloat16), mask=r_ok[:, None] & (cols[None, :] < D))
 
 
 @triton.jit
@@ -330,14 +351,22 @@ def _rotate(a, b, c, s):
 
 
 @triton.jit
-def _norm_slice(x_ptr, w_ptr, b_ptr, base, cols, r_ok, D: tl.constexpr, mu, r, LAYERNORM: tl.constexpr):
+def _norm_params(w_ptr, b_ptr, cols, D: tl.constexpr, LAYERNORM: tl.constexpr):
+    """The norm's weight (and LAYERNORM bias) at cols, [1, n] fp32: loaded apart from x so that a kernel can read them
+    before its PDL wait (they are parameters: no kernel writes them)."""
     c_ok = cols < D
-    x = tl.load(x_ptr + base + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=c_ok, other=0.0)[None, :]
+    return w, tl.load(b_ptr + cols, mask=c_ok, other=0.0)[None, :] if LAYERNORM else w
+
+
+@triton.jit
+def _norm_slice(x_ptr, base, cols, r_ok, D: tl.constexpr, mu, r, wb, LAYERNORM: tl.constexpr):
+    """bf(norm) of x's columns cols, wb = _norm_params at those columns."""
+    x = tl.load(x_ptr + base + cols[None, :], mask=r_ok[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
     if LAYERNORM:
-        n = (x - mu[:, None]) * r[:, None] * w + tl.load(b_ptr + cols, mask=c_ok, other=0.0)[None, :]
+        n = (x - mu[:, None]) * r[:, None] * wb[0] + wb[1]
     else:
-        n = (x * r[:, None]) * (w + 1.0)
+        n = (x * r[:, None]) * (wb[0] + 1.0)
     return _bf16_round(n)
 
 
@@ -551,37 +580,54 @@ def sliding_decode_ref(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, 
 
 
 @triton.jit
-def _head_norm_rope(x_ptr, w_ptr, base, r_ok, cos_row, sin_row, eps, D: tl.constexpr, HALF: tl.constexpr,
+def _rope_row(cos_row, sin_row, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """A position's cos and sin table rows [1, BLOCK_HALF] fp32 (0 past HALF: pads stay 0)."""
+    j = tl.arange(0, BLOCK_HALF)
+    return (tl.load(cos_row + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :],
+            tl.load(sin_row + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :])
+
+
+@triton.jit
+def _head_params(w_ptr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """_head_norm_rope's RMS-norm weight pieces (first, second, rest; _norm_params)."""
+    j = tl.arange(0, BLOCK_HALF)
+    first = _norm_params(w_ptr, w_ptr, j, D, False)
+    second = _norm_params(w_ptr, w_ptr, HALF + j, D, False)
+    rest = _norm_params(w_ptr, w_ptr, 2 * HALF + tl.arange(0, BLOCK_REST), D, False) if BLOCK_REST > 0 else first
+    return first, second, rest
+
+
+@triton.jit
+def _head_norm_rope(x_ptr, base, r_ok, cs, wts, eps, D: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
     """RMS-norm + NEOX RoPE of head rows at x_ptr + base ([BLOCK_R, 1] offsets) with _norm_rope_kernel's arithmetic
     (same rounding points, so the cached k matches norm_rope's): returns fp32 holding bf16 values, as three column
     pieces: first [BLOCK_R, BLOCK_HALF] (dims j < HALF), second (dims HALF + j), rest (dims 2*HALF + c < D);
-    padding columns are 0. cos_row, sin_row: pointers to the position's table rows."""
+    padding columns are 0. cs: the position's (cos, sin) (_rope_row), wts: the weight (_head_params)."""
     d = tl.arange(0, BLOCK_D)
     x = tl.load(x_ptr + base + d[None, :], mask=r_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
     r = tl.math.div_rn(tl.full((x.shape[0],), 1.0, tl.float32), tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
     mu = tl.zeros(r.shape, dtype=tl.float32)
     j = tl.arange(0, BLOCK_HALF)
-    c = tl.load(cos_row + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]  # 0 past HALF: pads stay 0
-    s = tl.load(sin_row + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-    a = _norm_slice(x_ptr, w_ptr, w_ptr, base, j, r_ok, D, mu, r, False)
-    b = _norm_slice(x_ptr, w_ptr, w_ptr, base, HALF + j, r_ok, D, mu, r, False)
-    first, second = _rotate(a, b, c, s)
+    a = _norm_slice(x_ptr, base, j, r_ok, D, mu, r, wts[0], False)
+    b = _norm_slice(x_ptr, base, HALF + j, r_ok, D, mu, r, wts[1], False)
+    first, second = _rotate(a, b, cs[0], cs[1])
     first, second = _bf16_round(first), _bf16_round(second)
     if BLOCK_REST > 0:
-        rest = _norm_slice(x_ptr, w_ptr, w_ptr, base, 2 * HALF + tl.arange(0, BLOCK_REST), r_ok, D, mu, r, False)
+        rest = _norm_slice(x_ptr, base, 2 * HALF + tl.arange(0, BLOCK_REST), r_ok, D, mu, r, wts[2], False)
     else:
         rest = first  # unused
     return first, second, rest
 
 
 @triton.jit
-def _new_kv(qkvg_ptr, kw_ptr, xrow, g, H, G, cos_row, sin_row, eps, D: tl.constexpr, HALF: tl.constexpr,
+def _new_kv(qkvg_ptr, xrow, g, H, G, cs, kwts, eps, D: tl.constexpr, HALF: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
-    """The new token's k of group g (norm + RoPE, as three [1, *] pieces) and v ([1, BLOCK_D]) from its packed row."""
+    """The new token's k of group g (norm + RoPE, as three [1, *] pieces) and v ([1, BLOCK_D]) from its packed row;
+    cs, kwts: _head_norm_rope's."""
     one = tl.full((1,), 1, tl.int1)
-    kf, ks, kr = _head_norm_rope(qkvg_ptr, kw_ptr, xrow + (H + g) * D + tl.zeros((1, 1), tl.int64), one, cos_row,
-                                 sin_row, eps, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
+    kf, ks, kr = _head_norm_rope(qkvg_ptr, xrow + (H + g) * D + tl.zeros((1, 1), tl.int64), one, cs, kwts, eps, D,
+                                 HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
     dims = tl.arange(0, BLOCK_D)
     vn = tl.load(qkvg_ptr + xrow + (H + G + g) * D + dims, mask=dims < D, other=0.0).to(tl.float32)[None, :]
     return kf, ks, kr, vn
@@ -606,13 +652,16 @@ def _sliding_write_kernel(qkvg_ptr, pos_ptr, k_ptr, v_ptr, kw_ptr, cos_ptr, sin_
                           D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
                           BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
     """A step of Q > 1 tokens per ring row: token t's k (norm + RoPE) and v of group g into slot pos[t] % R of ring
-    row (t // Q, g), before any query of the step reads the ring (R >= W + Q - 1: no query's window loses a key)."""
-    _pdl_enter(PDL)
+    row (t // Q, g), before any query of the step reads the ring (R >= W + Q - 1: no query's window loses a key).
+    The position, its table rows and the norm weight are read before the PDL wait (as _norm_rope_kernel)."""
     t = tl.program_id(0) // G
     g = tl.program_id(0) % G
     p = tl.load(pos_ptr + t)
-    kf, ks, kr, vn = _new_kv(qkvg_ptr, kw_ptr, t.to(tl.int64) * stride_t, g, H, G, cos_ptr + p * HALF,
-                             sin_ptr + p * HALF, eps, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
+    cs = _rope_row(cos_ptr + p * HALF, sin_ptr + p * HALF, HALF, BLOCK_HALF)
+    kwts = _head_params(kw_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
+    _pdl_enter(PDL)
+    kf, ks, kr, vn = _new_kv(qkvg_ptr, t.to(tl.int64) * stride_t, g, H, G, cs, kwts, eps, D, HALF, BLOCK_D,
+                             BLOCK_HALF, BLOCK_REST)
     _store_kv(k_ptr, v_ptr, (((t // Q) * G + g).to(tl.int64) * R + p % R) * D, kf, ks, kr, vn, D, HALF, BLOCK_D,
               BLOCK_HALF, BLOCK_REST)
 
@@ -625,6 +674,7 @@ def _sliding_attn_kernel(
     SPLIT_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_REST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
+    HOIST: tl.constexpr = False,
 ):
     """One (token t, KV group g) and one split of ring row (t // Q, g)'s slots [split*SPLIT_LEN, +SPLIT_LEN), all Hg
     heads at once.
@@ -638,8 +688,11 @@ def _sliding_attn_kernel(
     P.V takes the fp32 probabilities (SDPA's math): on GPUs as two bf16 MMAs, P = hi + lo with hi = bf(P),
     lo = bf(P - hi) (16 of P's 24 bits; the dropped part is < 2^-16 P), on the interpreter as one fp32 dot.
     Writes the unnormalised acc, the running max m and sum l for _sliding_merge_kernel.
+    The position, its table rows and the norm weights are read before the PDL wait (as _norm_rope_kernel). HOIST
+    (NEW_IN_REGS, one BLOCK_N chunk per split): so are the split's cached keys and values, while the packed
+    projection (the predecessor, which writes only qkvg) still runs: no slot but pm was written by a kernel that
+    may be running.
     """
-    _pdl_enter(PDL)
     row = tl.program_id(0)  # t * G + g
     split = tl.program_id(1)
     t = row // G
@@ -647,27 +700,44 @@ def _sliding_attn_kernel(
     H = G * HG
     p = tl.load(pos_ptr + t)
     pm = p % R
-    cos_row, sin_row = cos_ptr + p * HALF, sin_ptr + p * HALF
-    xrow = t.to(tl.int64) * stride_t
-    heads = tl.arange(0, BLOCK_H)
-    h_ok = heads < HG
-    qf, qs, qr = _head_norm_rope(qkvg_ptr, qw_ptr, xrow + ((g * HG + heads) * D)[:, None], h_ok, cos_row, sin_row,
-                                 eps, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
+    cs = _rope_row(cos_ptr + p * HALF, sin_ptr + p * HALF, HALF, BLOCK_HALF)
+    qwts = _head_params(qw_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
+    if NEW_IN_REGS:
+        kwts = _head_params(kw_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
     j = tl.arange(0, BLOCK_HALF)
     j_ok = j < HALF
     ring = ((t // Q) * G + g).to(tl.int64) * R * D  # ring [B, G, R, D]: this (b, g)'s slots
+    s_end = tl.minimum(split * SPLIT_LEN + SPLIT_LEN, R)
+    if HOIST:
+        tl.static_assert(NEW_IN_REGS and SPLIT_LEN <= BLOCK_N)
+        slot = split * SPLIT_LEN + tl.arange(0, BLOCK_N)
+        dist = (pm - slot + R) % R
+        ok = (slot < s_end) & (dist < W) & (dist <= p)
+        ld = (ok & (slot != pm))[:, None]
+        off = ring + slot.to(tl.int64)[:, None] * D
+        k_first = tl.load(k_ptr + off + j[None, :], mask=ld & j_ok[None, :], other=0.0)
+        k_second = tl.load(k_ptr + off + HALF + j[None, :], mask=ld & j_ok[None, :], other=0.0)
+        if BLOCK_REST > 0:
+            cr = 2 * HALF + tl.arange(0, BLOCK_REST)
+            k_rest = tl.load(k_ptr + off + cr[None, :], mask=ld & (cr[None, :] < D), other=0.0)
+        v_all = tl.load(v_ptr + off + dims[None, :], mask=ld & d_ok[None, :], other=0.0)
+    _pdl_enter(PDL)
+    xrow = t.to(tl.int64) * stride_t
+    heads = tl.arange(0, BLOCK_H)
+    h_ok = heads < HG
+    qf, qs, qr = _head_norm_rope(qkvg_ptr, xrow + ((g * HG + heads) * D)[:, None], h_ok, cs, qwts, eps, D, HALF,
+                                 BLOCK_D, BLOCK_HALF, BLOCK_REST)
     if NEW_IN_REGS:
-        kf, ks, kr, vn = _new_kv(qkvg_ptr, kw_ptr, xrow, g, H, G, cos_row, sin_row, eps, D, HALF, BLOCK_D,
-                                 BLOCK_HALF, BLOCK_REST)  # [1, *] each
+        kf, ks, kr, vn = _new_kv(qkvg_ptr, xrow, g, H, G, cs, kwts, eps, D, HALF, BLOCK_D, BLOCK_HALF,
+                                 BLOCK_REST)  # [1, *] each
     qf, qs = qf.to(DOT_DTYPE), qs.to(DOT_DTYPE)
     if BLOCK_REST > 0:
         qr = qr.to(DOT_DTYPE)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    s_end = tl.minimum(split * SPLIT_LEN + SPLIT_LEN, R)
     for t in tl.static_range((SPLIT_LEN + BLOCK_N - 1) // BLOCK_N):
         slot = split * SPLIT_LEN + t * BLOCK_N + tl.arange(0, BLOCK_N)
         dist = (pm - slot + R) % R
@@ -675,17 +745,26 @@ def _sliding_attn_kernel(
         is_new = (slot == pm)[:, None]
         ld = (ok & (slot != pm))[:, None] if NEW_IN_REGS else ok[:, None]
         off = ring + slot.to(tl.int64)[:, None] * D
-        kt = tl.load(k_ptr + off + j[None, :], mask=ld & j_ok[None, :], other=0.0).to(tl.float32)
+        if HOIST:
+            kt = k_first.to(tl.float32)
+        else:
+            kt = tl.load(k_ptr + off + j[None, :], mask=ld & j_ok[None, :], other=0.0).to(tl.float32)
         if NEW_IN_REGS:
             kt = tl.where(is_new, kf, kt)
         sc = tl.dot(qf, tl.trans(kt.to(DOT_DTYPE)))
-        kt = tl.load(k_ptr + off + HALF + j[None, :], mask=ld & j_ok[None, :], other=0.0).to(tl.float32)
+        if HOIST:
+            kt = k_second.to(tl.float32)
+        else:
+            kt = tl.load(k_ptr + off + HALF + j[None, :], mask=ld & j_ok[None, :], other=0.0).to(tl.float32)
         if NEW_IN_REGS:
             kt = tl.where(is_new, ks, kt)
         sc = tl.dot(qs, tl.trans(kt.to(DOT_DTYPE)), sc)
         if BLOCK_REST > 0:
-            cr = 2 * HALF + tl.arange(0, BLOCK_REST)
-            kt = tl.load(k_ptr + off + cr[None, :], mask=ld & (cr[None, :] < D), other=0.0).to(tl.float32)
+            if HOIST:
+                kt = k_rest.to(tl.float32)
+            else:
+                cr = 2 * HALF + tl.arange(0, BLOCK_REST)
+                kt = tl.load(k_ptr + off + cr[None, :], mask=ld & (cr[None, :] < D), other=0.0).to(tl.float32)
             if NEW_IN_REGS:
                 kt = tl.where(is_new, kr, kt)
             sc = tl.dot(qr, tl.trans(kt.to(DOT_DTYPE)), sc)
@@ -695,7 +774,10 @@ def _sliding_attn_kernel(
         alpha = _exp(m_i - m_use, PRECISE)
         pr = _exp(sc - m_use[:, None], PRECISE)
         l_i = l_i * alpha + tl.sum(pr, axis=1)
-        vt = tl.load(v_ptr + off + dims[None, :], mask=ld & d_ok[None, :], other=0.0).to(tl.float32)
+        if HOIST:
+            vt = v_all.to(tl.float32)
+        else:
+            vt = tl.load(v_ptr + off + dims[None, :], mask=ld & d_ok[None, :], other=0.0).to(tl.float32)
         if NEW_IN_REGS:
             vt = tl.where(is_new, vn, vt)
         vt = vt.to(DOT_DTYPE)
@@ -805,14 +887,16 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
                   BLOCK_HALF=max(16, triton.next_power_of_2(half)),
                   BLOCK_REST=max(16, triton.next_power_of_2(rest)) if rest else 0, num_warps=4, **_NO_FMA)
     warps = TUNING["sliding_warps"][T * G * splits >= _sms()]
+    block_n = max(16, min(64, triton.next_power_of_2(split_len)))
     if Q > 1:
         _sliding_write_kernel[(T * G,)](qkvg, pos, ring_k, ring_v, k_norm_w, cos, sin, G, R, Q, H, qkvg.stride(0),
                                         float(eps), **blocks, **_pdl())
     _sliding_attn_kernel[(T * G, splits)](
         qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
         float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
-        BLOCK_H=_heads_block(HG), BLOCK_N=max(16, min(64, triton.next_power_of_2(split_len))),
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, **dict(blocks, num_warps=num_warps or warps), **_pdl())
+        BLOCK_H=_heads_block(HG), BLOCK_N=block_n,
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, HOIST=TUNING["sliding_hoist"] and Q == 1 and split_len <= block_n,
+        **dict(blocks, num_warps=num_warps or warps), **_pdl())
     _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
                                        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
                                        PRECISE=_PRECISE, num_warps=4, **_pdl())
@@ -891,10 +975,17 @@ def add_norm_ref(res, parts, w, eps):
 
 
 @triton.jit
-def _residual_norm(acc, res_ptr, w_ptr, res_out_ptr, h_ptr, row, D, eps, PARTS_BF16: tl.constexpr,
+def _norm_weight(w_ptr, D, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    return tl.load(w_ptr + d, mask=d < D, other=0.0) if NORM else tl.zeros((BLOCK_D,), tl.float32)
+
+
+@triton.jit
+def _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row, D, eps, PARTS_BF16: tl.constexpr,
                    NORM: tl.constexpr, BLOCK_D: tl.constexpr):
     """The tail of both add_norm kernels: the rank-ordered sum acc [BLOCK_D] fp32 of row `row` (int64), rounded to
-    the partials' dtype, added to the fp32 residual; then _rms_norm_kernel's arithmetic on the new residual."""
+    the partials' dtype, added to the fp32 residual; then _rms_norm_kernel's arithmetic on the new residual. w: the
+    norm weight [BLOCK_D], loaded by the kernel before its PDL wait (a parameter: no kernel writes it)."""
     d = tl.arange(0, BLOCK_D)
     ok = d < D
     if PARTS_BF16:
@@ -903,7 +994,7 @@ def _residual_norm(acc, res_ptr, w_ptr, res_out_ptr, h_ptr, row, D, eps, PARTS_B
     tl.store(res_out_ptr + row * D + d, x, mask=ok)
     if NORM:
         r_ = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
-        y = x * r_ * (tl.load(w_ptr + d, mask=ok, other=0.0) + 1.0)
+        y = x * r_ * (w + 1.0)
         tl.store(h_ptr + row * D + d, _bf16_round(y).to(tl.bfloat16), mask=ok)
 
 
@@ -913,14 +1004,15 @@ def _add_norm_kernel(res_ptr, parts_ptr, w_ptr, res_out_ptr, h_ptr, W, T, D, eps
     """One row per program: the rank-ordered fp32 sum of the W partials, rounded to their dtype, added to the fp32
     residual; then _rms_norm_kernel's arithmetic on the new residual. Replaces the cast, add and norm launches
     (and, at W > 1, the elementwise rank-order sum) between two GEMMs of a decode layer."""
-    _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
+    w = _norm_weight(w_ptr, D, NORM, BLOCK_D)
+    _pdl_enter(PDL)
     acc = tl.load(parts_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)
     for r in range(1, W):
         acc = acc + tl.load(parts_ptr + (r * T + row) * D + d, mask=ok, other=0.0).to(tl.float32)
-    _residual_norm(acc, res_ptr, w_ptr, res_out_ptr, h_ptr, row, D, eps, PARTS_BF16, NORM, BLOCK_D)
+    _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row, D, eps, PARTS_BF16, NORM, BLOCK_D)
 
 
 def _add_norm_outputs(res, w):
@@ -961,6 +1053,7 @@ def _peer_add_norm_kernel(res_ptr, bufs_ptr, pads_ptr, w_ptr, res_out_ptr, h_ptr
     previous call is still set), then takes every rank's flag from its own pad (1 -> 0, acquire), then reads the W
     rows in rank order. A rank's next write into the same slot waits for every rank's next flag, i.e. for every
     rank having finished this call: callers alternate two slots (slot_off) between consecutive calls."""
+    w = _norm_weight(w_ptr, D, NORM, BLOCK_D)
     _pdl_enter(PDL)
     row = tl.program_id(0)
     for r in tl.static_range(W):
@@ -979,7 +1072,7 @@ def _peer_add_norm_kernel(res_ptr, bufs_ptr, pads_ptr, w_ptr, res_out_ptr, h_ptr
     for r in tl.static_range(1, W):  # rank order, one fp32 accumulator, as _add_norm_kernel adds
         base = tl.load(bufs_ptr + r).to(part_t)
         acc = acc + tl.load(base + at, mask=ok, other=0.0, volatile=True).to(tl.float32)
-    _residual_norm(acc, res_ptr, w_ptr, res_out_ptr, h_ptr, row.to(tl.int64), D, eps, PARTS_BF16, NORM, BLOCK_D)
+    _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row.to(tl.int64), D, eps, PARTS_BF16, NORM, BLOCK_D)
 
 
 def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0, flag_off=0):
@@ -1276,17 +1369,19 @@ def indexer_scores(q, w, summ, w_scale=1.0):
     return indexer_scores_ref(q, w, summ, w_scale)
 
 
-def select_regions_ref(scores, n_hist, topk):
+def select_regions_ref(scores, n_hist, topk, blk=1):
     """Exact top-k of history regions with the deployed selector's tie-break: equal scores go to the lower region
     id. Ties are common, not a corner case: a score is exactly 0 whenever all of its heads' dots are <= 0 (ReLU).
 
-    scores [S, G, T, R] fp32; n_hist [S, T] int = number of history regions of each query (floor(p / blk)).
+    scores [S, G, T, R] fp32; n_hist [S, T] int // blk = number of history regions of each query (pass the positions p
+    and the region size blk: floor(p / blk)).
     Returns ids [S, G, T, K] int64 in ascending region id with invalid slots (budget min(topk, n_hist) exhausted)
     set to R, and valid [S, G, T, K] bool; K = min(topk, R). Order: score descending, ties by ascending id (a
     stable sort of the negated score); +0.0 and -0.0 compare equal (adding +0.0 maps -0.0 to +0.0).
     """
     S, G, T, R = scores.shape
     K = min(topk, R)
+    n_hist = n_hist // blk
     # One int64 key per region makes every key distinct and encodes the whole order: high 32 bits = the score's
     # order-preserving integer (sign-magnitude -> two's complement; +0.0 added first so -0.0 == +0.0; NaN above
     # +inf), low 32 bits = ~id so that on equal scores the lower id ranks higher. An unordered top-K of distinct
@@ -1312,7 +1407,7 @@ def _order_key(x):
 
 
 @triton.jit
-def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr, valid_ptr, G, T, R, N, K,
+def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr, valid_ptr, G, T, R, N, K, BLK,
                            PAIRS: tl.constexpr, FINAL: tl.constexpr, ALL: tl.constexpr,
                            BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Exact top-K of one chunk of a row (program (row, chunk)), entries in ascending region id, held in registers.
@@ -1326,13 +1421,14 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
     selection is every key > thr plus the lowest-id K - c keys == thr; one prefix sum places them in ascending id.
     FINAL writes ids (candidates only, padded with R) and valid; otherwise the chunk's K (key, id) pairs.
     K = min(topk, R) is a runtime argument: as a constexpr every prefill chunk of a prompt of < topk regions compiled
-    a kernel of its own (seconds per prompt).
+    a kernel of its own (seconds per prompt). n_hist = nh_ptr's value // BLK, read before the PDL wait (positions:
+    written by torch ops before the layer, never by the predecessor, which writes the scores).
     """
-    _pdl_enter(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     nchunk = tl.num_programs(1)
-    nh = tl.load(nh_ptr + (row // (G * T)) * T + row % T)
+    nh = tl.load(nh_ptr + (row // (G * T)) * T + row % T) // BLK
+    _pdl_enter(PDL)
     lo = chunk * N // nchunk  # balanced chunks: each holds at least K entries (the launcher's split rule)
     i = lo + tl.arange(0, BLOCK)
     ok = i < (chunk + 1) * N // nchunk
@@ -1385,7 +1481,7 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
         tl.store(id_out_ptr + base + pos, rid, mask=sel)
 
 
-def select_regions_triton(scores, n_hist, topk, chunk=4096):
+def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096):
     """select_regions_ref in one kernel per row (bit-identical ids and valid), no sort.
 
     One program per row holds the row in registers. With fewer rows than SMs (decode), or rows of more than 16384
@@ -1420,17 +1516,17 @@ def select_regions_triton(scores, n_hist, topk, chunk=4096):
             id_out = torch.empty(rows, C * K, dtype=torch.int32, device=scores.device)
         _select_regions_kernel[(rows, C)](
             src, src_id, n_hist, ids if final else key_out, ids if final else id_out, valid.view(torch.uint8),
-            G, T, R, n, K, PAIRS=src is not scores, FINAL=final, ALL=final and K >= n, BLOCK=BLOCK,
+            G, T, R, n, K, int(blk), PAIRS=src is not scores, FINAL=final, ALL=final and K >= n, BLOCK=BLOCK,
             BLOCK_K=triton.next_power_of_2(K), num_warps=max(4, min(16, BLOCK // 512)), **_pdl())
         if final:
             return ids, valid
         src, src_id, n = key_out, id_out, C * K
 
 
-def select_regions(scores, n_hist, topk):
+def select_regions(scores, n_hist, topk, blk=1):
     if _triton(scores):
-        return select_regions_triton(scores, n_hist, topk)
-    return select_regions_ref(scores, n_hist, topk)
+        return select_regions_triton(scores, n_hist, topk, blk)
+    return select_regions_ref(scores, n_hist, topk, blk)
 
 
 def dsa_query_chunk(x, groups, regions):
@@ -1443,8 +1539,14 @@ def dsa_query_chunk(x, groups, regions):
     return max(256, (1 << 27) // (4 * groups * max(regions, 1)) // 256 * 256)
 
 
-def sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale):
-    """Attention over the selected history regions plus the current region.
+def _gated(o, gate):
+    """o [S, T, G, Hg, hd] bf16 times bf(sigmoid(gate)), gate [S*T, G*Hg] bf16 logits: one rounding (the bf16 x bf16
+    product is exact in fp32), as the attention's output gate."""
+    return o * torch.sigmoid(gate).view(*o.shape[:-1], 1)
+
+
+def sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate=None):
+    """Attention over the selected history regions plus the current region (gate: then _gated).
 
     q [S, T, G, Hg, hd] bf16; k, v [S, N, G, hd] bf16 (token n of sequence s at row n); ids, valid [S, G, T, K]
     (ascending region ids, as select_regions returns); pos [S, T] absolute positions -> [S, T, G, Hg, hd] bf16.
@@ -1474,7 +1576,8 @@ def sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale):
     den = p.sum(-1, keepdim=True)
     o = torch.einsum("sgthj,sgtjd->sgthd", p.to(torch.bfloat16).float(), vv) / den
     assert J == K * blk + blk
-    return o.to(torch.bfloat16).permute(0, 2, 1, 3, 4)
+    o = o.to(torch.bfloat16).permute(0, 2, 1, 3, 4)
+    return o if gate is None else _gated(o, gate)
 
 
 @triton.jit
@@ -1550,18 +1653,23 @@ def _sparse_attn_kernel(
 
 
 @triton.jit
-def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, T, G, HG,
-                       q_stride_s, q_stride_t, q_stride_g, q_stride_h,
+def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, gate_ptr, T, G, HG,
+                       q_stride_s, q_stride_t, q_stride_g, q_stride_h, gate_stride,
                        HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, GATE: tl.constexpr, PRECISE: tl.constexpr,
+                       PDL: tl.constexpr):
     """Log-sum-exp merge of the splits of one row and head: c_i = exp(m_i - max m);
-    out = bf( sum_i c_i * acc_i / sum_i c_i * l_i )."""
-    _pdl_enter(PDL)
+    out = bf( sum_i c_i * acc_i / sum_i c_i * l_i ). GATE: then out = bf(out * bf(sigmoid(logit))) (_gated, with
+    _sliding_merge_kernel's arithmetic), the logit read before the PDL wait (the packed projection wrote it, several
+    launches back)."""
     row = tl.program_id(0)
     h = tl.program_id(1)
     g = row % G
     t = (row // G) % T
     s = row // (G * T)
+    if GATE:
+        logit = tl.load(gate_ptr + (s * T + t).to(tl.int64) * gate_stride + g * HG + h).to(tl.float32)
+    _pdl_enter(PDL)
     sp = tl.arange(0, BLOCK_S)
     sp_ok = sp < SPLITS
     part = (row * SPLITS + sp).to(tl.int64)
@@ -1575,14 +1683,17 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, T, G, HG,
                  mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
     num = tl.sum(po * c[:, None], axis=0)
     den = tl.sum(l * c, axis=0)
-    o = tl.math.div_rn(num, tl.full(num.shape, 1.0, tl.float32) * tl.maximum(den, 1e-30))
+    o = _bf16_round(tl.math.div_rn(num, tl.full(num.shape, 1.0, tl.float32) * tl.maximum(den, 1e-30)))
+    if GATE:
+        o = _bf16_round(o * _bf16_round(tl.math.div_rn(1.0, 1.0 + _exp(-logit, PRECISE))))
     tl.store(out_ptr + s * q_stride_s + t * q_stride_t + g * q_stride_g + h * q_stride_h + dims,
-             _bf16_round(o).to(tl.bfloat16), mask=d_ok)
+             o.to(tl.bfloat16), mask=d_ok)
 
 
-def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, block_n=None):
+def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, block_n=None, gate=None):
     """Triton sparse_attention_ref for decode (T = 1) and prefill (T queries). `splits` (default: enough programs
-    to fill the GPU) divides each query's key slots over programs merged by log-sum-exp. block_n: key slots per
+    to fill the GPU) divides each query's key slots over programs merged by log-sum-exp (which applies the gate,
+    else torch does: _gated). block_n: key slots per
     tile (default TUNING["sparse_block_n"]); at 64 (hd 192) the sm90 build spills ~180 registers to local memory, at
     32 ~15, yet 32 measured no faster (see TUNING; other split boundaries: tolerance-level differences)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
@@ -1599,6 +1710,10 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
            lambda: f"valid must be bool like ids {tuple(ids.shape)} with unit last stride")
     _check_tensor("pos", pos, pos.dtype, ndim=2)
     _check(tuple(pos.shape) == (S, T) and not pos.is_floating_point(), lambda: f"pos must be integer [S={S}, T={T}]")
+    if gate is not None:
+        _check_tensor("gate", gate, torch.bfloat16, ndim=2, contiguous=False)
+        _check(tuple(gate.shape) == (S * T, G * HG) and gate.stride(1) == 1,
+               lambda: f"gate must be [S*T={S * T}, G*Hg={G * HG}] with unit column stride, got {tuple(gate.shape)}")
     out = torch.empty_like(q)
     NSEL = ids.shape[-1]
     J = NSEL * blk + blk
@@ -1625,16 +1740,20 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
         HEAD_DIM=hd, BLK=blk, SPLITS=splits, BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd),
         BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, num_warps=4, num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
     if splits > 1:
-        _attn_merge_kernel[(rows, HG)](po, pml, out, T, G, HG, q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+        _attn_merge_kernel[(rows, HG)](po, pml, out, gate if gate is not None else out, T, G, HG, q.stride(0),
+                                       q.stride(1), q.stride(2), q.stride(3), gate.stride(0) if gate is not None else 0,
                                        HEAD_DIM=hd, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-                                       BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd), num_warps=4, **_pdl())
+                                       BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd), GATE=gate is not None,
+                                       PRECISE=_PRECISE, num_warps=4, **_pdl())
+    elif gate is not None:
+        out = _gated(out, gate)
     return out
 
 
-def sparse_attention(q, k, v, ids, valid, pos, blk, scale):
+def sparse_attention(q, k, v, ids, valid, pos, blk, scale, gate=None):
     if _triton(q):
-        return sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale)
-    return sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale)
+        return sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, gate=gate)
+    return sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2451,13 +2570,15 @@ def _moe_decode_down_kernel(
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
     load (FP8).
-    Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load."""
-    _pdl_enter(PDL)
+    Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load.
+    A routed program finds its expert before the PDL wait: ids were written by the router, which completed before
+    the gate/up kernel (the predecessor, which writes only a) got past its own wait."""
     pid_n = tl.program_id(0)
     u = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < D
     if u < SHARED:
+        _pdl_enter(PDL)
         for m0 in range(0, T, BLOCK_M):
             tok = m0 + tl.arange(0, BLOCK_M)
             acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr, cols,
@@ -2467,8 +2588,9 @@ def _moe_decode_down_kernel(
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
         found, e, hit, before = _decode_expert(ids_ptr, u - SHARED, first_expert, E, T * TOPK, BLOCK_TK, BLOCK_E)
+        e64 = e.to(tl.int64)
+        _pdl_enter(PDL)
         if found:
-            e64 = e.to(tl.int64)
             sw = s2_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
@@ -2729,7 +2851,8 @@ def skinny_linear_triton(x, w, block_n=None, block_k=None, num_stages=None, num_
     N = w.shape[0]
     _check(w.shape[1] == K and M <= 16, lambda: f"x [M <= 16, K] and w [N, K]: got {tuple(x.shape)}, {tuple(w.shape)}")
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
-    bn, bk, ns = (64, 128, 6) if N >= 6400 else (32, 256, 4) if N >= 3200 else (16, 512, 4)
+    st = TUNING["skinny_stages"]
+    bn, bk, ns = (64, 128, 6) if N >= 6400 else (32, 256, st) if N >= 3200 else (16, 512, st)
     block_n, block_k, num_stages = block_n or bn, block_k or bk, num_stages or ns
     if M and N:
         _skinny_linear_kernel[(triton.cdiv(N, block_n),)](
@@ -2780,24 +2903,34 @@ def swiglu(g, u, limit):
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPLIT_LEN,
                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
-                          QUANT_T: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+                          QUANT_T: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
+                          HOIST: tl.constexpr = False):
     """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
     bf16 MMA with fp32 accumulation computes route_ref's fp32 GEMM (bf16 x and w widened to fp32); K is split so
     decode fills the GPU. QUANT: the programs of the first E tile also write act_quant_ref(x) of the rows and K
     slice they read (xq e4m3 bits [T, D], sx [T, D/128]; _act_quant_kernel's arithmetic) for the FP8 experts, so
-    that quantisation costs no launch of its own. BLOCK_K is a multiple of 128."""
-    _pdl_enter(PDL)
+    that quantisation costs no launch of its own. BLOCK_K is a multiple of 128.
+    HOIST (BLOCK_K == K_SPLIT_LEN: one K step): the weight tile is loaded before the PDL wait, while the kernel that
+    writes x still runs (the MMA adds K in the same order at any BLOCK_K: same bits)."""
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     ks0 = tl.program_id(2) * K_SPLIT_LEN
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    if HOIST:
+        kw = ks0 + tl.arange(0, BLOCK_K)
+        w_pre = tl.load(w_ptr + es[:, None].to(tl.int64) * D + kw[None, :], mask=(es[:, None] < E) & (kw < D)[None, :],
+                        other=0.0)
+    _pdl_enter(PDL)
     for k0 in range(ks0, tl.minimum(ks0 + K_SPLIT_LEN, D), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < D
         x_ok = (ts[:, None] < T) & k_ok[None, :]
         xt = tl.load(x_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
-        wt = tl.load(w_ptr + es[:, None].to(tl.int64) * D + ks[None, :], mask=(es[:, None] < E) & k_ok[None, :],
-                     other=0.0).to(tl.float32).to(DOT_DTYPE)
+        if HOIST:
+            wt = w_pre.to(tl.float32).to(DOT_DTYPE)
+        else:
+            wt = tl.load(w_ptr + es[:, None].to(tl.int64) * D + ks[None, :], mask=(es[:, None] < E) & k_ok[None, :],
+                         other=0.0).to(tl.float32).to(DOT_DTYPE)
         acc = tl.dot(xt.to(DOT_DTYPE), tl.trans(wt), acc)
     out = part_ptr + (tl.program_id(2) * T + ts[:, None]).to(tl.int64) * E + es[None, :]
     tl.store(out, acc, mask=(ts[:, None] < T) & (es[None, :] < E))
@@ -2825,15 +2958,16 @@ def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
                           BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     """One token: z = sum of the K-split partials in order; sc = sigmoid(z) + b; take the TOPK largest (ties to the
     lower id, slot 0 first); w = sc[id] - b[id], renormalised by (sum + 1e-20), times scale. One reduction per slot
-    (it took three, and a store, when first written: 4.3 us at TOPK = 8 on the H200)."""
-    _pdl_enter(PDL)
+    (it took three, and a store, when first written: 4.3 us at TOPK = 8 on the H200). The bias (a parameter) is read
+    before the PDL wait."""
     t = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, BLOCK_E)
     e_ok = es < E
+    bias = tl.load(bias_ptr + es, mask=e_ok, other=0.0)
+    _pdl_enter(PDL)
     z = tl.zeros((BLOCK_E,), dtype=tl.float32)
     for i in tl.static_range(K_SPLITS):
         z = z + tl.load(part_ptr + (i * T + t) * E + es, mask=e_ok, other=0.0)
-    bias = tl.load(bias_ptr + es, mask=e_ok, other=0.0)
     sig = tl.math.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + _exp(-z, PRECISE))
     sc = tl.where(e_ok, sig + bias + 0.0, float("-inf"))  # + 0.0: a -0 would order below +0 in the key
     # one int64 max per slot: the score's bits made monotone (negatives' magnitude bits flipped) above the inverted
@@ -2881,10 +3015,13 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
     split_len = triton.cdiv(triton.cdiv(D, k_splits), BLOCK_K) * BLOCK_K
     k_splits = triton.cdiv(D, split_len)
     part = torch.empty(k_splits, T, E, dtype=torch.float32, device=x.device)
+    # one K step of split_len columns, its weight tile (<= 32 KB on a GPU) held in registers across the wait
+    hoist = (TUNING["router_hoist"] and split_len == triton.next_power_of_2(split_len)
+             and (split_len * BLOCK_E <= 16384 or not _GPU_LAUNCH))
     _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
-        x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, QUANT=bool(quant),
-        QUANT_T=min(BLOCK_T, triton.next_power_of_2(T)),
-        DOT_DTYPE=_DOT, num_warps=4, num_stages=3 if _GPU_LAUNCH else 1, **_pdl())
+        x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
+        BLOCK_K=split_len if hoist else BLOCK_K, QUANT=bool(quant), QUANT_T=min(BLOCK_T, triton.next_power_of_2(T)),
+        DOT_DTYPE=_DOT, HOIST=hoist, num_warps=4, num_stages=3 if _GPU_LAUNCH else 1, **_pdl())
     _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
                                 BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
                                 PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **_pdl())

@@ -351,12 +351,11 @@ class Attention(nn.Module):
         q = kernel.norm_rope(q.view(T, H, hd), self.q_norm.weight, cos, sin, eps, pos=pos)
         k = kernel.norm_rope(k.view(T, G, hd), self.k_norm.weight, cos, sin, eps, pos=pos)
         v = v.view(T, G, hd)
-        if self.dsa:
-            o = self._dsa(idx, q, k, v, pos, rope["indexer"], spans, cache, req)
+        if self.dsa:  # the output gate applied by the sparse attention's merge
+            o = self._dsa(idx, q, k, v, g, pos, rope["indexer"], spans, cache, req)
         else:
             o = self._sliding_prefill(q, k, v, spans, cache)
-        gate = torch.sigmoid(g)  # [T, H] bf16
-        o = o * gate[..., None]  # one rounding: the bf16 x bf16 product is exact in fp32
+            o = o * torch.sigmoid(g)[..., None]  # one rounding: the bf16 x bf16 product is exact in fp32
         return linear(o.reshape(T, H * hd), self.o_proj.weight)  # this rank's bf16 partial: Block reduces it
 
     # ---- sliding window
@@ -393,7 +392,8 @@ class Attention(nn.Module):
                               pos=pos)[:, 0]
         return qi.view(T, self.n_groups, self.idx_heads, P), ki, zi, wi.view(T, self.n_groups, self.idx_heads)
 
-    def _dsa(self, idx, q, k, v, pos, rope, spans, cache, req=None):
+    def _dsa(self, idx, q, k, v, g, pos, rope, spans, cache, req=None):
+        """-> the gated attention output [T, H, hd] bf16 (o * bf(sigmoid(g)), g [T, H] the gate logits)."""
         sp = self.cfg.sparse
         blk, P = sp.block, sp.proxy_dim
         qi, ki, zi, wi = self._indexer(idx, pos, rope)
@@ -411,11 +411,12 @@ class Attention(nn.Module):
                                        cache.summ)
             scores = kernel.indexer_scores(qi.view(B, Q, *qi.shape[1:]), wi.view(B, Q, *wi.shape[1:]),
                                            cache.summ.view(kernel.FP8), self.w_scale)  # [B, G, Q, R]
-            ids, valid = kernel.select_regions(scores, pq // blk, sp.topk)
+            ids, valid = kernel.select_regions(scores, pq, sp.topk, blk)
             if self.pins is not None:
                 ids, valid = self.pins.regions(self.layer_id, req.view(B, Q)[:, 0], pq, self.group0, ids, valid,
                                                scores.shape[-1])
-            o = kernel.sparse_attention(q.view(B, Q, G, H // G, hd), cache.k, cache.v, ids, valid, pq, blk, self.scale)
+            o = kernel.sparse_attention(q.view(B, Q, G, H // G, hd), cache.k, cache.v, ids, valid, pq, blk, self.scale,
+                                        gate=g)
             return o.reshape(T, H, hd)
         out = torch.empty_like(q)
         for b, (s, n, p0) in enumerate(spans):  # prefill of positions p0 .. p0+n-1 on top of p0 cached tokens
@@ -440,11 +441,12 @@ class Attention(nn.Module):
                 pb = pos[s + c0:s + c1][None]
                 scores = kernel.indexer_scores(qi[None, s + c0:s + c1], wi[None, s + c0:s + c1],
                                                cache.summ[b:b + 1, :nr].view(kernel.FP8), self.w_scale)
-                ids, valid = kernel.select_regions(scores, pb // blk, sp.topk)
+                ids, valid = kernel.select_regions(scores, pb, sp.topk, blk)
                 if self.pins is not None:
                     ids, valid = self.pins.regions(self.layer_id, req[s:s + 1], pb, self.group0, ids, valid, nr)
                 out[s + c0:s + c1] = kernel.sparse_attention(q[None, s + c0:s + c1], cache.k[b:b + 1, :end],
-                                                             cache.v[b:b + 1, :end], ids, valid, pb, blk, self.scale)[0]
+                                                             cache.v[b:b + 1, :end], ids, valid, pb, blk, self.scale,
+                                                             gate=g[s + c0:s + c1])[0]
         return out.view(T, H, hd)
 
 

@@ -515,7 +515,8 @@ def _check_sliding(args, H, hd, label, max_ulps, **kw):
 @pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("R", [8, 11])
 @pytest.mark.parametrize("B,pos", [(1, [3]), (2, [7, 8]), (3, [0, 29, 53])])
-def test_sliding_decode(B, pos, R, G, hd, half):
+@pytest.mark.parametrize("hoist", [False, True], ids=["", "hoisted"])
+def test_sliding_decode(B, pos, R, G, hd, half, hoist, monkeypatch):
     """Positions below the window, at it, and wrapped several times; a ring without (R = W) and with spare slots;
     one split (default) and 3 splits merged by log-sum-exp (split_len=4).
 
@@ -524,7 +525,9 @@ def test_sliding_decode(B, pos, R, G, hd, half):
     (logit 30) out is SDPA's o: within 1 step. A gate g < 1 carries that step into out = bf(o * g), whose magnitude
     can sit a binade lower: within 2 steps of out's magnitude. (Measured over 60 random cases: 1.0 and 2.0.)
     Rotary span: part of the head (the DSA layers' 64 of 192) or all of it (the sliding layers': no rest columns),
-    with padded column blocks (12 of 16, 24 of 32)."""
+    with padded column blocks (12 of 16, 24 of 32). hoisted: TUNING["sliding_hoist"] (the cached keys and values
+    loaded before the PDL wait)."""
+    monkeypatch.setitem(K.TUNING, "sliding_hoist", hoist)
     H, W = 4, 8
     args = _sliding_case(B, H, G, hd, half, W, R, pos, seed=B * 10 + R + G)
     for split_len in (32, 4):
@@ -725,6 +728,10 @@ def test_select_regions_triton_bit_identical(S, G, T, R, topk, n_hist, chunk, ti
     ids, valid = K.select_regions_triton(sc, nh, topk, chunk=chunk)
     rids, rvalid = K.select_regions_ref(sc, nh, topk)
     assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
+    # positions and the region size in place of the region counts: the kernel divides (blk = 8, positions 8 n + 5)
+    ids, valid = K.select_regions_triton(sc, nh * 8 + 5, topk, blk=8, chunk=chunk)
+    assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
+    assert all(torch.equal(a, b) for a, b in zip(K.select_regions_ref(sc, nh * 8 + 5, topk, blk=8), (rids, rvalid)))
 
 
 def _attn_case(S, T, G, Hg, hd, blk, topk, L, seed=0):
@@ -751,6 +758,17 @@ def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
         d = report(f"sparse attention block_n={block_n}", out, ref)
         # online softmax rounds exp(s - running max) to bf16 where the reference uses the global max
         assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
+    # the output gate, applied by the merge (or after a single split): bf(bf(o) * bf(sigmoid)) of the kernel's o, the
+    # logits a strided column slice as in the packed projection (the gate is exact arithmetic on o: equal bits)
+    packed = randn(S * T, G * Hg + 5, seed=9)
+    gate = packed[:, 3:3 + G * Hg]
+    out = K.sparse_attention_triton(*args, splits=splits)
+    gated = K.sparse_attention_triton(*args, splits=splits, gate=gate)
+    want = K._gated(out, gate)
+    assert torch.equal(gated, want) if INTERPRET else (gated.float() - want.float()).abs().max() <= (
+        2 ** -7 * want.float().abs().max())
+    d = report("sparse attention gated", gated, K.sparse_attention_ref(*args, gate=gate))
+    assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -758,7 +776,7 @@ def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
 
 
 @pytest.mark.parametrize("T,D,E,k", [(1, 192, 12, 3), (3, 192, 12, 3), (20, 256, 40, 8)])
-def test_route(T, D, E, k):
+def test_route(T, D, E, k, monkeypatch):
     x, w = randn(T, D, seed=1), randn(E, D, seed=2, scale=0.05)
     bias = randn(E, seed=3, scale=0.1, dtype=torch.float32)
     ids, wts = K.route_triton(x, w, bias, k, 3.0)
@@ -770,6 +788,10 @@ def test_route(T, D, E, k):
     want_q, want_s = K.act_quant_triton(x)
     assert torch.equal(qids, ids) and torch.equal(qwts, wts)
     assert bytes_equal(xq, want_q) and torch.equal(sx, want_s)
+    # the other choice of TUNING["router_hoist"] (the weight tile read before the PDL wait, one K step): same bits
+    monkeypatch.setitem(K.TUNING, "router_hoist", not K.TUNING["router_hoist"])
+    hids, hwts, (hxq, hsx) = K.route_triton(x, w, bias, k, 3.0, quant=True)
+    assert torch.equal(hids, ids) and torch.equal(hwts, wts) and bytes_equal(hxq, xq) and torch.equal(hsx, sx)
     with pytest.raises(ValueError, match="xq must be"):
         K._x_quant(x, (xq[:, :-1], sx))
 
@@ -861,6 +883,10 @@ def test_gpu_sparse_decode_real_shape(ctx):
         out = K.sparse_attention_triton(*args, block_n=block_n)
         d = report(f"GPU sparse decode ctx={ctx} block_n={block_n}", out, ref)
         assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
+    gate = randn(S, G * Hg, seed=5)  # the output gate in the merge: torch's sigmoid within a bf16 step of its own
+    want = K._gated(out, gate)
+    d = report(f"GPU sparse decode ctx={ctx} gated", K.sparse_attention_triton(*args, block_n=32, gate=gate), want)
+    assert d.max() <= 2 ** -7 * want.float().abs().max()
 
 
 @gpu
@@ -896,6 +922,9 @@ def test_gpu_sliding_decode_real_shape(B, R, p, Q, span):
                          seed=B + R + p + Q, tables=tables, Q=Q)
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span}", 2.0)
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} 4 warps", 2.0, num_warps=4)
+    with pytest.MonkeyPatch.context() as mp:  # the other choice of TUNING["sliding_hoist"]
+        mp.setitem(K.TUNING, "sliding_hoist", not K.TUNING["sliding_hoist"])
+        _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} hoist", 2.0)
     args[0] = args[0].clone()
     args[0][:, -H:] = 30.0
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} gate 1", 1.0)
