@@ -648,6 +648,28 @@ def _store_kv(k_ptr, v_ptr, new, kf, ks, kr, vn, D: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
+def _ring_tile(k_ptr, v_ptr, ring, slot, pm, p, R, W, s_end, NEW_IN_REGS: tl.constexpr, D: tl.constexpr,
+               HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """Ring slots `slot` [BLOCK_N] of the (b, g) row at element offset ring: (ok [BLOCK_N]: slot in the query's
+    window, the keys' three column pieces (first, second, rest; as _head_norm_rope's) and the values, raw bf16, 0
+    where not ok). NEW_IN_REGS: slot pm is not read (the new token comes from registers)."""
+    dist = (pm - slot + R) % R
+    ok = (slot < s_end) & (dist < W) & (dist <= p)
+    ld = (ok & (slot != pm))[:, None] if NEW_IN_REGS else ok[:, None]
+    off = ring + slot.to(tl.int64)[:, None] * D
+    j = tl.arange(0, BLOCK_HALF)
+    first = tl.load(k_ptr + off + j[None, :], mask=ld & (j < HALF)[None, :], other=0.0)
+    second = tl.load(k_ptr + off + HALF + j[None, :], mask=ld & (j < HALF)[None, :], other=0.0)
+    if BLOCK_REST > 0:
+        cr = 2 * HALF + tl.arange(0, BLOCK_REST)
+        rest = tl.load(k_ptr + off + cr[None, :], mask=ld & (cr < D)[None, :], other=0.0)
+    else:
+        rest = first  # unused
+    dims = tl.arange(0, BLOCK_D)
+    return ok, first, second, rest, tl.load(v_ptr + off + dims[None, :], mask=ld & (dims < D)[None, :], other=0.0)
+
+
+@triton.jit
 def _sliding_write_kernel(qkvg_ptr, pos_ptr, k_ptr, v_ptr, kw_ptr, cos_ptr, sin_ptr, G, R, Q, H, stride_t, eps,
                           D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
                           BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
@@ -706,23 +728,12 @@ def _sliding_attn_kernel(
         kwts = _head_params(kw_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
-    j = tl.arange(0, BLOCK_HALF)
-    j_ok = j < HALF
     ring = ((t // Q) * G + g).to(tl.int64) * R * D  # ring [B, G, R, D]: this (b, g)'s slots
     s_end = tl.minimum(split * SPLIT_LEN + SPLIT_LEN, R)
     if HOIST:
         tl.static_assert(NEW_IN_REGS and SPLIT_LEN <= BLOCK_N)
-        slot = split * SPLIT_LEN + tl.arange(0, BLOCK_N)
-        dist = (pm - slot + R) % R
-        ok = (slot < s_end) & (dist < W) & (dist <= p)
-        ld = (ok & (slot != pm))[:, None]
-        off = ring + slot.to(tl.int64)[:, None] * D
-        k_first = tl.load(k_ptr + off + j[None, :], mask=ld & j_ok[None, :], other=0.0)
-        k_second = tl.load(k_ptr + off + HALF + j[None, :], mask=ld & j_ok[None, :], other=0.0)
-        if BLOCK_REST > 0:
-            cr = 2 * HALF + tl.arange(0, BLOCK_REST)
-            k_rest = tl.load(k_ptr + off + cr[None, :], mask=ld & (cr[None, :] < D), other=0.0)
-        v_all = tl.load(v_ptr + off + dims[None, :], mask=ld & d_ok[None, :], other=0.0)
+        pre = _ring_tile(k_ptr, v_ptr, ring, split * SPLIT_LEN + tl.arange(0, BLOCK_N), pm, p, R, W, s_end,
+                         NEW_IN_REGS, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
     _pdl_enter(PDL)
     xrow = t.to(tl.int64) * stride_t
     heads = tl.arange(0, BLOCK_H)
@@ -740,31 +751,22 @@ def _sliding_attn_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     for t in tl.static_range((SPLIT_LEN + BLOCK_N - 1) // BLOCK_N):
         slot = split * SPLIT_LEN + t * BLOCK_N + tl.arange(0, BLOCK_N)
-        dist = (pm - slot + R) % R
-        ok = (slot < s_end) & (dist < W) & (dist <= p)
-        is_new = (slot == pm)[:, None]
-        ld = (ok & (slot != pm))[:, None] if NEW_IN_REGS else ok[:, None]
-        off = ring + slot.to(tl.int64)[:, None] * D
         if HOIST:
-            kt = k_first.to(tl.float32)
+            ok, k1, k2, k3, vt = pre
         else:
-            kt = tl.load(k_ptr + off + j[None, :], mask=ld & j_ok[None, :], other=0.0).to(tl.float32)
+            ok, k1, k2, k3, vt = _ring_tile(k_ptr, v_ptr, ring, slot, pm, p, R, W, s_end, NEW_IN_REGS, D, HALF,
+                                            BLOCK_D, BLOCK_HALF, BLOCK_REST)
+        is_new = (slot == pm)[:, None]
+        kt = k1.to(tl.float32)
         if NEW_IN_REGS:
             kt = tl.where(is_new, kf, kt)
         sc = tl.dot(qf, tl.trans(kt.to(DOT_DTYPE)))
-        if HOIST:
-            kt = k_second.to(tl.float32)
-        else:
-            kt = tl.load(k_ptr + off + HALF + j[None, :], mask=ld & j_ok[None, :], other=0.0).to(tl.float32)
+        kt = k2.to(tl.float32)
         if NEW_IN_REGS:
             kt = tl.where(is_new, ks, kt)
         sc = tl.dot(qs, tl.trans(kt.to(DOT_DTYPE)), sc)
         if BLOCK_REST > 0:
-            if HOIST:
-                kt = k_rest.to(tl.float32)
-            else:
-                cr = 2 * HALF + tl.arange(0, BLOCK_REST)
-                kt = tl.load(k_ptr + off + cr[None, :], mask=ld & (cr[None, :] < D), other=0.0).to(tl.float32)
+            kt = k3.to(tl.float32)
             if NEW_IN_REGS:
                 kt = tl.where(is_new, kr, kt)
             sc = tl.dot(qr, tl.trans(kt.to(DOT_DTYPE)), sc)
@@ -774,10 +776,7 @@ def _sliding_attn_kernel(
         alpha = _exp(m_i - m_use, PRECISE)
         pr = _exp(sc - m_use[:, None], PRECISE)
         l_i = l_i * alpha + tl.sum(pr, axis=1)
-        if HOIST:
-            vt = v_all.to(tl.float32)
-        else:
-            vt = tl.load(v_ptr + off + dims[None, :], mask=ld & d_ok[None, :], other=0.0).to(tl.float32)
+        vt = vt.to(tl.float32)
         if NEW_IN_REGS:
             vt = tl.where(is_new, vn, vt)
         vt = vt.to(DOT_DTYPE)
@@ -1539,14 +1538,15 @@ def dsa_query_chunk(x, groups, regions):
     return max(256, (1 << 27) // (4 * groups * max(regions, 1)) // 256 * 256)
 
 
-def _gated(o, gate):
-    """o [S, T, G, Hg, hd] bf16 times bf(sigmoid(gate)), gate [S*T, G*Hg] bf16 logits: one rounding (the bf16 x bf16
-    product is exact in fp32), as the attention's output gate."""
+def gate_heads(o, gate):
+    """The attention's output gate: o [..., heads, hd] bf16 times bf(sigmoid(gate)), gate the bf16 logits, one per
+    head (o's heads flattened: [T, H] for o [T, H, hd] or [S*T, G*Hg] for [S, T, G, Hg, hd]); one rounding (the
+    bf16 x bf16 product is exact in fp32)."""
     return o * torch.sigmoid(gate).view(*o.shape[:-1], 1)
 
 
 def sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate=None):
-    """Attention over the selected history regions plus the current region (gate: then _gated).
+    """Attention over the selected history regions plus the current region (gate: then gate_heads).
 
     q [S, T, G, Hg, hd] bf16; k, v [S, N, G, hd] bf16 (token n of sequence s at row n); ids, valid [S, G, T, K]
     (ascending region ids, as select_regions returns); pos [S, T] absolute positions -> [S, T, G, Hg, hd] bf16.
@@ -1577,7 +1577,7 @@ def sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate=None):
     o = torch.einsum("sgthj,sgtjd->sgthd", p.to(torch.bfloat16).float(), vv) / den
     assert J == K * blk + blk
     o = o.to(torch.bfloat16).permute(0, 2, 1, 3, 4)
-    return o if gate is None else _gated(o, gate)
+    return o if gate is None else gate_heads(o, gate)
 
 
 @triton.jit
@@ -1659,7 +1659,7 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, gate_ptr, T, G, HG,
                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, GATE: tl.constexpr, PRECISE: tl.constexpr,
                        PDL: tl.constexpr):
     """Log-sum-exp merge of the splits of one row and head: c_i = exp(m_i - max m);
-    out = bf( sum_i c_i * acc_i / sum_i c_i * l_i ). GATE: then out = bf(out * bf(sigmoid(logit))) (_gated, with
+    out = bf( sum_i c_i * acc_i / sum_i c_i * l_i ). GATE: then out = bf(out * bf(sigmoid(logit))) (gate_heads, with
     _sliding_merge_kernel's arithmetic), the logit read before the PDL wait (the packed projection wrote it, several
     launches back)."""
     row = tl.program_id(0)
@@ -1693,9 +1693,9 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, gate_ptr, T, G, HG,
 def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, block_n=None, gate=None):
     """Triton sparse_attention_ref for decode (T = 1) and prefill (T queries). `splits` (default: enough programs
     to fill the GPU) divides each query's key slots over programs merged by log-sum-exp (which applies the gate,
-    else torch does: _gated). block_n: key slots per
-    tile (default TUNING["sparse_block_n"]); at 64 (hd 192) the sm90 build spills ~180 registers to local memory, at
-    32 ~15, yet 32 measured no faster (see TUNING; other split boundaries: tolerance-level differences)."""
+    else torch does: gate_heads). block_n: key slots per tile (default TUNING["sparse_block_n"]); at 64 (hd 192)
+    the sm90 build spills ~180 registers to local memory, at 32 ~15, yet 32 measured no faster (see TUNING; other
+    split boundaries: tolerance-level differences)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     S, T, G, HG, hd = q.shape
     for name, t_ in (("k", k), ("v", v)):
@@ -1746,7 +1746,7 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
                                        BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd), GATE=gate is not None,
                                        PRECISE=_PRECISE, num_warps=4, **_pdl())
     elif gate is not None:
-        out = _gated(out, gate)
+        out = gate_heads(out, gate)
     return out
 
 

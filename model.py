@@ -355,7 +355,7 @@ class Attention(nn.Module):
             o = self._dsa(idx, q, k, v, g, pos, rope["indexer"], spans, cache, req)
         else:
             o = self._sliding_prefill(q, k, v, spans, cache)
-            o = o * torch.sigmoid(g)[..., None]  # one rounding: the bf16 x bf16 product is exact in fp32
+            o = kernel.gate_heads(o, g)
         return linear(o.reshape(T, H * hd), self.o_proj.weight)  # this rank's bf16 partial: Block reduces it
 
     # ---- sliding window

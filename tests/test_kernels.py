@@ -764,7 +764,7 @@ def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
     gate = packed[:, 3:3 + G * Hg]
     out = K.sparse_attention_triton(*args, splits=splits)
     gated = K.sparse_attention_triton(*args, splits=splits, gate=gate)
-    want = K._gated(out, gate)
+    want = K.gate_heads(out, gate)
     assert torch.equal(gated, want) if INTERPRET else (gated.float() - want.float()).abs().max() <= (
         2 ** -7 * want.float().abs().max())
     d = report("sparse attention gated", gated, K.sparse_attention_ref(*args, gate=gate))
@@ -884,7 +884,7 @@ def test_gpu_sparse_decode_real_shape(ctx):
         d = report(f"GPU sparse decode ctx={ctx} block_n={block_n}", out, ref)
         assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
     gate = randn(S, G * Hg, seed=5)  # the output gate in the merge: torch's sigmoid within a bf16 step of its own
-    want = K._gated(out, gate)
+    want = K.gate_heads(out, gate)
     d = report(f"GPU sparse decode ctx={ctx} gated", K.sparse_attention_triton(*args, block_n=32, gate=gate), want)
     assert d.max() <= 2 ** -7 * want.float().abs().max()
 
