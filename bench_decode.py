@@ -7,11 +7,11 @@ replayed as a CUDA graph), the kernels of one step (profiler), and the 92-layer 
 decode step replayed as a CUDA graph and measured, not projected. Both print the ratio to the HBM floor of the
 bytes one step must read. --profile: the device time of each kernel of one eager step, and with --whole-rank also
 each kernel's share of the replayed graph (replay_table: how far each kernel moved the end of the work done).
-Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP reductions between W GPUs (--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both
-modes): a step of Q tokens per row against a 1-token step. --candidates [KEY ...] (with --whole-rank): the step with
-each of kernel.TUNING's launch choices (or only the KEYs) set to each of its alternatives (ALTERNATIVES), against the
-defaults timed just before and after it; --tune KEY=VALUE changes a default for the whole run (e.g. --tune
-moe_stages=3,3).
+Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP reductions between W GPUs
+(--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both modes): a step of Q tokens per
+row against a 1-token step. --candidates [KEY ...] (with --whole-rank): the step with each of kernel.TUNING's launch
+choices (or only the KEYs) set to each of its alternatives (ALTERNATIVES), against the defaults timed just before and
+after it; --tune KEY=VALUE changes a default for the whole run (e.g. --tune moe_stages=3,3).
 
     python bench_decode.py [--batch 1] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
     python bench_decode.py --whole-rank --tune moe_stages=4,4 --tune moe_unroll=4,4
