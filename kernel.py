@@ -800,6 +800,13 @@ def _sliding_attn_kernel(
 
 
 @triton.jit
+def _gate_bf16(logit, PRECISE: tl.constexpr):
+    """bf(sigmoid(logit)) of an fp32 logit, as torch.sigmoid of a bf16 tensor: the attention output gate's factor
+    (both merge kernels)."""
+    return _bf16_round(tl.math.div_rn(1.0, 1.0 + _exp(-logit, PRECISE)))
+
+
+@triton.jit
 def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
                           HG: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_D: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
@@ -823,7 +830,7 @@ def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
     num = tl.sum(po * c[:, None], axis=0)
     o = _bf16_round(tl.math.div_rn(num, tl.full(num.shape, 1.0, tl.float32) * tl.sum(l * c, axis=0)))
     logit = tl.load(qkvg_ptr + t.to(tl.int64) * stride_t + (G * HG + 2 * G) * D + head).to(tl.float32)
-    gate = _bf16_round(tl.math.div_rn(1.0, 1.0 + _exp(-logit, PRECISE)))
+    gate = _gate_bf16(logit, PRECISE)
     tl.store(out_ptr + t.to(tl.int64) * (G * HG * D) + head * D + dims, _bf16_round(o * gate).to(tl.bfloat16),
              mask=d_ok)
 
@@ -1685,7 +1692,7 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, gate_ptr, T, G, HG,
     den = tl.sum(l * c, axis=0)
     o = _bf16_round(tl.math.div_rn(num, tl.full(num.shape, 1.0, tl.float32) * tl.maximum(den, 1e-30)))
     if GATE:
-        o = _bf16_round(o * _bf16_round(tl.math.div_rn(1.0, 1.0 + _exp(-logit, PRECISE))))
+        o = _bf16_round(o * _gate_bf16(logit, PRECISE))
     tl.store(out_ptr + s * q_stride_s + t * q_stride_t + g * q_stride_g + h * q_stride_h + dims,
              o.to(tl.bfloat16), mask=d_ok)
 
