@@ -36,7 +36,8 @@ ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [(4, 4), (
                 "moe_block_n": [(32, 64), (64, 64)], "moe_stages": [(4, 4), (6, 6)],
                 "moe_unroll": [(4, 4), (8, 1), (4, 2)],
                 "skinny_all": [False], "router_block_e": [64], "sliding_hoist": [False], "skinny_stages": [4],
-                "router_hoist": [False]}
+                "router_hoist": [False], "skinny_parts": [1, 2, 8], "shared_parts": [(4, 4), (8, 8)],
+                "skinny_tiles": [((16, 512), (8, 256)), ((32, 256), (8, 256))], "skinny_warps": [8]}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 

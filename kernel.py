@@ -106,10 +106,21 @@ def _triton(x: torch.Tensor) -> bool:
 #   expert tiles (gate/up, down columns) (16, 64) / (32, 32) / (16, 32) vs (32, 64): +3.4 / +1.5 / +5.3%; moe_stages
 #   (6, 6): +8.6% at batch 16 (over the shared memory at batch 1); moe_unroll (4, 2): -0.5%, (8, 1) over the shared
 #   memory.
+# skinny_parts: skinny_linear's K cut into that many parts, each its own MMA chain (_skinny_tile). Ninth session
+#   (2026-12-02, whole step, batch 1 / 16): 4 parts took the step from 5.40 to 5.19-5.23 ms and from 11.65 to
+#   11.38-11.44 ms (runs of the same day); in one run against 4: 1 part +10.3 / +4.2%, 2 parts +2.3..2.7 / +0.8%, 8
+#   parts +2.8% (1 part as a 3-D dot of one batch is slower than the 2-D kernel it replaced: every warp computes the
+#   whole tile). shared_parts: (T = 1, T > 1), the same for the shared expert's gate/up tiles in the decode MoE up
+#   kernel (K = 4096): 4 vs 1 -2.6..3.2 / -0.5%; 8 vs 4 -1.1% at batch 1, +2.2% at 16 (255 registers, 8 spilled
+#   bytes). skinny_tiles ((columns, K block) for N >= 3200 and for smaller N; N >= 6400 keeps 64 x 128) and
+#   skinny_warps: candidates not yet timed with the parts (the device time ran out). Measured and removed the same
+#   day: the router's selection inside the decode expert kernels (each gate/up program choosing the experts from the
+#   logits partials after its PDL wait, each down program before it, one launch fewer per MoE layer): +8.5% at batch 1.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
           "skinny_all": True, "router_block_e": 32, "banded": "triton", "sliding_hoist": True, "skinny_stages": 6,
-          "router_hoist": True}
+          "router_hoist": True, "skinny_parts": 4, "shared_parts": (8, 4),
+          "skinny_tiles": ((32, 256), (16, 512)), "skinny_warps": 4}
 
 
 def set_tuning(items) -> None:
@@ -2522,12 +2533,14 @@ def _moe_decode_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
     K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
+    SHARED_PARTS: tl.constexpr,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
     slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]).
     Shared expert (SHARED, axis-1 program 0): tiles 0..nt-1 of its gate, then of its up, every token a row, stored
     separately as bf16 gu[0] = bf(x.wg^T), gu[1] = bf(x.wu^T) (MLP's rounding points): half the bytes per program of
-    a gated tile, so the shared programs finish with the routed ones."""
+    a gated tile, so the shared programs finish with the routed ones. Their K = D runs as SHARED_PARTS MMA chains
+    (_skinny_tile)."""
     _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     u = tl.program_id(1)
@@ -2541,9 +2554,8 @@ def _moe_decode_up_kernel(
             col_ok = cols < FS
             for m0 in range(0, T, BLOCK_M):
                 tok = m0 + tl.arange(0, BLOCK_M)
-                acc, _ = _decode_tile(xb_ptr, xb_ptr, tok, tok < T, D, 0, w, w, w, w, cols, col_ok, D, limit, 0,
-                                      tl.cdiv(D, BLOCK_K), False, False, False, False, False, BLOCK_M, BLOCK_N,
-                                      BLOCK_K, DOT_DTYPE, PRECISE, K_UNROLL)
+                acc = _skinny_tile(xb_ptr, D, tok, tok < T, w, cols, col_ok, D, BLOCK_M, BLOCK_N, K_UNROLL * BLOCK_K,
+                                   DOT_DTYPE, SHARED_PARTS)
                 out = gu_ptr + ((pid_n // nt) * T + tok)[:, None] * FS + cols[None, :]
                 tl.store(out, _bf16_round(acc).to(tl.bfloat16), mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -2722,7 +2734,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
         s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, K_UNROLL=ku[0],
-        BLOCK_N=bn[0], num_warps=nw[0], num_stages=ns[0], **common, **_pdl())
+        BLOCK_N=bn[0], SHARED_PARTS=TUNING["shared_parts"][T > 1], num_warps=nw[0], num_stages=ns[0], **common,
+        **_pdl())
     _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
         a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
@@ -2827,34 +2840,63 @@ def skinny_linear_ref(x, w):
 
 
 @triton.jit
+def _skinny_tile(x_ptr, x_stride, rows, row_ok, w_ptr, cols, col_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PARTS: tl.constexpr = 4):
+    """acc [BLOCK_M, BLOCK_N] fp32 = x[rows] . w[cols]^T for bf16 x [*, K] (row stride x_stride) and w [*, K]. K is cut
+    into PARTS (1, 2, 4 or 8) contiguous parts of KP = cdiv(K, 16 * PARTS) * 16 columns, each summed in order by its own
+    MMA chain (a batch of the 3-D dot: one warp each), and the parts are added as (p0 + p1) + (p2 + p3). One chain
+    over K was the kernel's floor at batch 1: 256 dependent mma.sync of ~33 cycles for K = 4096 (4.3 us; sm90 SASS:
+    one accumulator register per warp). The order depends on K alone (not on M, N or the tiles). BLOCK_K: columns
+    per loop step, all parts together."""
+    KP = tl.cdiv(K, 16 * PARTS) * 16
+    BKP: tl.constexpr = BLOCK_K // PARTS
+    part = tl.arange(0, PARTS)
+    w_rows = w_ptr + cols.to(tl.int64)[None, :, None] * K  # [1, BLOCK_N, 1]
+    x_rows = x_ptr + rows[None, :, None] * x_stride  # [1, BLOCK_M, 1]
+    acc = tl.zeros((PARTS, BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, KP, BKP):
+        kk = k0 + tl.arange(0, BKP)
+        ks = (part[:, None] * KP + kk[None, :])[:, None, :]  # [PARTS, 1, BKP]
+        k_ok = ((kk[None, :] < KP)[:, None, :]) & (ks < K)
+        a = tl.load(x_rows + ks, mask=row_ok[None, :, None] & k_ok, other=0.0)  # [PARTS, BLOCK_M, BKP]
+        b = tl.load(w_rows + ks, mask=col_ok[None, :, None] & k_ok, other=0.0)  # [PARTS, BLOCK_N, BKP]
+        acc = tl.dot(a.to(tl.float32).to(DOT_DTYPE), tl.permute(b.to(tl.float32).to(DOT_DTYPE), (0, 2, 1)), acc)
+    acc = tl.permute(acc, (1, 2, 0))  # [M, N, PARTS]: added in pairs, (p0 + p1) + (p2 + p3) at PARTS = 4
+    if PARTS >= 8:
+        lo, hi = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 4, 2)))
+        acc = lo + hi
+    if PARTS >= 4:
+        lo, hi = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2, 2)))
+        acc = lo + hi
+    if PARTS >= 2:
+        lo, hi = tl.split(acc)
+        acc = lo + hi
+    return tl.reshape(acc, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, out_stride,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
-    """Columns [pid * BLOCK_N, +BLOCK_N) of the output for all M <= BLOCK_M rows: one fp32 accumulator over K in
-    BLOCK_K steps, so the summation order depends on K alone (not on M or N). Many programs of few columns keep
-    enough loads in flight to stream W at batch 1."""
+                          DOT_DTYPE: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
+    """Columns [pid * BLOCK_N, +BLOCK_N) of the output for all M <= BLOCK_M rows (_skinny_tile). Many programs of few
+    columns keep enough loads in flight to stream W at batch 1."""
     _pdl_enter(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok, row_ok = cols < N, rows < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        acc = tl.dot(a.to(tl.float32).to(DOT_DTYPE), tl.trans(b.to(tl.float32).to(DOT_DTYPE)), acc)
+    acc = _skinny_tile(x_ptr, x_stride, rows, row_ok, w_ptr, cols, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                       PARTS)
     tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def skinny_linear_triton(x, w, block_n=None, block_k=None, num_stages=None, num_warps=4):
+def skinny_linear_triton(x, w, block_n=None, block_k=None, num_stages=None, num_warps=None):
     """Triton skinny_linear_ref for M <= 16 rows. Tiles: the widest of 64 / 32 / 16 columns that still gives >= 100
-    programs. H200, weights from HBM (bench_kernels.py sweep_skinny, M = 1; M = 16 within 0.5 us): packed QKV 1928
-    columns 9.1 -> 7.7 us (16 x 512 vs 32 x 256), lm_head 16112: 38.9 -> 32.6 us (64 x 128, 6 stages; cuBLAS 32.4),
-    o_proj 4096: 5.3 (32 x 256, the best of 10), packed DSA 3468: 9.9 (32 x 256; 9.5 at 6 stages). Every choice
-    gives the same bits: the MMAs accumulate K in 16-wide steps in order whatever the K block."""
+    programs (TUNING["skinny_tiles"]). H200, weights from HBM, with one MMA chain over K (before the parts;
+    bench_kernels.py sweep_skinny, M = 1; M = 16 within 0.5 us): packed QKV 1928 columns 9.1 -> 7.7 us (16 x 512 vs
+    32 x 256), lm_head 16112: 38.9 -> 32.6 us (64 x 128, 6 stages; cuBLAS 32.4), o_proj 4096: 5.3 (32 x 256, the best
+    of 10), packed DSA 3468: 9.9 (32 x 256; 9.5 at 6 stages). Every tile and warp count gives the same bits: each
+    part of K is summed in 16-wide MMA steps in order whatever the tile."""
     _check_tensor("x", x, torch.bfloat16, ndim=2, contiguous=False)
     _check(x.stride(1) == 1, lambda: f"x must have contiguous rows, got strides {x.stride()}")
     _check_tensor("w", w, torch.bfloat16, ndim=2)
@@ -2863,12 +2905,14 @@ def skinny_linear_triton(x, w, block_n=None, block_k=None, num_stages=None, num_
     _check(w.shape[1] == K and M <= 16, lambda: f"x [M <= 16, K] and w [N, K]: got {tuple(x.shape)}, {tuple(w.shape)}")
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     st = TUNING["skinny_stages"]
-    bn, bk, ns = (64, 128, 6) if N >= 6400 else (32, 256, st) if N >= 3200 else (16, 512, st)
+    mid, small = TUNING["skinny_tiles"]
+    bn, bk, ns = (64, 128, 6) if N >= 6400 else (*mid, st) if N >= 3200 else (*small, st)
     block_n, block_k, num_stages = block_n or bn, block_k or bk, num_stages or ns
     if M and N:
         _skinny_linear_kernel[(triton.cdiv(N, block_n),)](
             x, w, out, M, N, K, x.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-            DOT_DTYPE=_DOT, num_warps=num_warps, num_stages=num_stages if _GPU_LAUNCH else 1, **_pdl())
+            DOT_DTYPE=_DOT, PARTS=TUNING["skinny_parts"], num_warps=num_warps or TUNING["skinny_warps"],
+            num_stages=num_stages if _GPU_LAUNCH else 1, **_pdl())
     return out
 
 

@@ -285,17 +285,19 @@ def test_to_e4m3_saturates():
 
 @pytest.mark.parametrize("M,N,Kd", [(1, 48, 256), (3, 40, 200), (16, 64, 512)])
 def test_skinny_linear(M, N, Kd):
-    """The few-row bf16 GEMM against F.linear: the fp32 sum runs in another order, so at most one bf16 step on a
-    few elements (a wrong column or K block would be O(1))."""
+    """The few-row bf16 GEMM against F.linear: the fp32 sum runs in another order (4 parts of K, each in order, added
+    pairwise), so at most one bf16 step on a few elements (a wrong column or K block would be O(1))."""
     x = randn(M, Kd + 8, seed=M)[:, 8:]  # a row-strided input, as column slices of the packed projection are
     w = randn(N, Kd, seed=N, scale=Kd ** -0.5)
     out = K.skinny_linear_triton(x, w)
     ref = K.skinny_linear_ref(x, w)
     d = report("skinny linear", out, ref)
     assert (d > 0).float().mean() < 0.1 and d.max() <= 2 ** -7 * ref.float().abs().max()
-    if not INTERPRET:  # the tiles chosen by width: the MMAs sum K in 16-wide steps in order whatever the K block
-        for bn, bk in ((16, 512), (32, 256), (64, 128)):
-            assert torch.equal(K.skinny_linear_triton(x, w, block_n=bn, block_k=bk), out), (bn, bk)
+    # each row alone: the same bits (the order depends on K only, not on M)
+    assert torch.equal(K.skinny_linear_triton(x[:1], w), out[:1])
+    if not INTERPRET:  # tiles and warps: each of the 4 parts of K is summed in 16-wide steps in order whatever the tile
+        for bn, bk, nw in ((16, 512, 4), (32, 256, 4), (64, 128, 4), (8, 256, 4), (16, 512, 8), (32, 256, 8)):
+            assert torch.equal(K.skinny_linear_triton(x, w, block_n=bn, block_k=bk, num_warps=nw), out), (bn, bk, nw)
 
 
 def test_launchers_reject_bad_inputs():
