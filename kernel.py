@@ -2841,13 +2841,13 @@ def skinny_linear_ref(x, w):
 
 @triton.jit
 def _skinny_tile(x_ptr, x_stride, rows, row_ok, w_ptr, cols, col_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PARTS: tl.constexpr = 4):
+                 BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PARTS: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 = x[rows] . w[cols]^T for bf16 x [*, K] (row stride x_stride) and w [*, K]. K is cut
     into PARTS (1, 2, 4 or 8) contiguous parts of KP = cdiv(K, 16 * PARTS) * 16 columns, each summed in order by its own
-    MMA chain (a batch of the 3-D dot: one warp each), and the parts are added as (p0 + p1) + (p2 + p3). One chain
-    over K was the kernel's floor at batch 1: 256 dependent mma.sync of ~33 cycles for K = 4096 (4.3 us; sm90 SASS:
-    one accumulator register per warp). The order depends on K alone (not on M, N or the tiles). BLOCK_K: columns
-    per loop step, all parts together."""
+    MMA chain (a batch of the 3-D dot: one warp each at 4 warps), and added pairwise: (p0 + p1) + (p2 + p3). One chain
+    over K (sm90 SASS: one accumulator register per warp) was 256 dependent mma.sync for K = 4096, ~4.3 us if each
+    takes ~33 cycles (an estimate, not measured). The order depends on K alone (not on M, N or the tiles).
+    BLOCK_K: columns per loop step, all parts together."""
     KP = tl.cdiv(K, 16 * PARTS) * 16
     BKP: tl.constexpr = BLOCK_K // PARTS
     part = tl.arange(0, PARTS)
