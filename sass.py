@@ -3,7 +3,8 @@
 Runs the snippet under the Triton interpreter with the GPU's launch shapes (kernel._GPU_LAUNCH, 132 SMs), records
 each distinct launch (launch_record), compiles it for sm90 in a process without the interpreter (build; the Triton
 wheel ships ptxas and cuobjdump) and prints, per launch: SASS instructions, local-memory spills, shared memory,
-registers (with shared memory they set how many CTAs share an SM) and every loop's length with its commonest opcodes.
+registers (with shared memory they set how many CTAs share an SM), the longest chain of mma.sync adding into one
+accumulator, and every loop's length with its commonest opcodes, its own chain and its wgmma waits.
 tests/test_sm90_build.py builds every launch of a model run the same way. A decode kernel that is issue-bound pays
 its loop's instructions per K block; but counts only guide: a shorter loop has measured slower (kernel.TUNING's notes).
 
@@ -123,17 +124,35 @@ def record(snippet: str, tune: list) -> list:
     return list(seen.values())
 
 
+def mma_chain(ops) -> int:
+    """The longest run of mma.sync (HMMA) in which each adds into the result of the one before (its accumulator
+    operand is the previous one's destination register), in program order: a latency floor of the code, since each
+    must wait for the last (one accumulator over K = 4096 in 16-wide steps: 256 of them)."""
+    depth, best = {}, 0
+    for _, op, rest in ops:
+        if op.startswith("HMMA"):
+            regs = re.findall(r"\b(R\d+|RZ)\b", rest)
+            depth[regs[0]] = depth.get(regs[3], 0) + 1 if len(regs) > 3 else 1
+            best = max(best, depth[regs[0]])
+    return best
+
+
 def summary(sass: str) -> str:
-    """Instruction count, spills and each loop (a backward branch: its target .. itself) with its top opcodes."""
+    """Instruction count, spills, the longest mma.sync chain (mma_chain) and each loop (a backward branch: its target
+    .. itself) with its top opcodes, its own chain and its wgmma waits (a wgmma group waited for before the next is
+    issued: `WARPGROUP.DEPBAR.LE gsb0, 0x0`)."""
     ops = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(LINE.match, sass.splitlines()) if m]
     out = [f"{len(ops)} instructions, STL {sum(o == 'STL' for _, o, _ in ops)}, "
-           f"BAR.SYNC {sum(o.startswith('BAR.SYNC') for _, o, _ in ops)}"]
+           f"BAR.SYNC {sum(o.startswith('BAR.SYNC') for _, o, _ in ops)}, mma.sync chain {mma_chain(ops)}"]
     for addr, op, rest in ops:
         target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
         if target and int(target.group(1), 16) < addr:
-            body = collections.Counter(o for a, o, _ in ops if int(target.group(1), 16) <= a <= addr)
-            out.append(f"  loop {int(target.group(1), 16):#x}-{addr:#x}: {sum(body.values())} instructions, "
-                       + ", ".join(f"{o} {n}" for o, n in body.most_common(8)))
+            body = [o for o in ops if int(target.group(1), 16) <= o[0] <= addr]
+            count = collections.Counter(o for _, o, _ in body)
+            waits = sum(o.startswith("WARPGROUP.DEPBAR") and "0x0" in r for _, o, r in body)
+            out.append(f"  loop {int(target.group(1), 16):#x}-{addr:#x}: {len(body)} instructions (mma.sync chain "
+                       f"{mma_chain(body)}, wgmma waits {waits}), "
+                       + ", ".join(f"{o} {n}" for o, n in count.most_common(8)))
     return "\n".join(out)
 
 

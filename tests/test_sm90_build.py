@@ -88,6 +88,18 @@ def test_sass_tool_reports_the_router_loops():
     assert "HMMA" in out.stdout and " loop 0x" in out.stdout  # the logits GEMM's K loop on the tensor cores
 
 
+def test_sass_summary_counts_mma_chains_and_wgmma_waits():
+    """sass.summary on hand-written sm90 SASS: three mma.sync adding into one accumulator (R44; the one into R40 starts
+    a chain of its own from zero), and a wgmma group waited for inside the loop."""
+    import sass
+    lines = ["MOV R44, RZ", "HMMA.16816.F32.BF16 R44, R28.reuse, R36, R44", "HMMA.16816.F32.BF16 R40, R28, R38, RZ",
+             "HMMA.16816.F32.BF16 R44, R30, R36, R44", "HMMA.16816.F32.BF16 R44, R32, R36, R44",
+             "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P0 BRA 0x10"]
+    out = sass.summary("\n".join(f"        /*{16 * i:04x}*/                   {s} ;" for i, s in enumerate(lines)))
+    assert "mma.sync chain 3" in out.splitlines()[0]
+    assert "loop 0x10-0x60: 6 instructions (mma.sync chain 3, wgmma waits 1)" in out, out
+
+
 GLUON_BUILD = """
 import json, subprocess, sys
 import triton
