@@ -127,7 +127,8 @@ def record(snippet: str, tune: list) -> list:
 def mma_chain(ops) -> int:
     """The longest run of mma.sync (HMMA) in which each adds into the result of the one before (its accumulator
     operand is the previous one's destination register), in program order: a latency floor of the code, since each
-    must wait for the last (one accumulator over K = 4096 in 16-wide steps: 256 of them)."""
+    must wait for the last (one accumulator over K = 4096 in 16-wide steps: 256 of them). Other instructions' writes
+    to those registers are not followed, so it is an upper bound."""
     depth, best = {}, 0
     for _, op, rest in ops:
         if op.startswith("HMMA"):
