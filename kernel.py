@@ -1390,8 +1390,8 @@ def select_regions_ref(scores, n_hist, topk, blk=1):
     """Exact top-k of history regions with the deployed selector's tie-break: equal scores go to the lower region
     id. Ties are common, not a corner case: a score is exactly 0 whenever all of its heads' dots are <= 0 (ReLU).
 
-    scores [S, G, T, R] fp32; n_hist [S, T] int // blk = number of history regions of each query (pass the positions p
-    and the region size blk: floor(p / blk)).
+    scores [S, G, T, R] fp32; n_hist [S, T] int: each query's position p, with blk its region size, so that it has
+    floor(p / blk) history regions (blk = 1: n_hist holds those counts).
     Returns ids [S, G, T, K] int64 in ascending region id with invalid slots (budget min(topk, n_hist) exhausted)
     set to R, and valid [S, G, T, K] bool; K = min(topk, R). Order: score descending, ties by ascending id (a
     stable sort of the negated score); +0.0 and -0.0 compare equal (adding +0.0 maps -0.0 to +0.0).
@@ -2848,6 +2848,7 @@ def _skinny_tile(x_ptr, x_stride, rows, row_ok, w_ptr, cols, col_ok, K, BLOCK_M:
     over K (sm90 SASS: one accumulator register per warp) was 256 dependent mma.sync for K = 4096, ~4.3 us if each
     takes ~33 cycles (an estimate, not measured). The order depends on K alone (not on M, N or the tiles).
     BLOCK_K: columns per loop step, all parts together."""
+    tl.static_assert((PARTS == 1) | (PARTS == 2) | (PARTS == 4) | (PARTS == 8))
     KP = tl.cdiv(K, 16 * PARTS) * 16
     BKP: tl.constexpr = BLOCK_K // PARTS
     part = tl.arange(0, PARTS)

@@ -119,8 +119,8 @@ def test_model_dsa_layer_equals_dense_attention_before_pruning(lm):
     try:
         def dense(h_, q, k, v, g, pos_, rope_, spans, c, req=None):  # gated, as _dsa returns
             T, H, hd = q.shape
-            return dense_causal(q.view(T, att.n_groups, H // att.n_groups, hd), k, v, att.scale).to(
-                torch.bfloat16).reshape(T, H, hd) * torch.sigmoid(g)[..., None]
+            return kernel.gate_heads(dense_causal(q.view(T, att.n_groups, H // att.n_groups, hd), k, v, att.scale).to(
+                torch.bfloat16).reshape(T, H, hd), g)
         att._dsa = dense
         want = att(h, pos, rope, [(0, n, 0)], cache.layers[i])
     finally:
