@@ -10,8 +10,9 @@ each kernel's share of the replayed graph (replay_table: how far each kernel mov
 Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP reductions between W GPUs
 (--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both modes): a step of Q tokens per
 row against a 1-token step. --candidates [KEY ...] (with --whole-rank): the step with each of kernel.TUNING's launch
-choices (or only the KEYs) set to each of its alternatives (ALTERNATIVES), against the defaults timed just before and
-after it; --tune KEY=VALUE changes a default for the whole run (e.g. --tune moe_stages=3,3).
+choices (or only the KEYs) set to each of its alternatives (ALTERNATIVES; TOGETHER: several keys at once), against
+the defaults timed just before and after it; --tune KEY=VALUE changes a default for the whole run (e.g. --tune
+moe_stages=3,3).
 
     python bench_decode.py [--batch 1] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
     python bench_decode.py --whole-rank --tune moe_stages=4,4 --tune moe_unroll=4,4
@@ -37,7 +38,10 @@ ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [(4, 4), (
                 "moe_unroll": [(4, 4), (8, 1), (4, 2)],
                 "skinny_all": [False], "router_block_e": [64], "sliding_hoist": [False], "skinny_stages": [4],
                 "router_hoist": [False], "skinny_parts": [1, 2, 8], "shared_parts": [(4, 4), (8, 8)],
-                "skinny_tiles": [((16, 512), (8, 256)), ((32, 256), (8, 256))], "skinny_warps": [8]}
+                "skinny_tiles": [((16, 512), (8, 256)), ((32, 256), (8, 256))], "skinny_warps": [8],
+                "router_parts": [1], "moe_maxnreg": [(0, 0), (168, 168)]}
+# candidates of several keys at once: name -> the TUNING entries they set together
+TOGETHER = {"moe_down_3cta": {"moe_maxnreg": (168, 168), "moe_stages": (3, 2)}}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 
@@ -300,6 +304,7 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
     if candidates:  # graphs re-captured under each choice
         trials = {f"{k}={v}": {k: v} for k, vs in ALTERNATIVES.items() for v in vs
                   if candidates is True or k in candidates}
+        trials.update({k: v for k, v in TOGETHER.items() if candidates is True or k in candidates})
         for name, r in timed_around(lambda: timed_graph(1), trials, kernel.TUNING).items():
             if isinstance(r, Exception):
                 say(f"candidate {name:18s}: {type(r).__name__}: {str(r)[:200]}")
@@ -367,10 +372,10 @@ if __name__ == "__main__":
         kernel.set_tuning(a.tune)
     except ValueError as e:
         raise SystemExit(str(e))
-    bad = set(a.candidates or ()) - set(ALTERNATIVES)
+    bad = set(a.candidates or ()) - set(ALTERNATIVES) - set(TOGETHER)
     if bad:
         raise SystemExit(f"--candidates {' '.join(sorted(bad))}: no alternatives; those with some: "
-                         f"{', '.join(ALTERNATIVES)}")
+                         f"{', '.join([*ALTERNATIVES, *TOGETHER])}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
     cands = a.candidates if a.candidates else a.candidates == []  # [] (the flag alone): every choice

@@ -116,11 +116,26 @@ def _triton(x: torch.Tensor) -> bool:
 #   skinny_warps: candidates not yet timed with the parts (the device time ran out). Measured and removed the same
 #   day: the router's selection inside the decode expert kernels (each gate/up program choosing the experts from the
 #   logits partials after its PDL wait, each down program before it, one launch fewer per MoE layer): +8.5% at batch 1.
+#   Tenth session (2026-12-02, same method): skinny_tiles ((16, 512), (8, 256)) / ((32, 256), (8, 256)) +3.5 / +0.4%
+#   at batch 1, +3.0 / +1.2% at 16; skinny_warps 8 +2.9 / +1.1%: not taken.
+# router_parts: the router logits' hoisted K step (512 columns) in that many MMA chains (_sum_parts), as skinny_parts:
+#   4 vs 1: -1.1% at batch 1 (router logits 375 -> 323 us a step), +0.2% at 16 (tenth session).
+# moe_maxnreg: (gate/up, down) register caps of the decode expert kernels at T > 1 (0: none). The gate/up kernel at
+#   176 registers held 2 CTAs per SM, 168 (no spills in the sm90 build) holds 3, so its ~318 programs at batch 16 (13
+#   hit experts) run in one wave: (168, 0) -1.8% at batch 16 vs (0, 0), +2.1% when set back in the next run; (168,
+#   168) +0.8% (the down kernel's shared-expert branch spills 181 bytes there), and with down at 2 stages (3 CTAs per
+#   SM) -1.0% vs (0, 0). Measured and removed the same session (batch 16): down tiles of 256 columns (the scale row
+#   per 128-row block, 2 stages: 224 programs in one wave) +1.1%; _select_regions_kernel's threshold search 4 bits a
+#   step (a 16-bin histogram in 16-bit fields of four int64, one reduction: 28 CTA barriers instead of 52) +3.0%
+#   (bench_kernels.py bench_select, 16 rows of 4096: 13.5 vs 9.9 us); the router selection four slots per reduction
+#   (a sorted-list merge as the combine: 5 barriers instead of 23) -0.0 / -0.1% at batch 1 / 16. Select chunks of
+#   8192 (one program for the bench's 4100 regions) 17.7 vs 14.5 us in two launches of 4096 (16 rows).
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
           "skinny_all": True, "router_block_e": 32, "banded": "triton", "sliding_hoist": True, "skinny_stages": 6,
           "router_hoist": True, "skinny_parts": 4, "shared_parts": (8, 4),
-          "skinny_tiles": ((32, 256), (16, 512)), "skinny_warps": 4}
+          "skinny_tiles": ((32, 256), (16, 512)), "skinny_warps": 4,
+          "router_parts": 4, "moe_maxnreg": (168, 0)}
 
 
 def set_tuning(items) -> None:
@@ -2724,6 +2739,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
            lambda: f"k_unroll {ku} must divide the K blocks of gate/up ({nkb}) and down ({nkf})")
     sh = int(shared is not None)
     ranks = min(T * k, E)  # distinct local experts the slots can hit
+    regs = [{"maxnreg": r} if r and gpu and T > 1 else {} for r in TUNING["moe_maxnreg"]]
     dummy = y
     common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, SWAP=bool(swap), ZERO_GUARD=T == 1,
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
@@ -2735,13 +2751,13 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
         s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, K_UNROLL=ku[0],
         BLOCK_N=bn[0], SHARED_PARTS=TUNING["shared_parts"][T > 1], num_warps=nw[0], num_stages=ns[0], **common,
-        **_pdl())
+        **regs[0], **_pdl())
     _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
         a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
         float(limit_s) if limit_s is not None else 0.0, w2.stride(0), s2.stride(0) if fp8 else 0,
         s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None, K_UNROLL=ku[1],
-        BLOCK_N=bn[1], num_warps=nw[1], num_stages=ns[1], **common, **_pdl())
+        BLOCK_N=bn[1], num_warps=nw[1], num_stages=ns[1], **common, **regs[1], **_pdl())
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
     _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, ids, weights, ys, out, D, E, int(first_expert),
                                                              TOPK=k, SHARED=sh, BLOCK_D=BLOCK_D, num_warps=4,
@@ -2862,7 +2878,12 @@ def _skinny_tile(x_ptr, x_stride, rows, row_ok, w_ptr, cols, col_ok, K, BLOCK_M:
         a = tl.load(x_rows + ks, mask=row_ok[None, :, None] & k_ok, other=0.0)  # [PARTS, BLOCK_M, BKP]
         b = tl.load(w_rows + ks, mask=col_ok[None, :, None] & k_ok, other=0.0)  # [PARTS, BLOCK_N, BKP]
         acc = tl.dot(a.to(tl.float32).to(DOT_DTYPE), tl.permute(b.to(tl.float32).to(DOT_DTYPE), (0, 2, 1)), acc)
-    acc = tl.permute(acc, (1, 2, 0))  # [M, N, PARTS]: added in pairs, (p0 + p1) + (p2 + p3) at PARTS = 4
+    return _sum_parts(tl.permute(acc, (1, 2, 0)), BLOCK_M, BLOCK_N, PARTS)
+
+
+@triton.jit
+def _sum_parts(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr):
+    """[M, N, PARTS] -> [M, N], added in pairs: (p0 + p1) + (p2 + p3) at PARTS = 4."""
     if PARTS >= 8:
         lo, hi = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 4, 2)))
         acc = lo + hi
@@ -2960,34 +2981,48 @@ def swiglu(g, u, limit):
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPLIT_LEN,
                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
                           QUANT_T: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
-                          HOIST: tl.constexpr = False):
+                          HOIST: tl.constexpr = False, PARTS: tl.constexpr = 1):
     """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
     bf16 MMA with fp32 accumulation computes route_ref's fp32 GEMM (bf16 x and w widened to fp32); K is split so
     decode fills the GPU. QUANT: the programs of the first E tile also write act_quant_ref(x) of the rows and K
     slice they read (xq e4m3 bits [T, D], sx [T, D/128]; _act_quant_kernel's arithmetic) for the FP8 experts, so
     that quantisation costs no launch of its own. BLOCK_K is a multiple of 128.
     HOIST (BLOCK_K == K_SPLIT_LEN: one K step): the weight tile is loaded before the PDL wait, while the kernel that
-    writes x still runs (the MMA adds K in the same order at any BLOCK_K: same bits)."""
+    writes x still runs (the MMA adds K in the same order at any BLOCK_K: same bits). PARTS (HOIST only): the step's
+    K cut into PARTS parts, each its own MMA chain, added pairwise (as _skinny_tile; the order depends on
+    K_SPLIT_LEN alone): one chain of 32 dependent mma.sync per warp at 512 columns (sm90 SASS) becomes 4 of 8."""
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     ks0 = tl.program_id(2) * K_SPLIT_LEN
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    if HOIST:
+    SPLIT: tl.constexpr = HOIST and PARTS > 1
+    if SPLIT:
+        BKP: tl.constexpr = BLOCK_K // PARTS
+        kw = (ks0 + tl.arange(0, PARTS)[:, None] * BKP + tl.arange(0, BKP)[None, :])[:, None, :]  # [PARTS, 1, BKP]
+        w_pre = tl.load(w_ptr + es[None, :, None].to(tl.int64) * D + kw, mask=(es[None, :, None] < E) & (kw < D),
+                        other=0.0)  # [PARTS, BLOCK_E, BKP]
+    elif HOIST:
         kw = ks0 + tl.arange(0, BLOCK_K)
         w_pre = tl.load(w_ptr + es[:, None].to(tl.int64) * D + kw[None, :], mask=(es[:, None] < E) & (kw < D)[None, :],
                         other=0.0)
     _pdl_enter(PDL)
-    for k0 in range(ks0, tl.minimum(ks0 + K_SPLIT_LEN, D), BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < D
-        x_ok = (ts[:, None] < T) & k_ok[None, :]
-        xt = tl.load(x_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
-        if HOIST:
-            wt = w_pre.to(tl.float32).to(DOT_DTYPE)
-        else:
-            wt = tl.load(w_ptr + es[:, None].to(tl.int64) * D + ks[None, :], mask=(es[:, None] < E) & k_ok[None, :],
-                         other=0.0).to(tl.float32).to(DOT_DTYPE)
-        acc = tl.dot(xt.to(DOT_DTYPE), tl.trans(wt), acc)
+    if SPLIT:  # one K step
+        x3 = tl.load(x_ptr + ts[None, :, None].to(tl.int64) * D + kw, mask=(ts[None, :, None] < T) & (kw < D),
+                     other=0.0).to(tl.float32)
+        acc3 = tl.dot(x3.to(DOT_DTYPE), tl.permute(w_pre.to(tl.float32).to(DOT_DTYPE), (0, 2, 1)))
+        acc = _sum_parts(tl.permute(acc3, (1, 2, 0)), BLOCK_T, BLOCK_E, PARTS)
+    else:
+        for k0 in range(ks0, tl.minimum(ks0 + K_SPLIT_LEN, D), BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < D
+            x_ok = (ts[:, None] < T) & k_ok[None, :]
+            xt = tl.load(x_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
+            if HOIST:
+                wt = w_pre.to(tl.float32).to(DOT_DTYPE)
+            else:
+                wt = tl.load(w_ptr + es[:, None].to(tl.int64) * D + ks[None, :],
+                             mask=(es[:, None] < E) & k_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
+            acc = tl.dot(xt.to(DOT_DTYPE), tl.trans(wt), acc)
     out = part_ptr + (tl.program_id(2) * T + ts[:, None]).to(tl.int64) * E + es[None, :]
     tl.store(out, acc, mask=(ts[:, None] < T) & (es[None, :] < E))
     # after the GEMM loop, x's slice again (cache hits): inside it, the branch kept the loop from being pipelined
@@ -3077,7 +3112,8 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
     _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
         x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
         BLOCK_K=split_len if hoist else BLOCK_K, QUANT=bool(quant), QUANT_T=min(BLOCK_T, triton.next_power_of_2(T)),
-        DOT_DTYPE=_DOT, HOIST=hoist, num_warps=4, num_stages=3 if _GPU_LAUNCH else 1, **_pdl())
+        DOT_DTYPE=_DOT, HOIST=hoist, PARTS=TUNING["router_parts"] if hoist else 1, num_warps=4,
+        num_stages=3 if _GPU_LAUNCH else 1, **_pdl())
     _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
                                 BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
                                 PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **_pdl())

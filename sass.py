@@ -79,7 +79,7 @@ def launch_record(fn, args, kwargs) -> dict:
         else:
             assert isinstance(v, float), (fn.__name__, name, type(v))
             sig[name] = "fp32"
-    opts = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion")}
+    opts = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")}
     opts["launch_pdl"] = True
     return {"name": fn.__name__, "signature": sig, "constexprs": cons, "options": opts, "div16": div16}
 

@@ -81,11 +81,13 @@ def test_sass_tool_reports_the_router_loops():
     """sass.py (the offline SASS report) records, builds and summarises a snippet's launches."""
     snippet = ("x = torch.randn(1, 256).bfloat16(); w = torch.randn(40, 256).bfloat16()\n"
                "K.route_triton(x, w, torch.zeros(40), 4, 3.0, quant=True)")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "sass.py"), snippet, "--only", "logits"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    # --tune: one MMA chain keeps the GEMM in its K loop (4 parts make it one 3-D dot outside any loop)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "sass.py"), snippet, "--only", "logits",
+                          "--tune", "router_parts=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "_router_logits_kernel" in out.stdout and "_router_select_kernel" not in out.stdout
     assert "HMMA" in out.stdout and " loop 0x" in out.stdout  # the logits GEMM's K loop on the tensor cores
+    assert "'PARTS': 1" in out.stdout
 
 
 def test_sass_summary_counts_mma_chains_and_wgmma_waits():
