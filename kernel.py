@@ -2994,7 +2994,6 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPL
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     ks0 = tl.program_id(2) * K_SPLIT_LEN
-    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     SPLIT: tl.constexpr = HOIST and PARTS > 1
     if SPLIT:
         BKP: tl.constexpr = BLOCK_K // PARTS
@@ -3012,6 +3011,7 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPL
         acc3 = tl.dot(x3.to(DOT_DTYPE), tl.permute(w_pre.to(tl.float32).to(DOT_DTYPE), (0, 2, 1)))
         acc = _sum_parts(tl.permute(acc3, (1, 2, 0)), BLOCK_T, BLOCK_E, PARTS)
     else:
+        acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
         for k0 in range(ks0, tl.minimum(ks0 + K_SPLIT_LEN, D), BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < D
