@@ -39,7 +39,11 @@ for i, r in enumerate(json.load(open(sys.argv[1]))):
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=r["options"])
     except Exception as e:
-        print(json.dumps({"error": f"{type(e).__name__}: {str(e)[:600]}"}))
+        c = e  # a jit function called by the kernel fails as the cause of the kernel's error: report the innermost
+        while c.__cause__ is not None:
+            c = c.__cause__
+        why = "" if c is e else f" | innermost cause: {type(c).__name__}: {str(c)[-400:]}"
+        print(json.dumps({"error": f"{type(e).__name__}: {str(e)[:600]}{why}"}))
         continue
     open(f"{sys.argv[2]}/{i}.cubin", "wb").write(k.asm["cubin"])
     print(json.dumps({"shared": k.metadata.shared}))
