@@ -129,7 +129,8 @@ def _triton(x: torch.Tensor) -> bool:
 #   step (a 16-bin histogram in 16-bit fields of four int64, one reduction: 28 CTA barriers instead of 52) +3.0%
 #   (bench_kernels.py bench_select, 16 rows of 4096: 13.5 vs 9.9 us); the router selection four slots per reduction
 #   (a sorted-list merge as the combine: 5 barriers instead of 23) -0.0 / -0.1% at batch 1 / 16. Select chunks of
-#   8192 (one program for the bench's 4100 regions) 17.7 vs 14.5 us in two launches of 4096 (16 rows).
+#   8192 (one program for the bench's 4100 regions) 17.7 vs 14.5 us in two launches of 4096 (16 rows). Also not
+#   taken: moe_maxnreg (128, 0) (4 CTAs per SM, 32 spilled bytes) +1.6% at batch 16; moe_stages (4, 3) +0.5 / +0.2%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
           "skinny_all": True, "router_block_e": 32, "banded": "triton", "sliding_hoist": True, "skinny_stages": 6,
