@@ -396,15 +396,23 @@ def sweep_select(S=1, T=256, R=131072):
     print(f"  sweep select S={S} T={T} R={R}: " + "; ".join(res), flush=True)
 
 
-def sweep_indexer(T=256, R=131072):
+def sweep_indexer(T=256, R=131072, S=1):
     """Tiles of the indexer scores at a prefill query chunk (T queries of one request, 4 heads x 256, R regions: 1M
-    tokens at R = 131072); '=' when the scores' bits equal the defaults'. TFLOP/s of the bf16 dots."""
+    tokens at R = 131072), or a decode step (S requests of T = 1); '=' when the scores' bits equal the defaults'.
+    TFLOP/s of the bf16 dots."""
     g = torch.Generator(device=DEV).manual_seed(0)
-    q = torch.randn(1, T, 1, 4, 256, device=DEV, generator=g).bfloat16()
-    w = torch.randn(1, T, 1, 4, device=DEV, generator=g).bfloat16()
-    summ = K.to_e4m3(torch.randn(1, R, 256, device=DEV, generator=g))
+    q = torch.randn(S, T, 1, 4, 256, device=DEV, generator=g).bfloat16()
+    w = torch.randn(S, T, 1, 4, device=DEV, generator=g).bfloat16()
+    summ = K.to_e4m3(torch.randn(S, R, 256, device=DEV, generator=g))
     want = K.indexer_scores_triton(q, w, summ, 0.5)
-    flops = 2 * T * R * 4 * 256
+    flops = 2 * S * T * R * 4 * 256
+    if T == 1:  # decode: 16-row tiles (one real row), the region axis and warps swept
+        res = [choice(f"16x{br} w{nw} pc{pc}", lambda: K.indexer_scores_triton(
+            q, w, summ, 0.5, block_t=16, block_r=br, num_warps=nw, block_pc=pc), want, flops)
+            for br, nw, pc in ((64, 4, 256), (32, 4, 256), (128, 4, 256), (128, 8, 256), (256, 8, 256),
+                               (64, 2, 256), (64, 4, 128), (128, 4, 128), (128, 8, 64), (256, 8, 64))]
+        print(f"  sweep indexer scores decode S={S} R={R}: " + "; ".join(res), flush=True)
+        return
     res = []  # H200: 64x64 w4 414 us, 64x128 w4 248 (now the prefill default), 128x64 w8 410, 128x128 w8 338,
     # 64x256 w8 280, 256x64 w8 1206; all bit-equal
     # pc: the dot over P as chained 64-wide slices (whole-P tiles spill in the sm90 build; 64x128 w8 pc64 does not)
@@ -462,6 +470,8 @@ def sweep_moe_decode(T, E=44):
         kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku), swap=swap)
         res.append(choice(f"BN={bn} w{nw} st={st} k_unroll={ku}" + (" swap" if swap else ""), lambda: run(**kw),
                           want))
+    for tma in (False, True):  # the tuned tiles, weights (and x at T <= 16) by TMA or by pointers
+        res.append(choice(f"defaults tma={tma}", lambda: run(tma=tma), want))
     print(f"  sweep moe decode T={T}: " + "; ".join(res), flush=True)
 
 

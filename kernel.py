@@ -131,12 +131,25 @@ def _triton(x: torch.Tensor) -> bool:
 #   (a sorted-list merge as the combine: 5 barriers instead of 23) -0.0 / -0.1% at batch 1 / 16. Select chunks of
 #   8192 (one program for the bench's 4100 regions) 17.7 vs 14.5 us in two launches of 4096 (16 rows). Also not
 #   taken: moe_maxnreg (128, 0) (4 CTAs per SM, 32 spilled bytes) +1.6% at batch 16; moe_stages (4, 3) +0.5 / +0.2%.
+# moe_tma: (gate/up, down) the smallest T (up to 16) at which moe_experts_decode_triton's swapped FP8 tiles load their
+#   weights through TMA descriptors (gate/up: W1 and W3 as the two planes of one 3-D descriptor, their distance its
+#   stride; x, every token a row, in 16-row boxes) instead of a pointer per 16 bytes; the same bits. Eleventh session
+#   (2026-12-02, whole step against the defaults timed around it): at batch 16 TMA on both -3.6% (10.65 vs 11.03 ms),
+#   gate/up alone -2.6%, down alone -1.0%; at batch 1 both +2.8% (the T = 1 tiles are latency-bound chains, and the
+#   TMA loop waits on an mbarrier per K block), the down kernel alone -0.5% (in two runs). bench_kernels.py (44
+#   experts, routed + shared): T = 1 / 4 / 16 pointers 18.4 / 45.1 / 120.4 us, TMA 24.2 / 42.5 / 113.8 us.
+#   Measured and removed the same session: the T = 1 gate/up kernel in Gluon with asynchronous wgmma (four K blocks'
+#   MMAs issued into separate register tiles and waited for together, then scaled in K order: the same bits as the
+#   Triton tiles on the H200; the shared expert as bf16 wgmma accumulating over K): bench_kernels.py's T = 1 case
+#   24.5 us with the TMA copies issued by the math warps, 21.0-22.6 with a TMA warp (warp_specialize; 4 to 16 stages
+#   alike), against 18.4 us; whole step +15.5% / +16.1%. The serialised wgmma waits are not what bounds T = 1.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
           "skinny_all": True, "router_block_e": 32, "banded": "triton", "sliding_hoist": True, "skinny_stages": 6,
           "router_hoist": True, "skinny_parts": 4, "shared_parts": (8, 4),
           "skinny_tiles": ((32, 256), (16, 512)), "skinny_warps": 4,
-          "router_parts": 4, "moe_maxnreg": (168, 0)}
+          "router_parts": 4, "moe_maxnreg": (168, 0), "moe_tma": (2, 1),
+          "shared_down_t": (False, False)}
 
 
 def set_tuning(items) -> None:
@@ -1384,7 +1397,10 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
     out = torch.empty(S, G, T, R, dtype=torch.float32, device=q.device)
     BLOCK_T = block_t or (16 if T <= 16 else 64)
     # H200, 256 queries x 131072 regions (a 1M-token prefill chunk): 64 x 128 248 us, 64 x 64 414 us (best of 6)
-    BLOCK_R = block_r or (64 if T <= 16 and _GPU_LAUNCH else 128)
+    # decode (T <= 16): 64-region tiles, or 128 once those would be over two programs per SM (an inferred bound):
+    # H200, 16 requests x 4100 regions 20.0 -> 14.8 us (1 request x 516: 4.9 at 64, 5.6 at 128); same bits
+    many = S * G * triton.cdiv(R, 64) > 2 * _sms()
+    BLOCK_R = block_r or ((128 if many else 64) if T <= 16 and _GPU_LAUNCH else 128)
     if out.numel():
         grid = (S * G, triton.cdiv(T, BLOCK_T), triton.cdiv(R, BLOCK_R))
         _indexer_scores_kernel[grid](q, w, summ, out, T, G, R, P, float(w_scale), q.stride(0), q.stride(1),
@@ -2481,13 +2497,16 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
 @triton.jit
 def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_ptr, sw3_ptr, c0, N, K, kb0, kb1,
                    XQ: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr, w_desc=None, w_row0=0, x_desc=None,
+                   W_TMA: tl.constexpr = False, X_TMA: tl.constexpr = False):
     """_decode_tile's FP8 path (columns c0 .. c0+BLOCK_N-1) with the MMA's operands swapped: the weight rows are its
     M side, [R, 128] per K block with R = BLOCK_N, or 2 * BLOCK_N when GATED (these columns' gate rows, then their up
     rows), and the few token rows its N side. At R = 64 that is one fp8 wgmma (sm90) with both operands in shared
     memory, where the plain tile (16 token rows as M) is an mma.sync whose e4m3 operands are first converted to f16 in
     registers. Same products and the same per-block scaling; the order inside a block's dot is the MMA's, as in
-    _grouped_gemm_kernel. Returns (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED)."""
+    _grouped_gemm_kernel. Returns (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED).
+    W_TMA: the weight block is one box of w_desc ([2 or 1, rows, K]: the two planes are W and W3) at row w_row0;
+    rows past N are the next expert's (stored nowhere). X_TMA: x_desc's box at row 0 (zeros past the last token)."""
     R: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     r = tl.arange(0, R)
     w_rows = c0 + r % BLOCK_N  # [R] weight row (output column) of each MMA row
@@ -2500,12 +2519,18 @@ def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_pt
             kb = kb_u + u_
             ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
-            a = tl.load(x_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if X_TMA:
+                a = x_desc.load([0, kb * BLOCK_K])
+            else:
+                a = tl.load(x_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if XQ:
                 sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
             else:
                 a, sa = _quant_rows(a.to(tl.float32))
-            b = tl.load(w_base + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+            if W_TMA:
+                b = tl.reshape(w_desc.load([0, w_row0, kb * BLOCK_K]), (R, BLOCK_K))
+            else:
+                b = tl.load(w_base + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
             # the row's own pointer, one load: a select of two loads compiled into a load and a predicated reload
             # of the same register, whose write-after-write wait added a memory round trip per iteration (sm90 SASS)
             sw = tl.load(tl.where(r < BLOCK_N, sw_ptr, sw3_ptr) + kb)  # [R]
@@ -2515,6 +2540,29 @@ def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_pt
         return tl.trans(g), tl.trans(u)
     else:
         return tl.trans(acc), tl.trans(acc)
+
+
+@triton.jit
+def _swiglu_tile_t(gu_ptr, tok, tok_ok, u_off, K, w_ptr, cols, col_ok, limit, HAS_LIMIT: tl.constexpr,
+                   PRECISE: tl.constexpr, ZERO_GUARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """_decode_tile's X_SWIGLU bf16 tile with the MMA's operands swapped: acc [BLOCK_M, BLOCK_N] fp32 =
+    swiglu(G[tok], U[tok]) . W[cols]^T over K, G at gu_ptr ([*, K] rows), U u_off further; the weight rows are the
+    MMA's M side (a bf16 wgmma at >= 64 rows, both operands in shared memory, accumulating over K in the MMA), where
+    the plain tile holds W's block in registers for an mma.sync. Other order inside the sums: within tolerance."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    g_base = gu_ptr + tok.to(tl.int64)[:, None] * K
+    w_base = w_ptr + cols.to(tl.int64)[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x_ok = tok_ok[:, None] & k_ok[None, :]
+        g = tl.load(g_base + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
+        u = tl.load(g_base + u_off + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
+        a = _swiglu_math(g, u, limit, HAS_LIMIT, PRECISE, ZERO_GUARD).to(DOT_DTYPE)
+        b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(b.to(tl.float32).to(DOT_DTYPE), tl.trans(a), acc)
+    return tl.trans(acc)
 
 
 @triton.jit
@@ -2542,14 +2590,34 @@ def _decode_rows(hit, before, m0, BLOCK_M: tl.constexpr, BLOCK_TK: tl.constexpr)
 
 
 @triton.jit
+def _token_slots(ids_ptr, T, e, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, TOPK_P2: tl.constexpr):
+    """Token rows 0..BLOCK_M-1 -> (the slot t*TOPK + j routed to (global) expert e, whether there is one: a token's
+    k experts are distinct)."""
+    t = tl.arange(0, BLOCK_M)[:, None]
+    j = tl.arange(0, TOPK_P2)[None, :]
+    s = t * TOPK + j
+    hit = (t < T) & (j < TOPK) & (tl.load(ids_ptr + s, mask=(t < T) & (j < TOPK), other=-1) == e)
+    return tl.sum(tl.where(hit, s, 0), axis=1), tl.sum(hit.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr,
+                 ZERO_GUARD: tl.constexpr):
+    """a[slot, cols] = swiglu(bf(g), bf(up)) as bf16 for the rows that exist (MLP's rounding points)."""
+    y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
+    tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _moe_decode_up_kernel(
-    x_ptr, sx_ptr, xb_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, a_ptr, wg_ptr, wu_ptr, gu_ptr,
+    x_ptr, sx_ptr, xb_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, a_ptr, wg_ptr, wu_ptr, gu_ptr, w_desc, x_desc,
     T, D, F, FS, E, first_expert, limit, w_stride_e, sw_stride_e, sw_stride_n,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
     K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
-    SHARED_PARTS: tl.constexpr,
+    SHARED_PARTS: tl.constexpr, TMA: tl.constexpr, UP_FIRST: tl.constexpr, TOPK_P2: tl.constexpr,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
     slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]).
@@ -2581,31 +2649,43 @@ def _moe_decode_up_kernel(
         if found & (pid_n < tl.cdiv(F, BLOCK_N)):
             e64 = e.to(tl.int64)
             sw_off = e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n  # BLOCK_N divides 128
-            for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
-                slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
-                if SWAP and FP8:
-                    g, up = _decode_tile_t(x_ptr, sx_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
-                                           w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off,
-                                           pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), True, True, BLOCK_M,
-                                           BLOCK_N, BLOCK_K, K_UNROLL)
-                else:
-                    g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
-                                         w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok,
-                                         D, limit, 0, tl.cdiv(D, BLOCK_K), FP8, FP8, True, False, False, BLOCK_M,
-                                         BLOCK_N, BLOCK_K, DOT_DTYPE, PRECISE, K_UNROLL)
-                y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
-                tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16),
-                         mask=row_ok[:, None] & col_ok[None, :])
+            if TMA:  # T <= BLOCK_M: every token a row of the tile (x by TMA); the rows routed to e are stored
+                tok = tl.arange(0, BLOCK_M)
+                slot, row_ok = _token_slots(ids_ptr, T, e + first_expert, TOPK, BLOCK_M, TOPK_P2)
+                s_first, s_second = s1_ptr + sw_off, s3_ptr + sw_off
+                if UP_FIRST:  # the descriptor's first plane is W3 (the lower address)
+                    s_first, s_second = s_second, s_first
+                g, up = _decode_tile_t(x_ptr, sx_ptr, tok, tok < T, D, w1_ptr, w3_ptr, s_first, s_second,
+                                       pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), True, True, BLOCK_M, BLOCK_N,
+                                       BLOCK_K, K_UNROLL, w_desc, e * F + pid_n * BLOCK_N, x_desc, True, True)
+                if UP_FIRST:
+                    g, up = up, g
+                _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
+            else:
+                for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
+                    slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
+                    if SWAP and FP8:
+                        g, up = _decode_tile_t(x_ptr, sx_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
+                                               w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off,
+                                               pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), True, True, BLOCK_M,
+                                               BLOCK_N, BLOCK_K, K_UNROLL)
+                    else:
+                        g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
+                                             w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok,
+                                             D, limit, 0, tl.cdiv(D, BLOCK_K), FP8, FP8, True, False, False, BLOCK_M,
+                                             BLOCK_N, BLOCK_K, DOT_DTYPE, PRECISE, K_UNROLL)
+                    _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
 
 
 @triton.jit
 def _moe_decode_down_kernel(
-    a_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, gu_ptr, wd_ptr, ys_ptr,
+    a_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, gu_ptr, wd_ptr, ys_ptr, w_desc,
     T, D, F, FS, E, first_expert, limit, limit_s, w_stride_e, sw_stride_e, sw_stride_n,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
+    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
+    SHARED_T: tl.constexpr,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
     load (FP8).
@@ -2620,9 +2700,13 @@ def _moe_decode_down_kernel(
         _pdl_enter(PDL)
         for m0 in range(0, T, BLOCK_M):
             tok = m0 + tl.arange(0, BLOCK_M)
-            acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr, cols,
-                                  col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), False, False, False, True,
-                                  HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, PRECISE, 1, ZERO_GUARD)
+            if SHARED_T:
+                acc = _swiglu_tile_t(gu_ptr, tok, tok < T, T * FS, FS, wd_ptr, cols, col_ok, limit_s, HAS_LIMIT_S,
+                                     PRECISE, ZERO_GUARD, BLOCK_M, BLOCK_N, 64, DOT_DTYPE)
+            else:
+                acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr,
+                                      cols, col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), False, False, False, True,
+                                      HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, PRECISE, 1, ZERO_GUARD)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -2636,7 +2720,8 @@ def _moe_decode_down_kernel(
                 if SWAP and FP8:
                     acc, _ = _decode_tile_t(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw,
                                             sw, pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), False, False,
-                                            BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL)
+                                            BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL, w_desc, e * D + pid_n * BLOCK_N,
+                                            None, TMA)
                 else:
                     acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr,
                                           sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), FP8,
@@ -2687,8 +2772,25 @@ def _x_quant(x, xq):
     return q, sx
 
 
+def _decode_descs(xq, w1, w3, w2, bn):
+    """TMA descriptors of the decode expert tiles, or Nones where TMA cannot address the weights: (gate/up weights
+    as one [2, E*F, D] tensor, its first plane the lower of W1 and W3, whose distance is the plane stride (any two
+    tensors: TMA reads only the boxes' rows); x [T, D] in 16-row boxes; W2 as [1, E*D, F]) and whether W3 is the
+    first plane."""
+    E, F, D = w1.shape
+    lo, hi = (w1, w3) if w1.data_ptr() <= w3.data_ptr() else (w3, w1)
+    gap = hi.data_ptr() - lo.data_ptr()  # bytes: e4m3
+    if not (all(t.is_contiguous() for t in (w1, w3, w2, xq)) and all(t.data_ptr() % 16 == 0 for t in (lo, xq, w2))
+            and 0 < gap < 2 ** 40 and gap % 16 == 0 and D % 16 == 0 and F % 16 == 0):
+        return (None, None, None), False
+    return (TensorDescriptor(lo, [2, E * F, D], [gap, D, 1], [2, bn[0], QBLOCK]),
+            TensorDescriptor.from_tensor(xq, [16, QBLOCK]),
+            TensorDescriptor(w2, [1, E * D, F], [E * D * F, F, 1], [1, bn[1], QBLOCK])), lo is w3
+
+
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=None, xq=None):
+                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=None, xq=None,
+                              tma=None):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
     0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
@@ -2702,7 +2804,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up (same bits).
     swap (FP8 experts; default TUNING["moe_swap"]): the routed tiles through
     _decode_tile_t, the weight rows as the MMA's M side (fp8 wgmma at 64 rows: gate/up tiles of 32 columns, down
-    tiles of 64), within tolerance.
+    tiles of 64), within tolerance. tma (swapped tiles, T <= 16; default TUNING["moe_tma"]): their weights (and the
+    gate/up's x, all tokens as rows) through TMA descriptors (_decode_descs); the same bits.
     (Measured on the H200 and removed: a split-K gate/up, 2-8 programs per tile with fp32 partials, 2-4x slower at T=1
     and T=16, and again on the swapped tiles (2 / 4 programs per tile, the partials added with SwiGLU on the down
     kernel's load) on 2026-12-01: whole step 7.19 -> 9.65 / 10.63 ms; each block's dot on the CUDA cores instead of
@@ -2747,18 +2850,25 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
                   DOT_DTYPE=_DOT, PRECISE=_PRECISE)
     grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
     xqt, sxt = _x_quant(x, xq) if fp8 else (x, dummy)
+    first_t = TUNING["moe_tma"] if tma is None else ((1, 1) if tma else (17, 17))
+    tma = [fp8 and bool(swap) and t0 <= T <= 16 for t0 in first_t]
+    descs, up_first = (None, None, None), False
+    if any(tma):
+        descs, up_first = _decode_descs(xqt, w1, w3, w2, bn)
+        tma = [t and descs[0] is not None for t in tma]
     _moe_decode_up_kernel[grid1](
-        xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu,
+        xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu, descs[0], descs[1],
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
         s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, K_UNROLL=ku[0],
-        BLOCK_N=bn[0], SHARED_PARTS=TUNING["shared_parts"][T > 1], num_warps=nw[0], num_stages=ns[0], **common,
-        **regs[0], **_pdl())
+        BLOCK_N=bn[0], SHARED_PARTS=TUNING["shared_parts"][T > 1], TMA=tma[0], UP_FIRST=up_first,
+        TOPK_P2=triton.next_power_of_2(k), num_warps=nw[0], num_stages=ns[0], **common, **regs[0], **_pdl())
     _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
-        a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys,
+        a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys, descs[2],
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
         float(limit_s) if limit_s is not None else 0.0, w2.stride(0), s2.stride(0) if fp8 else 0,
         s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None, K_UNROLL=ku[1],
-        BLOCK_N=bn[1], num_warps=nw[1], num_stages=ns[1], **common, **regs[1], **_pdl())
+        BLOCK_N=bn[1], TMA=tma[1], SHARED_T=TUNING["shared_down_t"][T > 1], num_warps=nw[1], num_stages=ns[1],
+        **common, **regs[1], **_pdl())
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
     _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, ids, weights, ys, out, D, E, int(first_expert),
                                                              TOPK=k, SHARED=sh, BLOCK_D=BLOCK_D, num_warps=4,

@@ -205,7 +205,7 @@ def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
     (3, 2, 4, 4, True, None),    # no clamp anywhere
     (17, 2, 3, 3, 5.0, 7.0),     # 17 rows on one expert: two 16-row chunks (routed and shared)
 ])
-def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
+def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit, monkeypatch):
     """The sort-free decode path, and the sorted path with the same arguments, against moe_experts_ref."""
     args, sh = _moe_decode_case(T, k, E, first, fp8, shared, seed=T + 3 * k)
     ref = K.moe_experts_ref(*args, limit, first, sh)
@@ -226,6 +226,19 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
         out = K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=ku, swap=True)
         d = report(f"moe decode swap fp8={fp8} k_unroll={ku}", out, ref)
         assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
+    if fp8:  # TMA tiles (T <= 16; every token a row): the same bits as pointer tiles, also with W3 below W1
+        x, ids, wts, w1, w3, w2, s1, s3, s2 = args
+        pair = torch.stack([w3, w1])  # W3 at the lower address: the descriptor's first plane
+        for g, u in ((w1, w3), (pair[1], pair[0])):
+            run = lambda tma: K.moe_experts_decode_triton(  # noqa: E731
+                x, ids, wts, g, u, w2, s1, s3, s2, limit, first, sh, swap=True, tma=tma)
+            assert torch.equal(run(True), run(False))
+    # the shared expert's down tile with wd's rows as the MMA's M side (shared_down_t): the same products and sums
+    # under the interpreter, another order on a GPU (bf16 wgmma)
+    monkeypatch.setitem(K.TUNING, "shared_down_t", tuple(not v for v in K.TUNING["shared_down_t"]))
+    out = K.moe_experts_decode_triton(*args, limit, first, sh)
+    d = report(f"moe decode shared_down_t fp8={fp8}", out, ref)
+    assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
 
 
 def test_moe_decode_local_ids():
@@ -867,6 +880,11 @@ def test_gpu_moe_decode_real_shape(T, monkeypatch):
     # a register cap (T > 1) changes no arithmetic
     monkeypatch.setitem(K.TUNING, "moe_maxnreg", (0, 0) if K.TUNING["moe_maxnreg"] != (0, 0) else (168, 168))
     assert torch.equal(K.moe_experts_decode_triton(*args), out)
+    # the shared expert's down tile swapped or not (another order inside its sums) and TMA tiles or pointers (same bits)
+    monkeypatch.setitem(K.TUNING, "shared_down_t", tuple(not v for v in K.TUNING["shared_down_t"]))
+    d = report(f"GPU moe decode shared_down_t flipped T={T}", K.moe_experts_decode_triton(*args), ref)
+    assert d.max() <= 2e-2 * ref.float().abs().max()
+    assert torch.equal(K.moe_experts_decode_triton(*args, tma=True), K.moe_experts_decode_triton(*args, tma=False))
 
 
 @gpu
