@@ -2779,19 +2779,21 @@ def _x_quant(x, xq):
 
 
 def _decode_descs(xq, w1, w3, w2, bn):
-    """TMA descriptors of the decode expert tiles, or Nones where TMA cannot address the weights: (gate/up weights
-    as one [2, E*F, D] tensor, its first plane the lower of W1 and W3, whose distance is the plane stride (any two
+    """TMA descriptors of the decode expert tiles, each None where TMA cannot address its tensors: (gate/up weights as
+    one [2, E*F, D] tensor, its first plane the lower of W1 and W3, whose distance is the plane stride (any two
     tensors: TMA reads only the boxes' rows); x [T, D] in 16-row boxes; W2 as [1, E*D, F]) and whether W3 is the
     first plane."""
     E, F, D = w1.shape
     lo, hi = (w1, w3) if w1.data_ptr() <= w3.data_ptr() else (w3, w1)
     gap = hi.data_ptr() - lo.data_ptr()  # bytes: e4m3
-    if not (all(t.is_contiguous() for t in (w1, w3, w2, xq)) and all(t.data_ptr() % 16 == 0 for t in (lo, xq, w2))
-            and 0 < gap < 2 ** 40 and gap % 16 == 0 and D % 16 == 0 and F % 16 == 0):
-        return (None, None, None), False
-    return (TensorDescriptor(lo, [2, E * F, D], [gap, D, 1], [2, bn[0], QBLOCK]),
-            TensorDescriptor.from_tensor(xq, [16, QBLOCK]),
-            TensorDescriptor(w2, [1, E * D, F], [E * D * F, F, 1], [1, bn[1], QBLOCK])), lo is w3
+    fits = lambda *ts: all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ts)  # noqa: E731
+    gu = x = down = None
+    if fits(lo, hi, xq) and 0 < gap < 2 ** 40 and gap % 16 == 0 and D % 16 == 0:
+        gu = TensorDescriptor(lo, [2, E * F, D], [gap, D, 1], [2, bn[0], QBLOCK])
+        x = TensorDescriptor.from_tensor(xq, [16, QBLOCK])
+    if fits(w2) and F % 16 == 0:
+        down = TensorDescriptor(w2, [1, E * D, F], [E * D * F, F, 1], [1, bn[1], QBLOCK])
+    return (gu, x, down), lo is w3
 
 
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
@@ -2861,7 +2863,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     descs, up_first = (None, None, None), False
     if any(tma):
         descs, up_first = _decode_descs(xqt, w1, w3, w2, bn)
-        tma = [t and descs[0] is not None for t in tma]
+        tma = [tma[0] and descs[0] is not None, tma[1] and descs[2] is not None]
     _moe_decode_up_kernel[grid1](
         xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu, descs[0], descs[1],
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
