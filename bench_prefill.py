@@ -104,8 +104,9 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
     h = kernel.rms_norm(res[:C], block.input_layernorm.weight, cfg.rms_norm_eps, torch.bfloat16)  # [C, D]
     summ = lc.summ[:1, :N // blk].view(kernel.FP8)  # [1, R, P] every region completed by the chunk's end
 
-    def indexer():  # projections, norm + RoPE, and the summaries of the chunk's C/blk regions
-        qi, ki, zi, wi = a._indexer(a.project(h)[4:], pos, rope["indexer"])
+    def indexer():  # projections, norm + RoPE (the main q and k's too: one launch), the chunk's C/blk summaries
+        p = a.project(h)
+        qi, ki, zi, wi = a._norm_rope(*p[:2], p[4:], pos, rope)[2]
         # z is a column slice of the packed projection; the model's prefill joins it to the pending rows (a copy)
         kernel.region_summary(ki.view(-1, blk, sp.proxy_dim), zi.contiguous().view(-1, blk, sp.proxy_dim))
         return qi, wi

@@ -154,7 +154,7 @@ TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_
           "router_hoist": True, "skinny_parts": 4, "shared_parts": (8, 4),
           "skinny_tiles": ((32, 256), (16, 512)), "skinny_warps": 4,
           "router_parts": 4, "moe_maxnreg": (168, 0), "moe_tma": (2, 1),
-          "shared_down_t": (True, True)}
+          "shared_down_t": (True, True), "norm_rope_jobs": True}
 
 
 def set_tuning(items) -> None:
@@ -340,7 +340,46 @@ def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R
                       D: tl.constexpr, HALF: tl.constexpr, LAYERNORM: tl.constexpr, GATHER: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
                       BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
-    """BLOCK_R head rows (token t = row // NH) per program: norm, round to bf16, NEOX-rotate the first 2*HALF dims.
+    _norm_rope_rows(tl.program_id(0), x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, ROWS, NH, stride_xt,
+                    eps, D, HALF, LAYERNORM, GATHER, BLOCK_R, BLOCK_D, BLOCK_HALF, BLOCK_REST, PDL)
+
+
+@triton.jit
+def _norm_rope_jobs_kernel(pos_ptr, eps, e0, e1, e2,
+                           x0, w0, b0, c0, s0, o0, rows0, nh0, sx0, x1, w1, b1, c1, s1, o1, rows1, nh1, sx1,
+                           x2, w2, b2, c2, s2, o2, rows2, nh2, sx2, x3, w3, b3, c3, s3, o3, rows3, nh3, sx3,
+                           D0: tl.constexpr, H0: tl.constexpr, L0: tl.constexpr, BD0: tl.constexpr,
+                           BH0: tl.constexpr, BR0: tl.constexpr, D1: tl.constexpr, H1: tl.constexpr,
+                           L1: tl.constexpr, BD1: tl.constexpr, BH1: tl.constexpr, BR1: tl.constexpr,
+                           D2: tl.constexpr, H2: tl.constexpr, L2: tl.constexpr, BD2: tl.constexpr,
+                           BH2: tl.constexpr, BR2: tl.constexpr, D3: tl.constexpr, H3: tl.constexpr,
+                           L3: tl.constexpr, BD3: tl.constexpr, BH3: tl.constexpr, BR3: tl.constexpr,
+                           JOBS: tl.constexpr, GATHER: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """Up to 4 norm_rope problems in one launch (norm_rope_jobs): job i takes programs e(i-1) .. e(i)-1, with
+    _norm_rope_kernel's arithmetic and its own shapes (D, HALF, LAYERNORM, BLOCK_D, BLOCK_HALF, BLOCK_REST)."""
+    pid = tl.program_id(0)
+    if pid < e0:
+        _norm_rope_rows(pid, x0, w0, b0, c0, s0, pos_ptr, o0, rows0, nh0, sx0, eps, D0, H0, L0, GATHER, BLOCK_R,
+                        BD0, BH0, BR0, PDL)
+    elif JOBS > 1:
+        if pid < e1:
+            _norm_rope_rows(pid - e0, x1, w1, b1, c1, s1, pos_ptr, o1, rows1, nh1, sx1, eps, D1, H1, L1, GATHER,
+                            BLOCK_R, BD1, BH1, BR1, PDL)
+        elif JOBS > 2:
+            if pid < e2:
+                _norm_rope_rows(pid - e1, x2, w2, b2, c2, s2, pos_ptr, o2, rows2, nh2, sx2, eps, D2, H2, L2, GATHER,
+                                BLOCK_R, BD2, BH2, BR2, PDL)
+            elif JOBS > 3:
+                _norm_rope_rows(pid - e2, x3, w3, b3, c3, s3, pos_ptr, o3, rows3, nh3, sx3, eps, D3, H3, L3,
+                                GATHER, BLOCK_R, BD3, BH3, BR3, PDL)
+
+
+@triton.jit
+def _norm_rope_rows(pid, x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, ROWS, NH, stride_xt, eps,
+                    D: tl.constexpr, HALF: tl.constexpr, LAYERNORM: tl.constexpr, GATHER: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                    BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
+    """BLOCK_R head rows (token t = row // NH) of program pid: norm, round to bf16, NEOX-rotate the first 2*HALF dims.
 
     RMS: n = bf((x * r) * (w + 1)), r = 1/sqrt(mean(x^2) + eps); LayerNorm: n = bf(((x - mu) * r) * w + b),
     r = 1/sqrt(E[x^2] - mu^2 + eps). Rotation on the bf16 values a = n[j], b = n[j + HALF]:
@@ -350,7 +389,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R
     The weights, bias, positions and table rows are read before the PDL wait: the positions are written before any
     layer's kernels (by torch ops, which trigger no early launch), never by the predecessor, which writes x.
     """
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < ROWS
     tok = rows // NH
     j = tl.arange(0, BLOCK_HALF)
@@ -415,7 +454,8 @@ def _norm_slice(x_ptr, base, cols, r_ok, D: tl.constexpr, mu, r, wb, LAYERNORM: 
     return _bf16_round(n)
 
 
-def norm_rope_triton(x, weight, cos, sin, eps, bias=None, pos=None):
+def _norm_rope_launch(x, weight, cos, sin, bias, pos):
+    """norm_rope_triton's checks -> (out, its job's arguments, its shapes' constexprs)."""
     _check_tensor("x", x, torch.bfloat16, ndim=3, contiguous=False)
     T, NH, D = x.shape
     _check(x.stride(2) == 1 and x.stride(1) == D, lambda: f"x must have contiguous heads (strides {x.stride()})")
@@ -434,16 +474,54 @@ def norm_rope_triton(x, weight, cos, sin, eps, bias=None, pos=None):
            lambda: f"cos/sin must be [T={T} (or the whole table with pos), half <= {D // 2}], got {tuple(cos.shape)}, "
            f"{tuple(sin.shape)}")
     out = torch.empty((T, NH, D), dtype=x.dtype, device=x.device)
-    rows = T * NH
-    BLOCK_R = 16
+    args = (x, weight, bias if bias is not None else weight, cos, sin, out, T * NH, NH, x.stride(0))
+    shapes = (D, half, bias is not None, triton.next_power_of_2(D), triton.next_power_of_2(max(half, 1)),
+              triton.next_power_of_2(D - 2 * half) if D > 2 * half else 0)
+    return out, args, shapes
+
+
+_NORM_ROPE_ROWS = 16  # head rows per program
+
+
+def norm_rope_triton(x, weight, cos, sin, eps, bias=None, pos=None):
+    out, (x, w, b, cos, sin, out, rows, NH, sx), sh = _norm_rope_launch(x, weight, cos, sin, bias, pos)
     if rows:
-        _norm_rope_kernel[(triton.cdiv(rows, BLOCK_R),)](
-            x, weight, bias if bias is not None else weight, cos, sin, pos if pos is not None else out, out, rows, NH,
-            x.stride(0), float(eps), D=D, HALF=half, LAYERNORM=bias is not None, GATHER=pos is not None,
-            BLOCK_R=BLOCK_R, BLOCK_D=triton.next_power_of_2(D),
-            BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
-            BLOCK_REST=triton.next_power_of_2(D - 2 * half) if D > 2 * half else 0, num_warps=4, **_NO_FMA, **_pdl())
+        _norm_rope_kernel[(triton.cdiv(rows, _NORM_ROPE_ROWS),)](
+            x, w, b, cos, sin, pos if pos is not None else out, out, rows, NH, sx, float(eps), D=sh[0], HALF=sh[1],
+            LAYERNORM=sh[2], GATHER=pos is not None, BLOCK_R=_NORM_ROPE_ROWS, BLOCK_D=sh[3], BLOCK_HALF=sh[4],
+            BLOCK_REST=sh[5], num_warps=4, **_NO_FMA, **_pdl())
     return out
+
+
+def norm_rope_jobs_triton(jobs, eps, pos):
+    """norm_rope_jobs in one launch (_norm_rope_jobs_kernel)."""
+    _check(1 <= len(jobs) <= 4, lambda: f"norm_rope_jobs takes 1 to 4 jobs, got {len(jobs)}")
+    _check_tensor("pos", pos, torch.int64, ndim=1)
+    launches = [_norm_rope_launch(x, w, c, s_, b, pos) for x, w, c, s_, b in jobs]
+    ends, args, shapes = [], [], []
+    for _, a, sh in launches:
+        ends.append((ends[-1] if ends else 0) + triton.cdiv(a[6], _NORM_ROPE_ROWS))
+        args += a
+        shapes += sh
+    pad = 4 - len(jobs)  # unused slots: the first job's arguments, no programs
+    args += launches[0][1] * pad
+    shapes += launches[0][2] * pad
+    ends += [ends[-1]] * pad
+    const = {f"{k}{i}": v for i in range(4) for k, v in zip(("D", "H", "L", "BD", "BH", "BR"), shapes[6 * i:6 * i + 6])}
+    if ends[-1]:
+        _norm_rope_jobs_kernel[(ends[-1],)](pos, float(eps), *ends[:3], *args, **const, JOBS=len(jobs), GATHER=True,
+                                            BLOCK_R=_NORM_ROPE_ROWS, num_warps=4, **_NO_FMA, **_pdl())
+    return [out for out, _, _ in launches]
+
+
+def norm_rope_jobs(jobs, eps, pos):
+    """[norm_rope(x, weight, cos, sin, eps, bias, pos) for (x, weight, cos, sin, bias) in jobs] (1 to 4 of them, all
+    at the positions pos): one launch on the Triton path (a DSA layer's q, k, indexer q and indexer k: four launches
+    of ~2 us each in the decode step before), unless TUNING["norm_rope_jobs"] is off."""
+    _check(1 <= len(jobs) <= 4, lambda: f"norm_rope_jobs takes 1 to 4 jobs, got {len(jobs)}")
+    if _triton(jobs[0][0]) and TUNING["norm_rope_jobs"]:
+        return norm_rope_jobs_triton(jobs, eps, pos)
+    return [norm_rope(x, w, c, s_, eps, b, pos) for x, w, c, s_, b in jobs]
 
 
 def norm_rope(x, weight, cos, sin, eps, bias=None, pos=None):
@@ -852,11 +930,35 @@ def _gate_bf16(logit, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _split_sum(x, C: tl.constexpr, S: tl.constexpr):
+    """x [C, S] -> [C]: the sum over the splits' axis (S a power of 2) in one fixed order, adjacent pairs first,
+    ((x0 + x1) + (x2 + x3)) + ..., whatever the layout."""
+    for i in tl.static_range(S.bit_length() - 1):
+        lo, hi = tl.split(tl.reshape(x, (C, S >> (i + 1), 2)))
+        x = lo + hi
+    return tl.reshape(x, (C,))
+
+
+@triton.jit
+def _lse_merge(po, m, l, C: tl.constexpr, S: tl.constexpr, PRECISE: tl.constexpr):
+    """The log-sum-exp merge of a head's S splits (both decode attentions' merge kernels): po [C, S] (C of the head's
+    dims: each split's unnormalised fp32 output), m, l [S] (its running max and sum of exps) -> [C] bf16 values
+    o = bf(sum c po / sum c l) (SDPA's bf16 result), c = exp(m - max m) (0 for an empty split; a head without keys
+    gives 0). Twelfth session (whole step, H200, against the defaults timed around it): -0.5% at batch 1 and -0.7%
+    at batch 16 vs the [S, C] tile summed by tl.sum over S, with tl.exp in the sparse merge (its order was the
+    layout's; this one depends on S alone)."""
+    c = tl.where(m == float("-inf"), 0.0, _exp(m - tl.max(m, axis=0), PRECISE))
+    num = _split_sum(po * c[None, :], C, S)
+    den = _split_sum((l * c)[None, :], 1, S)
+    return _bf16_round(tl.math.div_rn(num, tl.full(num.shape, 1.0, tl.float32) * tl.maximum(den, 1e-30)))
+
+
+@triton.jit
 def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
                           HG: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_D: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
-    """Log-sum-exp merge of one (row, head)'s splits, c_i = exp(m_i - max m): o = bf(sum c_i acc_i / sum c_i l_i)
-    (SDPA's bf16 result), then the gate: out = bf(o * bf(1 / (1 + exp(-logit)))) (torch.sigmoid, then mul)."""
+    """One (row, head)'s attention output: _lse_merge of its splits, then the gate: out = bf(o * bf(1 / (1 +
+    exp(-logit)))) (torch.sigmoid, then mul)."""
     _pdl_enter(PDL)
     row = tl.program_id(0)  # t * G + g
     h = tl.program_id(1)
@@ -867,15 +969,13 @@ def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
     part = (row * SPLITS + sp).to(tl.int64)
     m = tl.load(pml_ptr + (part * 2) * HG + h, mask=sp_ok, other=float("-inf"))
     l = tl.load(pml_ptr + (part * 2 + 1) * HG + h, mask=sp_ok, other=0.0)
-    c = tl.where(m == float("-inf"), 0.0, _exp(m - tl.max(m, axis=0), PRECISE))
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
-    po = tl.load(po_ptr + (part[:, None] * HG + h) * D + dims[None, :], mask=sp_ok[:, None] & d_ok[None, :],
-                 other=0.0)
-    num = tl.sum(po * c[:, None], axis=0)
-    o = _bf16_round(tl.math.div_rn(num, tl.full(num.shape, 1.0, tl.float32) * tl.sum(l * c, axis=0)))
     logit = tl.load(qkvg_ptr + t.to(tl.int64) * stride_t + (G * HG + 2 * G) * D + head).to(tl.float32)
     gate = _gate_bf16(logit, PRECISE)
+    po = tl.load(po_ptr + (part[None, :] * HG + h) * D + dims[:, None], mask=d_ok[:, None] & sp_ok[None, :],
+                 other=0.0)  # [BLOCK_D, BLOCK_S]
+    o = _lse_merge(po, m, l, BLOCK_D, BLOCK_S, PRECISE)
     tl.store(out_ptr + t.to(tl.int64) * (G * HG * D) + head * D + dims, _bf16_round(o * gate).to(tl.bfloat16),
              mask=d_ok)
 
@@ -1730,15 +1830,11 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, gate_ptr, T, G, HG,
     part = (row * SPLITS + sp).to(tl.int64)
     m = tl.load(pml_ptr + (part * 2) * BLOCK_H + h, mask=sp_ok, other=float("-inf"))
     l = tl.load(pml_ptr + (part * 2 + 1) * BLOCK_H + h, mask=sp_ok, other=0.0)
-    mx = tl.max(m, axis=0)
-    c = tl.where(m == float("-inf"), 0.0, tl.exp(m - mx))
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < HEAD_DIM
-    po = tl.load(po_ptr + (part[:, None] * BLOCK_H + h) * HEAD_DIM + dims[None, :],
-                 mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
-    num = tl.sum(po * c[:, None], axis=0)
-    den = tl.sum(l * c, axis=0)
-    o = _bf16_round(tl.math.div_rn(num, tl.full(num.shape, 1.0, tl.float32) * tl.maximum(den, 1e-30)))
+    po = tl.load(po_ptr + (part[None, :] * BLOCK_H + h) * HEAD_DIM + dims[:, None],
+                 mask=d_ok[:, None] & sp_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_S]
+    o = _lse_merge(po, m, l, BLOCK_D, BLOCK_S, PRECISE)
     if GATE:
         o = _bf16_round(o * _gate_bf16(logit, PRECISE))
     tl.store(out_ptr + s * q_stride_s + t * q_stride_t + g * q_stride_g + h * q_stride_h + dims,

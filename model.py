@@ -347,12 +347,10 @@ class Attention(nn.Module):
                                       self.k_norm.weight, *rope["main"], eps, self.scale, self.cfg.sliding_window, H, G)
             return linear(o, self.o_proj.weight)  # this rank's bf16 partial: Block reduces it
         q, k, v, g, *idx = self.project(h)
-        cos, sin = rope["main"]  # whole tables: the kernels read row pos[t]
-        q = kernel.norm_rope(q.view(T, H, hd), self.q_norm.weight, cos, sin, eps, pos=pos)
-        k = kernel.norm_rope(k.view(T, G, hd), self.k_norm.weight, cos, sin, eps, pos=pos)
+        q, k, idx = self._norm_rope(q, k, idx, pos, rope)
         v = v.view(T, G, hd)
         if self.dsa:  # the output gate applied by the sparse attention's merge
-            o = self._dsa(idx, q, k, v, g, pos, rope["indexer"], spans, cache, req)
+            o = self._dsa(idx, q, k, v, g, pos, spans, cache, req)
         else:
             o = self._sliding_prefill(q, k, v, spans, cache)
             o = kernel.gate_heads(o, g)
@@ -379,24 +377,33 @@ class Attention(nn.Module):
                 cache.v[b, :, r0:r0 + ln] = vb[:, m + n - L + o:m + n - L + o + ln]
         return out
 
-    # ---- DSA
-    def _indexer(self, idx, pos, rope):
-        """Indexer projections (column slices of the packed GEMM) -> q [T, G, Hg, P] and k [T, P] normalised +
-        rotated (bf16), z [T, P] and w [T, G, Hg] raw (bf16; indexer_scores applies w's 1/sqrt(Hg) in fp32)."""
-        qi, ki, zi, wi = idx
-        T, P, eps = pos.shape[0], self.cfg.sparse.proxy_dim, self.cfg.rms_norm_eps
-        cos, sin = rope
-        qi = kernel.norm_rope(qi.view(T, self.n_groups * self.idx_heads, P), self.idx_q_norm_w, cos, sin, eps,
-                              pos=pos)
-        ki = kernel.norm_rope(ki[:, None], self.idx_k_norm_w, cos, sin, eps, bias=self.idx_k_norm_b,
-                              pos=pos)[:, 0]
-        return qi.view(T, self.n_groups, self.idx_heads, P), ki, zi, wi.view(T, self.n_groups, self.idx_heads)
+    def _norm_rope(self, q, k, idx, pos, rope):
+        """q [T, H*hd], k [T, G*hd] -> [T, H, hd], [T, G, hd] normed and rotated at positions pos, and on DSA layers
+        the indexer's projections idx (q, k, z, w) -> q [T, G, Hg, P] and k [T, P] normed and rotated, z [T, P] and
+        w [T, G, Hg] raw (indexer_scores applies w's 1/sqrt(Hg) in fp32); all norms in one launch (a DSA layer's
+        four were four launches, each ~2 us of the decode step)."""
+        T, H, G, hd, eps = q.shape[0], self.n_heads, self.n_groups, self.cfg.head_dim, self.cfg.rms_norm_eps
+        cos, sin = rope["main"]  # whole tables: the kernels read row pos[t]
+        jobs = [(q.view(T, H, hd), self.q_norm.weight, cos, sin, None),
+                (k.view(T, G, hd), self.k_norm.weight, cos, sin, None)]
+        if self.dsa:
+            P = self.cfg.sparse.proxy_dim
+            icos, isin = rope["indexer"]
+            jobs += [(idx[0].view(T, G * self.idx_heads, P), self.idx_q_norm_w, icos, isin, None),
+                     (idx[1][:, None], self.idx_k_norm_w, icos, isin, self.idx_k_norm_b)]
+        q, k, *qk = kernel.norm_rope_jobs(jobs, eps, pos)
+        if self.dsa:
+            idx = qk[0].view(T, G, self.idx_heads, P), qk[1][:, 0], idx[2], idx[3].view(T, G, self.idx_heads)
+        return q, k, idx
 
-    def _dsa(self, idx, q, k, v, g, pos, rope, spans, cache, req=None):
-        """-> the gated attention output [T, H, hd] bf16 (o * bf(sigmoid(g)), g [T, H] the gate logits)."""
+    # ---- DSA
+    def _dsa(self, idx, q, k, v, g, pos, spans, cache, req=None):
+        """-> the gated attention output [T, H, hd] bf16 (o * bf(sigmoid(g)), g [T, H] the gate logits). idx: the
+        indexer's q [T, G, Hg, P] and k [T, P] (normed and rotated), z [T, P] and w [T, G, Hg] (raw; indexer_scores
+        applies w's 1/sqrt(Hg) in fp32)."""
         sp = self.cfg.sparse
         blk, P = sp.block, sp.proxy_dim
-        qi, ki, zi, wi = self._indexer(idx, pos, rope)
+        qi, ki, zi, wi = idx
         T, H, hd = q.shape
         G = self.n_groups
         q = q.view(T, G, H // G, hd)

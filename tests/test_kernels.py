@@ -482,6 +482,34 @@ def test_norm_rope_token_strided_input():
     else:
         assert (d > 0).float().mean() < 0.02 and d.max() <= 2 ** -6 * ref.float().abs().max()
 
+@pytest.mark.parametrize("jobs", [4, 3, 1])
+def test_norm_rope_jobs(jobs, monkeypatch):
+    """A DSA layer's four norms in one launch (norm_rope_jobs): q [T, 4, 192] and k [T, 1, 192] (span 64, column
+    slices of one packed projection), the indexer's q [T, 2, 48] (RMS, span 16, 17 rows: two programs) and k
+    [T, 1, 48] (LayerNorm with bias) on a second table: each output has the bits of its own norm_rope launch, on the
+    Triton path and (TUNING["norm_rope_jobs"] off) through the separate launches; the first 1 or 3 jobs alone too."""
+    T, P = 17, 48
+    packed = randn(T, 6 * 192 + 3 * P, seed=11, scale=2.0)
+    tabs = []
+    for seed, half in ((12, 32), (13, 8)):
+        ang = torch.rand(40, half, generator=_gen(seed)) * 6
+        tabs.append((ang.cos().bfloat16().to(DEV), ang.sin().bfloat16().to(DEV)))
+    w = [randn(d, seed=20 + i, scale=0.2, dtype=torch.float32) for i, d in enumerate((192, 192, P, P))]
+    b = randn(P, seed=30, scale=0.1, dtype=torch.float32)
+    spec = [(packed[:, :768].view(T, 4, 192), w[0], *tabs[0], None),
+            (packed[:, 768:960].view(T, 1, 192), w[1], *tabs[0], None),
+            (packed[:, 1152:1152 + 2 * P].view(T, 2, P), w[2], *tabs[1], None),
+            (packed[:, 1152 + 2 * P:][:, None], w[3], *tabs[1], b)][:jobs]
+    pos = torch.randperm(40, generator=_gen(14))[:T].to(DEV)
+    want = [K.norm_rope_triton(x, w_, c, s_, 1e-5, b_, pos=pos) for x, w_, c, s_, b_ in spec]
+    for fused in (True, False):
+        monkeypatch.setitem(K.TUNING, "norm_rope_jobs", fused)
+        got = K.norm_rope_jobs(spec, 1e-5, pos)
+        assert len(got) == jobs and all(bytes_equal(g, w_) for g, w_ in zip(got, want))
+    with pytest.raises(ValueError, match="1 to 4 jobs"):
+        K.norm_rope_jobs(spec * 5, 1e-5, pos)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # fused sliding-window decode
 

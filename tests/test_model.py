@@ -151,9 +151,10 @@ def test_decode_summaries_equal_prefill_summaries_bit_for_bit(lm):
     h = torch.randn(N, cfg.hidden_size).bfloat16()
     lm.new_cache(1, N)
     rope = lm.rope["layers"][i]
-    full = att._indexer(att.project(h)[4:], torch.arange(N), rope["indexer"])
-    orig = att._indexer
-    att._indexer = lambda h_, pos, r: tuple(t[pos] for t in full)
+    proj = att.project(h)
+    full = att._norm_rope(*proj[:2], proj[4:], torch.arange(N), rope)[2]
+    orig = att._norm_rope
+    att._norm_rope = lambda q, k, idx, pos, r: orig(q, k, idx, pos, r)[:2] + (tuple(t[pos] for t in full),)
     try:
         stream = lm.new_cache(1, N).layers[i]
         att(h[:n0], torch.arange(n0), rope, [(0, n0, 0)], stream)
@@ -162,7 +163,7 @@ def test_decode_summaries_equal_prefill_summaries_bit_for_bit(lm):
         pre = lm.new_cache(1, N).layers[i]
         att(h, torch.arange(N), rope, [(0, N, 0)], pre)
     finally:
-        att._indexer = orig
+        att._norm_rope = orig
     done = N // cfg.sparse.block
     assert stream.summ[0, :done].any()
     assert torch.equal(stream.summ[0, :done], pre.summ[0, :done])
