@@ -148,6 +148,15 @@ def _triton(x: torch.Tensor) -> bool:
 #   128 x 128 block in registers; its own order inside the sums. The down kernel at T = 16: 248 -> 136 registers,
 #   86 -> 59 KB of shared memory (sm90 build), so 3 CTAs per SM instead of 2. Eleventh session (whole step against
 #   the defaults timed around it): -2.9% at batch 16 (10.33 vs 10.63 ms), -0.8% at batch 1.
+# norm_rope_jobs: a DSA layer's four norm + RoPE problems (q, k, the indexer's q and k) in one launch
+#   (_norm_rope_jobs_kernel) instead of four. Twelfth session (2026-12-02, whole step against the defaults timed
+#   around it): -2.4% at batch 1 (4.910 vs 5.027 ms), -2.1% at batch 16 (10.049 vs 10.263 ms); 69 launches fewer.
+#   Measured and removed the same session: the sliding merge inside the o_proj projection at batch 1 (each
+#   skinny_linear program merging the 16 splits of its K chunks' heads, the same bits as merge + projection): the
+#   step 5.71 / 5.39 / 5.67 ms with 32 / 64 / 32 columns per program (4 / 4 / 8 warps) against 5.05 unfused: every
+#   program repeats the whole merge (the sm90 loop 1071 instructions per K step against the projection's 159). Not
+#   taken: the merges in 1 / 2 warps (+0.1 / -0.0% at batch 1, -0.4 / -0.3% at 16); region selection chunks of 2048
+#   (16 rows of 4100: 14.4 vs 14.8 us); moe_maxnreg (0, 0) / (168, 168) / (128, 0) at batch 16: +3.1 / +0.1 / +2.4%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
           "skinny_all": True, "router_block_e": 32, "banded": "triton", "sliding_hoist": True, "skinny_stages": 6,
