@@ -464,7 +464,7 @@ def _norm_slice(x_ptr, base, cols, r_ok, D: tl.constexpr, mu, r, wb, LAYERNORM: 
 
 
 def _norm_rope_launch(x, weight, cos, sin, bias, pos):
-    """norm_rope_triton's checks -> (out, its job's arguments, its shapes' constexprs)."""
+    """norm_rope_triton's checks -> (its job's arguments, out the sixth; its shapes' constexprs)."""
     _check_tensor("x", x, torch.bfloat16, ndim=3, contiguous=False)
     T, NH, D = x.shape
     _check(x.stride(2) == 1 and x.stride(1) == D, lambda: f"x must have contiguous heads (strides {x.stride()})")
@@ -486,14 +486,14 @@ def _norm_rope_launch(x, weight, cos, sin, bias, pos):
     args = (x, weight, bias if bias is not None else weight, cos, sin, out, T * NH, NH, x.stride(0))
     shapes = (D, half, bias is not None, triton.next_power_of_2(D), triton.next_power_of_2(max(half, 1)),
               triton.next_power_of_2(D - 2 * half) if D > 2 * half else 0)
-    return out, args, shapes
+    return args, shapes
 
 
 _NORM_ROPE_ROWS = 16  # head rows per program
 
 
 def norm_rope_triton(x, weight, cos, sin, eps, bias=None, pos=None):
-    out, (x, w, b, cos, sin, out, rows, NH, sx), sh = _norm_rope_launch(x, weight, cos, sin, bias, pos)
+    (x, w, b, cos, sin, out, rows, NH, sx), sh = _norm_rope_launch(x, weight, cos, sin, bias, pos)
     if rows:
         _norm_rope_kernel[(triton.cdiv(rows, _NORM_ROPE_ROWS),)](
             x, w, b, cos, sin, pos if pos is not None else out, out, rows, NH, sx, float(eps), D=sh[0], HALF=sh[1],
@@ -508,19 +508,19 @@ def norm_rope_jobs_triton(jobs, eps, pos):
     _check_tensor("pos", pos, torch.int64, ndim=1)
     launches = [_norm_rope_launch(x, w, c, s_, b, pos) for x, w, c, s_, b in jobs]
     ends, args, shapes = [], [], []
-    for _, a, sh in launches:
+    for a, sh in launches:
         ends.append((ends[-1] if ends else 0) + triton.cdiv(a[6], _NORM_ROPE_ROWS))
         args += a
         shapes += sh
     pad = 4 - len(jobs)  # unused slots: the first job's arguments, no programs
-    args += launches[0][1] * pad
-    shapes += launches[0][2] * pad
+    args += launches[0][0] * pad
+    shapes += launches[0][1] * pad
     ends += [ends[-1]] * pad
     const = {f"{k}{i}": v for i in range(4) for k, v in zip(("D", "H", "L", "BD", "BH", "BR"), shapes[6 * i:6 * i + 6])}
     if ends[-1]:
         _norm_rope_jobs_kernel[(ends[-1],)](pos, float(eps), *ends[:3], *args, **const, JOBS=len(jobs), GATHER=True,
                                             BLOCK_R=_NORM_ROPE_ROWS, num_warps=4, **_NO_FMA, **_pdl())
-    return [out for out, _, _ in launches]
+    return [a[5] for a, _ in launches]
 
 
 def norm_rope_jobs(jobs, eps, pos):

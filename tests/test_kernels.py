@@ -482,6 +482,7 @@ def test_norm_rope_token_strided_input():
     else:
         assert (d > 0).float().mean() < 0.02 and d.max() <= 2 ** -6 * ref.float().abs().max()
 
+
 @pytest.mark.parametrize("jobs", [4, 3, 1])
 def test_norm_rope_jobs(jobs, monkeypatch):
     """A DSA layer's four norms in one launch (norm_rope_jobs): q [T, 4, 192] and k [T, 1, 192] (span 64, column
