@@ -3,7 +3,7 @@
     python bench_kernels.py                      # checks against the references (exit 1 if any is out of
                                                  # its tolerance), then every benchmark
     python bench_kernels.py --only gemm moe      # groups: check gemm sweep sweep_prefill moe attn
-                                                 # norm route
+                                                 # norm route chain
 
 Ceilings (measured with PyTorch on the H200 machine): HBM 4.28 TB/s (a copy, read + write), fp8 _scaled_mm
 1263 TFLOP/s, bf16 GEMM 767 TFLOP/s (both 8192^3). Times are medians of CUDA-graph replays
@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 import kernel as K
 
@@ -40,6 +41,29 @@ def bench(fn):
 def eager(fn):
     fn()
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+
+
+@triton.jit
+def _chain_kernel(src_ptr, dst_ptr, PDL: tl.constexpr):
+    """A launch that does nothing but wait for its predecessor and pass one value per program on (bench_chain)."""
+    K._pdl_enter(PDL)
+    i = tl.program_id(0)
+    tl.store(dst_ptr + i, tl.load(src_ptr + i) + 1)
+
+
+def bench_chain(n=1134, programs=132):
+    """The floor of a decode step made of n dependent launches (the batch-16 whole-rank step has 1134): n launches of
+    _chain_kernel, each reading what the previous one wrote, in one CUDA graph, with and without PDL."""
+    a, b = torch.zeros(2, programs, device=DEV).unbind(0)
+    res = []
+    for pdl in (True, False):
+        def chain():
+            for j in range(n):
+                src, dst = (a, b) if j % 2 == 0 else (b, a)
+                _chain_kernel[(programs,)](src, dst, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+        t = bench(chain)
+        res.append(f"{'PDL' if pdl else 'no PDL'} {t * 1e6:.0f} us ({t / n * 1e6:.2f} us a launch)")
+    print(f"  chain of {n} dependent launches, {programs} programs each: " + "; ".join(res), flush=True)
 
 
 def fp8_weights(E, N, Kd, seed=0):
@@ -543,9 +567,12 @@ def sweep_attention(ctx=131072, S=1):
     pos = torch.full((S, 1), ctx - 1, device=DEV, dtype=torch.int64)
     ids, valid = K.select_regions_ref(torch.randn(S, 1, 1, ctx // 8, device=DEV), pos // 8, 512)
     res = []  # block_n 32: no spills in the sm90 build (64: ~180 registers), no faster in a whole decode step
-    for sp, bn in ((1, 64), (4, 64), (8, 64), (17, 64), (33, 64), (65, 64), (17, 32), (33, 32), (65, 32), (129, 32)):
-        t = bench(lambda: K.sparse_attention_triton(q, k, v, ids, valid, pos, 8, 192 ** -0.5, splits=sp, block_n=bn))
-        res.append(f"splits={sp} block_n={bn}: {t * 1e6:.1f}us")
+    for sp, bn, st in ((1, 64, 2), (4, 64, 2), (8, 64, 2), (17, 64, 2), (33, 64, 2), (65, 64, 2), (17, 32, 2),
+                       (33, 32, 2), (65, 32, 2), (129, 32, 2), (None, 64, 2), (None, 64, 3), (None, 64, 4),
+                       (None, 32, 3), (None, 32, 4), (None, 32, 6)):
+        t = bench(lambda: K.sparse_attention_triton(q, k, v, ids, valid, pos, 8, 192 ** -0.5, splits=sp, block_n=bn,
+                                                    num_stages=st))
+        res.append(f"splits={sp} block_n={bn} stages={st}: {t * 1e6:.1f}us")
     print(f"  sweep sparse decode S={S} ctx={ctx}: " + "; ".join(res), flush=True)
 
 
@@ -596,7 +623,7 @@ def bench_route(T):
           f" | torch reference {t_ref * 1e6:7.1f} us | eager {te * 1e6:6.1f} us", flush=True)
 
 
-GROUPS = ("check", "gemm", "sweep", "sweep_prefill", "moe", "attn", "norm", "route")
+GROUPS = ("check", "gemm", "sweep", "sweep_prefill", "moe", "attn", "norm", "route", "chain")
 
 
 def main(only=GROUPS):
@@ -655,6 +682,9 @@ def main(only=GROUPS):
     if "route" in only:
         for T in (1, 64, 4096):
             run_safely(bench_route, T)
+    if "chain" in only:
+        for programs in (16, 132, 264):
+            run_safely(bench_chain, 1134, programs)
 
 
 if __name__ == "__main__":

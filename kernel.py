@@ -157,6 +157,15 @@ def _triton(x: torch.Tensor) -> bool:
 #   program repeats the whole merge (the sm90 loop 1071 instructions per K step against the projection's 159). Not
 #   taken: the merges in 1 / 2 warps (+0.1 / -0.0% at batch 1, -0.4 / -0.3% at 16); region selection chunks of 2048
 #   (16 rows of 4100: 14.4 vs 14.8 us); moe_maxnreg (0, 0) / (168, 168) / (128, 0) at batch 16: +3.1 / +0.1 / +2.4%.
+#   Thirteenth session (2026-12-02, whole step against the defaults timed around it, batch 16 / 1), measured and
+#   removed: the decode combine inside the down kernel (each program counting itself in per D tile with an acq_rel
+#   atomic, the tile's last one writing every token's combine with the combine launch's bits, one launch fewer per
+#   MoE layer): +0.4% / -0.2%, i.e. the atomic and the last program's serial tail cost what the launch did; the
+#   indexer scores computed before their PDL wait (stored after it; the decode step's cache write touches no summary
+#   a kept score reads): +-0.2%. Not taken: moe_stages (3, 2) (the down kernel at 124 registers and 39 KB: 4 CTAs per
+#   SM, all ~460 programs of batch 16 in one wave) +1.4% / +5.1%, (4, 4) +2.6 / +1.4%, (6, 6) +16.5%, (4, 3) -0.4 /
+#   +1.5%; moe_block_n (32, 64) / (64, 64) / (32, 128) +14.4 / +10.1 / +4.1% at batch 16; sparse_attention_triton's
+#   num_stages 3 / 4 (see there) -0.1..-0.2 / +0.3%.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
           "skinny_all": True, "router_block_e": 32, "banded": "triton", "sliding_hoist": True, "skinny_stages": 6,
@@ -1850,12 +1859,15 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, gate_ptr, T, G, HG,
              o.to(tl.bfloat16), mask=d_ok)
 
 
-def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, block_n=None, gate=None):
+def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, block_n=None, gate=None,
+                            num_stages=2):
     """Triton sparse_attention_ref for decode (T = 1) and prefill (T queries). `splits` (default: enough programs
     to fill the GPU) divides each query's key slots over programs merged by log-sum-exp (which applies the gate,
     else torch does: gate_heads). block_n: key slots per tile (default TUNING["sparse_block_n"]); at 64 (hd 192)
     the sm90 build spills ~180 registers to local memory, at 32 ~15, yet 32 measured no faster (see TUNING; other
-    split boundaries: tolerance-level differences)."""
+    split boundaries: tolerance-level differences). num_stages (GPU launches): 3 and 4 took bench_kernels.py's
+    16 x 32k decode case from 26.8 to 24.1 us (1 x 4k: 8.9 -> 9.5) and moved the whole step by -0.2 / +0.3% at
+    batch 16 / 1 (thirteenth session, 2026-12-02): not taken."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     S, T, G, HG, hd = q.shape
     for name, t_ in (("k", k), ("v", v)):
@@ -1898,7 +1910,7 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
         q.stride(0), q.stride(1), q.stride(2), q.stride(3), k.stride(0), k.stride(1), k.stride(2),
         ids.stride(0), ids.stride(1), ids.stride(2), va.stride(0), va.stride(1), va.stride(2),
         HEAD_DIM=hd, BLK=blk, SPLITS=splits, BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd),
-        BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, num_warps=4, num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
+        BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, num_warps=4, num_stages=num_stages if _GPU_LAUNCH else 1, **_pdl())
     if splits > 1:
         _attn_merge_kernel[(rows, HG)](po, pml, out, gate if gate is not None else out, T, G, HG, q.stride(0),
                                        q.stride(1), q.stride(2), q.stride(3), gate.stride(0) if gate is not None else 0,
