@@ -3,7 +3,7 @@
     python bench_kernels.py                      # checks against the references (exit 1 if any is out of
                                                  # its tolerance), then every benchmark
     python bench_kernels.py --only gemm moe      # groups: check gemm sweep sweep_prefill moe attn
-                                                 # norm route chain
+                                                 # norm route floors
 
 Ceilings (measured with PyTorch on the H200 machine): HBM 4.28 TB/s (a copy, read + write), fp8 _scaled_mm
 1263 TFLOP/s, bf16 GEMM 767 TFLOP/s (both 8192^3). Times are medians of CUDA-graph replays
@@ -64,6 +64,28 @@ def bench_chain(n=1134, programs=132):
         t = bench(chain)
         res.append(f"{'PDL' if pdl else 'no PDL'} {t * 1e6:.0f} us ({t / n * 1e6:.2f} us a launch)")
     print(f"  chain of {n} dependent launches, {programs} programs each: " + "; ".join(res), flush=True)
+
+
+@triton.jit
+def _read_kernel(src_ptr, out_ptr, n_words, ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p reads blocks p, p + grid, ... of src (int32 words, L2 only: .cg) ROUNDS times over; one XOR out."""
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for _ in range(ROUNDS):
+        for b in range(tl.program_id(0) * BLOCK, n_words, tl.num_programs(0) * BLOCK):
+            acc ^= tl.load(src_ptr + b + tl.arange(0, BLOCK), cache_modifier=".cg")
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+def bench_read(mb=24, rounds=16):
+    """Read bandwidth from L2 (a buffer of `mb` MiB, within the H200's 50 MB L2, read `rounds` times by every SM) or
+    from HBM (a larger buffer): the ceiling of the bytes per second that a GEMM's tiles can be fed into shared memory
+    with from L2 (the FP8 expert GEMM at 768 TFLOP/s with 128 x 256 tiles draws ~4.4 TB/s)."""
+    n = mb * 2 ** 20 // 4
+    src = torch.randint(0, 2 ** 30, (n,), dtype=torch.int32, device=DEV)
+    r = rounds if mb <= 32 else 1
+    out = torch.empty(4 * K._sms(), dtype=torch.int32, device=DEV)
+    t = bench(lambda: _read_kernel[(4 * K._sms(),)](src, out, n, ROUNDS=r, BLOCK=4096, num_warps=8))
+    print(f"  read {mb} MiB x {r}: {t * 1e6:.1f} us, {n * 4 * r / t / 1e12:.2f} TB/s", flush=True)
 
 
 def fp8_weights(E, N, Kd, seed=0):
@@ -623,7 +645,7 @@ def bench_route(T):
           f" | torch reference {t_ref * 1e6:7.1f} us | eager {te * 1e6:6.1f} us", flush=True)
 
 
-GROUPS = ("check", "gemm", "sweep", "sweep_prefill", "moe", "attn", "norm", "route", "chain")
+GROUPS = ("check", "gemm", "sweep", "sweep_prefill", "moe", "attn", "norm", "route", "floors")
 
 
 def main(only=GROUPS):
@@ -682,9 +704,11 @@ def main(only=GROUPS):
     if "route" in only:
         for T in (1, 64, 4096):
             run_safely(bench_route, T)
-    if "chain" in only:
+    if "floors" in only:
         for programs in (16, 132, 264):
             run_safely(bench_chain, 1134, programs)
+        for mb in (8, 24, 4096):
+            run_safely(bench_read, mb)
 
 
 if __name__ == "__main__":

@@ -2445,7 +2445,12 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
     (the gather, a torch index then, 40 / 133 us of it) 622 / 670 at 128 columns, 699 / 768 at 256 (3 stages; 4:
     within 1%); grouped_gemm_triton 609 / 670. Down 635 / 694, 687 / 754, grouped_gemm_triton 669 / 726. (The
     128-column tile without the scaling, a probe with wrong results, reached only 766 / 889 on the down shape: its
-    feed, not the scaling, capped it.)"""
+    feed, not the scaling, capped it.) Measured and removed (thirteenth session): the B tile as four 64-column
+    quarters, each warpgroup keeping one quarter's wgmma in flight while it scales the previous one (6 of 8 scalings
+    per K block overlapped, the same bits): gate+up 691 / 705 TFLOP/s at 512 / 1024 rows against 754-758 / 760-771,
+    down 696 / 728 against 719 / 750. Nor is L2 the cap: bench_kernels.py bench_read reads 8.5 TB/s from L2 and the
+    256-wide tiles draw ~4.4 TB/s at 768 TFLOP/s. Left as the suspect: the shared-memory reads of the wgmma operands
+    (each warpgroup reads its A rows once per B box and the whole B tile; 64-column boxes read A twice as often)."""
     E, N, K = w.shape
     _check(sw is not None and w.dtype == FP8 and x.dtype == FP8, "grouped_gemm_wgmma is for e4m3 x and w")
     M = x.shape[0] if row_idx is None else row_idx.numel()
