@@ -457,6 +457,10 @@ def sweep_indexer(T=256, R=131072, S=1):
             q, w, summ, 0.5, block_t=16, block_r=br, num_warps=nw, block_pc=pc), want, flops)
             for br, nw, pc in ((64, 4, 256), (32, 4, 256), (128, 4, 256), (128, 8, 256), (256, 8, 256),
                                (64, 2, 256), (64, 4, 128), (128, 4, 128), (128, 8, 64), (256, 8, 64))]
+        q8 = K.to_e4m3(q).to(q.dtype)  # as norm_rope_jobs' e4m3 writes it: the kernel skips the rounding
+        res += [choice(f"16x{br} w{nw} q8", lambda: K.indexer_scores_triton(
+            q8, w, summ, 0.5, block_t=16, block_r=br, num_warps=nw, q_e4m3=True), want, flops)
+            for br, nw in ((128, 4), (64, 4), (64, 2), (128, 8))]
         print(f"  sweep indexer scores decode S={S} R={R}: " + "; ".join(res), flush=True)
         return
     res = []  # H200: 64x64 w4 414 us, 64x128 w4 248 (now the prefill default), 128x64 w8 410, 128x128 w8 338,

@@ -113,13 +113,13 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
     qi, wi = indexer()
     step = kernel.dsa_query_chunk(res, a.n_groups, N // blk)
     subs = [(c0, min(C, c0 + step)) for c0 in range(0, C, step)]  # the query chunks of model._dsa
-    scores = [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale)
+    scores = [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale, q_e4m3=True)
               for c0, c1 in subs]  # [1, G, step, R] each
     sel = [kernel.select_regions(s, pos[None, c0:c1], sp.topk, blk) for s, (c0, c1) in zip(scores, subs)]
     q = torch.randn(1, C, a.n_groups, a.n_heads // a.n_groups, cfg.head_dim, device="cuda").bfloat16()
     pieces = {
         "indexer proj+summ": indexer,
-        "scores": lambda: [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale)
+        "scores": lambda: [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale, q_e4m3=True)
                            for c0, c1 in subs],
         "selection": lambda: [kernel.select_regions(s, pos[None, c0:c1], sp.topk, blk)
                               for s, (c0, c1) in zip(scores, subs)],

@@ -172,7 +172,8 @@ TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_
           "router_hoist": True, "skinny_parts": 4, "shared_parts": (8, 4),
           "skinny_tiles": ((32, 256), (16, 512)), "skinny_warps": 4,
           "router_parts": 4, "moe_maxnreg": (168, 0), "moe_tma": (2, 1),
-          "shared_down_t": (True, True), "norm_rope_jobs": True}
+          "shared_down_t": (True, True), "norm_rope_jobs": True,
+          "indexer_q8": True}
 
 
 def set_tuning(items) -> None:
@@ -372,32 +373,36 @@ def _norm_rope_jobs_kernel(pos_ptr, eps, e0, e1, e2,
                            D2: tl.constexpr, H2: tl.constexpr, L2: tl.constexpr, BD2: tl.constexpr,
                            BH2: tl.constexpr, BR2: tl.constexpr, D3: tl.constexpr, H3: tl.constexpr,
                            L3: tl.constexpr, BD3: tl.constexpr, BH3: tl.constexpr, BR3: tl.constexpr,
-                           JOBS: tl.constexpr, GATHER: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                           JOBS: tl.constexpr, GATHER: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+                           E0: tl.constexpr = False, E1: tl.constexpr = False, E2: tl.constexpr = False,
+                           E3: tl.constexpr = False):
     """Up to 4 norm_rope problems in one launch (norm_rope_jobs): job i takes programs e(i-1) .. e(i)-1, with
-    _norm_rope_kernel's arithmetic and its own shapes (D, HALF, LAYERNORM, BLOCK_D, BLOCK_HALF, BLOCK_REST)."""
+    _norm_rope_kernel's arithmetic and its own shapes (D, HALF, LAYERNORM, BLOCK_D, BLOCK_HALF, BLOCK_REST) and Ei
+    (its outputs rounded on to e4m3 values: _norm_rope_rows' E4M3)."""
     pid = tl.program_id(0)
     if pid < e0:
         _norm_rope_rows(pid, x0, w0, b0, c0, s0, pos_ptr, o0, rows0, nh0, sx0, eps, D0, H0, L0, GATHER, BLOCK_R,
-                        BD0, BH0, BR0, PDL)
+                        BD0, BH0, BR0, PDL, E0)
     elif JOBS > 1:
         if pid < e1:
             _norm_rope_rows(pid - e0, x1, w1, b1, c1, s1, pos_ptr, o1, rows1, nh1, sx1, eps, D1, H1, L1, GATHER,
-                            BLOCK_R, BD1, BH1, BR1, PDL)
+                            BLOCK_R, BD1, BH1, BR1, PDL, E1)
         elif JOBS > 2:
             if pid < e2:
                 _norm_rope_rows(pid - e1, x2, w2, b2, c2, s2, pos_ptr, o2, rows2, nh2, sx2, eps, D2, H2, L2, GATHER,
-                                BLOCK_R, BD2, BH2, BR2, PDL)
+                                BLOCK_R, BD2, BH2, BR2, PDL, E2)
             elif JOBS > 3:
                 _norm_rope_rows(pid - e2, x3, w3, b3, c3, s3, pos_ptr, o3, rows3, nh3, sx3, eps, D3, H3, L3,
-                                GATHER, BLOCK_R, BD3, BH3, BR3, PDL)
+                                GATHER, BLOCK_R, BD3, BH3, BR3, PDL, E3)
 
 
 @triton.jit
 def _norm_rope_rows(pid, x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, ROWS, NH, stride_xt, eps,
                     D: tl.constexpr, HALF: tl.constexpr, LAYERNORM: tl.constexpr, GATHER: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                    BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
-    """BLOCK_R head rows (token t = row // NH) of program pid: norm, round to bf16, NEOX-rotate the first 2*HALF dims.
+                    BLOCK_REST: tl.constexpr, PDL: tl.constexpr, E4M3: tl.constexpr = False):
+    """BLOCK_R head rows (token t = row // NH) of program pid: norm, round to bf16, NEOX-rotate the first 2*HALF dims;
+    E4M3: each output then rounded on to its e4m3 value (exact in bf16; the indexer's scores read q so: norm_rope_jobs).
 
     RMS: n = bf((x * r) * (w + 1)), r = 1/sqrt(mean(x^2) + eps); LayerNorm: n = bf(((x - mu) * r) * w + b),
     r = 1/sqrt(E[x^2] - mu^2 + eps). Rotation on the bf16 values a = n[j], b = n[j + HALF]:
@@ -437,11 +442,20 @@ def _norm_rope_rows(pid, x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr
     a = _norm_slice(x_ptr, xbase, j, r_ok, D, mu, r, wb_a, LAYERNORM)
     b = _norm_slice(x_ptr, xbase, HALF + j, r_ok, D, mu, r, wb_b, LAYERNORM)
     first, second = _rotate(a, b, c, s)
-    tl.store(out_ptr + base + j[None, :], _bf16_round(first).to(tl.bfloat16), mask=j_ok)
-    tl.store(out_ptr + base + HALF + j[None, :], _bf16_round(second).to(tl.bfloat16), mask=j_ok)
+    tl.store(out_ptr + base + j[None, :], _round_out(first, E4M3), mask=j_ok)
+    tl.store(out_ptr + base + HALF + j[None, :], _round_out(second, E4M3), mask=j_ok)
     if BLOCK_REST > 0:  # dims past the rotary span keep the norm value
         n = _norm_slice(x_ptr, xbase, cols, r_ok, D, mu, r, wb_r, LAYERNORM)
-        tl.store(out_ptr + base + cols[None, :], n.to(tl.bfloat16), mask=r_ok[:, None] & (cols[None, :] < D))
+        tl.store(out_ptr + base + cols[None, :], _round_out(n, E4M3), mask=r_ok[:, None] & (cols[None, :] < D))
+
+
+@triton.jit
+def _round_out(x, E4M3: tl.constexpr):
+    """bf(x) as bf16; E4M3: rounded on to e4m3 (torch's saturating cast of the bf16 value), kept as bf16 (exact)."""
+    y = _bf16_round(x)
+    if E4M3:
+        y = _to_e4m3(y).to(tl.float32)
+    return y.to(tl.bfloat16)
 
 
 @triton.jit
@@ -511,7 +525,7 @@ def norm_rope_triton(x, weight, cos, sin, eps, bias=None, pos=None):
     return out
 
 
-def norm_rope_jobs_triton(jobs, eps, pos):
+def norm_rope_jobs_triton(jobs, eps, pos, e4m3=()):
     """norm_rope_jobs in one launch (_norm_rope_jobs_kernel)."""
     _check(1 <= len(jobs) <= 4, lambda: f"norm_rope_jobs takes 1 to 4 jobs, got {len(jobs)}")
     _check_tensor("pos", pos, torch.int64, ndim=1)
@@ -528,18 +542,22 @@ def norm_rope_jobs_triton(jobs, eps, pos):
     const = {f"{k}{i}": v for i in range(4) for k, v in zip(("D", "H", "L", "BD", "BH", "BR"), shapes[6 * i:6 * i + 6])}
     if ends[-1]:
         _norm_rope_jobs_kernel[(ends[-1],)](pos, float(eps), *ends[:3], *args, **const, JOBS=len(jobs), GATHER=True,
-                                            BLOCK_R=_NORM_ROPE_ROWS, num_warps=4, **_NO_FMA, **_pdl())
+                                            BLOCK_R=_NORM_ROPE_ROWS, **{f"E{i}": i in e4m3 for i in range(4)},
+                                            num_warps=4, **_NO_FMA, **_pdl())
     return [a[5] for a, _ in launches]
 
 
-def norm_rope_jobs(jobs, eps, pos):
+def norm_rope_jobs(jobs, eps, pos, e4m3=()):
     """[norm_rope(x, weight, cos, sin, eps, bias, pos) for (x, weight, cos, sin, bias) in jobs] (1 to 4 of them, all
     at the positions pos): one launch on the Triton path (a DSA layer's q, k, indexer q and indexer k: four launches
-    of ~2 us each in the decode step before), unless TUNING["norm_rope_jobs"] is off."""
+    of ~2 us each in the decode step before), unless TUNING["norm_rope_jobs"] is off. e4m3: the indices of jobs whose
+    outputs are then rounded to their e4m3 values (as to_e4m3; kept in bf16, which holds them exactly): the indexer's
+    q, which the scores read only so (indexer_scores' q_e4m3)."""
     _check(1 <= len(jobs) <= 4, lambda: f"norm_rope_jobs takes 1 to 4 jobs, got {len(jobs)}")
     if _triton(jobs[0][0]) and TUNING["norm_rope_jobs"]:
-        return norm_rope_jobs_triton(jobs, eps, pos)
-    return [norm_rope(x, w, c, s_, eps, b, pos) for x, w, c, s_, b in jobs]
+        return norm_rope_jobs_triton(jobs, eps, pos, e4m3)
+    out = [norm_rope(x, w, c, s_, eps, b, pos) for x, w, c, s_, b in jobs]
+    return [to_e4m3(o).to(o.dtype) if i in e4m3 else o for i, o in enumerate(out)]
 
 
 def norm_rope(x, weight, cos, sin, eps, bias=None, pos=None):
@@ -1458,7 +1476,8 @@ def indexer_scores_ref(q, w, summ, w_scale=1.0):
 def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
                            q_stride_s, q_stride_t, q_stride_g, w_stride_s, w_stride_t, s_stride_s,
                            HG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                           BLOCK_PC: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_PC: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
+                           Q_E4M3: tl.constexpr = False):
     """scores[s, g, t, r] = sum over heads h = 0..Hg-1 in order of relu(q_h . S_r) * w_h (one fp32 accumulator),
     w_h = f32(w) * w_scale.
 
@@ -1466,7 +1485,10 @@ def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
     e4m3; the dot runs in DOT_DTYPE (e4m3 -> bf16 is lossless) with fp32 accumulation, which avoids the
     reduced-precision accumulator of Hopper's fp8 MMA. BLOCK_PC < BLOCK_P: each head's dot as BLOCK_P / BLOCK_PC
     chained dots over P slices (smaller operand tiles in registers: the whole-P prefill tiles spill in the sm90
-    build), the slices re-read per head.
+    build), the slices re-read per head. Q_E4M3: q holds e4m3 values already (norm_rope_jobs' e4m3), so its
+    rounding is skipped (the same bits; rounding and widening the whole q in every warp was ~1280 of the decode
+    tile's ~3500 sm90 instructions per thread: the decode scores are issue-bound, and 2-4 region tiles per program,
+    measured on 2026-12-02, took 20-30 us where one took 14.7).
     """
     _pdl_enter(PDL)
     s = tl.program_id(0) // G
@@ -1487,8 +1509,11 @@ def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
                 summ = tl.load(s_ptr + s * s_stride_s + rs[:, None] * P + d[None, :],
                                mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
             q = tl.load(q_ptr + s * q_stride_s + ts[:, None] * q_stride_t + g * q_stride_g + h * P + d[None, :],
-                        mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            q = _to_e4m3(q).to(tl.float32).to(DOT_DTYPE)
+                        mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            if Q_E4M3:
+                q = q.to(DOT_DTYPE)
+            else:
+                q = _to_e4m3(q.to(tl.float32)).to(tl.float32).to(DOT_DTYPE)
             if c == 0:
                 dot = tl.dot(q, tl.trans(summ))
             else:
@@ -1500,7 +1525,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
     tl.store(out, acc, mask=t_ok[:, None] & r_ok[None, :])
 
 
-def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, num_warps=4, block_pc=None):
+def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, num_warps=4, block_pc=None,
+                          q_e4m3=False):
     """Triton indexer_scores_ref. block_t / block_r / num_warps: tile overrides (bench_kernels.py sweep_indexer; each
     score is one dot over P and a sum over heads in order whatever the tile; the sweep shows whether the GPU's MMA
     for another tile shape gives the same bits). block_pc: P slice of the chained dots (a candidate, not yet timed:
@@ -1531,13 +1557,16 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
                                      w.stride(0), w.stride(1), summ.stride(0), HG=HG, BLOCK_T=BLOCK_T,
                                      BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P),
                                      BLOCK_PC=block_pc or triton.next_power_of_2(P),
-                                     DOT_DTYPE=_DOT, num_warps=num_warps, **_NO_FMA, **_pdl())
+                                     DOT_DTYPE=_DOT, Q_E4M3=q_e4m3 and TUNING["indexer_q8"], num_warps=num_warps,
+                                     **_NO_FMA, **_pdl())
     return out
 
 
-def indexer_scores(q, w, summ, w_scale=1.0):
+def indexer_scores(q, w, summ, w_scale=1.0, q_e4m3=False):
+    """q_e4m3: q holds e4m3 values (norm_rope_jobs' e4m3): the Triton kernel skips their rounding (the reference's
+    to_e4m3 leaves them as they are)."""
     if _triton(q):
-        return indexer_scores_triton(q, w, summ, w_scale)
+        return indexer_scores_triton(q, w, summ, w_scale, q_e4m3=q_e4m3)
     return indexer_scores_ref(q, w, summ, w_scale)
 
 
@@ -2449,8 +2478,11 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
     quarters, each warpgroup keeping one quarter's wgmma in flight while it scales the previous one (6 of 8 scalings
     per K block overlapped, the same bits): gate+up 691 / 705 TFLOP/s at 512 / 1024 rows against 754-758 / 760-771,
     down 696 / 728 against 719 / 750. Nor is L2 the cap: bench_kernels.py bench_read reads 8.5 TB/s from L2 and the
-    256-wide tiles draw ~4.4 TB/s at 768 TFLOP/s. Left as the suspect: the shared-memory reads of the wgmma operands
-    (each warpgroup reads its A rows once per B box and the whole B tile; 64-column boxes read A twice as often)."""
+    256-wide tiles draw ~4.4 TB/s at 768 TFLOP/s. ncu (gate+up, 512 rows, at 1.34 GHz): tensor pipe 50.8% active,
+    shared memory (L1/TEX) 51%, L2 47%, issue slots 42%; the math warps wait at their wgmma waits (19% of all warp
+    samples), for loaded stages ~2%, and the TMA warp for free stages 6%: no feed or bandwidth bound, but each
+    warpgroup's chain wgmma -> wait -> scale (an FMUL and an FFMA per element: the spec's (sum * sx) * Sw) with two
+    warpgroups to interleave; more of them do not fit the registers at 256 columns."""
     E, N, K = w.shape
     _check(sw is not None and w.dtype == FP8 and x.dtype == FP8, "grouped_gemm_wgmma is for e4m3 x and w")
     M = x.shape[0] if row_idx is None else row_idx.numel()

@@ -379,9 +379,10 @@ class Attention(nn.Module):
 
     def _norm_rope(self, q, k, idx, pos, rope):
         """q [T, H*hd], k [T, G*hd] -> [T, H, hd], [T, G, hd] normed and rotated at positions pos, and on DSA layers
-        the indexer's projections idx (q, k, z, w) -> q [T, G, Hg, P] and k [T, P] normed and rotated, z [T, P] and
-        w [T, G, Hg] raw (indexer_scores applies w's 1/sqrt(Hg) in fp32); all norms in one launch (a DSA layer's
-        four were four launches, each ~2 us of the decode step)."""
+        the indexer's projections idx (q, k, z, w) -> q [T, G, Hg, P] and k [T, P] normed and rotated (q then rounded
+        to its e4m3 values, as the scores read it), z [T, P] and w [T, G, Hg] raw (indexer_scores applies w's
+        1/sqrt(Hg) in fp32); all norms in one launch (a DSA layer's four were four launches, each ~2 us of the decode
+        step)."""
         T, H, G, hd, eps = q.shape[0], self.n_heads, self.n_groups, self.cfg.head_dim, self.cfg.rms_norm_eps
         cos, sin = rope["main"]  # whole tables: the kernels read row pos[t]
         jobs = [(q.view(T, H, hd), self.q_norm.weight, cos, sin, None),
@@ -391,7 +392,7 @@ class Attention(nn.Module):
             icos, isin = rope["indexer"]
             jobs += [(idx[0].view(T, G * self.idx_heads, P), self.idx_q_norm_w, icos, isin, None),
                      (idx[1][:, None], self.idx_k_norm_w, icos, isin, self.idx_k_norm_b)]
-        q, k, *qk = kernel.norm_rope_jobs(jobs, eps, pos)
+        q, k, *qk = kernel.norm_rope_jobs(jobs, eps, pos, e4m3=(2,))  # the indexer's q as e4m3 values
         if self.dsa:
             idx = qk[0].view(T, G, self.idx_heads, P), qk[1][:, 0], idx[2], idx[3].view(T, G, self.idx_heads)
         return q, k, idx
@@ -417,7 +418,7 @@ class Attention(nn.Module):
                                        zi.view(B, Q, P)[:, j], pq[:, j], cache.k, cache.v, cache.pk, cache.pz,
                                        cache.summ)
             scores = kernel.indexer_scores(qi.view(B, Q, *qi.shape[1:]), wi.view(B, Q, *wi.shape[1:]),
-                                           cache.summ.view(kernel.FP8), self.w_scale)  # [B, G, Q, R]
+                                           cache.summ.view(kernel.FP8), self.w_scale, q_e4m3=True)  # [B, G, Q, R]
             ids, valid = kernel.select_regions(scores, pq, sp.topk, blk)
             if self.pins is not None:
                 ids, valid = self.pins.regions(self.layer_id, req.view(B, Q)[:, 0], pq, self.group0, ids, valid,
@@ -447,7 +448,8 @@ class Attention(nn.Module):
                 c1 = min(n, c0 + step)
                 pb = pos[s + c0:s + c1][None]
                 scores = kernel.indexer_scores(qi[None, s + c0:s + c1], wi[None, s + c0:s + c1],
-                                               cache.summ[b:b + 1, :nr].view(kernel.FP8), self.w_scale)
+                                               cache.summ[b:b + 1, :nr].view(kernel.FP8), self.w_scale,
+                                               q_e4m3=True)
                 ids, valid = kernel.select_regions(scores, pb, sp.topk, blk)
                 if self.pins is not None:
                     ids, valid = self.pins.regions(self.layer_id, req[s:s + 1], pb, self.group0, ids, valid, nr)

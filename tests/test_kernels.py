@@ -507,6 +507,14 @@ def test_norm_rope_jobs(jobs, monkeypatch):
         monkeypatch.setitem(K.TUNING, "norm_rope_jobs", fused)
         got = K.norm_rope_jobs(spec, 1e-5, pos)
         assert len(got) == jobs and all(bytes_equal(g, w_) for g, w_ in zip(got, want))
+        # e4m3: the chosen jobs' outputs rounded on to their e4m3 values, kept as bf16 (weights of 300: some values
+        # saturate at 448)
+        big = [(x, w_ * 0 + 300, c, s_, b_) for x, w_, c, s_, b_ in spec]
+        plain = K.norm_rope_jobs(big, 1e-5, pos)
+        got = K.norm_rope_jobs(big, 1e-5, pos, e4m3=(0, jobs - 1))
+        assert all(bytes_equal(g, K.to_e4m3(p).to(p.dtype) if i in (0, jobs - 1) else p)
+                   for i, (g, p) in enumerate(zip(got, plain)))
+        assert plain[0].abs().max() > 448
     with pytest.raises(ValueError, match="1 to 4 jobs"):
         K.norm_rope_jobs(spec * 5, 1e-5, pos)
 
@@ -731,6 +739,9 @@ def test_indexer_scores(S, T, G, Hg, P, R):
     assert torch.equal(ref, K.indexer_scores_ref(q, w16.float() * Hg ** -0.5, summ))
     d = report("indexer bf16 w", out, ref)  # saturated products: sums no longer exact, their order shows in last bits
     assert d.max() <= 1e-6 * ref.abs().max() if INTERPRET else d.max() <= 1e-5 * ref.abs().max()
+    # q already holding its e4m3 values (norm_rope_jobs' e4m3), its rounding skipped: the same scores
+    q8 = K.to_e4m3(q).to(q.dtype)
+    assert torch.equal(K.indexer_scores_triton(q8, w16, summ, Hg ** -0.5, q_e4m3=True), out)
 
 
 def test_select_regions_tie_break():
