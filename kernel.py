@@ -166,6 +166,11 @@ def _triton(x: torch.Tensor) -> bool:
 #   SM, all ~460 programs of batch 16 in one wave) +1.4% / +5.1%, (4, 4) +2.6 / +1.4%, (6, 6) +16.5%, (4, 3) -0.4 /
 #   +1.5%; moe_block_n (32, 64) / (64, 64) / (32, 128) +14.4 / +10.1 / +4.1% at batch 16; sparse_attention_triton's
 #   num_stages 3 / 4 (see there) -0.1..-0.2 / +0.3%.
+# indexer_q8: the decode and prefill indexer scores read q as e4m3 values that norm_rope_jobs stored (e4m3=(2,)) and
+#   skip rounding it (the same bits by construction; CPU tests bit-equal; the sm90 build drops from 3752 to 2384
+#   instructions per thread at batch 16). NOT YET TIMED on a GPU: the thirteenth session's device time ran out
+#   (bench_decode.py --whole-rank [--batch 16 --context 32768] --candidates indexer_q8). The scores kernel alone at
+#   batch 16 (16 x 4100 regions) took 14.7 us before it.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
           "skinny_all": True, "router_block_e": 32, "banded": "triton", "sliding_hoist": True, "skinny_stages": 6,
