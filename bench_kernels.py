@@ -68,7 +68,8 @@ def bench_chain(n=1134, programs=132):
 
 @triton.jit
 def _read_kernel(src_ptr, out_ptr, n_words, ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p reads blocks p, p + grid, ... of src (int32 words, L2 only: .cg) ROUNDS times over; one XOR out."""
+    """Program p reads blocks p, p + grid, ... of src (int32 words, L2 only: .cg) ROUNDS times over and stores one
+    word derived from all of them (so that no read can be dropped)."""
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
     for _ in range(ROUNDS):
         for b in range(tl.program_id(0) * BLOCK, n_words, tl.num_programs(0) * BLOCK):

@@ -509,7 +509,7 @@ def test_norm_rope_jobs(jobs, monkeypatch):
         assert len(got) == jobs and all(bytes_equal(g, w_) for g, w_ in zip(got, want))
         # e4m3: the chosen jobs' outputs rounded on to their e4m3 values, kept as bf16 (weights of 300: some values
         # saturate at 448)
-        big = [(x, w_ * 0 + 300, c, s_, b_) for x, w_, c, s_, b_ in spec]
+        big = [(x, torch.full_like(w_, 300.0), c, s_, b_) for x, w_, c, s_, b_ in spec]
         plain = K.norm_rope_jobs(big, 1e-5, pos)
         got = K.norm_rope_jobs(big, 1e-5, pos, e4m3=(0, jobs - 1))
         assert all(bytes_equal(g, K.to_e4m3(p).to(p.dtype) if i in (0, jobs - 1) else p)
