@@ -41,9 +41,10 @@ ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [(4, 4), (
                 "skinny_tiles": [((16, 512), (8, 256)), ((32, 256), (8, 256))], "skinny_warps": [8],
                 "router_parts": [1], "moe_maxnreg": [(0, 0), (168, 168), (128, 0)],
                 "moe_tma": [(17, 17), (2, 2), (1, 1)], "shared_down_t": [(False, False)],
-                "norm_rope_jobs": [False], "indexer_q8": [False]}
+                "norm_rope_jobs": [False], "indexer_q8": [False],
+                "moe_early_down": [(False, False), (True, True)], "moe_stages_batch": [(3, 3), (4, 4)]}
 # candidates of several keys at once: name -> the TUNING entries they set together
-TOGETHER = {"moe_down_3cta": {"moe_maxnreg": (168, 168), "moe_stages": (3, 2)}}
+TOGETHER = {"moe_down_3cta": {"moe_maxnreg": (168, 168), "moe_stages_batch": (3, 2)}}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 

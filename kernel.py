@@ -84,6 +84,11 @@ def _triton(x: torch.Tensor) -> bool:
 #   rows (after it) -2.0 / +10.5%; all of those, with each routed program also prefetching its share of its expert's
 #   w2 for the down launch, +5.6 / +16%. --candidates then timed each choice once after the defaults, and those later
 #   timings were ~2% faster whatever the choice; it now times the defaults just before and after each candidate.
+#   Again on 2026-12-03 (fourteenth session) with a per-thread prefetch.global.L2 of each 128-byte line (CCTL.E.PF2 in
+#   the sm90 build, 8-16 per thread; defaults: both prefetches on, 10.78 / 5.63 ms at batch 16 / 1): the skinny
+#   projections' whole weights (up to 32 MiB a launch) off -5.1 / -11.3%, up to 16 MiB -0.3 / -1.0%, lm_head's too
+#   +0.2 / +0.1%; each hit down program's w2 tile off -3.3 / -2.2%. Asking L2 ahead for what a kernel then reads
+#   anyway costs more than the latency it hides (the same step without either: 9.86-9.96 / 4.81 ms).
 # skinny_all: model.linear's few-row projections (sliding packed QKV, o_proj, lm_head, dense MLPs) through
 #   skinny_linear, not cuBLAS: -1.1% / -2.3% (batch 1 / 16, 2026-12-01). router_block_e: experts per router-logits
 #   program; 32 (88 programs at batch 1, each reading half of 64's bytes): -0.6% / -0.8%.
@@ -167,10 +172,20 @@ def _triton(x: torch.Tensor) -> bool:
 #   +1.5%; moe_block_n (32, 64) / (64, 64) / (32, 128) +14.4 / +10.1 / +4.1% at batch 16; sparse_attention_triton's
 #   num_stages 3 / 4 (see there) -0.1..-0.2 / +0.3%.
 # indexer_q8: the decode and prefill indexer scores read q as e4m3 values that norm_rope_jobs stored (e4m3=(2,)) and
-#   skip rounding it (the same bits by construction; CPU tests bit-equal; the sm90 build drops from 3752 to 2384
-#   instructions per thread at batch 16). NOT YET TIMED on a GPU: the thirteenth session's device time ran out
-#   (bench_decode.py --whole-rank [--batch 16 --context 32768] --candidates indexer_q8). The scores kernel alone at
-#   batch 16 (16 x 4100 regions) took 14.7 us before it.
+#   skip rounding it (the same bits by construction; CPU and GPU tests bit-equal; the sm90 build drops from 3752 to
+#   2384 instructions per thread at batch 16). Fourteenth session (2026-12-03, H200, whole step against the defaults
+#   timed around it): off +0.9% at batch 16 (9.975 vs 9.884 ms) and +0.9% at batch 1 (4.910 vs 4.866); the scores
+#   kernel (bench_kernels.py sweep_indexer, 16-row tiles) 14.7 -> 11.0 us at 16 x 4100 regions (128-region tiles)
+#   and 5.7 -> 2.9 us at 1 x 4100 (64-region tiles), the same bits.
+# moe_early_down: (T = 1, T > 1) whether each decode down program awaits only its own expert's gate/up tiles (an
+#   arrival counter per expert, _arrive / _await; the combine launch zeroes them) instead of the whole gate/up grid
+#   (the PDL wait): a hit expert's down tiles start while other experts' gate/up tiles still run. Fourteenth session
+#   (2026-12-03, H200, whole step against the defaults timed around it): -0.5% at batch 16 (9.947 vs 9.997 ms),
+#   +0.6% at batch 1 (4.920 vs 4.891; one expert hit: nothing to overlap, and the counters cost). In a second run
+#   off +0.5% at batch 16 (9.995 vs 9.943), on at batch 1 too -0.0% at batch 16.
+# moe_stages_batch: moe_stages at T > 1 (moe_stages: at T = 1). With moe_early_down, gate/up at 4 stages: -1.8% at
+#   batch 16 in the fourteenth session (9.782 vs 9.958 ms; the thirteenth session's -0.4% without it; (4, 4) +1.5%,
+#   (3, 2) +1.3%, (6, 6) +14.6% in the same run), where it cost +1.5% at batch 1.
 TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
           "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
           "skinny_all": True, "router_block_e": 32, "banded": "triton", "sliding_hoist": True, "skinny_stages": 6,
@@ -178,7 +193,8 @@ TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_
           "skinny_tiles": ((32, 256), (16, 512)), "skinny_warps": 4,
           "router_parts": 4, "moe_maxnreg": (168, 0), "moe_tma": (2, 1),
           "shared_down_t": (True, True), "norm_rope_jobs": True,
-          "indexer_q8": True}
+          "indexer_q8": True, "moe_early_down": (False, True),
+          "moe_stages_batch": (4, 3)}
 
 
 def set_tuning(items) -> None:
@@ -2590,6 +2606,23 @@ def _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2):
     return T, D, ids.shape[1], E, F, fp8
 
 
+_COUNTERS = {}
+
+
+def _arrival_counters(device, n):
+    """The decode expert kernels' arrival counters (TUNING["moe_early_down"]): one zeroed int32 buffer per device,
+    shared by every MoE layer (each call's combine launch zeroes what its down launch read, before the next call's
+    gate/up can start). Allocated at the first call (a warm-up), never inside a graph capture: a buffer from the
+    graph's pool would be freed with the graph. n <= DECODE_SLOTS + 1 always (hit experts plus the shared one)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        _check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
+               "the decode expert kernels' counters are allocated by an eager call: run a step before capturing")
+        c = _COUNTERS[device] = torch.zeros(DECODE_SLOTS + 1, dtype=torch.int32, device=device)
+    _check(n <= c.numel(), lambda: f"{n} arrival counters needed, {c.numel()} allocated")
+    return c
+
+
 # Decode: T*k <= DECODE_SLOTS (token, slot) pairs. No sort: each program finds its expert from the ids in registers.
 # Grid axis 1 = rank u of a hit local expert (ascending id; at most min(T*k, E) of them, programs of ranks past the
 # number hit exit at once) plus, first, the shared expert; axis 0 = N tiles of BLOCK_N columns, so one hit expert's
@@ -2730,6 +2763,23 @@ def _swiglu_tile_t(gu_ptr, tok, tok_ok, u_off, K, w_ptr, cols, col_ok, limit, HA
 
 
 @triton.jit
+def _arrive(flag):
+    """+1 on the int32 at flag (release, GPU scope) once every thread of the program has stored its results: the
+    barrier orders their stores before the one thread's atomic, whose release covers them."""
+    tl.debug_barrier()
+    tl.atomic_add(flag, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _await(flag, target):
+    """Spin until the int32 at flag reaches target (acquire, GPU scope); the barrier then orders every thread's later
+    loads after it."""
+    while tl.atomic_add(flag, 0, sem="acquire", scope="gpu") < target:
+        pass
+    tl.debug_barrier()
+
+
+@triton.jit
 def _decode_expert(ids_ptr, u, first_expert, E, TK, BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr):
     """The local expert of rank u among those hit (ascending id) -> (found, e, hit [BLOCK_TK]: the slots routed to
     e, before [BLOCK_TK]: how many earlier slots are routed to e). Slot s = t*k + j is local iff
@@ -2776,19 +2826,21 @@ def _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT: 
 @triton.jit
 def _moe_decode_up_kernel(
     x_ptr, sx_ptr, xb_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, a_ptr, wg_ptr, wu_ptr, gu_ptr, w_desc, x_desc,
-    T, D, F, FS, E, first_expert, limit, w_stride_e, sw_stride_e, sw_stride_n,
+    cnt_ptr, T, D, F, FS, E, first_expert, limit, w_stride_e, sw_stride_e, sw_stride_n,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
     K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
     SHARED_PARTS: tl.constexpr, TMA: tl.constexpr, UP_FIRST: tl.constexpr, TOPK_P2: tl.constexpr,
+    EARLY: tl.constexpr = False,
 ):
     """Gate/up of one N tile of one hit expert for all its rows: a[slot] = swiglu(bf(x.w1^T), bf(x.w3^T)) at the
     slot of each row; FP8: x comes quantised (x_ptr e4m3, sx_ptr scales [T, D/128]).
     Shared expert (SHARED, axis-1 program 0): tiles 0..nt-1 of its gate, then of its up, every token a row, stored
     separately as bf16 gu[0] = bf(x.wg^T), gu[1] = bf(x.wu^T) (MLP's rounding points): half the bytes per program of
     a gated tile, so the shared programs finish with the routed ones. Their K = D runs as SHARED_PARTS MMA chains
-    (_skinny_tile)."""
+    (_skinny_tile). EARLY: each program that computed a tile then counts itself in at cnt[u] (_arrive), which the
+    down kernel's programs of the same u await instead of the whole grid."""
     _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     u = tl.program_id(1)
@@ -2806,6 +2858,8 @@ def _moe_decode_up_kernel(
                                    DOT_DTYPE, SHARED_PARTS)
                 out = gu_ptr + ((pid_n // nt) * T + tok)[:, None] * FS + cols[None, :]
                 tl.store(out, _bf16_round(acc).to(tl.bfloat16), mask=(tok < T)[:, None] & col_ok[None, :])
+            if EARLY:
+                _arrive(cnt_ptr + u)
     else:
         found, e, hit, before = _decode_expert(ids_ptr, u - SHARED, first_expert, E, T * TOPK, BLOCK_TK, BLOCK_E)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -2839,30 +2893,41 @@ def _moe_decode_up_kernel(
                                              D, limit, 0, tl.cdiv(D, BLOCK_K), FP8, FP8, True, False, False, BLOCK_M,
                                              BLOCK_N, BLOCK_K, DOT_DTYPE, PRECISE, K_UNROLL)
                     _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
+            if EARLY:
+                _arrive(cnt_ptr + u)
 
 
 @triton.jit
 def _moe_decode_down_kernel(
-    a_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, gu_ptr, wd_ptr, ys_ptr, w_desc,
+    a_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, gu_ptr, wd_ptr, ys_ptr, w_desc, cnt_ptr,
     T, D, F, FS, E, first_expert, limit, limit_s, w_stride_e, sw_stride_e, sw_stride_n,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
     K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
-    SHARED_T: tl.constexpr,
+    SHARED_T: tl.constexpr, EARLY: tl.constexpr = False, UP_N: tl.constexpr = 64,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
     load (FP8).
     Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load (SHARED_T:
     through _swiglu_tile_t).
     A routed program finds its expert before the PDL wait: ids were written by the router, which completed before
-    the gate/up kernel (the predecessor, which writes only a) got past its own wait."""
+    the gate/up kernel (the predecessor, which writes only a) got past its own wait.
+    EARLY: instead of the PDL wait (for the whole gate/up grid), a program awaits the gate/up tiles (UP_N columns
+    each) of its own expert u: cnt[u] reaching their count (_await). Every gate/up program has started before this
+    grid may (PDL launches it once all have passed their own wait), so none of them waits for an SM that a spinning
+    program holds. The combine launch zeroes cnt again."""
     pid_n = tl.program_id(0)
     u = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < D
     if u < SHARED:
-        _pdl_enter(PDL)
+        if EARLY:
+            if PDL:
+                gdc_launch_dependents()
+            _await(cnt_ptr + u, 2 * tl.cdiv(FS, UP_N))
+        else:
+            _pdl_enter(PDL)
         for m0 in range(0, T, BLOCK_M):
             tok = m0 + tl.arange(0, BLOCK_M)
             if SHARED_T:
@@ -2877,7 +2942,13 @@ def _moe_decode_down_kernel(
     else:
         found, e, hit, before = _decode_expert(ids_ptr, u - SHARED, first_expert, E, T * TOPK, BLOCK_TK, BLOCK_E)
         e64 = e.to(tl.int64)
-        _pdl_enter(PDL)
+        if EARLY:
+            if PDL:
+                gdc_launch_dependents()
+            if found:
+                _await(cnt_ptr + u, tl.cdiv(F, UP_N))
+        else:
+            _pdl_enter(PDL)
         if found:
             sw = s2_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
@@ -2897,12 +2968,18 @@ def _moe_decode_down_kernel(
 
 
 @triton.jit
-def _moe_decode_combine_kernel(y_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, D, E, first_expert,
-                               TOPK: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _moe_decode_combine_kernel(y_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, cnt_ptr, D, E, first_expert, NC,
+                               TOPK: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+                               BLOCK_C: tl.constexpr = 0):
     """out[t] = bf( sum over local slots j = 0..k-1 in order (one fp32 accumulator) of f32(y[t*k + j]) * w[t, j] );
-    SHARED: out[t] = f32(that) + f32(ys[t]) in fp32."""
+    SHARED: out[t] = f32(that) + f32(ys[t]) in fp32. BLOCK_C > 0: program (0, 0) zeroes the NC arrival counters of
+    the expert kernels (after the wait: the down grid, the last to read them, has completed)."""
     _pdl_enter(PDL)
     t = tl.program_id(0)
+    if BLOCK_C > 0:
+        if (t == 0) & (tl.program_id(1) == 0):
+            c = tl.arange(0, BLOCK_C)
+            tl.store(cnt_ptr + c, tl.zeros((BLOCK_C,), tl.int32), mask=c < NC)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -2997,7 +3074,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     # stage choices), 160-164 us at T=16 (best 153, (128, 128) w8)
     gpu = _GPU_LAUNCH
     bn = ((32, 64) if T == 1 else TUNING["moe_block_n"]) if gpu else (64, 64)
-    nw, ns = (4, 4), TUNING["moe_stages"] if gpu else (1, 1)
+    nw, ns = (4, 4), TUNING["moe_stages_batch" if T > 1 else "moe_stages"] if gpu else (1, 1)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     swap = TUNING["moe_swap"] if swap is None else swap
     # k_unroll (same bits) 4 on gate/up, H200: 12.5 vs 14.0 us at T = 1 in the whole-rank step (down: 12.9 vs 11.8);
@@ -3023,23 +3100,26 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     if any(tma):
         descs, up_first = _decode_descs(xqt, w1, w3, w2, bn)
         tma = [tma[0] and descs[0] is not None, tma[1] and descs[2] is not None]
+    early = TUNING["moe_early_down"][T > 1]
+    cnt = _arrival_counters(x.device, ranks + sh) if early else dummy
     _moe_decode_up_kernel[grid1](
-        xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu, descs[0], descs[1],
+        xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu, descs[0], descs[1], cnt,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
         s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, K_UNROLL=ku[0],
         BLOCK_N=bn[0], SHARED_PARTS=TUNING["shared_parts"][T > 1], TMA=tma[0], UP_FIRST=up_first,
-        TOPK_P2=triton.next_power_of_2(k), num_warps=nw[0], num_stages=ns[0], **common, **regs[0], **_pdl())
+        TOPK_P2=triton.next_power_of_2(k), EARLY=early, num_warps=nw[0], num_stages=ns[0], **common, **regs[0],
+        **_pdl())
     _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
-        a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys, descs[2],
+        a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys, descs[2], cnt,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
         float(limit_s) if limit_s is not None else 0.0, w2.stride(0), s2.stride(0) if fp8 else 0,
         s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None, K_UNROLL=ku[1],
-        BLOCK_N=bn[1], TMA=tma[1], SHARED_T=TUNING["shared_down_t"][T > 1], num_warps=nw[1], num_stages=ns[1],
-        **common, **regs[1], **_pdl())
+        BLOCK_N=bn[1], TMA=tma[1], SHARED_T=TUNING["shared_down_t"][T > 1], EARLY=early, UP_N=bn[0],
+        num_warps=nw[1], num_stages=ns[1], **common, **regs[1], **_pdl())
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
-    _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, ids, weights, ys, out, D, E, int(first_expert),
-                                                             TOPK=k, SHARED=sh, BLOCK_D=BLOCK_D, num_warps=4,
-                                                             **_NO_FMA, **_pdl())
+    _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](
+        y, ids, weights, ys, out, cnt, D, E, int(first_expert), ranks + sh, TOPK=k, SHARED=sh, BLOCK_D=BLOCK_D,
+        BLOCK_C=triton.next_power_of_2(ranks + sh) if early else 0, num_warps=4, **_NO_FMA, **_pdl())
     return out
 
 

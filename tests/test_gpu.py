@@ -115,6 +115,27 @@ def test_pdl_decode_equals_plain_launches(tp1_models):
 
 
 @cuda
+def test_early_down_decode_equals_grid_wait(tp1_models):
+    """kernel.TUNING["moe_early_down"] (on at T > 1 by default): each decode down program awaits only its own
+    expert's gate/up tiles (arrival counters that the combine launch zeroes) instead of the whole gate/up grid. The
+    same bits: the same tokens through many graph replays of a 3-request batch, and with it on at T = 1 too, the
+    same teacher-forced logits."""
+    gpu = tp1_models("fp8_text", "cuda")
+    runs = {}
+    for early in ((False, True), (True, True), (False, False)):
+        kernel.TUNING["moe_early_down"] = early
+        try:
+            toks = generate.generate(gpu, PROMPTS, 24, eos_ids=[], cuda_graph=True)[0]
+            runs[early] = toks, teacher_forced_logits(gpu, PROMPTS[1], toks[1][:8])
+        finally:
+            kernel.TUNING["moe_early_down"] = (False, True)
+    (t0, l0), (t1, l1), (t2, l2) = runs.values()
+    assert t0 == t1 == t2
+    assert torch.equal(l0, l1) and torch.equal(l1, l2)
+    assert not kernel._arrival_counters(torch.device("cuda", torch.cuda.current_device()), 1).any()
+
+
+@cuda
 def test_cuda_vision_path(tp1_models):
     """VL on CUDA: pixel path == image_embeds path (tokens), and the features agree with the CPU encoder."""
     cpu, gpu = tp1_models("fp8_vl"), tp1_models("fp8_vl", "cuda")

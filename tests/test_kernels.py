@@ -233,6 +233,12 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit, monkey
             run = lambda tma: K.moe_experts_decode_triton(  # noqa: E731
                 x, ids, wts, g, u, w2, s1, s3, s2, limit, first, sh, swap=True, tma=tma)
             assert torch.equal(run(True), run(False))
+    # down programs awaiting their own expert's gate/up tiles (moe_early_down) or the whole grid: the same bits, and
+    # the combine leaves the arrival counters at zero for the next call (else a down program could read a stale a)
+    for early in ((True, True), (False, False)):
+        monkeypatch.setitem(K.TUNING, "moe_early_down", early)
+        assert torch.equal(K.moe_experts_decode_triton(*args, limit, first, sh), dec), early
+        assert not K._arrival_counters(args[0].device, 1).any()
     # the shared expert's down tile with wd's rows as the MMA's M side (shared_down_t): the same products and sums
     # under the interpreter, another order on a GPU (bf16 wgmma)
     monkeypatch.setitem(K.TUNING, "shared_down_t", tuple(not v for v in K.TUNING["shared_down_t"]))
