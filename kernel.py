@@ -2780,6 +2780,19 @@ def _await(flag, target):
 
 
 @triton.jit
+def _enter_down(flag, target, needed, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """A down program's entry: EARLY releases the successor and, if it has work (needed), awaits its gate/up tiles'
+    count at flag; otherwise _pdl_enter (the whole gate/up grid)."""
+    if EARLY:
+        if PDL:
+            gdc_launch_dependents()
+        if needed:
+            _await(flag, target)
+    else:
+        _pdl_enter(PDL)
+
+
+@triton.jit
 def _decode_expert(ids_ptr, u, first_expert, E, TK, BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr):
     """The local expert of rank u among those hit (ascending id) -> (found, e, hit [BLOCK_TK]: the slots routed to
     e, before [BLOCK_TK]: how many earlier slots are routed to e). Slot s = t*k + j is local iff
@@ -2922,12 +2935,7 @@ def _moe_decode_down_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < D
     if u < SHARED:
-        if EARLY:
-            if PDL:
-                gdc_launch_dependents()
-            _await(cnt_ptr + u, 2 * tl.cdiv(FS, UP_N))
-        else:
-            _pdl_enter(PDL)
+        _enter_down(cnt_ptr + u, 2 * tl.cdiv(FS, UP_N), True, EARLY, PDL)
         for m0 in range(0, T, BLOCK_M):
             tok = m0 + tl.arange(0, BLOCK_M)
             if SHARED_T:
@@ -2942,13 +2950,7 @@ def _moe_decode_down_kernel(
     else:
         found, e, hit, before = _decode_expert(ids_ptr, u - SHARED, first_expert, E, T * TOPK, BLOCK_TK, BLOCK_E)
         e64 = e.to(tl.int64)
-        if EARLY:
-            if PDL:
-                gdc_launch_dependents()
-            if found:
-                _await(cnt_ptr + u, tl.cdiv(F, UP_N))
-        else:
-            _pdl_enter(PDL)
+        _enter_down(cnt_ptr + u, tl.cdiv(F, UP_N), found, EARLY, PDL)
         if found:
             sw = s2_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
