@@ -181,8 +181,8 @@ def _triton(x: torch.Tensor) -> bool:
 #   arrival counter per expert, _arrive / _await; the combine launch zeroes them) instead of the whole gate/up grid
 #   (the PDL wait): a hit expert's down tiles start while other experts' gate/up tiles still run. Fourteenth session
 #   (2026-12-03, H200, whole step against the defaults timed around it): -0.5% at batch 16 (9.947 vs 9.997 ms),
-#   +0.6% at batch 1 (4.920 vs 4.891; one expert hit: nothing to overlap, and the counters cost). In a second run
-#   off +0.5% at batch 16 (9.995 vs 9.943), on at batch 1 too -0.0% at batch 16.
+#   +0.6% at batch 1 (4.920 vs 4.891; one expert hit: nothing to overlap, and the counters cost). A second run at
+#   batch 16: (False, False) +0.5% (9.995 vs 9.943), (True, True) -0.0% (9.956 vs 9.960).
 # moe_stages_batch: moe_stages at T > 1 (moe_stages: at T = 1). With moe_early_down, gate/up at 4 stages: -1.8% at
 #   batch 16 in the fourteenth session (9.782 vs 9.958 ms; the thirteenth session's -0.4% without it; (4, 4) +1.5%,
 #   (3, 2) +1.3%, (6, 6) +14.6% in the same run), where it cost +1.5% at batch 1.

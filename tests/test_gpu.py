@@ -121,14 +121,14 @@ def test_early_down_decode_equals_grid_wait(tp1_models):
     same bits: the same tokens through many graph replays of a 3-request batch, and with it on at T = 1 too, the
     same teacher-forced logits."""
     gpu = tp1_models("fp8_text", "cuda")
-    runs = {}
+    runs, default = {}, kernel.TUNING["moe_early_down"]
     for early in ((False, True), (True, True), (False, False)):
         kernel.TUNING["moe_early_down"] = early
         try:
             toks = generate.generate(gpu, PROMPTS, 24, eos_ids=[], cuda_graph=True)[0]
             runs[early] = toks, teacher_forced_logits(gpu, PROMPTS[1], toks[1][:8])
         finally:
-            kernel.TUNING["moe_early_down"] = (False, True)
+            kernel.TUNING["moe_early_down"] = default
     (t0, l0), (t1, l1), (t2, l2) = runs.values()
     assert t0 == t1 == t2
     assert torch.equal(l0, l1) and torch.equal(l1, l2)
