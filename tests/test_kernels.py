@@ -170,9 +170,9 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
     if not INTERPRET and K._sm90():
         for kw in (dict(), dict(row_idx=tok, w3=w3, sw3=sw3, limit=7.0)):
             want = K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_m=128, tma=False, **kw)
-            for bn in (128, 256):
-                out = K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, block_n=bn, **kw)
-                assert torch.equal(out, want), (bn, sorted(kw))
+            for bn, a_regs in ((128, False), (256, False), (256, True)):
+                out = K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, block_n=bn, a_regs=a_regs, **kw)
+                assert torch.equal(out, want), (bn, a_regs, sorted(kw))
 
 
 def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
