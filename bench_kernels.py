@@ -351,8 +351,7 @@ def sweep_gemm_prefill(rows_per_expert, E=44):
         print(f"  sweep prefill {what} rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
 
 
-def sweep_gemm_wgmma(rows_per_expert, E=44, choices=((128, 4, False), (256, 3, False), (256, 3, True),
-                                                     (256, 4, True))):
+def sweep_gemm_wgmma(rows_per_expert, E=44, choices=((128, 4), (256, 3), (256, 4))):
     """The Gluon grouped GEMM (kernel.grouped_gemm_wgmma: 128-row tiles, two math warpgroups and a TMA warp,
     persistent) at its (block_n, stages) choices beside grouped_gemm_triton's own kernel (wgmma=False); same bits
     asserted."""
@@ -368,9 +367,9 @@ def sweep_gemm_wgmma(rows_per_expert, E=44, choices=((128, 4, False), (256, 3, F
         want = K.grouped_gemm_triton(xq, sx, w, sw, row_off, wgmma=False, **kw)
         res = [choice("triton", lambda: K.grouped_gemm_triton(xq, sx, w, sw, row_off, wgmma=False, **kw), want,
                       flops)]
-        for bn, st, ar in choices:
-            res.append(choice(f"wgmma {bn} s{st}{' a_regs' if ar else ''}", lambda: K.grouped_gemm_wgmma(
-                xq, sx, w, sw, row_off, stages=st, block_n=bn, a_regs=ar, **kw), want, flops))
+        for bn, st in choices:
+            res.append(choice(f"wgmma {bn} s{st}", lambda: K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, stages=st,
+                                                                                block_n=bn, **kw), want, flops))
         print(f"  sweep wgmma {what} rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
 
 

@@ -2396,7 +2396,7 @@ def _wg_loader(x_desc, w_desc, w3_desc, a_s, b_s, ready, empty, row_off_ptr, N, 
 def _wg_math(half, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr, row_off_ptr,
              N, K, E, total, limit, sx_stride, sw_stride_e, sw_stride_n, out_stride,
              GATED: gl.constexpr, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             BLOCK_E: gl.constexpr, STAGES: gl.constexpr, PRECISE: gl.constexpr, A_REGS: gl.constexpr):
+             BLOCK_E: gl.constexpr, STAGES: gl.constexpr, PRECISE: gl.constexpr):
     """Math warpgroup `half`: rows [half * BLOCK_M / 2, +BLOCK_M / 2) of each tile, as two accumulators of
     BLOCK_N / 2 columns, one per B box (GATED: gate and up). Per K block and box: wgmma into fresh registers, wait,
     then acc + d * sx * sw as _grouped_gemm_kernel rounds it (same bits); the stage is released after the second.
@@ -2425,8 +2425,6 @@ def _wg_math(half, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr
                 s = i % STAGES
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
                 a = a_s.index(s).slice(half * HM, HM)
-                if A_REGS:  # read once from shared memory for both boxes' wgmmas
-                    a = a.load(gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4))
                 d = warpgroup_mma(a, b_s.index(s).slice(0, H2).permute((1, 0)), acc0, use_acc=False, is_async=True)
                 sa = gl.load(sx_ptr + rows * sx_stride + kb, mask=row_ok, other=0.0)[:, None]
                 g0 = gl.load(sw0 + kb)
@@ -2461,7 +2459,6 @@ def _grouped_wgmma_kernel(
     N, K, E, total, limit, sx_stride, sw_stride_e, sw_stride_n, out_stride,
     GATED: gl.constexpr, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_E: gl.constexpr, STAGES: gl.constexpr, PRECISE: gl.constexpr, MATH_REGS: gl.constexpr,
-    A_REGS: gl.constexpr,
 ):
     """Persistent: CTA p takes tiles p, p + grid, ... of `total` (the worst-case count; tiles past the last real
     one are skipped). Partitions: math warpgroups 0 (the default, 4 warps) and 1, the TMA warp (40 registers)."""
@@ -2477,45 +2474,43 @@ def _grouped_wgmma_kernel(
     gl.warp_specialize([
         (_wg_math, (0, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr, row_off_ptr, N, K, E, total,
                     limit, sx_stride, sw_stride_e, sw_stride_n, out_stride, GATED, HAS_LIMIT, BLOCK_M, BLOCK_N,
-                    BLOCK_E, STAGES, PRECISE, A_REGS)),
+                    BLOCK_E, STAGES, PRECISE)),
         (_wg_math, (1, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr, row_off_ptr, N, K, E, total,
                     limit, sx_stride, sw_stride_e, sw_stride_n, out_stride, GATED, HAS_LIMIT, BLOCK_M, BLOCK_N,
-                    BLOCK_E, STAGES, PRECISE, A_REGS)),
+                    BLOCK_E, STAGES, PRECISE)),
         (_wg_loader, (x_desc, w_desc, w3_desc, a_s, b_s, ready, empty, row_off_ptr, N, K, E, total,
                       GATED, BLOCK_M, BLOCK_N, BLOCK_E, STAGES))],
                        [4, 1], [MATH_REGS, 40])
 
 
-def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, stages=3, block_n=256,
-                       a_regs=False):
+def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, stages=3, block_n=256):
     """grouped_gemm_triton for FP8 on sm90 through _grouped_wgmma_kernel (Gluon): same arguments, and the same bits
     as its tiles of >= 64 rows (wgmma too; its 16-row tiles add a K block's products in another order).
 
     row_idx: the rows are gathered first (gather_rows_triton, as TMA on sm90 reads whole row blocks only; the rows
     of no expert, past row_off[E], are skipped). Persistent: one CTA per SM walks the tiles (N fastest, so the CTAs
     in flight share an M tile's rows and an expert's weights in L2) while the TMA warp keeps `stages` K blocks in
-    flight across tile boundaries. block_n: B tile rows (128 or 256; gated: half W's, half W3's). a_regs: each math
-    warpgroup loads its 64 x 128 block of x from shared memory into registers once per K block, for both boxes'
-    wgmmas (A from registers), where each wgmma otherwise reads it from shared memory: 16 KB less shared-memory
-    traffic per K block and tile, and one warpgroup barrier fewer in the K loop (sm90 build: 48 / 96 bytes spilled
-    outside it); a candidate, not yet timed (`sweep_gemm_wgmma`; with the four-quarter B tile below it spills the
-    accumulators inside the K loop, 508 / 628 bytes: not run). H200, 44 experts, TFLOP/s at 256 / 1024 rows per
-    expert (bench_kernels.py sweep_gemm_wgmma, 2026-12-02): gathered gate+up (the gather, a torch index then, 40 /
-    133 us of it) 622 / 670 at 128 columns, 699 / 768 at 256 (3 stages; 4: within 1%); grouped_gemm_triton 609 /
-    670. Down 635 / 694, 687 / 754, grouped_gemm_triton 669 / 726. (The 128-column tile without the scaling, a probe
-    with wrong results, reached only 766 / 889 on the down shape: its feed, not the scaling, capped it.) Measured
-    and removed (thirteenth session): the B tile as four 64-column quarters, each warpgroup keeping one quarter's
-    wgmma in flight while it scales the previous one (6 of 8 scalings per K block overlapped, the same bits):
-    gate+up 691 / 705 TFLOP/s at 512 / 1024 rows against 754-758 / 760-771, down 696 / 728 against 719 / 750. Nor is
-    taking turns (fifteenth session: an mbarrier pair made the two math warpgroups issue their wgmmas alternately,
-    so that one's run while the other scales; the same bits): gate+up 749 / 774 / 787 TFLOP/s at 256 / 512 / 1024
-    rows against 759 / 784 / 796 in the same run, down 730 / 761 / 783 against 720 / 756 / 780 (4 stages: within
-    0.5%; removed). Nor is L2 the cap: bench_kernels.py bench_read reads 8.5 TB/s from L2 and the 256-wide tiles
-    draw ~4.4 TB/s at 768 TFLOP/s. ncu (gate+up, 512 rows, at 1.34 GHz): tensor pipe 50.8% active, shared memory
-    (L1/TEX) 51%, L2 47%, issue slots 42%; the math warps wait at their wgmma waits (19% of all warp samples), for
-    loaded stages ~2%, and the TMA warp for free stages 6%: no feed or bandwidth bound, but each warpgroup's chain
-    wgmma -> wait -> scale (an FMUL and an FFMA per element: the spec's (sum * sx) * Sw) with two warpgroups to
-    interleave; more of them do not fit the registers at 256 columns."""
+    flight across tile boundaries. block_n: B tile rows (128 or 256; gated: half W's, half W3's). H200, 44 experts,
+    TFLOP/s at 256 / 1024 rows per expert (bench_kernels.py sweep_gemm_wgmma, 2026-12-02): gathered gate+up (the
+    gather, a torch index then, 40 / 133 us of it) 622 / 670 at 128 columns, 699 / 768 at 256 (3 stages; 4: within
+    1%); grouped_gemm_triton 609 / 670. Down 635 / 694, 687 / 754, grouped_gemm_triton 669 / 726. (The 128-column
+    tile without the scaling, a probe with wrong results, reached only 766 / 889 on the down shape: its feed, not
+    the scaling, capped it.) Measured and removed (thirteenth session): the B tile as four 64-column quarters, each
+    warpgroup keeping one quarter's wgmma in flight while it scales the previous one (6 of 8 scalings per K block
+    overlapped, the same bits): gate+up 691 / 705 TFLOP/s at 512 / 1024 rows against 754-758 / 760-771, down 696 /
+    728 against 719 / 750. Nor is taking turns (fifteenth session: an mbarrier pair made the two math warpgroups
+    issue their wgmmas alternately, so that one's run while the other scales; the same bits): gate+up 749 / 774 /
+    787 TFLOP/s at 256 / 512 / 1024 rows against 759 / 784 / 796 in the same run, down 730 / 761 / 783 against 720 /
+    756 / 780 (4 stages: within 0.5%; removed). Nor is x's block read into registers once per K block for both
+    boxes' wgmmas (A from registers: 16 KB less shared-memory traffic per K block and one warpgroup barrier fewer in
+    the K loop; the same bits): gate+up 721 / 758 / 766 TFLOP/s against 733 / 752 / 774 in the same run, down 686 /
+    720 / 754 against 694 / 734 / 767 (removed; with the four quarters it spilled the accumulators inside the K
+    loop, 508 / 628 bytes). Nor is L2 the cap: bench_kernels.py bench_read reads 8.5 TB/s from L2 and the 256-wide
+    tiles draw ~4.4 TB/s at 768 TFLOP/s. ncu (gate+up, 512 rows, at 1.34 GHz): tensor pipe 50.8% active, shared
+    memory (L1/TEX) 51%, L2 47%, issue slots 42%; the math warps wait at their wgmma waits (19% of all warp
+    samples), for loaded stages ~2%, and the TMA warp for free stages 6%: no feed or bandwidth bound, but each
+    warpgroup's chain wgmma -> wait -> scale (an FMUL and an FFMA per element: the spec's (sum * sx) * Sw) with two
+    warpgroups to interleave; more of them do not fit the registers at 256 columns."""
     E, N, K = w.shape
     _check(sw is not None and w.dtype == FP8 and x.dtype == FP8, "grouped_gemm_wgmma is for e4m3 x and w")
     M = x.shape[0] if row_idx is None else row_idx.numel()
@@ -2538,8 +2533,7 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
         x_desc, w_desc, w3_desc, sx, sw, sw3 if gated else sw, out, row_off, N, K, E, total,
         float(limit) if limit is not None else 0.0, sx.stride(0), sw.stride(0), sw.stride(1), out.stride(0),
         GATED=gated, HAS_LIMIT=limit is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_E=triton.next_power_of_2(E), STAGES=stages, PRECISE=_PRECISE, MATH_REGS=232, A_REGS=a_regs,
-        num_warps=4)
+        BLOCK_E=triton.next_power_of_2(E), STAGES=stages, PRECISE=_PRECISE, MATH_REGS=232, num_warps=4)
     return out
 
 

@@ -170,9 +170,9 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
     if not INTERPRET and K._sm90():
         for kw in (dict(), dict(row_idx=tok, w3=w3, sw3=sw3, limit=7.0)):
             want = K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_m=128, tma=False, **kw)
-            for bn, a_regs in ((128, False), (256, False), (256, True)):
-                out = K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, block_n=bn, a_regs=a_regs, **kw)
-                assert torch.equal(out, want), (bn, a_regs, sorted(kw))
+            for bn in (128, 256):
+                out = K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, block_n=bn, **kw)
+                assert torch.equal(out, want), (bn, sorted(kw))
 
 
 def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
@@ -919,8 +919,10 @@ def test_gpu_moe_decode_real_shape(T, monkeypatch):
     assert d.max() <= 2e-2 * ref.float().abs().max()
     d = report(f"GPU moe decode vs sorted T={T}", out, old)
     assert d.max() <= 2e-2 * ref.float().abs().max()
-    for ku in ((1, 1), (4, 4)):  # 32 and 12 K blocks: the same additions in the same order (T = 1 defaults to 4)
-        assert torch.equal(K.moe_experts_decode_triton(*args, k_unroll=ku), out)
+    # 32 and 12 K blocks: the same additions in the same order (T = 1 defaults to 4); at 3 stages, as 4 K blocks an
+    # iteration at T > 1's 4 stages exceed an H200 block's shared memory (240 KB)
+    for ku in ((1, 1), (4, 4)):
+        assert torch.equal(K.moe_experts_decode_triton(*args, k_unroll=ku, num_stages=(3, 3)), out)
     d = report(f"GPU moe decode swap T={T}", K.moe_experts_decode_triton(*args, swap=True), ref)
     assert d.max() <= 2e-2 * ref.float().abs().max()
     # a register cap (T > 1) changes no arithmetic
