@@ -26,7 +26,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma as gtma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma as gtma,
+                                                            warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as gcp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 FP8 = torch.float8_e4m3fn
@@ -2283,7 +2285,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
            and all(t.data_ptr() % 16 == 0 for t in (x, w, w3) if t is not None))
     if wgmma is None:
         wgmma = BLOCK_M == 128 and all(a is None for a in (block_m, block_n, num_stages, num_warps))
-    if tma and wgmma:
+    if tma and wgmma and N % 8 == 0 and (row_idx is None or K % 16 == 0):
         return grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx, w3, sw3, limit)
     if tma and BLOCK_M == 128 and block_m is None:
         # H200, bench_kernels.py sweep_prefill, 44 experts x 128 / 512 / 1024 rows, TFLOP/s, pointer loads -> TMA:
@@ -2327,17 +2329,17 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     return out
 
 
-# The grouped FP8 GEMM again, in Gluon (explicit TMA, mbarriers, wgmma and warp specialisation; sm90 only, never
-# under the interpreter: the CPU runs grouped_gemm_triton). Triton's sm90 build of _grouped_gemm_kernel keeps every
-# warpgroup of a CTA in lockstep (CTA barriers around each stage), so a CTA's tensor cores idle while it scales;
-# 64 x 128 tiles at 3 CTAs per SM overlap CTAs instead, but read 1.5x the bytes per FLOP of a 128 x 128 tile from
-# L2 (ncu, down shape, 1024 rows per expert: L2 throughput 79%, tensor pipe 51%). Here a 128 x 256 tile (or 128 x 128)
-# is split between two math warpgroups (64 rows each) that never wait for each other, fed by one TMA warp through
-# `stages` ready / empty mbarrier pairs. ncu of this kernel (2026-12-02, 44 experts x 1024 rows, 256-wide B tiles,
-# gate+up / down): L2 throughput 42 / 37%, tensor pipe ~51%, 45% of the stall cycles at CTA barriers (each math K
-# block has two warpgroup barriers: before the ready wait, and before the one-thread arrive on empty), 192k local
-# memory requests (the gated variant's spills around the tile setup): not bound by L2, so TMA multicast alone would
-# not lift it.
+# The grouped FP8 GEMM again, in Gluon (explicit TMA, mbarriers, wgmma and warp specialisation; sm90 only, never under
+# the interpreter: the CPU runs grouped_gemm_triton). Triton's sm90 build of _grouped_gemm_kernel keeps every warpgroup
+# of a CTA in lockstep (CTA barriers around each stage), so a CTA's tensor cores idle while it scales; 64 x 128 tiles at
+# 3 CTAs per SM overlap CTAs instead, but read 1.5x the bytes per FLOP of a 128 x 128 tile from L2 (ncu, down shape,
+# 1024 rows per expert: L2 throughput 79%, tensor pipe 51%). Here a 128 x 256 tile (or 128 x 128) is split between two
+# math warpgroups (64 rows each) that never wait for each other, fed by a loader (one TMA warp; for gathered rows a
+# warpgroup adding x's rows by cp.async) through `stages` ready / empty mbarrier pairs. ncu of this kernel (2026-12-02,
+# 44 experts x 1024 rows, 256-wide B tiles, gate+up / down): L2 throughput 42 / 37%, tensor pipe ~51%, 45% of the stall
+# cycles at CTA barriers (each math K block has two warpgroup barriers: before the ready wait, and before the one-thread
+# arrive on empty), 192k local memory requests (the gated variant's spills around the tile setup): not bound by L2, so
+# TMA multicast alone would not lift it.
 
 
 @gluon.jit
@@ -2365,48 +2367,75 @@ def _wg_tile(t, row_off_ptr, N, E, BLOCK_M: gl.constexpr, OUT_N: gl.constexpr, B
 
 
 @gluon.jit
-def _wg_loader(x_desc, w_desc, w3_desc, a_s, b_s, ready, empty, row_off_ptr, N, K, E, total,
-               GATED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_E: gl.constexpr,
-               STAGES: gl.constexpr):
-    """The TMA warp: K block after K block of this CTA's tiles into stage i % STAGES (i counts the CTA's blocks),
-    each once both math warpgroups have released it. The B tile is two boxes of BLOCK_N / 2 weight rows: GATED, W's
-    and W3's rows of the same output columns (one tile computes gate and up); else W's next rows (w3_desc is W's
-    then)."""
+def _wg_loader(x_desc, x_ptr, row_idx_ptr, x_stride, w_desc, w3_desc, a_s, b_s, ready, empty, row_off_ptr, N, K, E,
+               total, GATED: gl.constexpr, GATHER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               BLOCK_E: gl.constexpr, STAGES: gl.constexpr):
+    """The loader: K block after K block of this CTA's tiles into stage i % STAGES (i counts the CTA's blocks), each
+    once both math warpgroups have released it. The B tile is two boxes of BLOCK_N / 2 weight rows by TMA: GATED,
+    W's and W3's rows of the same output columns (one tile computes gate and up); else W's next rows (w3_desc is W's
+    then). x's block: by TMA (one warp), or GATHER (a warpgroup) rows row_idx[r] by cp.async, 16 bytes a thread and
+    row, each thread arriving on the stage's barrier once its copies have landed (TMA reads whole row blocks only)."""
     H2: gl.constexpr = BLOCK_N // 2
     OUT_N: gl.constexpr = H2 if GATED else BLOCK_N
     SECOND: gl.constexpr = 0 if GATED else H2  # the second box: W3's rows of the same columns, or W's next rows
+    lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])  # GATHER: x's block
+    cols = gl.arange(0, 128, layout=gl.SliceLayout(0, lay))
     KB = gl.cdiv(K, 128)
     i = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
         e, m0, row1, n0 = _wg_tile(t, row_off_ptr, N, E, BLOCK_M, OUT_N, BLOCK_E)
         if e < E:
+            if GATHER:
+                rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay))
+                ok = rows < row1
+                src = x_ptr + gl.load(row_idx_ptr + rows, mask=ok, other=0).to(gl.int64)[:, None] * x_stride
             for kb in range(KB):
                 s = i % STAGES  # a fresh barrier counts as released: the first pass waits for parity 1
                 mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, x_desc.block_type.nbytes + BLOCK_N * 128)
-                gtma.async_copy_global_to_shared(x_desc, [m0, kb * 128], bar, a_s.index(s))
+                if GATHER:
+                    mbarrier.expect(bar, BLOCK_N * 128)
+                else:
+                    mbarrier.expect(bar, x_desc.block_type.nbytes + BLOCK_N * 128)
+                    gtma.async_copy_global_to_shared(x_desc, [m0, kb * 128], bar, a_s.index(s))
                 gtma.async_copy_global_to_shared(w_desc, [e * N + n0, kb * 128], bar, b_s.index(s).slice(0, H2))
                 gtma.async_copy_global_to_shared(w3_desc, [e * N + n0 + SECOND, kb * 128], bar,
                                                  b_s.index(s).slice(H2, H2))
+                if GATHER:  # (K // 16 * 16: 16-byte copies need the mask constant over 16 columns; K % 16 == 0)
+                    k = kb * 128 + cols
+                    gcp.async_copy_global_to_shared(a_s.index(s), src + k[None, :],
+                                                    mask=ok[:, None] & (k < K // 16 * 16)[None, :])
+                    gcp.mbarrier_arrive(bar, increment_count=False)
                 i += 1
 
 
 @gluon.jit
-def _wg_math(half, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr, row_off_ptr,
-             N, K, E, total, limit, sx_stride, sw_stride_e, sw_stride_n, out_stride,
-             GATED: gl.constexpr, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             BLOCK_E: gl.constexpr, STAGES: gl.constexpr, PRECISE: gl.constexpr):
+def _store_chunks(c_s, k0: gl.constexpr, x, W: gl.constexpr, CH: gl.constexpr):
+    """x [R, W] -> c_s[k0 + k] = x[:, k * CH:(k + 1) * CH] for k < W / CH, halves split off in registers."""
+    if W == CH:
+        c_s.index(k0).store(x)
+    else:
+        lo, hi = x.reshape([x.shape[0], 2, W // 2]).permute((0, 2, 1)).split()
+        _store_chunks(c_s, k0, lo, W // 2, CH)
+        _store_chunks(c_s, k0 + W // 2 // CH, hi, W // 2, CH)
+
+
+@gluon.jit
+def _wg_math(half, a_s, b_s, ready, empty, c_s, out_desc, sx_ptr, row_idx_ptr, sw_ptr, sw3_ptr, out_ptr,
+             row_off_ptr, N, K, E, total, limit, sx_stride, sw_stride_e, sw_stride_n, out_stride,
+             GATED: gl.constexpr, GATHER: gl.constexpr, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, BLOCK_E: gl.constexpr, STAGES: gl.constexpr, PRECISE: gl.constexpr):
     """Math warpgroup `half`: rows [half * BLOCK_M / 2, +BLOCK_M / 2) of each tile, as two accumulators of
     BLOCK_N / 2 columns, one per B box (GATED: gate and up). Per K block and box: wgmma into fresh registers, wait,
     then acc + d * sx * sw as _grouped_gemm_kernel rounds it (same bits); the stage is released after the second.
     The other warpgroup's wgmmas run meanwhile. (A second register tile in flight during the scaling is what ptxas
-    refuses: it serialises every wgmma when registers of one in flight are read, C7514.) The epilogue goes through
-    shared memory so that bf16 rows are stored whole; GATED: SwiGLU of the two accumulators."""
+    refuses: it serialises every wgmma when registers of one in flight are read, C7514.) The epilogue (GATED: SwiGLU
+    of the two accumulators) writes bf16 64-column chunks to c_s[half * NC ...] and stores them by TMA."""
     H2: gl.constexpr = BLOCK_N // 2
     OUT_N: gl.constexpr = H2 if GATED else BLOCK_N
     SECOND: gl.constexpr = 0 if GATED else H2  # the second box's first column past n0 (as _wg_loader)
     HM: gl.constexpr = BLOCK_M // 2
+    NC: gl.constexpr = OUT_N // 64  # c_s chunks per warpgroup
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H2, 32])
     out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     KB = gl.cdiv(K, 128)
@@ -2416,6 +2445,8 @@ def _wg_math(half, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr
         if e < E:
             rows = m0 + half * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))
             row_ok = rows < row1
+            if GATHER:  # x's rows (and their scales) row_idx[r]
+                rows = gl.load(row_idx_ptr + rows, mask=row_ok, other=0)
             # each box lies in one 128-column scale block (H2 divides 128)
             sw0 = sw_ptr + e.to(gl.int64) * sw_stride_e + (n0 // 128) * sw_stride_n
             sw1 = sw3_ptr + e.to(gl.int64) * sw_stride_e + ((n0 + SECOND) // 128) * sw_stride_n
@@ -2424,6 +2455,8 @@ def _wg_math(half, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr
             for kb in range(KB):
                 s = i % STAGES
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                if GATHER:
+                    fence_async_shared()  # x's block came by cp.async (the generic proxy), wgmma reads the async one
                 a = a_s.index(s).slice(half * HM, HM)
                 d = warpgroup_mma(a, b_s.index(s).slice(0, H2).permute((1, 0)), acc0, use_acc=False, is_async=True)
                 sa = gl.load(sx_ptr + rows * sx_stride + kb, mask=row_ok, other=0.0)[:, None]
@@ -2438,87 +2471,116 @@ def _wg_math(half, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = acc1 + d * sa * g1
                 i += 1
-            cs = c_s.index(half)
-            orow = m0 + half * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, out_l))
-            ocol = n0 + gl.arange(0, H2, layout=gl.SliceLayout(0, out_l))
-            optr = out_ptr + orow.to(gl.int64)[:, None] * out_stride + ocol[None, :]
+            # the output through c_s (64-column chunks) and TMA stores, which the warpgroup does not wait for: the
+            # next tile's K loop starts at once (H200: down +11%, gate+up +1%; grouped_gemm_wgmma's docstring); a
+            # warpgroup whose rows reach past the expert's (TMA would write the next expert's) stores them masked
+            gtma.store_wait(0)  # the last tile's stores have read c_s
             if GATED:
-                cs.store(_swiglu_math(_bf16_round(acc0), _bf16_round(acc1), limit, HAS_LIMIT, PRECISE)
-                         .to(gl.bfloat16))
-                gl.store(optr, cs.load(out_l), mask=(orow < row1)[:, None] & (ocol < N)[None, :])
+                _store_chunks(c_s, half * NC, _swiglu_math(_bf16_round(acc0), _bf16_round(acc1), limit, HAS_LIMIT,
+                                                           PRECISE).to(gl.bfloat16), OUT_N, 64)
             else:
-                cs.store(_bf16_round(acc0).to(gl.bfloat16))
-                gl.store(optr, cs.load(out_l), mask=(orow < row1)[:, None] & (ocol < N)[None, :])
-                cs.store(_bf16_round(acc1).to(gl.bfloat16))
-                gl.store(optr + H2, cs.load(out_l), mask=(orow < row1)[:, None] & (ocol + H2 < N)[None, :])
+                _store_chunks(c_s, half * NC, _bf16_round(acc0).to(gl.bfloat16), H2, 64)
+                _store_chunks(c_s, half * NC + H2 // 64, _bf16_round(acc1).to(gl.bfloat16), H2, 64)
+            fence_async_shared()
+            r0 = m0 + half * HM
+            if r0 + HM <= row1:
+                for k in gl.static_range(NC):
+                    gtma.async_copy_shared_to_global(out_desc, [r0, n0 + 64 * k], c_s.index(half * NC + k))
+            else:
+                orow = r0 + gl.arange(0, HM, layout=gl.SliceLayout(1, out_l))
+                for k in gl.static_range(NC):
+                    ocol = n0 + 64 * k + gl.arange(0, 64, layout=gl.SliceLayout(0, out_l))
+                    gl.store(out_ptr + orow.to(gl.int64)[:, None] * out_stride + ocol[None, :],
+                             c_s.index(half * NC + k).load(out_l), mask=(orow < row1)[:, None] & (ocol < N)[None, :])
+    gtma.store_wait(0)
 
 
 @gluon.jit
 def _grouped_wgmma_kernel(
-    x_desc, w_desc, w3_desc, sx_ptr, sw_ptr, sw3_ptr, out_ptr, row_off_ptr,
+    x_desc, x_ptr, row_idx_ptr, x_stride, w_desc, w3_desc, out_desc, sx_ptr, sw_ptr, sw3_ptr, out_ptr, row_off_ptr,
     N, K, E, total, limit, sx_stride, sw_stride_e, sw_stride_n, out_stride,
-    GATED: gl.constexpr, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    GATED: gl.constexpr, GATHER: gl.constexpr, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_E: gl.constexpr, STAGES: gl.constexpr, PRECISE: gl.constexpr, MATH_REGS: gl.constexpr,
 ):
     """Persistent: CTA p takes tiles p, p + grid, ... of `total` (the worst-case count; tiles past the last real
-    one are skipped). Partitions: math warpgroups 0 (the default, 4 warps) and 1, the TMA warp (40 registers)."""
+    one are skipped). Partitions: math warpgroups 0 (the default, 4 warps) and 1, the loader (TMA: one warp of 40
+    registers; GATHER: a warpgroup of 48, the default math warpgroup then gets 224)."""
     a_s = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, 128], x_desc.layout)
     b_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, 128], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    c_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M // 2, BLOCK_N // 2],
-                                    gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    OUT_N: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+    c_s = gl.allocate_shared_memory(gl.bfloat16, [2 * OUT_N // 64, BLOCK_M // 2, 64], out_desc.layout)
+    LOAD_WARPS: gl.constexpr = 4 if GATHER else 1
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
+        # the expect-tx arrival, and GATHER each loader thread's cp.async arrival
+        mbarrier.init(ready.index(s), count=1 + 32 * LOAD_WARPS if GATHER else 1)
         mbarrier.init(empty.index(s), count=2)
     gl.warp_specialize([
-        (_wg_math, (0, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr, row_off_ptr, N, K, E, total,
-                    limit, sx_stride, sw_stride_e, sw_stride_n, out_stride, GATED, HAS_LIMIT, BLOCK_M, BLOCK_N,
-                    BLOCK_E, STAGES, PRECISE)),
-        (_wg_math, (1, a_s, b_s, ready, empty, c_s, sx_ptr, sw_ptr, sw3_ptr, out_ptr, row_off_ptr, N, K, E, total,
-                    limit, sx_stride, sw_stride_e, sw_stride_n, out_stride, GATED, HAS_LIMIT, BLOCK_M, BLOCK_N,
-                    BLOCK_E, STAGES, PRECISE)),
-        (_wg_loader, (x_desc, w_desc, w3_desc, a_s, b_s, ready, empty, row_off_ptr, N, K, E, total,
-                      GATED, BLOCK_M, BLOCK_N, BLOCK_E, STAGES))],
-                       [4, 1], [MATH_REGS, 40])
+        (_wg_math, (0, a_s, b_s, ready, empty, c_s, out_desc, sx_ptr, row_idx_ptr, sw_ptr, sw3_ptr, out_ptr,
+                    row_off_ptr, N, K, E, total, limit, sx_stride, sw_stride_e, sw_stride_n, out_stride, GATED,
+                    GATHER, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_E, STAGES, PRECISE)),
+        (_wg_math, (1, a_s, b_s, ready, empty, c_s, out_desc, sx_ptr, row_idx_ptr, sw_ptr, sw3_ptr, out_ptr,
+                    row_off_ptr, N, K, E, total, limit, sx_stride, sw_stride_e, sw_stride_n, out_stride, GATED,
+                    GATHER, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_E, STAGES, PRECISE)),
+        (_wg_loader, (x_desc, x_ptr, row_idx_ptr, x_stride, w_desc, w3_desc, a_s, b_s, ready, empty, row_off_ptr, N,
+                      K, E, total, GATED, GATHER, BLOCK_M, BLOCK_N, BLOCK_E, STAGES))],
+                       [4, LOAD_WARPS], [MATH_REGS, 48 if GATHER else 40])
 
 
 def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, stages=3, block_n=256):
-    """grouped_gemm_triton for FP8 on sm90 through _grouped_wgmma_kernel (Gluon): same arguments, and the same bits
-    as its tiles of >= 64 rows (wgmma too; its 16-row tiles add a K block's products in another order).
+    """grouped_gemm_triton for FP8 on sm90 through _grouped_wgmma_kernel (Gluon): same arguments, and the same bits as
+    its tiles of >= 64 rows (wgmma too; its 16-row tiles add a K block's products in another order).
 
-    row_idx: the rows are gathered first (gather_rows_triton, as TMA on sm90 reads whole row blocks only; the rows
-    of no expert, past row_off[E], are skipped). Persistent: one CTA per SM walks the tiles (N fastest, so the CTAs
-    in flight share an M tile's rows and an expert's weights in L2) while the TMA warp keeps `stages` K blocks in
+    row_idx: x's rows row_idx[r] are read by the loader warpgroup's cp.async (TMA on sm90 reads whole row blocks only;
+    the rows of no expert, past row_off[E], are never read). Persistent: one CTA per SM walks the tiles (N fastest, so
+    the CTAs in flight share an M tile's rows and an expert's weights in L2) while the loader keeps `stages` K blocks in
     flight across tile boundaries. block_n: B tile rows (128 or 256; gated: half W's, half W3's). H200, 44 experts,
-    TFLOP/s at 256 / 1024 rows per expert (bench_kernels.py sweep_gemm_wgmma, 2026-12-02): gathered gate+up (the
-    gather, a torch index then, 40 / 133 us of it) 622 / 670 at 128 columns, 699 / 768 at 256 (3 stages; 4: within
-    1%); grouped_gemm_triton 609 / 670. Down 635 / 694, 687 / 754, grouped_gemm_triton 669 / 726. (The 128-column
-    tile without the scaling, a probe with wrong results, reached only 766 / 889 on the down shape: its feed, not
-    the scaling, capped it.) Measured and removed (thirteenth session): the B tile as four 64-column quarters, each
+    TFLOP/s at 256 / 1024 rows per expert (bench_kernels.py sweep_gemm_wgmma, 2026-12-02): gathered gate+up (the gather,
+    a torch index then, 40 / 133 us of it) 622 / 670 at 128 columns, 699 / 768 at 256 (3 stages; 4: within 1%);
+    grouped_gemm_triton 609 / 670. Down 635 / 694, 687 / 754, grouped_gemm_triton 669 / 726. (The 128-column tile
+    without the scaling, a probe with wrong results, reached only 766 / 889 on the down shape: its feed, not the
+    scaling, capped it.) Measured and removed (thirteenth session): the B tile as four 64-column quarters, each
     warpgroup keeping one quarter's wgmma in flight while it scales the previous one (6 of 8 scalings per K block
-    overlapped, the same bits): gate+up 691 / 705 TFLOP/s at 512 / 1024 rows against 754-758 / 760-771, down 696 /
-    728 against 719 / 750. Nor is taking turns (fifteenth session: an mbarrier pair made the two math warpgroups
-    issue their wgmmas alternately, so that one's run while the other scales; the same bits): gate+up 749 / 774 /
-    787 TFLOP/s at 256 / 512 / 1024 rows against 759 / 784 / 796 in the same run, down 730 / 761 / 783 against 720 /
-    756 / 780 (4 stages: within 0.5%; removed). Nor is x's block read into registers once per K block for both
-    boxes' wgmmas (A from registers: 16 KB less shared-memory traffic per K block and one warpgroup barrier fewer in
-    the K loop; the same bits): gate+up 721 / 758 / 766 TFLOP/s against 733 / 752 / 774 in the same run, down 686 /
-    720 / 754 against 694 / 734 / 767 (removed; with the four quarters it spilled the accumulators inside the K
-    loop, 508 / 628 bytes). Nor is L2 the cap: bench_kernels.py bench_read reads 8.5 TB/s from L2 and the 256-wide
-    tiles draw ~4.4 TB/s at 768 TFLOP/s. ncu (gate+up, 512 rows, at 1.34 GHz): tensor pipe 50.8% active, shared
-    memory (L1/TEX) 51%, L2 47%, issue slots 42%; the math warps wait at their wgmma waits (19% of all warp
-    samples), for loaded stages ~2%, and the TMA warp for free stages 6%: no feed or bandwidth bound, but each
-    warpgroup's chain wgmma -> wait -> scale (an FMUL and an FFMA per element: the spec's (sum * sx) * Sw) with two
-    warpgroups to interleave; more of them do not fit the registers at 256 columns."""
+    overlapped, the same bits): gate+up 691 / 705 TFLOP/s at 512 / 1024 rows against 754-758 / 760-771, down 696 / 728
+    against 719 / 750. Nor is taking turns (fifteenth session: an mbarrier pair made the two math warpgroups issue their
+    wgmmas alternately, so that one's run while the other scales; the same bits): gate+up 749 / 774 / 787 TFLOP/s at 256
+    / 512 / 1024 rows against 759 / 784 / 796 in the same run, down 730 / 761 / 783 against 720 / 756 / 780 (4 stages:
+    within 0.5%; removed). Nor is x's block read into registers once per K block for both boxes' wgmmas (A from
+    registers: 16 KB less shared-memory traffic per K block and one warpgroup barrier fewer in the K loop; the same
+    bits): gate+up 721 / 758 / 766 TFLOP/s against 733 / 752 / 774 in the same run, down 686 / 720 / 754 against 694 /
+    734 / 767 (removed; with the four quarters it spilled the accumulators inside the K loop, 508 / 628 bytes). Nor is
+    L2 the cap: bench_kernels.py bench_read reads 8.5 TB/s from L2 and the 256-wide tiles draw ~4.4 TB/s at 768 TFLOP/s.
+    ncu (gate+up, 512 rows, at 1.34 GHz): tensor pipe 50.8% active, shared memory (L1/TEX) 51%, L2 47%, issue slots 42%;
+    the math warps wait at their wgmma waits (19% of all warp samples), for loaded stages ~2%, and the TMA warp for free
+    stages 6%: no feed or bandwidth bound, but each warpgroup's chain wgmma -> wait -> scale (an FMUL and an FFMA per
+    element: the spec's (sum * sx) * Sw) with two warpgroups to interleave; more of them do not fit the registers at 256
+    columns.
+
+    Sixteenth session (2026-12-03, H200s; probes of this kernel in an untracked lab file, each with the same feed and
+    tiles, at 512 / 1024 rows per expert, gate+up not gathered / down, TFLOP/s): as it was then 832 / 843 and 749 / 773;
+    without any scaling (the wgmma accumulating over K: wrong results) 893 / 886 and 920 / 959; with one FFMA per
+    element (sx * Sw first: other bits) 892 / 905 and 824 / 870; without the output stores 840 / 857 and 827 / 858.
+    Sustained (3 s of back-to-back launches, nvidia-smi sampling), every variant draws ~690 W of the 700 W cap with the
+    SM clock at 1515-1710 MHz instead of 1980: 0.44-0.50 of the tensor peak at that clock, so energy per FLOP sets the
+    rate as much as any pipe. Taken from the probes: (1) the output by TMA from shared memory instead of the warpgroup's
+    own stores after the K loop (same bits, ragged experts included): down 730 -> 812 / 755 -> 841 (256 rows 681 ->
+    742), gate+up 809 -> 818 / 814 -> 825; (2) the rows gathered by the loader (a warpgroup of cp.async) instead of a
+    gather kernel before the GEMM (the same bits; no [M, K] copy of x): gathered gate+up 762 -> 781 / 781 -> 799.
+    Measured and not taken the same day: one 64 x 128 wgmma per warpgroup and K block (gated: 64 gate and 64 up rows in
+    one B box) with the next K block's wgmma in flight while the last is scaled, four K blocks an iteration (no
+    accumulator in flight across the loop's back edge, which ptxas serialises: C7514, C7511): gate+up 786 / 799 against
+    832 / 843, down 734 / 750 against 749 / 773; a third, epilogue warpgroup (sharing the TMA warp's warpgroup at 56
+    registers) taking the bf16 accumulators through shared memory for SwiGLU and the stores: gate+up 773 / 781 against
+    804 / 814, down 374 / 384 (its two warps' stores did not keep up)."""
     E, N, K = w.shape
     _check(sw is not None and w.dtype == FP8 and x.dtype == FP8, "grouped_gemm_wgmma is for e4m3 x and w")
+    _check(N % 8 == 0, lambda: f"grouped_gemm_wgmma: N={N} is not a multiple of 8 (the output's TMA row stride)")
+    _check(row_idx is None or K % 16 == 0, lambda: f"grouped_gemm_wgmma: K={K} is not a multiple of 16 (row_idx)")
     M = x.shape[0] if row_idx is None else row_idx.numel()
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M == 0 or E == 0:
         return out
-    if row_idx is not None:  # only the rows of some expert: in the MoE, remote slots sort past row_off[E]
-        x, sx = gather_rows_triton(x, row_idx, row_off[E:]), gather_rows_triton(sx, row_idx, row_off[E:])
     BLOCK_M = 128
     _check(block_n in (128, 256), lambda: f"grouped_gemm_wgmma: block_n {block_n} is not 128 or 256")
     gated = w3 is not None
@@ -2528,44 +2590,15 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
         [BLOCK_M, QBLOCK], gl.float8e4nv))
     w_desc, w3_desc = (GluonDescriptor.from_tensor(t.view(E * N, K), [block_n // 2, QBLOCK], wl)
                        for t in (w, w3 if gated else w))
+    out_desc = GluonDescriptor.from_tensor(out, [BLOCK_M // 2, 64], gl.NVMMASharedLayout(128, 16))
     total = (triton.cdiv(M, BLOCK_M) + E) * triton.cdiv(N, out_n)  # worst case over any split of M rows into E experts
     _grouped_wgmma_kernel[(min(total, _sms()),)](
-        x_desc, w_desc, w3_desc, sx, sw, sw3 if gated else sw, out, row_off, N, K, E, total,
+        x_desc, x, row_off if row_idx is None else row_idx, x.stride(0), w_desc, w3_desc, out_desc, sx, sw,
+        sw3 if gated else sw, out, row_off, N, K, E, total,
         float(limit) if limit is not None else 0.0, sx.stride(0), sw.stride(0), sw.stride(1), out.stride(0),
-        GATED=gated, HAS_LIMIT=limit is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        GATED=gated, GATHER=row_idx is not None, HAS_LIMIT=limit is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_E=triton.next_power_of_2(E), STAGES=stages, PRECISE=_PRECISE, MATH_REGS=232, num_warps=4)
     return out
-
-
-@triton.jit
-def _gather_rows_kernel(src_ptr, idx_ptr, end_ptr, dst_ptr, M, W, src_stride, dst_stride,
-                        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
-    """dst[r] = src[idx[r]] (W words) for rows r < min(M, end_ptr[0])."""
-    _pdl_enter(PDL)
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < tl.minimum(M, tl.load(end_ptr))
-    src = src_ptr + tl.load(idx_ptr + rows, mask=ok, other=0).to(tl.int64)[:, None] * src_stride
-    dst = dst_ptr + rows.to(tl.int64)[:, None] * dst_stride
-    for w0 in range(0, W, BLOCK_W):
-        ws = w0 + tl.arange(0, BLOCK_W)
-        m = ok[:, None] & (ws < W)[None, :]
-        tl.store(dst + ws[None, :], tl.load(src + ws[None, :], mask=m), mask=m)
-
-
-def gather_rows_triton(src, idx, end):
-    """src [S, W] -> [M, W] (M = idx.numel()): row r is src[idx[r]] for r < end[0], an int32 device tensor (no host
-    sync); rows past it stay unwritten. Rows of whole 4-byte words move as int32 (e4m3 rows of K % 4 == 0)."""
-    _check_tensor("idx", idx, torch.int32, ndim=1)
-    _check(src.dim() == 2 and src.stride(1) == 1,
-           lambda: f"src must be 2-D with contiguous rows, got {tuple(src.shape)}")
-    words = src.view(torch.uint8)
-    words = words.view(torch.int32) if words.shape[1] % 4 == 0 and words.stride(0) % 4 == 0 else words
-    out = torch.empty(idx.numel(), *words.shape[1:], dtype=words.dtype, device=src.device)
-    if idx.numel():
-        _gather_rows_kernel[(triton.cdiv(idx.numel(), 8),)](words, idx, end, out, idx.numel(), words.shape[1],
-                                                            words.stride(0), out.stride(0), BLOCK_R=8,
-                                                            BLOCK_W=256, num_warps=4, **_pdl())
-    return out.view(torch.uint8).view(src.dtype)
 
 
 @triton.jit

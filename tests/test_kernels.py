@@ -89,18 +89,12 @@ def test_act_quant_bit_exact(M, Kd):
     assert torch.equal(s, sr)
 
 
-def test_gather_rows_and_act_quant_stop_at_a_device_end():
-    """gather_rows_triton (the Gluon GEMM's row gather: e4m3 rows as int32 words, fp32 scales, odd byte widths as
-    bytes) and act_quant_triton(end=): the rows before end[0], an int32 device tensor (no host sync), as indexing and
-    the full quantisation give them."""
+def test_act_quant_stops_at_a_device_end():
+    """act_quant_triton(end=): the rows before end[0], an int32 device tensor (no host sync), as the full
+    quantisation gives them."""
     x = randn(9, 256, seed=4, scale=3.0)
     q, s = K.act_quant_triton(x)
-    idx = torch.tensor([4, 0, 8, 8, 3, 1], dtype=torch.int32, device=DEV)
     end = torch.tensor([4], dtype=torch.int32, device=DEV)
-    for t in (q, s, q[:, :6]):
-        g = K.gather_rows_triton(t, idx, end)
-        assert g.dtype == t.dtype and tuple(g.shape) == (6, t.shape[1])
-        assert bytes_equal(g[:4], t[idx[:4].long()])
     qe, se = K.act_quant_triton(x, end=end)
     assert bytes_equal(qe[:4], q[:4]) and torch.equal(se[:4], s[:4])
 
@@ -173,6 +167,26 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
             for bn in (128, 256):
                 out = K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, block_n=bn, **kw)
                 assert torch.equal(out, want), (bn, sorted(kw))
+
+
+@pytest.mark.skipif(INTERPRET, reason="a GPU kernel (Gluon, sm90)")
+def test_gpu_grouped_gemm_wgmma_tma_store():
+    """The Gluon kernel's output stores: TMA for a warpgroup's 64 rows when all belong to the expert (130 rows: the
+    first tile whole, 64 rows: one half), masked stores for the rest (the 130-row expert's 2-row tile, the 7-row
+    expert), and the TMA boxes clipped at N = 320 (a partial 256-column tile); the same bits as Triton's 128-row
+    tiles, gated with gathered rows and not."""
+    if not K._sm90():
+        pytest.skip("sm90 only")
+    E, N, Kd = 3, 320, 256
+    row_off = torch.tensor([0, 130, 194, 201], dtype=torch.int32, device=DEV)
+    x = randn(201, Kd, seed=7, scale=2.0)
+    (w, sw), (w3, sw3) = fp8_weights(E, N, Kd, seed=8), fp8_weights(E, N, Kd, seed=9)
+    xq, sx = K.act_quant_triton(x)
+    tok = torch.randperm(201, generator=torch.Generator().manual_seed(0)).to(torch.int32).to(DEV)
+    for kw in (dict(), dict(row_idx=tok, w3=w3, sw3=sw3, limit=7.0)):
+        want = K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_m=128, tma=False, **kw)
+        for bn in (128, 256):
+            assert torch.equal(K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, block_n=bn, **kw), want), (bn, sorted(kw))
 
 
 def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
