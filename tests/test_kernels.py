@@ -158,18 +158,22 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
                            K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=bn, tma=False))
     assert torch.equal(*[K.grouped_gemm_triton(xq, sx, w, sw, row_off, row_idx=tok, w3=w3, sw3=sw3, limit=7.0,
                                                block_n=64, tma=t) for t in (True, False)])
-    # the Gluon kernel: 128-row tiles, two warpgroups of 64 rows, x by TMA too; the same bits as Triton's tiles of
-    # >= 64 rows (wgmma; the default 16-row tiles here add each K block's products in another order: 1 ulp apart);
-    # 256-column B tiles: the second box partly past N (200) and its scale block the last one
+    # the Gluon kernel; 256-column B tiles: the second box partly past N (200) and its scale block the last one
     if not INTERPRET and K._sm90():
-        for kw in (dict(), dict(row_idx=tok, w3=w3, sw3=sw3, limit=7.0)):
-            want = K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_m=128, tma=False, **kw)
-            for bn in (128, 256):
-                out = K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, block_n=bn, **kw)
-                assert torch.equal(out, want), (bn, sorted(kw))
+        _assert_wgmma_same_bits(xq, sx, w, sw, row_off, tok, w3, sw3)
 
 
-@pytest.mark.skipif(INTERPRET, reason="a GPU kernel (Gluon, sm90)")
+def _assert_wgmma_same_bits(xq, sx, w, sw, row_off, tok, w3, sw3):
+    """grouped_gemm_wgmma (128-row tiles, two warpgroups of 64 rows; x by TMA, or gathered rows tok by cp.async) at
+    both B tile widths, down-like and gated: the same bits as Triton's tiles of >= 64 rows (wgmma; the default 16-row
+    tiles add each K block's products in another order: 1 ulp apart)."""
+    for kw in (dict(), dict(row_idx=tok, w3=w3, sw3=sw3, limit=7.0)):
+        want = K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_m=128, tma=False, **kw)
+        for bn in (128, 256):
+            assert torch.equal(K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, block_n=bn, **kw), want), (bn, sorted(kw))
+
+
+@gpu
 def test_gpu_grouped_gemm_wgmma_tma_store():
     """The Gluon kernel's output stores: TMA for a warpgroup's 64 rows when all belong to the expert (130 rows: the
     first tile whole, 64 rows: one half), masked stores for the rest (the 130-row expert's 2-row tile, the 7-row
@@ -183,10 +187,7 @@ def test_gpu_grouped_gemm_wgmma_tma_store():
     (w, sw), (w3, sw3) = fp8_weights(E, N, Kd, seed=8), fp8_weights(E, N, Kd, seed=9)
     xq, sx = K.act_quant_triton(x)
     tok = torch.randperm(201, generator=torch.Generator().manual_seed(0)).to(torch.int32).to(DEV)
-    for kw in (dict(), dict(row_idx=tok, w3=w3, sw3=sw3, limit=7.0)):
-        want = K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_m=128, tma=False, **kw)
-        for bn in (128, 256):
-            assert torch.equal(K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, block_n=bn, **kw), want), (bn, sorted(kw))
+    _assert_wgmma_same_bits(xq, sx, w, sw, row_off, tok, w3, sw3)
 
 
 def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
