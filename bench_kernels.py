@@ -6,10 +6,11 @@
                                                  # norm route floors
 
 Ceilings (measured with PyTorch on the H200 machine): HBM 4.28 TB/s (a copy, read + write), fp8 _scaled_mm
-1263 TFLOP/s, bf16 GEMM 767 TFLOP/s (both 8192^3). Times are medians of CUDA-graph replays
-(triton.testing.do_bench_cudagraph: device time, as a graph-captured decode step sees it); "eager" is
-triton.testing.do_bench of plain Python calls, which for the small decode cases measures the host's launch overhead
-(Triton's Python launcher), not the GPU.
+1263 TFLOP/s, bf16 GEMM 767 TFLOP/s (both 8192^3); fp8 _scaled_mm with 1x128 / 128x128 block scales (cuBLAS,
+blockwise_scaled_mm) 1099 TFLOP/s at 22528 x 3072 x 4096, 974 at 22528 x 4096 x 1536 (2026-12-03). Times are medians
+of CUDA-graph replays (triton.testing.do_bench_cudagraph: device time, as a graph-captured decode step sees it);
+"eager" is triton.testing.do_bench of plain Python calls, which for the small decode cases measures the host's launch
+overhead (Triton's Python launcher), not the GPU.
 """
 import argparse
 import sys
@@ -351,10 +352,20 @@ def sweep_gemm_prefill(rows_per_expert, E=44):
         print(f"  sweep prefill {what} rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
 
 
+def blockwise_scaled_mm(xq, sx, N, seed=2):
+    """cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm; sm90, M % 16 == 0) of xq [M, K] by one dense random [N, K]
+    weight: the ceiling for the grouped kernels' FLOPs (its weight stays in L2, and it folds sx * Sw into one FFMA per
+    element and K block, not the spec's (sum * sx) * Sw: other bits). Scales: x's [M, K/128] M-major, the weight's
+    [K/128, N/128] with strides (1, K/128)."""
+    w, sw = fp8_weights(1, N, xq.shape[1], seed=seed)
+    sa, sb = sx.t().contiguous().t(), sw[0].t()
+    return lambda: torch._scaled_mm(xq, w[0].t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+
 def sweep_gemm_wgmma(rows_per_expert, E=44, choices=((128, 4), (256, 3), (256, 4))):
     """The Gluon grouped GEMM (kernel.grouped_gemm_wgmma: 128-row tiles, two math warpgroups and a TMA warp,
     persistent) at its (block_n, stages) choices beside grouped_gemm_triton's own kernel (wgmma=False); same bits
-    asserted."""
+    asserted. Last, cuBLAS's block-scaled GEMM of the same FLOPs on one dense weight (blockwise_scaled_mm)."""
     M = E * rows_per_expert
     row_off = torch.arange(0, M + 1, rows_per_expert, device=DEV, dtype=torch.int32)
     perm = torch.randperm(M, device=DEV, generator=torch.Generator(device=DEV).manual_seed(0)).to(torch.int32)
@@ -370,6 +381,8 @@ def sweep_gemm_wgmma(rows_per_expert, E=44, choices=((128, 4), (256, 3), (256, 4
         for bn, st in choices:
             res.append(choice(f"wgmma {bn} s{st}", lambda: K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, stages=st,
                                                                                 block_n=bn, **kw), want, flops))
+        t = bench(blockwise_scaled_mm(xq, sx, N * (2 if gated else 1)))
+        res.append(f"cuBLAS block-scaled dense: {t * 1e6:.1f}us {flops / t / 1e12:.0f} TFLOP/s")
         print(f"  sweep wgmma {what} rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
 
 

@@ -2559,9 +2559,13 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
 
     Sixteenth session (2026-12-03; PERF_LOG.md has the figures): the output stored by TMA (down +11%, gate+up +1%) and
     the rows gathered by the loader (gathered gate+up +2.5%) were taken; a 64 x 128 wgmma per warpgroup with the next K
-    block's in flight while the last is scaled, and a third, epilogue warpgroup, were slower. Probes of the kernel
-    without any scaling stay under 950 TFLOP/s too, and run for seconds every variant holds the H200 at its 700 W cap
-    (SM clock 1.5-1.7 GHz): energy per FLOP sets the rate as much as any pipe."""
+    block's in flight while the last is scaled, and a third, epilogue warpgroup, were slower.
+
+    Seventeenth session: held at the 700 W cap, cuBLAS's block-scaled GEMM (bench_kernels.blockwise_scaled_mm) on one
+    dense weight of the same FLOPs runs 1.24x this kernel's rate on that problem, so the cap alone is not what holds
+    it; at ncu's fixed clock it is 1.42x as fast with 0.69x the instructions, the difference being the spec's FMUL:
+    folding sx * Sw into one FFMA as cuBLAS does (other bits) gives +9-12% here. Three math warpgroups (192 x 128 tiles,
+    one n128 wgmma each per K block) and two on 128 x 128 tiles were slower."""
     E, N, K = w.shape
     _check(sw is not None and w.dtype == FP8 and x.dtype == FP8, "grouped_gemm_wgmma is for e4m3 x and w")
     _check(N % 8 == 0, lambda: f"grouped_gemm_wgmma: N={N} is not a multiple of 8 (the output's TMA row stride)")
