@@ -2285,7 +2285,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
            and all(t.data_ptr() % 16 == 0 for t in (x, w, w3) if t is not None))
     if wgmma is None:
         wgmma = BLOCK_M == 128 and all(a is None for a in (block_m, block_n, num_stages, num_warps))
-    if tma and wgmma and N % 8 == 0 and (row_idx is None or K % 16 == 0):
+    if tma and wgmma and _wgmma_misfit(N, K, row_idx) is None:
         return grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx, w3, sw3, limit)
     if tma and BLOCK_M == 128 and block_m is None:
         # H200, bench_kernels.py sweep_prefill, 44 experts x 128 / 512 / 1024 rows, TFLOP/s, pointer loads -> TMA:
@@ -2528,6 +2528,16 @@ def _grouped_wgmma_kernel(
                        [4, LOAD_WARPS], [MATH_REGS, 48 if GATHER else 40])
 
 
+def _wgmma_misfit(N, K, row_idx):
+    """Why grouped_gemm_wgmma cannot take these shapes (None if it can): the output is stored by TMA (16-byte rows),
+    gathered rows are copied 16 bytes at a time."""
+    if N % 8:
+        return f"N={N} is not a multiple of 8 (the output's TMA row stride)"
+    if row_idx is not None and K % 16:
+        return f"K={K} is not a multiple of 16 (row_idx)"
+    return None
+
+
 def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, stages=3, block_n=256):
     """grouped_gemm_triton for FP8 on sm90 through _grouped_wgmma_kernel (Gluon): same arguments, and the same bits as
     its tiles of >= 64 rows (wgmma too; its 16-row tiles add a K block's products in another order).
@@ -2568,8 +2578,8 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
     one n128 wgmma each per K block) and two on 128 x 128 tiles were slower."""
     E, N, K = w.shape
     _check(sw is not None and w.dtype == FP8 and x.dtype == FP8, "grouped_gemm_wgmma is for e4m3 x and w")
-    _check(N % 8 == 0, lambda: f"grouped_gemm_wgmma: N={N} is not a multiple of 8 (the output's TMA row stride)")
-    _check(row_idx is None or K % 16 == 0, lambda: f"grouped_gemm_wgmma: K={K} is not a multiple of 16 (row_idx)")
+    misfit = _wgmma_misfit(N, K, row_idx)
+    _check(misfit is None, lambda: f"grouped_gemm_wgmma: {misfit}")
     M = x.shape[0] if row_idx is None else row_idx.numel()
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M == 0 or E == 0:
