@@ -714,7 +714,7 @@ def banded_attention(q, k, v, off, window, scale, how=None):
     return out
 
 
-def ring_attention_ref(q, k, v, pos, ring_k, ring_v, window, scale):
+def ring_attention_ref(q, k, v, pos, ring_k, ring_v, window, scale, rows=None):
     """Sliding-window attention of Q = T / B new tokens per ring row (row-major [B, Q]): their keys/values are
     written first, then each query attends to the window of its own position.
 
@@ -722,26 +722,28 @@ def ring_attention_ref(q, k, v, pos, ring_k, ring_v, window, scale):
     written in place -> [T, H, hd] bf16 (SDPA: fp32 logits * scale, bf16 result). Slot s holds position p - d,
     d = (p - s) mod R: in the window when d < W, written when d <= p. R >= W + Q - 1: a step's later keys never
     overwrite a key an earlier query of the step still sees (the R - W spare slots also hold rows a speculative
-    step may roll back)."""
-    B, R = ring_k.shape[0], ring_k.shape[2]
+    step may roll back). rows [B'] (default: every ring row): the ring row of each of the step's rows."""
+    R = ring_k.shape[2]
+    rows = torch.arange(ring_k.shape[0], device=q.device) if rows is None else rows
+    B = rows.shape[0]
     T, H, hd = q.shape
     Q = T // B
     if R < window + Q - 1:
         raise ValueError(f"a decode step of {Q} tokens per row needs a ring of {window + Q - 1} slots, not {R}")
-    rows = torch.arange(B, device=q.device).repeat_interleave(Q)
-    ring_k[rows, :, pos % R] = k
-    ring_v[rows, :, pos % R] = v
+    tok_rows = rows.repeat_interleave(Q)
+    ring_k[tok_rows, :, pos % R] = k
+    ring_v[tok_rows, :, pos % R] = v
     p = pos.view(B, Q, 1)
     d = (p - torch.arange(R, device=q.device)) % R
     valid = (d < window) & (d <= p)  # [B, Q, R]
-    o = torch.nn.functional.scaled_dot_product_attention(q.view(B, Q, H, hd).transpose(1, 2), ring_k, ring_v,
-                                                         attn_mask=valid[:, None], scale=scale,
+    o = torch.nn.functional.scaled_dot_product_attention(q.view(B, Q, H, hd).transpose(1, 2), ring_k[rows],
+                                                         ring_v[rows], attn_mask=valid[:, None], scale=scale,
                                                          enable_gqa=True)  # [B, H, Q, hd]
     return o.transpose(1, 2).reshape(T, H, hd)
 
 
 def sliding_decode_ref(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
-                       n_groups):
+                       n_groups, rows=None):
     """A decode step of Q = T / B tokens per ring row (row-major [B, Q]; Q > 1: a speculative verify step) of a
     sliding-window layer, from the packed projection to the gated output.
 
@@ -756,7 +758,7 @@ def sliding_decode_ref(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, 
     q, k, v, gl = qkvg.split([H * hd, G * hd, G * hd, H], dim=-1)
     q = norm_rope_ref(q.view(T, H, hd), q_norm_w, cos, sin, eps, pos=pos)
     k = norm_rope_ref(k.view(T, G, hd), k_norm_w, cos, sin, eps, pos=pos)
-    o = ring_attention_ref(q, k, v.view(T, G, hd), pos, ring_k, ring_v, window, scale)  # [T, H, hd]
+    o = ring_attention_ref(q, k, v.view(T, G, hd), pos, ring_k, ring_v, window, scale, rows)  # [T, H, hd]
     gate = torch.sigmoid(gl)  # [T, H] bf16
     return (o * gate[..., None]).reshape(T, H * hd)  # one rounding: the bf16 x bf16 product is exact in fp32
 
@@ -1113,12 +1115,13 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     return out
 
 
-def sliding_decode(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads, n_groups):
+def sliding_decode(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads, n_groups,
+                   rows=None):
     if _triton(qkvg):
         return sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window,
-                                     n_heads, n_groups)
+                                     n_heads, n_groups, rows=rows)
     return sliding_decode_ref(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window,
-                              n_heads, n_groups)
+                              n_heads, n_groups, rows)
 
 
 def rms_norm_ref(x, w, eps, out_dtype=None):
@@ -1391,20 +1394,21 @@ def region_summary(k, z):
     return region_summary_ref(k, z)
 
 
-def dsa_cache_write_ref(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
+def dsa_cache_write_ref(k, v, ki, zi, pos, ck, cv, pk, pz, summ, rows=None):
     """A DSA decode step's cache writes, in place: token pos[b]'s key/value rows, its indexer key/z as pending row
     pos % blk, and, when that row completes its region, the region's summary (region_summary_ref of the pending
     rows) at region pos // blk; other summaries are untouched.
 
     k, v [B, G, hd] bf16; ki, zi [B, P] bf16; pos [B] int64; ck, cv [B, cap, G, hd] bf16; pk, pz [B, blk, P] bf16;
-    summ [B, R, P] uint8 (e4m3 bytes)."""
-    B, blk = pos.shape[0], pk.shape[1]
-    rows = torch.arange(B, device=pos.device)
+    summ [B, R, P] uint8 (e4m3 bytes). rows [B'] (default: every cache row): the cache row of each step row (k, v,
+    ki, zi, pos are [B', ...])."""
+    blk = pk.shape[1]
+    rows = torch.arange(pos.shape[0], device=pos.device) if rows is None else rows
     ck[rows, pos], cv[rows, pos] = k, v
     pk[rows, pos % blk], pz[rows, pos % blk] = ki, zi
     done = (pos % blk == blk - 1)[:, None]
     r = pos // blk
-    new = region_summary_ref(pk, pz).view(torch.uint8)
+    new = region_summary_ref(pk[rows], pz[rows]).view(torch.uint8)
     summ[rows, r] = torch.where(done, new, summ[rows, r])
 
 
@@ -1474,19 +1478,21 @@ def dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
                                       **_pdl())
 
 
-def dsa_cache_write(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
+def dsa_cache_write(k, v, ki, zi, pos, ck, cv, pk, pz, summ, rows=None):
     if _triton(k):
-        return dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ)
-    return dsa_cache_write_ref(k, v, ki, zi, pos, ck, cv, pk, pz, summ)
+        return dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ, rows=rows)
+    return dsa_cache_write_ref(k, v, ki, zi, pos, ck, cv, pk, pz, summ, rows)
 
 
-def indexer_scores_ref(q, w, summ, w_scale=1.0):
-    """q [S, T, G, Hg, P] bf16, w [S, T, G, Hg] bf16 or fp32, summ [S, R, P] e4m3 -> scores [S, G, T, R] fp32.
+def indexer_scores_ref(q, w, summ, w_scale=1.0, rows=None):
+    """q [S, T, G, Hg, P] bf16, w [S, T, G, Hg] bf16 or fp32, summ [S', R, P] e4m3 -> scores [S, G, T, R] fp32;
+    rows [S] (default: S' = S, row s): the summaries' row of each of q's rows.
 
     score = sum over the group's heads, in head order with one fp32 accumulator, of relu(q_h . S_r) * w_h,
     with q rounded to e4m3 (torch cast semantics) before the dot and w_h = f32(w) * w_scale (one fp32 product).
     """
     qf = to_e4m3(q).float()
+    summ = summ if rows is None else summ[rows]
     dots = torch.einsum("stghp,srp->sgthr", qf, summ.float())  # [S, G, T, Hg, R]
     wt = (w.float() * w_scale).permute(0, 2, 1, 3)[..., None]  # [S, G, T, Hg, 1]
     acc = torch.zeros_like(dots[:, :, :, 0])
@@ -1585,12 +1591,14 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
     return out
 
 
-def indexer_scores(q, w, summ, w_scale=1.0, q_e4m3=False):
+def indexer_scores(q, w, summ, w_scale=1.0, q_e4m3=False, rows=None, n_hist=None, blk=1):
     """q_e4m3: q holds e4m3 values (norm_rope_jobs' e4m3): the Triton kernel skips their rounding (the reference's
-    to_e4m3 leaves them as they are)."""
+    to_e4m3 leaves them as they are). n_hist [S, T] (positions, with blk their region size, as select_regions takes
+    them): the kernel skips region tiles past every query of the tile's history, which select_regions never reads
+    (the reference computes them all)."""
     if _triton(q):
-        return indexer_scores_triton(q, w, summ, w_scale, q_e4m3=q_e4m3)
-    return indexer_scores_ref(q, w, summ, w_scale)
+        return indexer_scores_triton(q, w, summ, w_scale, q_e4m3=q_e4m3, rows=rows, n_hist=n_hist, blk=blk)
+    return indexer_scores_ref(q, w, summ, w_scale, rows)
 
 
 def select_regions_ref(scores, n_hist, topk, blk=1):
@@ -1770,11 +1778,12 @@ def gate_heads(o, gate):
     return o * torch.sigmoid(gate).view(*o.shape[:-1], 1)
 
 
-def sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate=None):
+def sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate=None, rows=None):
     """Attention over the selected history regions plus the current region (gate: then gate_heads).
 
     q [S, T, G, Hg, hd] bf16; k, v [S, N, G, hd] bf16 (token n of sequence s at row n); ids, valid [S, G, T, K]
     (ascending region ids, as select_regions returns); pos [S, T] absolute positions -> [S, T, G, Hg, hd] bf16.
+    rows [S] (default: row s): the cache row of each of q's rows.
     Keys are visited as the kernel visits them: selected regions in ascending id, then the current region
     (tokens blk*floor(p/blk) .. p). Logits fp32 from bf16 q.k, times scale; probabilities exp(s - max) are rounded
     to bf16 before the P.V product (fp32 accumulation); the fp32 row sum divides at the end; result bf16.
@@ -1790,7 +1799,7 @@ def sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate=None):
     tok = torch.cat([hist, cur], -1).clamp(max=k.shape[1] - 1)  # [S, G, T, J]
     ok = torch.cat([hist_ok, cur_ok], -1)
     J = tok.shape[-1]
-    sidx = torch.arange(S, device=q.device)[:, None, None, None]
+    sidx = (torch.arange(S, device=q.device) if rows is None else rows)[:, None, None, None]
     gidx = torch.arange(G, device=q.device)[None, :, None, None]
     kk, vv = k[sidx, tok, gidx].float(), v[sidx, tok, gidx].float()  # [S, G, T, J, hd]
     qf = q.permute(0, 2, 1, 3, 4).float()  # [S, G, T, Hg, hd]
@@ -1974,10 +1983,10 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
     return out
 
 
-def sparse_attention(q, k, v, ids, valid, pos, blk, scale, gate=None):
+def sparse_attention(q, k, v, ids, valid, pos, blk, scale, gate=None, rows=None):
     if _triton(q):
-        return sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, gate=gate)
-    return sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate)
+        return sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, gate=gate, rows=rows)
+    return sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate, rows)
 
 
 # --------------------------------------------------------------------------------------------------
