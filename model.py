@@ -8,6 +8,7 @@ Every number of the architecture comes from the checkpoint's config; nothing her
 import itertools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -106,8 +107,9 @@ def set_one_shot(rows: int, D: int = 0, device=None):
 # building blocks
 
 
-class Norm(nn.Module):
-    """Holds a norm's fp32 weight (and bias) under the checkpoint's names."""
+class NormWeight(nn.Module):
+    """Holds a norm's fp32 weight (and bias) under the checkpoint's names (kernel.rms_norm and the fused kernels read
+    it)."""
 
     def __init__(self, dim: int, bias: bool = False):
         super().__init__()
@@ -123,7 +125,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def _lin(out_f: int, in_f: int, dtype=torch.bfloat16) -> nn.Linear:
+def _weight(out_f: int, in_f: int, dtype=torch.bfloat16) -> nn.Linear:
+    """A bias-free nn.Linear that only holds a checkpoint weight [out_f, in_f] (`linear` computes with it)."""
     m = nn.Linear(in_f, out_f, bias=False, dtype=dtype)
     m.weight.requires_grad_(False)
     return m
@@ -167,31 +170,33 @@ def rope_tables(c: Step5Config, n_pos: int, device) -> list:
 
 
 class LayerCache:
-    """Per-layer decode state. Sliding: ring K/V [B, G, W, hd] (token p in slot p mod W). DSA: K/V [B, cap, G, hd],
-    region summaries [B, R, P] e4m3, pending indexer key/z of the unfinished region [B, blk, P] bf16."""
+    """Per-layer decode state of B cache rows (slots). Sliding: ring K/V [B, G, R, hd] (token p in slot p mod R).
+    DSA: K/V [B, cap, G, hd], region summaries [B, R, P] e4m3, pending indexer key/z of the unfinished region
+    [B, blk, P] bf16."""
 
     def __init__(self, **bufs):
         self.__dict__.update(bufs)
 
-    def keep(self, rows: torch.Tensor):
-        for k, v in self.__dict__.items():
-            self.__dict__[k] = v.index_select(0, rows)
-
 
 class Cache:
-    """Static-shape caches for B requests of at most `cap` tokens; `lengths` [B] is shared by all layers."""
+    """Static-shape caches for B rows (slots) of at most `cap` positions; `lengths` [B] (positions each row holds)
+    is shared by all layers. `requests` [B]: the request each row serves, for installed Pins only."""
 
     def __init__(self, layers: list, B: int, cap: int, device):
         self.layers, self.cap = layers, cap
         self.lengths = torch.zeros(B, dtype=torch.long, device=device)
-        self.requests = torch.arange(B, device=device)  # request index of each row (compaction drops rows)
+        self.requests = torch.arange(B, device=device)
 
-    def keep(self, rows: torch.Tensor):
-        """Compaction: keep only the cache rows `rows` (requests that finished leave the batch)."""
-        self.lengths = self.lengths.index_select(0, rows)
-        self.requests = self.requests.index_select(0, rows)
-        for c in self.layers:
-            c.keep(rows)
+
+@dataclass
+class Placement:
+    """Where one forward call's tokens go. Prefill: spans (cache row, start in the packed tokens, n tokens, first
+    position p0) per row that gets tokens. Decode: rows [B'] (the cache row of each batch row, a device tensor; no
+    host read) and Q tokens per row. pos [T]: each token's absolute position."""
+    pos: torch.Tensor
+    spans: list | None = None
+    rows: torch.Tensor | None = None
+    Q: int = 1
 
 
 class Pins:
@@ -270,24 +275,24 @@ class Attention(nn.Module):
         self.cfg, self.layer_id = cfg, layer_id
         D, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_groups = cfg.n_local_heads, cfg.n_local_groups
-        self.q_proj = _lin(self.n_heads * hd, D)
-        self.k_proj = _lin(self.n_groups * hd, D)
-        self.v_proj = _lin(self.n_groups * hd, D)
-        self.o_proj = _lin(D, self.n_heads * hd)
-        self.g_proj = _lin(self.n_heads, D)
-        self.q_norm, self.k_norm = Norm(hd), Norm(hd)
+        self.q_proj = _weight(self.n_heads * hd, D)
+        self.k_proj = _weight(self.n_groups * hd, D)
+        self.v_proj = _weight(self.n_groups * hd, D)
+        self.o_proj = _weight(D, self.n_heads * hd)
+        self.g_proj = _weight(self.n_heads, D)
+        self.q_norm, self.k_norm = NormWeight(hd), NormWeight(hd)
         self.dsa = cfg.is_dsa(layer_id)
         if self.dsa:
             sp = cfg.sparse
             self.idx_heads = sp.n_heads // sp.n_provider_groups  # indexer heads per group (TP-invariant)
             self.w_scale = self.idx_heads ** -0.5  # the head weights' scale, applied in fp32 after W_Iw
             P = sp.proxy_dim
-            self.sparse_indexer_q = _lin(self.n_groups * self.idx_heads * P, D)
-            self.sparse_indexer_q_norm = Norm(P)
-            self.sparse_indexer_k = _lin(P, D)
-            self.sparse_indexer_k_norm = Norm(P, bias=True)
-            self.sparse_indexer_z = _lin(P, D)
-            self.sparse_indexer_w = _lin(self.n_groups * self.idx_heads, D, dtype=torch.float32)
+            self.sparse_indexer_q = _weight(self.n_groups * self.idx_heads * P, D)
+            self.sparse_indexer_q_norm = NormWeight(P)
+            self.sparse_indexer_k = _weight(P, D)
+            self.sparse_indexer_k_norm = NormWeight(P, bias=True)
+            self.sparse_indexer_z = _weight(P, D)
+            self.sparse_indexer_w = _weight(self.n_groups * self.idx_heads, D, dtype=torch.float32)
             self.ssmax_s = nn.Parameter(torch.empty(cfg.num_attention_heads, dtype=torch.float32),
                                         requires_grad=False)  # loaded for a clean key set; no kernel reads it (one init constant)
         self.scale = hd ** -0.5
@@ -335,24 +340,24 @@ class Attention(nn.Module):
                           pk=torch.zeros(B, sp.block, sp.proxy_dim, dtype=torch.bfloat16, device=device),
                           pz=torch.zeros(B, sp.block, sp.proxy_dim, dtype=torch.bfloat16, device=device))
 
-    def forward(self, h, pos, rope, spans, cache: LayerCache, req=None):
-        """h [T, D] bf16 -> this rank's partial [T, D] bf16. pos [T] absolute positions; spans: per cache row
-        (start in the packed tokens, n tokens, first position p0) for prefill (n may be 0), or None for decode (one
-        token per cache row)."""
+    def forward(self, h, at: Placement, rope, cache: LayerCache, req=None):
+        """h [T, D] bf16 -> this rank's partial [T, D] bf16, at the positions and cache rows `at` says (a prefill's
+        spans, or a decode step of Q tokens per row)."""
         T = h.shape[0]
         H, G, hd = self.n_heads, self.n_groups, self.cfg.head_dim
         eps = self.cfg.rms_norm_eps
-        if not self.dsa and spans is None:  # decode, Q tokens per row: the fused kernels (q/k norm + RoPE inside)
-            o = kernel.sliding_decode(linear(h, self.wpack), pos, cache.k, cache.v, self.q_norm.weight,
-                                      self.k_norm.weight, *rope["main"], eps, self.scale, self.cfg.sliding_window, H, G)
+        if not self.dsa and at.spans is None:  # decode, Q tokens per row: the fused kernels (q/k norm + RoPE inside)
+            o = kernel.sliding_decode(linear(h, self.wpack), at.pos, cache.k, cache.v, self.q_norm.weight,
+                                      self.k_norm.weight, *rope["main"], eps, self.scale, self.cfg.sliding_window, H, G,
+                                      rows=at.rows)
             return linear(o, self.o_proj.weight)  # this rank's bf16 partial: Block reduces it
         q, k, v, g, *idx = self.project(h)
-        q, k, idx = self._norm_rope(q, k, idx, pos, rope)
+        q, k, idx = self._norm_rope(q, k, idx, at.pos, rope)
         v = v.view(T, G, hd)
         if self.dsa:  # the output gate applied by the sparse attention's merge
-            o = self._dsa(idx, q, k, v, g, pos, spans, cache, req)
+            o = self._dsa(idx, q, k, v, g, at, cache, req)
         else:
-            o = self._sliding_prefill(q, k, v, spans, cache)
+            o = self._sliding_prefill(q, k, v, at.spans, cache)
             o = kernel.gate_heads(o, g)
         return linear(o.reshape(T, H * hd), self.o_proj.weight)  # this rank's bf16 partial: Block reduces it
 
@@ -362,9 +367,7 @@ class Attention(nn.Module):
         the ring (R >= W slots, position p in slot p mod R) then keeps the chunk's last R keys. q [T, H, hd], k/v
         [T, G, hd]."""
         W, R, out = self.cfg.sliding_window, cache.k.shape[2], torch.empty_like(q)
-        for b, (s, n, p0) in enumerate(spans):
-            if n == 0:
-                continue
+        for b, s, n, p0 in spans:
             qb, kb, vb = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [H|G, n, hd]
             m = min(p0, W - 1)  # cached keys in the window of the chunk's first query: positions p0-m .. p0-1
             if m:
@@ -398,7 +401,7 @@ class Attention(nn.Module):
         return q, k, idx
 
     # ---- DSA
-    def _dsa(self, idx, q, k, v, g, pos, spans, cache, req=None):
+    def _dsa(self, idx, q, k, v, g, at: Placement, cache, req=None):
         """-> the gated attention output [T, H, hd] bf16 (o * bf(sigmoid(g)), g [T, H] the gate logits). idx: the
         indexer's q [T, G, Hg, P] and k [T, P] (normed and rotated), z [T, P] and w [T, G, Hg] (raw; indexer_scores
         applies w's 1/sqrt(Hg) in fp32)."""
@@ -408,28 +411,28 @@ class Attention(nn.Module):
         T, H, hd = q.shape
         G = self.n_groups
         q = q.view(T, G, H // G, hd)
-        if spans is None:  # decode: Q tokens per row at positions pos ([B, Q] row-major); static shapes, no host sync
-            B = cache.k.shape[0]
-            Q = T // B
-            pq = pos.view(B, Q)
+        if at.spans is None:  # decode: Q tokens per row ([B, Q] row-major); static shapes, no host sync
+            Q, rows = at.Q, at.rows
+            B = T // Q
+            pq = at.pos.view(B, Q)
             for j in range(Q):  # token by token: a region completed by token j is summarised before later queries
                 # K/V rows, the pending indexer row and, when it completes a region, the region's summary
                 kernel.dsa_cache_write(k.view(B, Q, G, hd)[:, j], v.view(B, Q, G, hd)[:, j], ki.view(B, Q, P)[:, j],
                                        zi.view(B, Q, P)[:, j], pq[:, j], cache.k, cache.v, cache.pk, cache.pz,
-                                       cache.summ)
+                                       cache.summ, rows=rows)
+            # scores of regions past every query's history are skipped: the step's cost follows the rows' contexts
             scores = kernel.indexer_scores(qi.view(B, Q, *qi.shape[1:]), wi.view(B, Q, *wi.shape[1:]),
-                                           cache.summ.view(kernel.FP8), self.w_scale, q_e4m3=True)  # [B, G, Q, R]
+                                           cache.summ.view(kernel.FP8), self.w_scale, q_e4m3=True, rows=rows,
+                                           n_hist=pq, blk=blk)  # [B, G, Q, R]
             ids, valid = kernel.select_regions(scores, pq, sp.topk, blk)
             if self.pins is not None:
                 ids, valid = self.pins.regions(self.layer_id, req.view(B, Q)[:, 0], pq, self.group0, ids, valid,
                                                scores.shape[-1])
             o = kernel.sparse_attention(q.view(B, Q, G, H // G, hd), cache.k, cache.v, ids, valid, pq, blk, self.scale,
-                                        gate=g)
+                                        gate=g, rows=rows)
             return o.reshape(T, H, hd)
         out = torch.empty_like(q)
-        for b, (s, n, p0) in enumerate(spans):  # prefill of positions p0 .. p0+n-1 on top of p0 cached tokens
-            if n == 0:
-                continue
+        for b, s, n, p0 in at.spans:  # prefill of positions p0 .. p0+n-1 on top of p0 cached tokens
             end = p0 + n
             cache.k[b, p0:end], cache.v[b, p0:end] = k[s:s + n], v[s:s + n]
             # the indexer rows of the unfinished region (q pending tokens) continue with the chunk's own
@@ -446,10 +449,10 @@ class Attention(nn.Module):
             step = kernel.dsa_query_chunk(q, G, nr)
             for c0 in range(0, n, step):  # query chunks bound the scores (and the reference's gathered keys)
                 c1 = min(n, c0 + step)
-                pb = pos[s + c0:s + c1][None]
+                pb = at.pos[s + c0:s + c1][None]
                 scores = kernel.indexer_scores(qi[None, s + c0:s + c1], wi[None, s + c0:s + c1],
                                                cache.summ[b:b + 1, :nr].view(kernel.FP8), self.w_scale,
-                                               q_e4m3=True)
+                                               q_e4m3=True, n_hist=pb, blk=blk)
                 ids, valid = kernel.select_regions(scores, pb, sp.topk, blk)
                 if self.pins is not None:
                     ids, valid = self.pins.regions(self.layer_id, req[s:s + 1], pb, self.group0, ids, valid, nr)
@@ -468,7 +471,7 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, inter: int, limit: float | None):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = _lin(inter, dim), _lin(inter, dim), _lin(dim, inter)
+        self.gate_proj, self.up_proj, self.down_proj = _weight(inter, dim), _weight(inter, dim), _weight(dim, inter)
         self.limit = limit
 
     def forward(self, x):
@@ -494,7 +497,7 @@ class MoE(nn.Module):
         super().__init__()
         D, E, Fi = cfg.hidden_size, cfg.moe_num_experts, cfg.moe_intermediate_size
         self.cfg, self.n_local = cfg, cfg.n_local_experts
-        self.gate = _lin(E, D)
+        self.gate = _weight(E, D)
         self.router_bias = nn.Parameter(torch.empty(E, dtype=torch.float32), requires_grad=False)
         self.gate_proj = Experts(self.n_local, Fi, D, fp8)
         self.up_proj = Experts(self.n_local, Fi, D, fp8)
@@ -503,10 +506,11 @@ class MoE(nn.Module):
         self.layer_id, self.first_expert = layer_id, rank * self.n_local  # EP: this rank's contiguous expert range
         self.pins = None
 
-    def forward(self, x, pos, req=None, shared: "MLP | None" = None):
+    def forward(self, x, pos, req=None, shared: "MLP | None" = None, live=None):
         """x [T, D] bf16 -> this rank's partial [T, D]: the routed experts' bf16 sum (slots of other ranks' experts
         contribute 0), or with the shared expert MLP, f32(routed) + f32(shared) in fp32 (the kernels run both).
-        req [T]: each token's request (only read by installed Pins)."""
+        req [T]: each token's request (only read by installed Pins). live [T] (decode): 0 for a batch's padding rows,
+        which route to no expert (an id past every rank's range), so they read no expert weights."""
         c = self.cfg
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
         # FP8 experts: the router's kernel also quantises x for them (xq None on the reference path)
@@ -517,6 +521,8 @@ class MoE(nn.Module):
             if pinned is not None:
                 ids, w = kernel.route_ref(x, self.gate.weight, self.router_bias, c.moe_top_k,
                                           c.moe_router_scaling_factor, c.norm_expert_weight, ids=pinned)
+        if live is not None:
+            ids = torch.where(live[:, None] > 0, ids, c.moe_num_experts)
         sh = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight,
                                           shared.limit)
         return kernel.moe_experts(x, ids, w, g.weight, u.weight, d.weight, g.weight_scale_inv, u.weight_scale_inv,
@@ -527,7 +533,7 @@ class Block(nn.Module):
     def __init__(self, cfg: Step5Config, layer_id: int, fp8: bool):
         super().__init__()
         D = cfg.hidden_size
-        self.input_layernorm, self.post_attention_layernorm = Norm(D), Norm(D)
+        self.input_layernorm, self.post_attention_layernorm = NormWeight(D), NormWeight(D)
         self.self_attn = Attention(cfg, layer_id)
         self.is_moe = cfg.is_moe(layer_id)
         if self.is_moe:
@@ -537,22 +543,22 @@ class Block(nn.Module):
             self.mlp = MLP(D, cfg.intermediate_size // cfg.tp_size, cfg.clamp(layer_id))
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, res, pos, rope, spans, cache, req=None):
+    def forward(self, res, at: Placement, rope, cache, req=None):
         """res [T, D] fp32 residual stream -> updated residual (see step)."""
-        return self.step(res, None, pos, rope, spans, cache, req)[0]
+        return self.step(res, None, at, rope, cache, req)[0]
 
-    def step(self, res, h, pos, rope, spans, cache, req=None, next_norm=None):
+    def step(self, res, h, at: Placement, rope, cache, req=None, next_norm=None, live=None):
         """res [T, D] fp32 residual stream -> (updated residual, the next layer's bf16 input or None). The block owns
         both TP reductions of the layer: its sub-modules return this rank's partial sums. h: this layer's normed
         input when the previous layer computed it (fused into its last reduction), else None; next_norm: the next
         layer's input norm weight, fused into this layer's last reduction (one kernel fewer per layer).
-        req [T]: each token's request, for installed Pins only."""
+        req [T]: each token's request, for installed Pins only; live [T]: MoE.forward's."""
         if h is None:
             h = kernel.rms_norm(res, self.input_layernorm.weight, self.eps, torch.bfloat16)  # fp32 norm, one rounding
-        res, h = tp_reduce_add(res, self.self_attn(h, pos, rope, spans, cache, req), self.post_attention_layernorm.weight,
+        res, h = tp_reduce_add(res, self.self_attn(h, at, rope, cache, req), self.post_attention_layernorm.weight,
                                self.eps)
         if self.is_moe:  # routed + shared partials combined in fp32, then ONE fp32 reduction
-            y = self.moe(h, pos, req, shared=self.share_expert)
+            y = self.moe(h, at.pos, req, shared=self.share_expert, live=live)
         else:
             y = self.mlp(h)
         return tp_reduce_add(res, y, next_norm, self.eps)
@@ -565,12 +571,12 @@ class MTPLayer(Block):
     def __init__(self, cfg: Step5Config, layer_id: int):
         super().__init__(cfg, layer_id, fp8=False)
         D = cfg.hidden_size
-        self.eh_proj = _lin(D, 2 * D)
-        self.enorm, self.hnorm = Norm(D), Norm(D)
+        self.eh_proj = _weight(D, 2 * D)
+        self.enorm, self.hnorm = NormWeight(D), NormWeight(D)
         self.transformer = nn.Module()  # the checkpoint's names: transformer.shared_head.{norm, output}
         self.transformer.shared_head = nn.Module()
-        self.transformer.shared_head.norm = Norm(D)
-        self.transformer.shared_head.output = _lin(cfg.vocab_size // cfg.tp_size, D)  # this rank's vocabulary rows
+        self.transformer.shared_head.norm = NormWeight(D)
+        self.transformer.shared_head.output = _weight(cfg.vocab_size // cfg.tp_size, D)  # this rank's vocabulary rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -592,7 +598,7 @@ class Step5Model(nn.Module):
         L = cfg.num_hidden_layers  # kept MTP layers follow the main stack, under their checkpoint indices
         self.layers = nn.ModuleList([Block(cfg, i, i in fp8_layers) for i in range(L)]
                                     + [MTPLayer(cfg, L + k) for k in range(cfg.mtp_layers_kept)])
-        self.norm = Norm(cfg.hidden_size)
+        self.norm = NormWeight(cfg.hidden_size)
 
 
 class Step5ForCausalLM(nn.Module):
@@ -611,7 +617,7 @@ class Step5ForCausalLM(nn.Module):
                              f"but the model is built for tp_size={cfg.tp_size}, rank {rank}")
         self.cfg = cfg
         self.model = Step5Model(cfg, set(fp8_layers))
-        self.lm_head = _lin(cfg.vocab_size // cfg.tp_size, cfg.hidden_size)  # this rank's vocabulary window
+        self.lm_head = _weight(cfg.vocab_size // cfg.tp_size, cfg.hidden_size)  # this rank's vocabulary window
         self.rope = {}
         self.pins = None
 
@@ -704,10 +710,11 @@ class Step5ForCausalLM(nn.Module):
         self._rope_tables(cap, self.lm_head.weight.device)
         return cap
 
-    def new_cache(self, B: int, max_tokens: int, slack: int = 0) -> Cache:
-        """Caches for B requests of at most max_tokens positions; slack: extra sliding-ring slots for rows that may
-        be rolled back (speculative decoding writes up to `slack` rows past what it keeps)."""
-        cap, dev = self._capacity(max_tokens + slack), self.lm_head.weight.device
+    def new_cache(self, B: int, max_tokens: int, slack: int = 0, device=None) -> Cache:
+        """Caches for B rows (slots) of at most max_tokens positions; slack: extra sliding-ring slots for rows that
+        may be rolled back (a speculative step writes up to `slack` rows past what it keeps) or rewound (a reused
+        prefix). device "meta" sizes a cache without allocating it."""
+        cap, dev = self._capacity(max_tokens + slack), device or self.lm_head.weight.device
         return Cache([layer.self_attn.new_cache(B, cap, dev, slack)
                       for layer in self.model.layers[:self.cfg.num_hidden_layers]], B, cap, dev)
 
@@ -720,82 +727,107 @@ class Step5ForCausalLM(nn.Module):
             raise ValueError("image features given to a text-only model")
         return self.embed(ids)
 
-    def _rows(self, cache: Cache, seq_lens: list | None, dev, per_row: int = 1):
-        """Where this call's tokens go: (spans, pos [T], lens [B] or None) for a prefill of seq_lens[b] tokens per
-        row on top of the cache (a host read of the lengths: prefill only), or for a decode step of `per_row` tokens
-        per cache row (T = B * per_row, row-major; the lengths advanced in place, so the step is replayable as a CUDA
-        graph)."""
+    def _place(self, cache: Cache, seq_lens: list | None, rows, dev, Q: int = 1, live=None) -> Placement:
+        """Where this call's tokens go, and the cache lengths advanced past them.
+
+        Prefill (seq_lens): seq_lens[i] tokens for cache row rows[i] (default: row i of every row), packed, on top of
+        what each row holds (a host read of the lengths: prefill only); rows with 0 tokens are skipped. Decode: Q
+        tokens per row of `rows` [B'] (a device tensor; default every row), T = B' * Q row-major, the lengths
+        advanced on the device (by Q, or by Q * live for rows with live [B'] 0/1), so the step replays as a CUDA
+        graph."""
         if seq_lens is None:
-            pos = (cache.lengths[:, None] + torch.arange(per_row, device=dev)).flatten()
-            cache.lengths.add_(per_row)
-            return None, pos, None
-        if len(seq_lens) != cache.lengths.shape[0]:
-            raise ValueError(f"{len(seq_lens)} prompts for a cache of {cache.lengths.shape[0]} rows")
-        p0 = cache.lengths.tolist()
+            rows = torch.arange(cache.lengths.shape[0], device=dev) if rows is None else rows
+            p0 = cache.lengths[rows]
+            pos = (p0[:, None] + torch.arange(Q, device=dev)).flatten()
+            cache.lengths[rows] = p0 + (Q if live is None else Q * live)
+            return Placement(pos, rows=rows, Q=Q)
+        rows = list(range(cache.lengths.shape[0])) if rows is None else list(rows)
+        if len(seq_lens) != len(rows):
+            raise ValueError(f"{len(seq_lens)} prompts for {len(rows)} cache rows")
+        p0 = cache.lengths[torch.tensor(rows, device=cache.lengths.device)].tolist()
         if any(p + n > cache.cap for p, n in zip(p0, seq_lens)):
             raise ValueError(f"prefill of {seq_lens} tokens on {p0} cached ones exceeds the cache of {cache.cap}")
         starts = [e - n for e, n in zip(itertools.accumulate(seq_lens), seq_lens)]
-        lens = torch.tensor(seq_lens, device=dev)
-        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(p0, seq_lens)]).to(dev)
-        cache.lengths.add_(lens)
-        return list(zip(starts, seq_lens, p0)), pos, lens
+        spans = [(r, s, n, p) for r, s, n, p in zip(rows, starts, seq_lens, p0) if n]
+        pos = torch.cat([torch.arange(p, p + n) for _, _, n, p in spans]).to(dev)
+        for r, _, n, _ in spans:
+            cache.lengths[r] += n
+        return Placement(pos, spans=spans)
 
-    def _trunk(self, ids, cache: Cache, seq_lens, embeds, progress):
+    def _requests(self, cache: Cache, at: Placement):
+        """Each token's request [T] (cache.requests of its row), for installed Pins only."""
+        if at.spans is None:
+            return cache.requests[at.rows].repeat_interleave(at.Q)
+        return torch.cat([cache.requests[r].expand(n) for r, _, n, _ in at.spans])
+
+    def _trunk(self, ids, cache: Cache, seq_lens, embeds, progress, rows=None, live=None):
         """The main layers -> the residual stream [T, D] fp32 of every token (before the final norm). Decode: ids
-        [B] (one token per cache row) or [B, Q] (Q tokens per row, e.g. a speculative verify step)."""
+        [B] (one token per row) or [B, Q] (Q tokens per row, e.g. a speculative verify step)."""
         Q = ids.shape[1] if seq_lens is None and ids.dim() == 2 else 1
-        spans, pos, lens = self._rows(cache, seq_lens, ids.device, Q)
-        req = None
-        if self.pins is not None:  # each token's request, for the test instrument only
-            req = cache.requests.repeat_interleave(Q) if spans is None else torch.repeat_interleave(cache.requests, lens)
+        at = self._place(cache, seq_lens, rows, ids.device, Q, live)
+        req = self._requests(cache, at) if self.pins is not None else None
+        tok_live = None if live is None else live.repeat_interleave(Q)
         res = (self.embed(ids.flatten()) if embeds is None else embeds).float()
         L = self.cfg.num_hidden_layers
         h = None  # each layer's normed input, computed by the previous layer's last reduction
         for i, (layer, lc, rp) in enumerate(zip(self.model.layers[:L], cache.layers, self.rope["layers"])):
             nxt = self.model.layers[i + 1].input_layernorm.weight if i + 1 < L else None
-            res, h = layer.step(res, h, pos, rp, spans, lc, req, nxt)
-            if progress is not None and spans is not None:
+            res, h = layer.step(res, h, at, rp, lc, req, nxt, tok_live)
+            if progress is not None and at.spans is not None:
                 progress(i + 1, L)
         return res
 
-    def _head(self, res: torch.Tensor, norm: Norm, out: torch.Tensor) -> torch.Tensor:
+    def _head(self, res: torch.Tensor, norm: NormWeight, out: torch.Tensor) -> torch.Tensor:
         h = kernel.rms_norm(res.bfloat16(), norm.weight, self.cfg.rms_norm_eps)  # narrow first, then norm
         return linear(h, out).float()
 
-    def forward(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None, progress=None):
-        """Prefill (seq_lens given: ids [T], each cache row's next seq_lens[b] tokens packed, on top of what the
-        cache holds: a whole prompt, or one chunk of it; 0 for rows without tokens in this call) or decode (ids [B],
-        one token per cache row, or [B, Q]: Q tokens per row). Returns this rank's logits window of the last token
-        of each row that received tokens: [B', V/tp] fp32 (B' = B in decode); [B, Q, V/tp] for ids [B, Q].
-        progress(i, n), if given, is called after each of the n layers of a prefill (long prompts report from it)."""
-        res = self._trunk(ids, cache, seq_lens, embeds, progress)
+    def forward(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None, progress=None, rows=None,
+                live=None):
+        """Prefill (seq_lens given: ids [T], the next seq_lens[i] tokens of cache row rows[i] packed, on top of what
+        the row holds: a whole prompt, or one chunk of it; 0 for rows without tokens in this call) or decode (ids
+        [B'], one token per row of `rows` (default: every cache row), or [B', Q]: Q tokens per row; live: _place's).
+        Returns this rank's logits window of the last token of each row that received tokens: [B', V/tp] fp32;
+        [B', Q, V/tp] for ids [B', Q]. progress(i, n), if given, is called after each of the n layers of a prefill
+        (long prompts report from it)."""
+        res = self._trunk(ids, cache, seq_lens, embeds, progress, rows, live)
         if seq_lens is not None:
             ends = [e - 1 for e, n in zip(itertools.accumulate(seq_lens), seq_lens) if n]
             res = res[torch.tensor(ends, device=ids.device)]
         return self.logits(res).view(*ids.shape[:2] if seq_lens is None else res.shape[:1], -1)
 
-    def forward_rows(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None) -> torch.Tensor:
+    def forward_rows(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None, rows=None,
+                     live=None, progress=None) -> torch.Tensor:
         """forward that keeps every row: the residual of every token [T, D] fp32 (before the final norm), for a
-        prefill-style extend (seq_lens) or a decode step of ids [B, Q] (static shapes: a speculative verify step).
+        prefill-style extend (seq_lens) or a decode step of ids [B', Q] (static shapes: a speculative verify step).
         Speculative decoding feeds it to the MTP layers and takes `logits` of the rows it needs."""
-        return self._trunk(ids, cache, seq_lens, embeds, None)
+        return self._trunk(ids, cache, seq_lens, embeds, progress, rows, live)
+
+    def warm_lengths(self, max_context: int, chunk: int) -> list:
+        """Prefill passes (each a list of chunk lengths into one cache row) that reach every launch variant the
+        prefill kernels can take up to max_context positions in chunks of at most `chunk` tokens: run at start-up, so
+        no request compiles a kernel. Nothing to warm without the Triton kernels."""
+        if not kernel._triton(self.lm_head.weight):
+            return []
+        return kernel.prefill_warm_lengths(max_context, chunk, self.cfg.sparse.block if self.cfg.sparse else 1,
+                                           self.cfg.sparse.topk if self.cfg.sparse else 0)
 
     def logits(self, res: torch.Tensor) -> torch.Tensor:
         """Residual rows [N, D] fp32 -> this rank's logits window [N, V/tp] fp32."""
         return self._head(res, self.model.norm, self.lm_head.weight)
 
     # ---- multi-token prediction (layers num_hidden_layers .. + mtp_layers_kept - 1 of the checkpoint)
-    def new_mtp_caches(self, B: int, max_tokens: int, slack: int = 0) -> list:
+    def new_mtp_caches(self, B: int, max_tokens: int, slack: int = 0, device=None) -> list:
         """One cache per MTP layer, each with its own lengths (an MTP layer lags the main stack); slack: spare ring
-        slots for decode steps of up to slack + 1 rows per request (kernel.sliding_decode)."""
-        L, cap, dev = self.cfg.num_hidden_layers, self._capacity(max_tokens + slack), self.lm_head.weight.device
+        slots for decode steps of up to slack + 1 rows per request (kernel.sliding_decode) and rewinds."""
+        L, cap = self.cfg.num_hidden_layers, self._capacity(max_tokens + slack)
+        dev = device or self.lm_head.weight.device
         return [Cache([self.model.layers[L + k].self_attn.new_cache(B, cap, dev, slack)], B, cap, dev)
                 for k in range(self.cfg.mtp_layers_kept)]
 
-    def mtp(self, k: int, hidden, next_ids, cache: Cache, seq_lens: list | None, per_row: int = 1):
-        """MTP layer k over seq_lens[b] rows per request, extending its own cache (or, with seq_lens None, a decode
-        step of per_row rows per request at positions cache.lengths[b] + 0 .. per_row-1, static shapes, rows
-        row-major): each row combines the residual of the previous depth at its position (hidden [T, D] fp32: the
+    def mtp(self, k: int, hidden, next_ids, cache: Cache, seq_lens: list | None, per_row: int = 1, rows=None):
+        """MTP layer k over seq_lens[i] rows of cache row rows[i], extending its own cache (or, with seq_lens None, a
+        decode step of per_row rows per cache row of `rows` at positions cache.lengths[row] + 0 .. per_row-1, static
+        shapes, rows row-major): each row combines the residual of the previous depth at its position (hidden [T, D] fp32: the
         main stack's before the final norm, or MTP layer k-1's) with the embedding of the token that follows that
         position (next_ids [T]) as
         eh_proj(concat[enorm(embed(next)), hnorm(hidden)]) -- this order: the reverse predicts almost nothing --
@@ -803,11 +835,11 @@ class Step5ForCausalLM(nn.Module):
         of every row [T, V/tp] fp32: the prediction of the token after next)."""
         layer = self.model.layers[self.cfg.num_hidden_layers + k]
         eps = self.cfg.rms_norm_eps
-        spans, pos, _ = self._rows(cache, seq_lens, next_ids.device, per_row)
+        at = self._place(cache, seq_lens, rows, next_ids.device, per_row)
         e = kernel.rms_norm(self.embed(next_ids).float(), layer.enorm.weight, eps, torch.bfloat16)
         h = kernel.rms_norm(hidden, layer.hnorm.weight, eps, torch.bfloat16)
         x = linear(torch.cat([e, h], -1), layer.eh_proj.weight)  # [T, D] bf16
-        res = layer(x.float(), pos, self.rope["layers"][self.cfg.num_hidden_layers + k], spans, cache.layers[0])
+        res = layer(x.float(), at, self.rope["layers"][self.cfg.num_hidden_layers + k], cache.layers[0])
         head = layer.transformer.shared_head
         return res, self._head(res, head.norm, head.output.weight)
 

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-import generate
+import engine
 
 # Rounding noise of pinned comparisons on the tiny checkpoints, as a multiple of std(logits): measured worst over
 # seeds 1/11/21, prompts of 5/30/47 tokens, 6 steps, prefill+decode vs one-shot prefill: 0.031 (BF16 experts) and
@@ -45,8 +45,9 @@ def tokens_agree_up_to_near_tie(model, prompt: list, got: list, want: list, tol:
     assert s < min(len(got), len(want)), f"one completion is a prefix of the other: {got} vs {want}"
     ids = prompt + want[:s]
     cache = model.new_cache(1, len(ids) + 1)
-    embeds = generate.prompt_embeds(model, [ids], [images])
-    logits = model.forward(torch.tensor(ids, device=embeds.device), cache, [len(ids)], embeds)[0].float().cpu()
+    feats = engine.request_features(model, [ids], [images])[0]
+    ids_t = torch.tensor(ids, device=model.lm_head.weight.device)
+    logits = model.forward(ids_t, cache, [len(ids)], model.input_embeds(ids_t, feats))[0].float().cpu()
     gap = (logits[want[s]] - logits[got[s]]).abs().item()
     assert gap <= tol * logits.std().item(), (f"tokens differ at step {s} ({got[s]} vs {want[s]}) without a near-tie: "
                                               f"logit gap {gap:.4f}, std {logits.std().item():.3f}: {got} vs {want}")

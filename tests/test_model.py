@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import generate
+import engine
 import kernel
 import config
 import model as M
@@ -114,15 +114,16 @@ def test_model_dsa_layer_equals_dense_attention_before_pruning(lm):
     h = torch.randn(n, cfg.hidden_size).bfloat16()
     pos = torch.arange(n)
     rope = lm.rope["layers"][i]
-    got = att(h, pos, rope, [(0, n, 0)], cache.layers[i])
+    at = M.Placement(pos, spans=[(0, 0, n, 0)])
+    got = att(h, at, rope, cache.layers[i])
     orig = att._dsa
     try:
-        def dense(h_, q, k, v, g, pos_, rope_, spans, c, req=None):  # gated, as _dsa returns
+        def dense(idx, q, k, v, g, at_, c, req=None):  # gated, as _dsa returns
             T, H, hd = q.shape
             return kernel.gate_heads(dense_causal(q.view(T, att.n_groups, H // att.n_groups, hd), k, v, att.scale).to(
                 torch.bfloat16).reshape(T, H, hd), g)
         att._dsa = dense
-        want = att(h, pos, rope, [(0, n, 0)], cache.layers[i])
+        want = att(h, at, rope, cache.layers[i])
     finally:
         att._dsa = orig
     assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
@@ -157,11 +158,11 @@ def test_decode_summaries_equal_prefill_summaries_bit_for_bit(lm):
     att._norm_rope = lambda q, k, idx, pos, r: orig(q, k, idx, pos, r)[:2] + (tuple(t[pos] for t in full),)
     try:
         stream = lm.new_cache(1, N).layers[i]
-        att(h[:n0], torch.arange(n0), rope, [(0, n0, 0)], stream)
+        att(h[:n0], M.Placement(torch.arange(n0), spans=[(0, 0, n0, 0)]), rope, stream)
         for p in range(n0, N):
-            att(h[p:p + 1], torch.tensor([p]), rope, None, stream)
+            att(h[p:p + 1], M.Placement(torch.tensor([p]), rows=torch.tensor([0])), rope, stream)
         pre = lm.new_cache(1, N).layers[i]
-        att(h, torch.arange(N), rope, [(0, N, 0)], pre)
+        att(h, M.Placement(torch.arange(N), spans=[(0, 0, N, 0)]), rope, pre)
     finally:
         att._norm_rope = orig
     done = N // cfg.sparse.block
@@ -209,7 +210,7 @@ def test_chunked_prefill_equals_one_shot(tp1_models, kind, chunk):
 
     def run(chunk_):
         cache = lm.new_cache(3, 42 + 4)
-        out = [generate.prefill(lm, cache, ps, chunk=chunk_)]
+        out = [engine.prefill(lm, cache, ps, chunk=chunk_)]
         for j in range(3):
             out.append(lm.forward(torch.tensor([c[j] for c in cont]), cache))
         return torch.stack(out), cache
@@ -232,7 +233,7 @@ def test_dsa_query_chunks_do_not_change_the_prefill(tp1_models, monkeypatch):
     ps = [prompt(37, seed=5), prompt(42, seed=6)]
 
     def run():
-        return generate.prefill(lm, lm.new_cache(2, 46), ps)
+        return engine.prefill(lm, lm.new_cache(2, 46), ps)
 
     with monkeypatch.context() as mp, pinned(lm, M.Pins()) as rec:  # first: its rows never meet stale copies
         mp.setattr(kernel, "dsa_query_chunk", lambda x, groups, regions: 5)
@@ -255,7 +256,7 @@ def test_multi_token_decode_equals_token_by_token(tp1_models, kind):
 
     def run(q):
         cache = lm.new_cache(2, 30 + 2 * Q, slack=Q - 1)
-        generate.prefill(lm, cache, ps)
+        engine.prefill(lm, cache, ps)
         out = []
         for s in range(0, 2 * Q, q):
             if q == 1:  # the one-token step: ids [B] -> [B, V]
@@ -332,226 +333,26 @@ def test_pins_change_the_decisions_they_replay(tp1_models):
         not torch.equal(rec.data[k], rec_b.data[k]) for k in rec.data)
 
 
-def test_batch_rows_match_single_requests_and_eos_compacts(lm_bf16):
-    """A batch request gets its single-request tokens, and EOS compaction leaves the others' tokens unchanged.
-    Batch and single runs differ in GEMM row counts (last bits): the batch run's routing and region choices are
-    pinned into the others, and a token may differ only at a measured logit near-tie."""
+def test_batch_rows_match_single_requests_and_eos_leaves_the_others_alone(lm_bf16):
+    """A batch request gets its single-request tokens, and a request that stops at an EOS leaves the others' tokens
+    unchanged. Batch and single runs differ in GEMM row counts (last bits): the batch run's routing and region choices
+    are pinned into the others, and a token may differ only at a measured logit near-tie."""
     lm = lm_bf16
     ps = [prompt(9, 1), prompt(44, 2), prompt(3, 3)]
     with pinned(lm, M.Pins()) as rec:
-        batch = generate.generate(lm, ps, 6, eos_ids=[])[0]
+        batch = engine.generate(lm, ps, 6, eos_ids=[])[0]
     for b, p in enumerate(ps):
         with pinned(lm, M.Pins(rec.data, requests=[b])):
-            single = generate.generate(lm, [p], 6, eos_ids=[])[0][0]
+            single = engine.generate(lm, [p], 6, eos_ids=[])[0][0]
         tokens_agree_up_to_near_tie(lm, p, single, batch[b])
     # request 1 stops at its token s when that token is an EOS id; the others are unchanged
     # an EOS id that request 1 emits at step s (and not before), which the others never emit
     s, eos = next((s, batch[1][s]) for s in (1, 2, 3, 4) if batch[1][s] not in batch[1][:s] + batch[0] + batch[2])
-    rows = []
-    orig = M.Cache.keep
-    M.Cache.keep = lambda self, r: (rows.append(r.tolist()), orig(self, r))[1]
-    try:
-        with pinned(lm, M.Pins(rec.data)):  # requests keep their identity through the compaction
-            out = generate.generate(lm, ps, 6, eos_ids=[eos])[0]
-    finally:
-        M.Cache.keep = orig
+    with pinned(lm, M.Pins(rec.data)):  # requests keep their identity in their slots
+        out = engine.generate(lm, ps, 6, eos_ids=[eos])[0]
     assert out[1] == batch[1][:s + 1]
     for b in (0, 2):
         tokens_agree_up_to_near_tie(lm, ps[b], out[b], batch[b])
-    assert rows == [[0, 2]]  # the finished row left the cache once
-
-
-# ------------------------------------------------------------------------------------------------ config
-
-
-real_config = tiny_checkpoint.real_text_config
-
-
-def test_real_geometry_config():
-    c = config.Step5Config.from_dict(real_config())
-    assert [i for i in range(92) if c.is_dsa(i)] == list(range(3, 92, 4))
-    assert c.moe_layers == list(range(3, 91))
-    assert [i for i in range(92) if not c.is_moe(i)] == [0, 1, 2, 91]
-    assert c.is_dsa(91) and not c.is_moe(91)
-    assert {c.rope_span(i) for i in range(92) if c.is_dsa(i)} == {64}
-    assert {c.rope_span(i) for i in range(92) if not c.is_dsa(i)} == {192}
-    assert all(c.rope_scaled(i) == c.is_dsa(i) for i in range(92))
-    for tp, (heads, groups) in {1: (64, 4), 2: (32, 2), 4: (16, 1), 8: (8, 1), 16: (4, 1)}.items():
-        t = config.Step5Config.from_dict(real_config(tp_size=tp, expert_parallel_size=tp,
-                                                tp_layout_version=config.LAYOUT_VERSION))
-        assert (t.n_local_heads, t.n_local_groups, t.n_local_experts) == (heads, groups, 352 // tp)
-    assert [config.group_window(4, 8, r) for r in range(8)] == [(r // 2, 1) for r in range(8)]
-
-
-@pytest.mark.parametrize("over,needle", [
-    ({"moe_layers_enum": "3,4"}, "disagree"),
-    ({"num_experts_per_tok": 6}, "num_experts_per_tok=6"),
-    ({"num_key_value_heads": 8}, "num_key_value_heads=8"),
-    ({"tp_size": 2, "expert_parallel_size": 2}, "tp_layout_version"),
-    ({"tp_size": 3, "expert_parallel_size": 3, "tp_layout_version": config.LAYOUT_VERSION}, "not divisible"),
-    ({"tp_size": 2, "expert_parallel_size": 4, "tp_layout_version": config.LAYOUT_VERSION}, "expert_parallel_size"),
-    ({"tp_size": True}, "tp_size"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "llama3"),
-    ({"att_impl_type": "MLA"}, "att_impl_type"),
-])
-def test_bad_configs_are_refused_by_name(over, needle):
-    with pytest.raises(config.ConfigError, match=needle):
-        config.Step5Config.from_dict(real_config(**over))
-
-
-@pytest.mark.parametrize("key,value,needle", [
-    ("num_attention_heads", "64", 'num_attention_heads="64" must be an integer (got a JSON string)'),
-    ("hidden_size", 4096.0, "hidden_size=4096.0 must be an integer (got a JSON float)"),
-    ("moe_top_k", True, "moe_top_k=true must be an integer (got a JSON boolean)"),
-    ("sliding_window", None, "sliding_window=null must be an integer (got a JSON null)"),
-    ("num_key_value_heads", "4", 'num_key_value_heads="4" must be an integer (got a JSON string)'),
-    ("rms_norm_eps", "1e-5", 'rms_norm_eps="1e-5" must be a number (got a JSON string)'),
-    ("sparse_config.topk", [512], "sparse_config.topk=[512] must be an integer (got a JSON array)"),
-])
-def test_config_field_of_the_wrong_json_type_is_named(key, value, needle):
-    d = real_config()
-    if key.startswith("sparse_config."):
-        d["sparse_config"] = {**d["sparse_config"], key.split(".")[1]: value}
-    else:
-        d[key] = value
-    with pytest.raises(config.ConfigError) as e:
-        config.Step5Config.from_dict(d)
-    assert str(e.value) == needle
-
-
-def test_config_integer_valued_numbers_still_accepted_for_float_fields():
-    c = config.Step5Config.from_dict(real_config(moe_router_scaling_factor=3, rms_norm_eps=1e-5))
-    assert c.moe_router_scaling_factor == 3.0 and isinstance(c.moe_router_scaling_factor, float)
-
-
-def test_rope_tables_are_built_in_fp32():
-    cos, sin = M.rope_table(192, 10000.0, None, 64, "cpu")
-    inv = 1.0 / (10000.0 ** (torch.arange(0, 192, 2, dtype=torch.float64) / 192))
-    f64 = torch.outer(torch.arange(64, dtype=torch.float64), inv)
-    diff = (f64.cos().to(torch.bfloat16) != cos) | (f64.sin().to(torch.bfloat16) != sin)
-    assert diff.any() and not diff[:24].any()  # a float64 build rounds to other bf16 values from position 24 on
-
-
-def test_llama3_rescale_applies_only_to_listed_layer_types():
-    c = config.Step5Config.from_dict(tiny_checkpoint.tiny_text_config())
-    assert [c.rope_scaled(i) for i in range(8)] == [c.is_dsa(i) for i in range(8)]
-    s = c.rope_scaling
-    plain = M.rope_table(16, 1e7, None, 300, "cpu")[0]
-    scaled = M.rope_table(16, 1e7, s, 300, "cpu")[0]
-    assert not torch.equal(plain, scaled)
-    # the highest frequency is untouched (wavelength below original / high_freq_factor), the lowest divided by factor
-    assert torch.equal(plain[:, 0], scaled[:, 0])
-    wl = 2 * math.pi * 1e7 ** (14 / 16)
-    assert wl > s["original_max_position_embeddings"] / s["low_freq_factor"]
-    inv = 1.0 / (1e7 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))  # the table's own fp32 frequencies
-    lowest = (torch.arange(300, dtype=torch.float32) * (inv[-1] / s["factor"])).sin().to(torch.bfloat16)
-    plain_sin, scaled_sin = M.rope_table(16, 1e7, None, 300, "cpu")[1], M.rope_table(16, 1e7, s, 300, "cpu")[1]
-    assert torch.equal(scaled_sin[:, -1], lowest) and not torch.equal(plain_sin[:, -1], lowest)
-
-
-# ------------------------------------------------------------------------------------------------ strict loading
-
-
-def rewrite_shard(src, dst, edit, meta_edit=None):
-    with safe_open(src, "pt") as f:
-        meta = f.metadata()
-        t = {k: f.get_tensor(k) for k in f.keys()}
-    edit(t)
-    if meta_edit:
-        meta_edit(meta)
-    save_file(t, dst, metadata=meta)
-
-
-@pytest.mark.parametrize("case,needle", [
-    ("missing", "missing 1 key"),
-    ("unexpected", "unexpected 1 key"),
-    ("shape", "model.layers.0.self_attn.g_proj.weight: BF16[8, 256]"),
-    ("dtype", "model.norm.weight: BF16"),
-    ("rank", "rank='1'"),
-    ("fingerprint", "source_fingerprint"),
-])
-def test_strict_loading_names_the_problem(tp1, tmp_path, case, needle):
-    d, cfg = tp1
-    src = os.path.join(d, "model-r0.safetensors")
-    dst = str(tmp_path / "model-r0.safetensors")
-    edits = {
-        "missing": lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
-        "unexpected": lambda t: t.__setitem__("model.layers.1.extra.weight", torch.zeros(2)),
-        "shape": lambda t: t.__setitem__("model.layers.0.self_attn.g_proj.weight",
-                                         t["model.layers.0.self_attn.g_proj.weight"][:8].clone()),
-        "dtype": lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].bfloat16()),
-    }
-    metas = {"rank": lambda m: m.__setitem__("rank", "1"),
-             "fingerprint": lambda m: m.__setitem__("source_fingerprint", "0" * 16)}
-    rewrite_shard(src, dst, edits.get(case, lambda t: None), metas.get(case))
-    with pytest.raises(M.ShardError, match=needle.replace("[", r"\[").replace("]", r"\]")):
-        M.Step5ForCausalLM.from_shard(dst, cfg)
-
-
-def test_truncated_shard_is_refused(tp1, tmp_path):
-    d, cfg = tp1
-    dst = tmp_path / "model-r0.safetensors"
-    shutil.copy(os.path.join(d, "model-r0.safetensors"), dst)
-    with open(dst, "r+b") as f:
-        f.truncate(os.path.getsize(dst) // 2)
-    with pytest.raises(M.ShardError, match="model-r0.safetensors"):
-        M.Step5ForCausalLM.from_shard(str(dst), cfg)
-
-
-REDUCE_SCRIPT = r"""
-import os, sys
-import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-import model as M
-dist.init_process_group("gloo")
-M.set_parallel(dist.get_world_size(), dist.get_rank())
-g = torch.Generator().manual_seed(100 + M.rank)
-res = torch.randn(37, 64, generator=torch.Generator().manual_seed(1))  # the replicated residual
-w = torch.randn(64, generator=torch.Generator().manual_seed(2)) * 0.1
-for dt in (torch.float32, torch.bfloat16):
-    x = (torch.randn(37, 64, generator=g) * 100).to(dt)
-    whole = M.tp_reduce_add(res, x, w, 1e-5)
-    M._REDUCE_BYTES = 3 * 64 * 4 * M.world_size  # forces chunks of a few rows
-    chunked = M.tp_reduce_add(res, x, w, 1e-5)
-    M._REDUCE_BYTES = 1 << 30
-    for a, b in zip(whole, chunked):
-        assert torch.equal(a, b), dt
-        assert torch.equal(M.tp_gather(a)[0], a)  # every rank holds the same bits
-    parts = M.tp_gather(x)
-    assert torch.equal(whole[0], res + (parts[0].float() + parts[1].float()).to(dt).float())  # rank order
-    print("ok", dt)
-dist.barrier()
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)
-"""
-
-
-def test_tp_reduce_add_chunked_equals_whole_and_is_identical_on_all_ranks(tmp_path):
-    import subprocess
-    import sys
-    script = tmp_path / "reduce.py"
-    script.write_text(REDUCE_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(script), root], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("ok") == 4
-
-
-def test_shards_with_kept_mtp_layers_load(ckpts, converted):
-    """`convert.py --keep-mtp` shards load with their MTP layers."""
-    d = converted("bf16_text", 1, keep_mtp=True)
-    cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
-    assert cfg.mtp_layers_kept == cfg.num_nextn_predict_layers > 0
-    m = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg)
-    L = cfg.num_hidden_layers
-    assert len(m.model.layers) == L + cfg.mtp_layers_kept
-    name = f"model.layers.{L}.eh_proj.weight"
-    with open(os.path.join(ckpts["bf16_text"], "model.safetensors.index.json")) as f:
-        file = json.load(f)["weight_map"][name]
-    with safe_open(os.path.join(ckpts["bf16_text"], file), "pt") as f:
-        assert torch.equal(m.model.layers[L].eh_proj.weight, f.get_tensor(name))
 
 
 @torch.inference_mode()
@@ -559,7 +360,7 @@ def test_chunked_prefill_reports_progress_per_chunk_and_layer(tp1_models):
     """generate.py prints long prefills' progress from this hook: (first token of the chunk, layer, layers)."""
     lm = tp1_models("bf16_text")
     calls = []
-    generate.prefill(lm, lm.new_cache(2, 24), [prompt(20, 1), prompt(9, 2)], progress=lambda *a: calls.append(a),
+    engine.prefill(lm, lm.new_cache(2, 24), [prompt(20, 1), prompt(9, 2)], progress=lambda *a: calls.append(a),
                      chunk=8)
     L = lm.cfg.num_hidden_layers
     assert calls == [(first, i, L) for first in (0, 8, 16) for i in range(1, L + 1)]

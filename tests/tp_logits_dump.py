@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
+import engine  # noqa: E402
 import generate  # noqa: E402
 import model as M  # noqa: E402
 
@@ -34,9 +35,9 @@ def replay(m, prompts: list, images: list, forced: list) -> torch.Tensor:
     steps = len(forced[0])
     assert all(len(f) == steps for f in forced)
     cache = m.new_cache(len(prompts), max(len(p) for p in prompts) + steps + 1)
-    out = [generate.full_vocab(generate.prefill(m, cache, prompts, generate.prompt_embeds(m, prompts, images))).cpu()]
+    out = [engine.full_vocab(engine.prefill(m, cache, prompts, engine.request_features(m, prompts, images))).cpu()]
     for s in range(steps):
-        out.append(generate.full_vocab(m.forward(torch.tensor([f[s] for f in forced], device=DEVICE), cache)).cpu())
+        out.append(engine.full_vocab(m.forward(torch.tensor([f[s] for f in forced], device=DEVICE), cache)).cpu())
     return torch.stack(out).float()
 
 

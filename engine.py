@@ -1,0 +1,954 @@
+"""The long-lived engine: one model, one cache of `max_batch` slots of `max_context` positions, and every compiled
+kernel and CUDA graph, all made once at start-up. Requests take a free slot, stream their tokens and leave the slot
+without copying any other request's cache.
+
+    eng = Engine(model, EngineConfig(max_batch=4, max_context=8192))
+    eng.start()                                   # warm-up: kernels compiled, one decode graph per batch bucket
+    reqs = eng.run([Request(ids, max_new_tokens=64, stop_ids=frozenset({4}))])
+
+Each engine step prefills (in chunks, on top of what a slot holds) the requests that wait for it, then runs one
+decode step over the slots that decode: greedy or sampled per request (Sampling); with `speculative=K` a decode step
+verifies K drafts of the checkpoint's MTP layers per request. A request whose prompt starts with tokens its slot
+already holds (a conversation's next turn) prefills only the rest. The host reads a step's tokens after the next
+step is queued, so the device never waits for it.
+
+The decode step is one static-shape function of the slot of each row (padding rows of a batch bucket point at free
+slots, write only where their slot's next token would go and route to no expert), replayed as a CUDA graph on GPUs.
+"""
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import model as M
+
+PREFILL_CHUNK = 16384  # prefill tokens per engine step (packed over requests); PERF_LOG 2026-12-02: 16k vs 8k / 32k
+REWIND = 64  # positions a slot's prefix may be rewound by to reuse it (sliding rings carry that many spare slots)
+
+
+# --------------------------------------------------------------------------------------------------
+# token choice: identical on every rank, without a broadcast
+
+
+def full_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """This rank's logits window [B, V/tp] -> the full-vocabulary logits [B, V], bit-identical on every rank (every
+    rank gathers the same windows in rank order)."""
+    return M.tp_gather(logits).permute(1, 0, 2).flatten(1)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Global argmax over the rank-ordered vocabulary windows (the lowest id on ties): [B, V/tp] -> [B] int64, the
+    same on every rank; -1 in a row with a non-finite logit. Gathers each rank's maximum and its id, not the
+    vocabulary: the first maximal window wins, as an argmax of the concatenated windows picks."""
+    v, i = logits.float().max(-1)  # [B]: the first maximum, i.e. the lowest id of this window
+    ok = torch.isfinite(v) & torch.isfinite(logits.amin(-1))
+    mine = torch.stack([v, (i + M.rank * logits.shape[-1]).float(), ok.float()])  # [3, B]; ids < 2^24 are exact
+    every = M.tp_gather(mine)  # [world, 3, B]
+    vals = every[:, 0]
+    win = (vals == vals.amax(0)).int().argmax(0)  # the first rank holding the maximum
+    tok = every[:, 1].gather(0, win[None])[0].long()
+    return torch.where(every[:, 2].amin(0) > 0, tok, -1)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One request's token choice: greedy at temperature 0, else a draw from softmax(logits / temperature) within the
+    top_k most likely tokens (0: all), then within the top_p nucleus (1: all). `seed` keys the request's own random
+    stream: the same seed gives the same tokens whatever else runs in the batch (on the same device type)."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def problem(self, name=lambda field: field) -> str | None:
+        """None, or what is wrong, naming the field as name(field) calls it (a flag, a request field)."""
+        t, k, p = name("temperature"), name("top_k"), name("top_p")
+        if not 0 <= self.temperature < float("inf"):
+            return f"{t} {self.temperature} must be a finite number >= 0 (0 is greedy decoding)"
+        if not 0 < self.top_p <= 1:
+            return f"{p} {self.top_p} must be in (0, 1] (1 keeps every token)"
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            return f"{k} {self.top_k} must be an integer >= 0 (0 keeps every token)"
+        if self.temperature == 0 and (self.top_k != 0 or self.top_p != 1):
+            return (f"{f'{k} {self.top_k}' if self.top_k else f'{p} {self.top_p}'} needs {t} > 0 ({t} 0 is greedy "
+                    "decoding)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+            return f"{name('seed')} {self.seed} must be an integer in [0, 2**63)"
+        return None
+
+
+# splitmix64's constants as signed int64 (torch's int64 arithmetic wraps like uint64)
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    return (z >> k) & ((1 << (64 - k)) - 1)  # a logical right shift of int64
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _srl(z, 30)) * _MIX1
+    z = (z ^ _srl(z, 27)) * _MIX2
+    return z ^ _srl(z, 31)
+
+
+def uniform(seeds: torch.Tensor, counters: torch.Tensor, n: int) -> torch.Tensor:
+    """Counter-based uniforms in (0, 1): [B] seeds, [B] counters -> [B, n] fp32, a pure function of (seed, counter,
+    column): no generator state, so a request's draws do not depend on its batch, and the step is replayable as a
+    CUDA graph. splitmix64 of (mix(seed) + counter) and of that plus each column."""
+    base = _mix(_mix(seeds * _GOLDEN) + counters)  # [B]
+    z = _mix(base[:, None] + (torch.arange(n, device=seeds.device) + 1) * _GOLDEN)
+    return ((_srl(z, 40) & 0xFFFFFF).float() + 0.5) * 2.0 ** -24
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling parameters of a batch as device tensors [B] (Sampling of each row)."""
+    temperature: torch.Tensor  # fp32, 0 = greedy
+    top_k: torch.Tensor  # int64, 0 = all
+    top_p: torch.Tensor  # fp32
+    seed: torch.Tensor  # int64
+
+    @staticmethod
+    def of(samplings: list, device) -> "RowSampling":
+        return RowSampling(torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device),
+                           torch.tensor([s.top_k for s in samplings], dtype=torch.long, device=device),
+                           torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device),
+                           torch.tensor([s.seed for s in samplings], dtype=torch.long, device=device))
+
+
+def probabilities(full: torch.Tensor, rs: RowSampling) -> torch.Tensor:
+    """Full-vocabulary logits [B, V] -> each row's sampling distribution [B, V] fp32: softmax(logits / temperature)
+    restricted to its top_k most likely tokens, then to its top_p nucleus (the smallest set of most likely tokens
+    whose mass reaches top_p), renormalised. Greedy rows (temperature 0) get a one-hot at the argmax."""
+    x = full.float()
+    greedy_row = rs.temperature == 0
+    t = torch.where(greedy_row, 1.0, rs.temperature)[:, None]
+    x = (x - x.amax(-1, keepdim=True)) / t  # largest 0: a tiny temperature gives -inf, never inf - inf
+    # most likely first; stable, so tied logits keep the lowest id first (as greedy's argmax)
+    xs, ids = x.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(x.shape[-1], device=x.device)
+    keep = (rs.top_k[:, None] == 0) | (rank[None, :] < rs.top_k[:, None])
+    ps = torch.where(keep, xs, float("-inf")).softmax(-1)
+    # The mass of the more likely tokens (0 for the first, which always stays), summed in 2^-48 fixed point: integer
+    # sums are exact in any order, while a float cumsum on CUDA may round differently between runs and so move the
+    # nucleus boundary on one rank.
+    q = (ps * 2.0 ** 48).long()
+    ps = ps.masked_fill(q.cumsum(-1) - q >= (rs.top_p[:, None].double() * 2 ** 48).long(), 0.0)
+    ps = ps / ps.sum(-1, keepdim=True)
+    ps = torch.where(greedy_row[:, None], (rank == 0).float()[None, :], ps)
+    return torch.zeros_like(ps).scatter_(-1, ids, ps)
+
+
+def draw(probs: torch.Tensor, rs: RowSampling, counters: torch.Tensor) -> torch.Tensor:
+    """A token per row from probs [B, V] -> [B] int64, keyed by (seed, counter): the exponential race argmax_i p_i /
+    E_i with E_i ~ Exp(1) picks i with probability p_i / sum(p), so a masked distribution needs no renormalising.
+    A row whose probabilities are not finite gets -1."""
+    e = -torch.log(uniform(rs.seed, counters * 4, probs.shape[-1]))  # stream 0 of the counter
+    tok = (probs / e).argmax(-1)
+    return torch.where(torch.isfinite(probs).all(-1), tok, -1)
+
+
+def sample(logits: torch.Tensor, rs: RowSampling, counters: torch.Tensor) -> torch.Tensor:
+    """This rank's logits window [B, V/tp] -> [B] int64 drawn per row by its own parameters and random stream (greedy
+    rows: the argmax), the same on every rank: every rank holds the same full-vocabulary logits and draws alike."""
+    return draw(probabilities(full_vocab(logits), rs), rs, counters)
+
+
+# --------------------------------------------------------------------------------------------------
+# graphs
+
+
+class Graph:
+    """fn(*inputs) as a CUDA graph, captured once (`capture`) and replayed (`__call__`): callers write the inputs
+    into the graph's own input tensors. `state()` names tensors fn updates in place (cache lengths): the warm-up and
+    capture runs restore them, so only replays advance the state. The warm-up also writes K/V, pending indexer rows
+    and ring slots at the next position of the slots it is given, which the slots' next real step overwrites.
+    Without `use_graph` (CPU, or --no-cuda-graph) fn runs eagerly."""
+
+    def __init__(self, fn, inputs: list, use_graph: bool, state=lambda: (), pool=None):
+        self.fn, self.inputs, self.use_graph, self.state, self.pool = fn, inputs, use_graph, state, pool
+        self.graph = self.out = None
+
+    def capture(self):
+        if not self.use_graph:
+            return
+        saved = [s.clone() for s in self.state()]
+
+        def restore():
+            for s, v in zip(self.state(), saved):
+                s.copy_(v)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compilation and library workspaces happen outside capture
+            self.fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        restore()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.pool):  # collectives are captured with the rest
+            self.out = self.fn(*self.inputs)
+        restore()
+
+    def __call__(self):
+        if not self.use_graph:
+            return self.fn(*self.inputs)
+        self.graph.replay()
+        return self.out
+
+
+def buckets(max_batch: int) -> list:
+    """Decode batch sizes with a graph of their own: the powers of two below max_batch, and max_batch."""
+    return [b for b in (1 << i for i in range(max_batch.bit_length())) if b < max_batch] + [max_batch]
+
+
+# --------------------------------------------------------------------------------------------------
+# requests
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. ids: the prompt; features: its image feature rows [n, D] bf16, one per image placeholder of
+    ids in order (model.image_features), or None."""
+    ids: list
+    max_new_tokens: int
+    stop_ids: frozenset = frozenset()
+    sampling: Sampling = field(default_factory=Sampling)
+    features: torch.Tensor | None = None
+    # set by the engine
+    rid: int = -1
+    out: list = field(default_factory=list)  # emitted ids (a stop id included)
+    finish: str | None = None  # "stop" (a stop id was emitted), "length" (max_new_tokens), "cancelled"
+    slot: int = -1
+    cached: int = 0  # prompt tokens reused from the slot's cache
+    prefilled: int = 0  # prompt tokens in the cache so far
+    t_first: float | None = None  # perf_counter of the first token
+
+    def embeds(self, model, a: int, b: int):
+        """Input rows of prompt tokens a..b-1 [b - a, D] bf16 with the image features at their placeholders, or None
+        for a text request (the model embeds the ids itself)."""
+        if self.features is None:
+            return None
+        tok_id = model.vl.image_token_id
+        k0 = sum(t == tok_id for t in self.ids[:a])
+        k1 = k0 + sum(t == tok_id for t in self.ids[a:b])
+        dev = model.lm_head.weight.device
+        return model.input_embeds(torch.tensor(self.ids[a:b], device=dev), self.features[k0:k1] if k1 > k0 else None)
+
+
+@dataclass(eq=False)
+class Slot:
+    held: list = field(default_factory=list)  # the ids whose K/V this cache row holds, position by position
+    owner: Request | None = None
+    used: int = 0  # engine step of the last use (the least recently used free slot is taken first)
+
+
+def common_prefix(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# --------------------------------------------------------------------------------------------------
+# memory plan
+
+
+GIB = 1 << 30
+
+
+@dataclass
+class MemoryPlan:
+    """Device memory of an engine, in bytes: what is loaded, what the plan allocates, what is left."""
+    weights: int
+    caches: int
+    prefill: int
+    graphs: int
+    headroom: int
+    free: int  # what the device had free after loading (CPU: not checked)
+
+    def fits(self) -> bool:
+        return self.free < 0 or self.caches + self.prefill + self.graphs + self.headroom <= self.free
+
+    def line(self) -> str:
+        parts = [f"weights {self.weights / GIB:.1f}", f"caches {self.caches / GIB:.2f}",
+                 f"prefill workspace {self.prefill / GIB:.2f}", f"graphs {self.graphs / GIB:.2f}",
+                 f"headroom {self.headroom / GIB:.1f}"]
+        left = "" if self.free < 0 else f"; free {self.free / GIB:.1f}"
+        return "memory plan (GiB): " + ", ".join(parts) + left
+
+
+def prefill_workspace(cfg, chunk: int) -> int:
+    """Activation bytes of one prefill pass of `chunk` tokens: ~64 B per token and hidden unit (an H200 measurement of
+    one TP=8 rank's layer, bench_prefill.py: 4.4 GiB at 16384 tokens, 0.8 GiB of it weights), plus the DSA scores'
+    128 MiB bound."""
+    return chunk * cfg.hidden_size * 64 + (128 << 20)
+
+
+# --------------------------------------------------------------------------------------------------
+# the engine
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 1
+    max_context: int | None = None  # None: what fits (capped at the config's max_position_embeddings)
+    prefill_chunk: int = PREFILL_CHUNK
+    speculative: int = 0  # MTP drafts per decode step (0: plain decoding)
+    cuda_graph: bool = True
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced: (request, new ids) pairs in order, and the requests that finished."""
+    tokens: list = field(default_factory=list)
+    finished: list = field(default_factory=list)
+
+
+class EngineError(RuntimeError):
+    """A request's computation went wrong (non-finite logits): the message names the request and the step."""
+
+
+class Engine:
+    def __init__(self, model: M.Step5ForCausalLM, config: EngineConfig, say=lambda *a: None):
+        c, cfg = config, model.cfg
+        if c.max_batch < 1:
+            raise ValueError(f"max_batch {c.max_batch} must be >= 1")
+        if c.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk {c.prefill_chunk} must be >= 1")
+        if c.speculative and not 1 <= c.speculative <= cfg.mtp_layers_kept:
+            raise ValueError(f"speculative decoding with {c.speculative} drafts needs {c.speculative} MTP layers; "
+                             f"the shards keep {cfg.mtp_layers_kept} (convert.py --keep-mtp)")
+        self.model, self.config, self.say = model, c, say
+        self.dev = model.lm_head.weight.device
+        self.k = c.speculative
+        self.use_graph = c.cuda_graph and self.dev.type == "cuda"
+        # spare ring slots: a rewind for prefix reuse, and the rows a speculative step writes past what it keeps
+        self.slack = REWIND + 2 * self.k + 2
+        self.plan, self.max_context = self._plan(c)
+        say(self.plan.line())
+        if not self.plan.fits():
+            raise MemoryError(f"the engine does not fit: {self.plan.line()}; lower --max-context "
+                              f"({self.max_context}) or --max-batch ({c.max_batch})")
+        B = c.max_batch
+        self.cache = model.new_cache(B, self.max_context, slack=self.slack)
+        self.cap = self.cache.cap
+        self.mtps = model.new_mtp_caches(B, self.max_context, slack=self.slack) if self.k else []
+        self.slots = [Slot() for _ in range(B)]
+        self.next_tok = torch.zeros(B, dtype=torch.long, device=self.dev)  # each slot's next token to feed
+        self.count = torch.zeros(B, dtype=torch.long, device=self.dev)  # tokens each slot's request emitted
+        self.waiting, self.running = [], []  # requests queued for a slot; requests holding one
+        self.steps, self.rids = 0, itertools.count()
+        self.inflight = None  # (requests, host copy) of the decode step whose tokens the host has not read yet
+        self.spec = Speculator(self) if self.k else None
+        self.graphs = {}
+        self.timing = {}
+        self.progress = None  # progress(first token, tokens, longest prompt, layer, layers) during prefills
+
+    # ---- start-up
+    def _plan(self, c: EngineConfig) -> tuple[MemoryPlan, int]:
+        """The memory plan and the context length: c.max_context, or what fits (a multiple of 128, capped at
+        max_position_embeddings)."""
+        m, cfg = self.model, self.model.cfg
+        limit = cfg.max_position_embeddings
+        per_token = self._cache_bytes(1024) / 1024  # bytes per position of every slot (sliding rings included)
+        if self.dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.dev)
+            free += torch.cuda.memory_reserved(self.dev) - torch.cuda.memory_allocated(self.dev)
+            weights = torch.cuda.memory_allocated(self.dev)
+        else:
+            free, weights = -1, sum(t.numel() * t.element_size() for t in m.state_dict().values())
+        prefill = prefill_workspace(cfg, c.prefill_chunk)
+        graphs = (256 << 20) * len(buckets(c.max_batch)) if self.use_graph else 0
+        headroom = 2 * GIB if self.dev.type == "cuda" else 0
+        ctx = c.max_context
+        if ctx is None:
+            ctx = limit
+            if free >= 0:
+                fit = int((free - prefill - graphs - headroom) / per_token) - self.slack
+                ctx = min(limit, fit // 128 * 128)
+            if ctx < 16:
+                raise MemoryError(f"no room for a KV cache after the weights ({weights / GIB:.1f} GiB, "
+                                  f"{max(free, 0) / GIB:.1f} GiB free): lower --max-batch ({c.max_batch}) or "
+                                  f"--prefill-chunk ({c.prefill_chunk})")
+        if not 1 <= ctx <= limit:
+            raise ValueError(f"max_context {ctx} must be in [1, max_position_embeddings={limit}]")
+        return MemoryPlan(weights, self._cache_bytes(ctx), prefill, graphs, headroom, free), ctx
+
+    def _cache_bytes(self, ctx: int) -> int:
+        """Bytes of the caches for max_batch slots of ctx positions (built on the meta device: nothing allocated)."""
+        m, B = self.model, self.config.max_batch
+        caches = [m.new_cache(B, ctx, slack=self.slack, device="meta")]
+        if self.k:
+            caches += m.new_mtp_caches(B, ctx, slack=self.slack, device="meta")
+        return sum(t.numel() * t.element_size() for c in caches for lc in c.layers for t in vars(lc).values())
+
+    def start(self):
+        """Every kernel variant a request can reach compiled (warm-up prefills, and per batch bucket the decode
+        step), every decode graph captured; times reported."""
+        sync = torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for lens in self.model.warm_lengths(self.max_context, self.config.prefill_chunk):
+                self.cache.lengths.zero_()
+                for n in lens:  # into slot 0, forgotten below
+                    ids = torch.zeros(n, dtype=torch.long, device=self.dev)
+                    (self.model.forward_rows if self.k else self.model.forward)(ids, self.cache, [n], rows=[0])
+            sync()
+            t1 = time.perf_counter()
+            pool = torch.cuda.graph_pool_handle() if self.use_graph else None
+            for b in buckets(self.config.max_batch):
+                self.graphs[b] = self.spec.graphs(b, pool) if self.spec else self._plain_graph(b, pool)
+                for g in self.graphs[b]:
+                    g.capture()
+            sync()
+        t2 = time.perf_counter()
+        self.cache.lengths.zero_()  # the warm-ups wrote garbage at the first positions of slots: nothing is held
+        for c in self.mtps:
+            c.lengths.zero_()
+        self.timing = {"warmup_s": t1 - t0, "capture_s": t2 - t1}
+        self.say(f"start-up: warm-up {t1 - t0:.1f} s, "
+                 + (f"{sum(len(g) for g in self.graphs.values())} CUDA graphs captured in {t2 - t1:.1f} s"
+                    if self.use_graph else "decode steps run eagerly") + f" (batch buckets {list(self.graphs)})")
+
+    def _plain_graph(self, b: int, pool) -> list:
+        rows = torch.arange(b, device=self.dev)
+        live = torch.ones(b, dtype=torch.long, device=self.dev)
+        cache, m = self.cache, self.model
+
+        def step(rows, live):  # -> this rank's logits [b, V/tp], the greedy tokens [b] (-1: non-finite logits)
+            logits = m.forward(self.next_tok[rows], cache, rows=rows, live=live)
+            tok = greedy(logits)
+            self.next_tok[rows] = tok.clamp(min=0)
+            return logits, tok
+        return [Graph(step, [rows, live], self.use_graph, state=lambda: (cache.lengths,), pool=pool)]
+
+    # ---- requests
+    def submit(self, req: Request) -> Request:
+        """Queue a request (checked: it must fit the context)."""
+        if not req.ids:
+            raise ValueError("a prompt must hold at least one token")
+        need = len(req.ids) + req.max_new_tokens + (self.k + 1 if self.k else 0)
+        if need > self.max_context:
+            raise ValueError(f"{len(req.ids)} prompt tokens + {req.max_new_tokens} new tokens exceed the engine's "
+                             f"max_context={self.max_context}")
+        p = req.sampling.problem()
+        if p:
+            raise ValueError(p)
+        req.rid = next(self.rids)
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request):
+        """End a request now (its slot is freed at the next step); its tokens so far stay in req.out."""
+        if req.finish is None:
+            req.finish = "cancelled"
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run(self, reqs: list, on_step=None) -> list:
+        """Submit the requests and step until all are done; on_step(StepOutput) after each step."""
+        for r in reqs:
+            self.submit(r)
+        while self.busy():
+            o = self.step()
+            if on_step is not None:
+                on_step(o)
+        self.inflight = None  # a step still in flight served only requests that have ended
+        return reqs
+
+    def _reuse(self, req: Request, slot: Slot) -> int:
+        """Prompt tokens of `req` whose cache the slot holds and that a rewind can keep: the common prefix, one token
+        short of the prompt (its last token must be fed), at a DSA region boundary (the region in progress is
+        recomputed), within the rings' spare slots. Speculative decoding also recomputes the rows its MTP layers read
+        past the common prefix, and the ones a draft step reads (2K + 2 from the prompt's end)."""
+        n = min(common_prefix(req.ids, slot.held), len(req.ids) - 1)
+        if self.k:
+            n = min(n - self.k - 2, len(req.ids) - 2 * self.k - 2)
+        blk = self.model.cfg.sparse.block if self.model.cfg.sparse else 1
+        n = n // blk * blk
+        return n if n > 0 and len(slot.held) - n <= REWIND else 0
+
+    def _admit(self, out: StepOutput):
+        for req in list(self.waiting):
+            if req.finish is not None or req.max_new_tokens == 0:  # cancelled while waiting, or nothing to do
+                req.finish = req.finish or "length"
+                self.waiting.remove(req)
+                out.finished.append(req)
+                continue
+            free = [i for i, s in enumerate(self.slots) if s.owner is None]
+            if not free:
+                break
+            best = max(free, key=lambda i: (self._reuse(req, self.slots[i]), -self.slots[i].used))
+            s = self.slots[best]
+            n = self._reuse(req, s)
+            s.owner, s.held, s.used = req, s.held[:n], self.steps
+            self.cache.lengths[best] = n
+            self.cache.requests[best] = req.rid
+            self.count[best] = 0
+            for c in self.mtps:
+                c.lengths[best] = n
+            req.slot, req.cached, req.prefilled = best, n, n
+            self.waiting.remove(req)
+            self.running.append(req)
+
+    def _release(self, req: Request, out: StepOutput):
+        s = self.slots[req.slot]
+        s.owner, s.used = None, self.steps
+        n = int(self.cache.lengths[req.slot])  # host read: once per request
+        s.held = (req.ids + req.out)[:n]
+        if n + self.slack + 2 * self.k + 2 > self.cap:  # no room for a padding row's writes: forget the prefix
+            s.held = []
+            self.cache.lengths[req.slot] = 0
+        self.running.remove(req)
+        out.finished.append(req)
+
+    # ---- one engine step
+    def step(self) -> StepOutput:
+        """Release finished requests, admit waiting ones, run up to prefill_chunk prefill tokens, run one decode
+        step (its tokens are read at the next step), and report what the host read."""
+        out = StepOutput()
+        self.steps += 1
+        for r in [r for r in self.running if r.finish is not None]:
+            self._release(r, out)
+        self._admit(out)
+        pre = [r for r in self.running if r.prefilled < len(r.ids)]
+        if pre:
+            self._prefill(pre, out)
+        dec = [r for r in self.running if r.prefilled == len(r.ids) and r.finish is None and r.out]
+        prev = self.inflight
+        busy = set() if prev is None else set(map(id, prev[0]))
+        live = [r for r in dec if len(r.out) + (id(r) in busy) < r.max_new_tokens]
+        self.inflight = (self.spec.decode if self.spec else self._decode)(live) if live else None
+        self._emit(prev, out)
+        for r in [r for r in self.running if r.finish is not None]:
+            self._release(r, out)
+        return out
+
+    def _prefill(self, reqs: list, out: StepOutput):
+        """Up to prefill_chunk prompt tokens, packed over the requests in order; those whose prompt completes get
+        their first token."""
+        budget, pieces = self.config.prefill_chunk, []
+        for r in reqs:
+            n = min(len(r.ids) - r.prefilled, budget)
+            if n <= 0:
+                break
+            pieces.append((r, r.prefilled, n))
+            budget -= n
+        ids = torch.tensor([t for r, a, n in pieces for t in r.ids[a:a + n]], dtype=torch.long, device=self.dev)
+        rows = [r.slot for r, _, _ in pieces]
+        lens = [n for _, _, n in pieces]
+        embeds = None
+        if any(r.features is not None for r, _, _ in pieces):
+            embeds = torch.cat([r.embeds(self.model, a, a + n) if r.features is not None else
+                                self.model.embed(ids[o:o + n]) for (r, a, n), o in zip(pieces, itertools.accumulate(
+                                    [0] + lens))])
+        hook = None
+        if self.progress is not None:
+            first, longest = pieces[0][1], max(len(r.ids) for r, _, _ in pieces)
+            hook = (lambda i, layers: self.progress(first, sum(lens), longest, i, layers))
+        if self.spec:
+            logits = self.spec.prefill(pieces, ids, embeds, hook)
+        else:
+            logits = self.model.forward(ids, self.cache, lens, embeds, hook, rows=rows)
+        for r, a, n in pieces:
+            r.prefilled = a + n
+            self.slots[r.slot].held = r.ids[:r.prefilled]
+        first = [(r, lg) for (r, a, n), lg in zip(pieces, logits) if r.prefilled == len(r.ids)]
+        if not first:
+            return
+        rs = [r for r, _ in first]
+        slots = torch.tensor([r.slot for r in rs], device=self.dev)
+        tok = self._choose(torch.stack([x for _, x in first]), rs, slots)
+        self.next_tok[slots] = tok.clamp(min=0)
+        self.count[slots] = 1
+        if self.spec:
+            self.spec.first_drafts(rs, slots)
+        for r, t in zip(rs, tok.tolist()):  # a host read: the prompt's first token is reported at once
+            self._take(r, [t], out, "its prefill")
+
+    def _choose(self, logits, reqs, slots) -> torch.Tensor:
+        """Tokens [B] for logits rows [B, V/tp] of requests (greedy, or each row's sampling at its slot's count)."""
+        if all(r.sampling.temperature == 0 for r in reqs):
+            return greedy(logits)
+        return sample(logits, RowSampling.of([r.sampling for r in reqs], self.dev), self.count[slots])
+
+    def _inputs(self, g: Graph, reqs: list, b: int):
+        """A bucket graph's slot and live inputs for the requests, padded with free slots (pinned host copies)."""
+        n = len(reqs)
+        pad = [i for i, s in enumerate(self.slots) if s.owner is None][:b - n]
+        slots = [r.slot for r in reqs] + pad
+        pinned = self.dev.type == "cuda"
+        g.inputs[0].copy_(torch.tensor(slots, pin_memory=pinned), non_blocking=pinned)
+        g.inputs[1].copy_(torch.tensor([1] * n + [0] * (b - n), pin_memory=pinned), non_blocking=pinned)
+        return pad
+
+    def _decode(self, reqs: list):
+        """Queue one plain decode step over the requests -> (requests, the host copy of their tokens)."""
+        n = len(reqs)
+        b = next(x for x in self.graphs if x >= n)
+        g = self.graphs[b][0]
+        self._inputs(g, reqs, b)
+        logits, tok = g()
+        slots = g.inputs[0][:n]
+        if any(r.sampling.temperature > 0 for r in reqs):
+            tok = sample(logits[:n], RowSampling.of([r.sampling for r in reqs], self.dev), self.count[slots])
+            self.next_tok[slots] = tok.clamp(min=0)
+        self.count[slots] += 1
+        return reqs, self._to_host(tok[:n])
+
+    def _to_host(self, t: torch.Tensor):
+        if t.device.type != "cuda":
+            return t.clone(), None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return host, ev
+
+    def _emit(self, step, out: StepOutput):
+        """The host reads a queued step's tokens (waiting for that step only) and hands them to their requests."""
+        if step is None:
+            return
+        reqs, (host, ev) = step
+        if ev is not None:
+            ev.synchronize()
+        rows = host.tolist()
+        for r, t in zip(reqs, self.spec.unpack(rows) if self.spec else [[t] for t in rows]):
+            self._take(r, t, out, "a decode step")
+
+    def _take(self, r: Request, toks: list, out: StepOutput, where: str):
+        """Append a step's tokens to a request, stopping at a stop id or at max_new_tokens."""
+        if r.finish is not None:
+            return
+        if r.t_first is None:
+            r.t_first = time.perf_counter()
+        new = []
+        for t in toks:
+            if t < 0:
+                raise EngineError(f"request {r.rid}: non-finite logits at new token {len(r.out)} ({where}): the "
+                                  "weights or inputs hold NaN or Inf")
+            r.out.append(t)
+            new.append(t)
+            if t in r.stop_ids:
+                r.finish = "stop"
+                break
+            if len(r.out) >= r.max_new_tokens:
+                r.finish = "length"
+                break
+        if new:
+            out.tokens.append((r, new))
+
+
+# --------------------------------------------------------------------------------------------------
+# speculative decoding with the checkpoint's MTP layers
+
+
+class Speculator:
+    """Decode steps that verify K drafts of the MTP layers per request (a step kind of the engine).
+
+    A verify step feeds each request's pending token and its K drafts as one decode step of K + 1 tokens per row of
+    the main model. Greedy rows accept the longest prefix of drafts equal to the main model's argmax, plus the main
+    model's next token, so every emitted token is the greedy choice at its position; sampled rows follow the
+    speculative-sampling rule for greedy drafts: draft x is accepted with probability p(x), and at the first rejection
+    a token is drawn from p with x removed (renormalised); after K acceptances one more is drawn from p. Rejected rows
+    are rolled back by resetting the cache lengths: the sliding rings carry spare slots, so a rejected row never
+    overwrote a key that a kept row still needs; K/V, pending indexer rows and region summaries at rejected positions
+    are rewritten before any kept query reads them. Acceptance, rollback and drafting run on the device, so a step is
+    queued without the host reading the last one.
+
+    Drafting: MTP depth j's row at position p reads depth j-1's residual at p (depth -1: the main model's) and the
+    token at p + j + 1; depth j's draft is its row at the last kept position L. Rows past L - j read drafts, so they
+    are provisional; each step therefore recomputes, at depth j, the K + 1 + j positions L - K - j .. L (clamped at 0)
+    as one static-shape decode step of the MTP layer: every provisional row of the last step is among them, and final
+    rows come out the same. Residuals and tokens of recent positions live in per-slot device rings (position p in
+    ring slot p mod S). Prefill chunks are absorbed by every depth as they come (the rows whose next tokens are
+    prompt tokens, up to where drafting recomputes); the prompt's last rows are drafted as after a verify step. At
+    image positions an MTP row reads the placeholder token's embedding as its next token (a choice: the release drops
+    the MTP layers, and the main model's rows there already carry the image features in their residuals).
+    """
+
+    def __init__(self, eng: Engine):
+        self.e, k = eng, eng.k
+        B, dev, D = eng.config.max_batch, eng.dev, eng.model.cfg.hidden_size
+        self.S = 4 * k + 4
+        self.h = torch.zeros(k + 1, B, self.S, D, device=dev)  # ring 0: the main model's residuals; j + 1: depth j's
+        self.tok = torch.zeros(B, self.S, dtype=torch.long, device=dev)  # ring: the token at each position
+        self.drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
+        self.stats = {"verify_steps": 0, "verify_rows": 0, "proposed": [0] * k, "accepted": [0] * k}
+
+    def _put(self, ring, slot: int, first: int, rows):
+        """rows [n, ...] of one slot at positions first .. first + n - 1 into a ring (the last S of them)."""
+        keep = min(self.S, rows.shape[0])
+        at = torch.arange(first + rows.shape[0] - keep, first + rows.shape[0], device=rows.device) % self.S
+        ring[slot, at] = rows[-keep:]
+
+    def prefill(self, pieces, ids, embeds, hook):
+        """A prefill pass of the main model (every row kept), then each depth absorbs the pass's rows whose next
+        tokens are prompt tokens and that drafting will not recompute (depth j: positions p < len - 1 - K - j) ->
+        the last row's logits of each piece."""
+        e, k, m = self.e, self.e.k, self.e.model
+        lens, rows = [n for _, _, n in pieces], [r.slot for r, _, _ in pieces]
+        hidden = m.forward_rows(ids, e.cache, lens, embeds, rows=rows, progress=hook)  # [T, D]
+        starts = list(itertools.accumulate([0] + lens))
+        src = {}  # piece -> (first position, rows) of the previous depth computed in this pass
+        for i, ((r, a, n), s) in enumerate(zip(pieces, starts)):
+            self._put(self.h[0], r.slot, a, hidden[s:s + n])
+            self._put(self.tok, r.slot, a, ids[s:s + n])
+            src[i] = (a, hidden[s:s + n])
+        for j in range(k):
+            parts = []
+            for i, (r, a, n) in enumerate(pieces):
+                have = int(e.mtps[j].lengths[r.slot])  # host read: prefill only
+                stop = min(a + n, len(r.ids) - 1 - k - j)
+                if i in src and stop > have:
+                    p0, x = src[i]
+                    parts.append((i, r, have, stop, x[have - p0:stop - p0]))
+            if not parts:
+                break
+            nxt = torch.tensor([r.ids[p + j + 1] for _, r, have, stop, _ in parts for p in range(have, stop)],
+                               device=e.dev)
+            res, _ = m.mtp(j, torch.cat([x for *_, x in parts]), nxt, e.mtps[j], [stop - have for _, _, have, stop, _
+                                                                                   in parts],
+                           rows=[r.slot for _, r, *_ in parts])
+            src, o = {}, 0
+            for i, r, have, stop, _ in parts:
+                src[i] = (have, res[o:o + stop - have])
+                self._put(self.h[j + 1], r.slot, have, src[i][1])
+                o += stop - have
+        ends = torch.tensor([s + n - 1 for (_, _, n), s in zip(pieces, starts)], device=e.dev)
+        return m.logits(hidden[ends])
+
+    def first_drafts(self, reqs, slots):
+        """After a prompt's last chunk and its first token (next_tok): the drafts of every depth, as after a verify
+        step that kept position len - 1."""
+        L = torch.tensor([len(r.ids) - 1 for r in reqs], device=self.e.dev)
+        self.tok[slots, (L + 1) % self.S] = self.e.next_tok[slots]
+        self.drafts[slots] = self._draft(slots, L)
+
+    def _draft(self, slots, L):
+        """Each depth's K + 1 + j rows L - K - j .. L of the slots [R] -> drafts [R, K]. Static shapes: rows past L
+        (a clamped start) are never read as final, and later steps overwrite them before any kept row needs them."""
+        e, k, m, S = self.e, self.e.k, self.e.model, self.S
+        R, D = slots.shape[0], m.cfg.hidden_size
+        s_, r_ = slots[:, None], torch.arange(R, device=e.dev)
+        out = torch.zeros(R, k, dtype=torch.long, device=e.dev)
+        for j in range(k):
+            q = k + 1 + j
+            first = (L - k - j).clamp(min=0)
+            pos = first[:, None] + torch.arange(q, device=e.dev)  # [R, q]
+            t = pos + j + 1  # the token each row reads: final up to L + 1, then this step's drafts
+            i = (t - L[:, None] - 2).clamp(0, k - 1)
+            tok = torch.where(t <= L[:, None] + 1, self.tok[s_, t % S], out[r_[:, None], i])
+            e.mtps[j].lengths[slots] = first
+            res, lg = m.mtp(j, self.h[j][s_, pos % S].view(R * q, D), tok.flatten(), e.mtps[j], None, q, rows=slots)
+            self.h[j + 1][s_, pos % S] = res.view(R, q, D)
+            out[:, j] = greedy(lg.view(R, q, -1)[r_, L - first]).clamp(min=0)
+        return out
+
+    def graphs(self, b: int, pool) -> list:
+        """A verify graph and a draft graph for batch bucket b."""
+        e, k, m, S = self.e, self.e.k, self.e.model, self.S
+        dev, D = e.dev, m.cfg.hidden_size
+        slots = torch.arange(b, device=dev)
+        live = torch.ones(b, dtype=torch.long, device=dev)
+
+        def verify(slots, live):  # -> residuals [b*(k+1), D], logits [b*(k+1), V/tp], greedy ids [b, k+1]
+            fed = torch.cat([e.next_tok[slots][:, None], self.drafts[slots]], 1)  # [b, k+1]
+            h = m.forward_rows(fed, e.cache, rows=slots, live=live)
+            lg = m.logits(h)
+            return h, lg, greedy(lg).view(b, k + 1)
+
+        def draft(slots, kept, start, h, toks):
+            """The verify rows into the rings (toks[j]: the token after position start + j), then the drafts."""
+            steps = start[:, None] + torch.arange(k + 1, device=dev)  # [b, k+1]: positions of the verify rows
+            self.h[0][slots[:, None], steps % S] = h.view(b, k + 1, D)
+            self.tok[slots[:, None], (steps + 1) % S] = toks
+            self.drafts[slots] = self._draft(slots, kept)
+        zeros = torch.zeros(b, dtype=torch.long, device=dev)
+        g_verify = Graph(verify, [slots, live], e.use_graph, state=lambda: (e.cache.lengths,), pool=pool)
+        g_draft = Graph(draft, [slots, zeros, zeros.clone(), torch.zeros(b * (k + 1), D, device=dev),
+                                torch.zeros(b, k + 1, dtype=torch.long, device=dev)], e.use_graph,
+                        state=lambda: [c.lengths for c in e.mtps], pool=pool)
+        return [g_verify, g_draft]
+
+    def decode(self, reqs: list):
+        """Queue one verify + draft step over the requests -> (requests, the host copy of [accepted, tokens...])."""
+        e, k = self.e, self.e.k
+        n = len(reqs)
+        b = next(x for x in e.graphs if x >= n)
+        g_verify, g_draft = e.graphs[b]
+        for i in e._inputs(g_verify, reqs, b):  # a padding row rewrites its slot's recent rows: forget the slot
+            e.slots[i].held = []
+        slots, live = g_verify.inputs
+        start = e.cache.lengths[slots]  # the positions of the pending tokens
+        h, lg, main = g_verify()
+        a, toks = self._accept(lg, main, reqs, b)  # [b] accepted drafts, [b, k+1] the step's tokens
+        kept = start + a  # the last kept position: the new pending token's predecessor
+        e.cache.lengths[slots] = torch.where(live > 0, kept + 1, start)  # roll back the rejected rows
+        e.next_tok[slots] = toks.gather(1, a[:, None])[:, 0].clamp(min=0)
+        e.count[slots] += (a + 1) * live
+        for dst, src in zip(g_draft.inputs, (slots, kept, start, h, toks)):
+            if dst is not src:
+                dst.copy_(src)
+        g_draft()
+        self.stats["verify_steps"] += 1
+        self.stats["verify_rows"] += n
+        return reqs, e._to_host(torch.cat([a[:n, None], toks[:n]], 1))
+
+    def unpack(self, rows: list) -> list:
+        """Host rows [accepted, tokens...] -> each request's emitted tokens (and the acceptance counts)."""
+        out = []
+        for row in rows:
+            a = row[0]
+            for j in range(self.e.k):
+                self.stats["proposed"][j] += 1
+                self.stats["accepted"][j] += j < a
+            out.append(row[1:a + 2])
+        return out
+
+    def _accept(self, lg, main, reqs, b):
+        """-> (accepted drafts a [b], the step's tokens [b, k+1]: the accepted drafts, then the next token). Greedy
+        rows: drafts equal to the main model's argmax; sampled rows: the speculative-sampling rule."""
+        e, k = self.e, self.e.k
+        slots = e.graphs[b][0].inputs[0]
+        drafts = self.drafts[slots]  # [b, k]
+        a = (drafts == main[:, :k]).long().cumprod(1).sum(1)  # [b]
+        if all(r.sampling.temperature == 0 for r in reqs):
+            return a, main
+        n = len(reqs)
+        rs = RowSampling.of([r.sampling for r in reqs] + [Sampling()] * (b - n), e.dev)
+        probs = probabilities(full_vocab(lg), _repeat(rs, k + 1)).view(b, k + 1, -1)
+        base = e.count[slots]  # the index of the step's first token in its request
+        u = uniform(rs.seed, base * 4 + 1, k)  # counter stream 1: acceptance
+        px = probs[:, :k].gather(2, drafts[:, :, None])[:, :, 0]  # [b, k]
+        acc = (u < px).long().cumprod(1).sum(1)
+        # the token after the accepted drafts: p at position acc, with the rejected draft removed (acc < k)
+        pa = probs[torch.arange(b, device=e.dev), acc]  # [b, V]
+        rej = drafts.gather(1, acc.clamp(max=k - 1)[:, None])
+        pa = torch.where((acc < k)[:, None], pa.scatter(1, rej, 0.0), pa)
+        nxt = draw(pa, rs, base + acc)  # keyed by the emitted token's index
+        toks = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, acc[:, None], nxt[:, None])
+        sampled = rs.temperature > 0
+        return torch.where(sampled, acc, a), torch.where(sampled[:, None], toks, main)
+
+
+def _repeat(rs: RowSampling, n: int) -> RowSampling:
+    return RowSampling(*(t.repeat_interleave(n) for t in (rs.temperature, rs.top_k, rs.top_p, rs.seed)))
+
+
+# --------------------------------------------------------------------------------------------------
+# one batch, the Python API
+
+
+def generate(model, prompts: list, max_new_tokens: int, eos_ids=(), images: list | None = None,
+             cuda_graph: bool = True, prefill_chunk: int = PREFILL_CHUNK, sampling: Sampling = Sampling(),
+             speculative: int = 0) -> tuple[list, dict]:
+    """Generation of a batch on an engine made for it -> (each request's generated ids, EOS included when emitted;
+    stats). images: per request None or its image inputs (pixel_values [+ patch_pixel_values, num_patches] or
+    image_embeds). Every request gets the same sampling (its own random stream, seeded alike)."""
+    feats = request_features(model, prompts, images)
+    eng = Engine(model, EngineConfig(max_batch=max(len(prompts), 1), prefill_chunk=prefill_chunk,
+                                     max_context=max([len(p) for p in prompts] + [1]) + max_new_tokens
+                                     + (speculative + 1 if speculative else 0),
+                                     speculative=speculative, cuda_graph=cuda_graph))
+    eng.start()
+    reqs = [Request(list(p), max_new_tokens, frozenset(int(e) for e in eos_ids), sampling, f)
+            for p, f in zip(prompts, feats)]
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        eng.run(reqs)
+    out = [r.out for r in reqs]
+    check_same_on_all_ranks(out, eng.dev)
+    stats = {"prompt_tokens": sum(len(p) for p in prompts), "new_tokens": sum(len(o) for o in out),
+             "s": time.perf_counter() - t0}
+    if eng.spec:
+        stats.update(eng.spec.stats)
+    return out, stats
+
+
+def request_features(model, prompts: list, images: list | None) -> list:
+    """Per request: its image feature rows (model.image_features), checked against its placeholders, or None.
+    ValueError names the request."""
+    out = []
+    for i, (ids, img) in enumerate(zip(prompts, images or [None] * len(prompts))):
+        try:
+            feats = model.image_features(**img) if img else None
+            n = sum(t == model.vl.image_token_id for t in ids) if hasattr(model, "vl") else 0
+            rows = 0 if feats is None else feats.shape[0]
+            if feats is not None and not hasattr(model, "vl"):
+                raise ValueError("image features given to a text-only model")
+            if n != rows:
+                raise ValueError(f"the prompt holds {n} image placeholder(s) (id {model.vl.image_token_id}) but its "
+                                 f"image inputs give {rows} feature row(s)")
+            out.append(feats)
+        except ValueError as e:
+            raise ValueError(f"request {i}: {e}") from None
+    return out
+
+
+def check_same_on_all_ranks(out: list, device):
+    """Every rank must have produced the same tokens: checked once at the end, not assumed."""
+    if M.world_size == 1:
+        return
+    flat = torch.tensor([len(o) for o in out] + [t for o in out for t in o], dtype=torch.long, device=device)
+    n = torch.tensor([flat.numel()], dtype=torch.long, device=device)
+    if not bool((M.tp_gather(n) == n).all()):
+        raise RuntimeError("ranks generated different numbers of tokens")
+    if not bool((M.tp_gather(flat) == flat).all()):
+        raise RuntimeError("ranks generated different tokens")
+
+
+def prefill(model, cache, prompts: list, features: list | None = None, progress=None,
+            chunk: int | None = None) -> torch.Tensor:
+    """Packed prefill of every prompt on top of what the cache holds (request b in cache row b) -> this rank's logits
+    of each prompt's last token [B, V/tp]; at most `chunk` tokens of each prompt per pass. A helper for tests and
+    benchmarks that drive the model without an engine."""
+    dev = model.lm_head.weight.device
+    reqs = [Request(list(p), 0, features=f) for p, f in zip(prompts, features or [None] * len(prompts))]
+    lens = [len(p) for p in prompts]
+    step = chunk or max(lens)
+    final = [None] * len(prompts)
+    for o in range(0, max(lens), step):
+        n = [min(max(L - o, 0), step) for L in lens]
+        ids = torch.tensor([t for p, k in zip(prompts, n) for t in p[o:o + k]], dtype=torch.long, device=dev)
+        rows = None
+        if any(f is not None for f in (features or [])):
+            rows = torch.cat([r.embeds(model, o, o + k) if r.features is not None else model.embed(
+                torch.tensor(r.ids[o:o + k], dtype=torch.long, device=dev)) for r, k in zip(reqs, n)])
+        hook = None if progress is None else (lambda i, layers, o=o: progress(o, i, layers))
+        out = model.forward(ids, cache, n, rows, hook)  # [prompts with tokens in this pass, V/tp]
+        for r, b in enumerate(b for b, k in enumerate(n) if k):
+            if o + n[b] == lens[b]:
+                final[b] = out[r]
+    return torch.stack(final)
+
+
+class TextStream:
+    """Incremental detokenization of one request: push(ids) -> the text they complete. Text that ends in an
+    unfinished UTF-8 sequence (the replacement character) is held back until the next id completes it; the pieces
+    concatenate to tok.decode(all ids), and flush() returns what is left."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.prefix, self.read = tok, [], 0, 0
+
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def push(self, ids: list) -> str:
+        self.ids += ids
+        done = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        if text.endswith("\ufffd") or len(text) <= len(done):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done):]
+
+    def flush(self) -> str:
+        done = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(done):]
