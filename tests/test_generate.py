@@ -682,3 +682,114 @@ def test_speculative_mtp_caches_equal_one_pass_absorb(mtp_model, monkeypatch):
             for pos in range(max(0, done + j - W), done):
                 a, w = got[:, pos % got.shape[1]].float(), want[:, pos % want.shape[1]].float()
                 assert (a - w).abs().max() <= 0.1 * w.abs().max() + 1e-3, (b, j, pos)
+
+
+# ---------------------------------------------------------------------------------------------- --interactive, streaming
+class Chat:
+    """generate.py --interactive with every rank a process of its own (as launch_ranks), rank 0 reading the lines
+    the test writes; stderr is collected by a thread so the test can wait for a line."""
+
+    def __init__(self, n: int, args: list):
+        import threading
+        port = free_port()
+        self.procs, self.err = [], [[] for _ in range(n)]
+        for r in range(n):
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            p = subprocess.Popen([sys.executable, "generate.py", "--interactive", *map(str, args)], cwd=ROOT, env=env,
+                                 stdin=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+            self.procs.append(p)
+            threading.Thread(target=lambda f, out: out.extend(f), args=(p.stderr, self.err[r]), daemon=True).start()
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 120):
+        import time
+        t0 = time.time()
+        while sum(text in line for line in self.err[0]) < count:
+            assert time.time() - t0 < timeout, f"no {text!r} after {timeout} s:\n" + "".join(self.err[0])[-3000:]
+            assert self.procs[0].poll() is None, "rank 0 exited:\n" + "".join(self.err[0])[-3000:]
+            time.sleep(0.1)
+
+    def say(self, line: str):
+        self.procs[0].stdin.write(line + "\n")
+        self.procs[0].stdin.flush()
+
+    def close(self, timeout: float = 120) -> list:
+        self.procs[0].stdin.close()
+        out = []
+        try:
+            for p, err in zip(self.procs, self.err):
+                so = p.stdout.read()
+                p.wait(timeout=timeout)
+                out.append((p.returncode, so, "".join(err)))
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+        return out
+
+
+def speed_lines(err: str) -> list:
+    """(computed, reused, decoded) of each `prefill: N tokens ..., M reused ...; decode: K tokens` line."""
+    import re
+    out = []
+    for m in re.finditer(r"prefill: (\d+) tokens in [^;]*?(?:, (\d+) reused from the cache)?; decode: (\d+) tokens",
+                         err):
+        out.append((int(m.group(1)), int(m.group(2) or 0), int(m.group(3))))
+    return out
+
+
+def test_interactive_turns_reuse_the_cache_and_reset_refuse_and_stop(converted):
+    """A three-turn chat at TP=2 from piped stdin: turns 2 and 3 prefill only what the cache does not hold (at least
+    the last turn's prompt is reused); /reset starts over; a turn past --max-context is refused with a message and the
+    session goes on; SIGINT during an answer stops that answer and keeps the session."""
+    import signal
+    import time
+    d = converted("bf16_text", 2)
+    chat = Chat(2, ["--tp-dir", d, "--max-new-tokens", 6, "--max-context", 400])
+    chat.wait_for("interactive: up to")
+    for i, line in enumerate(["hello there", "and then?", "tell me more"]):
+        chat.say(line)
+        chat.wait_for("prefill:", i + 1)
+    chat.say("/reset")
+    chat.wait_for("(a new conversation)")
+    chat.say("x " * 500)  # far past the 400 positions
+    chat.wait_for("/reset starts a new conversation")
+    chat.say("hello there")
+    chat.wait_for("prefill:", 4)
+    res = chat.close()
+    assert all(rc == 0 for rc, _, _ in res), res[0][2][-3000:]
+    err = res[0][2]
+    assert "Traceback" not in err and "Traceback" not in res[1][2]
+    lines = speed_lines(err)
+    assert len(lines) == 4, err
+    (n1, m1, _), (n2, m2, _), (n3, m3, _), (n4, m4, _) = lines
+    import config
+    blk = config.load_config(os.path.join(d, "config-r0.json"))[0].sparse.block  # reuse stops at a region boundary
+    # each turn reuses at least the last turn's prompt (down to a region boundary); only the rest is computed
+    assert m1 == 0 and m2 >= n1 // blk * blk > 0 and m3 >= (n2 + m2) // blk * blk > m2, lines
+    assert n4 + m4 == n1, lines  # after /reset the first turn again (its tokens may be reused from the slot)
+    assert res[0][1].count("\n") == 4  # one answer line per answered turn
+
+    # SIGINT during an answer: the answer stops, the session goes on
+    chat = Chat(2, ["--tp-dir", d, "--max-new-tokens", 400, "--ignore-eos"])
+    chat.wait_for("interactive: up to")
+    chat.say("tell me a long story")
+    chat.wait_for("start-up")
+    time.sleep(4)
+    chat.procs[0].send_signal(signal.SIGINT)
+    chat.wait_for("(stopped)")
+    chat.say("/exit")
+    res = chat.close()
+    assert all(rc == 0 for rc, _, _ in res), res[0][2][-3000:]
+    lines = speed_lines(res[0][2])
+    assert len(lines) == 1 and lines[0][2] < 399, res[0][2][-2000:]
+
+
+def test_streamed_text_is_the_json_completion(converted):
+    """A single request's text streams to stdout as it is decoded; it is the --json document's completion."""
+    d = converted("bf16_text", 1)
+    r = torchrun(1, "--tp-dir", d, "--prompt", "请介绍一下张量并行。", "--max-new-tokens", 12, "--ignore-eos")
+    j = torchrun(1, "--tp-dir", d, "--prompt", "请介绍一下张量并行。", "--max-new-tokens", 12, "--ignore-eos", "--json")
+    assert r.returncode == 0 and j.returncode == 0, (r.stderr + j.stderr)[-3000:]
+    assert r.stdout == json.loads(j.stdout)["completion"] + "\n"

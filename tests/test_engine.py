@@ -1,0 +1,141 @@
+"""The long-lived engine (engine.py) on the tiny checkpoints, in process at TP=1: slots that are reused after a request
+leaves, prefix reuse (a conversation's next turn prefills only its new tokens), requests that join a running batch,
+padding rows of a batch bucket, cancellation, incremental detokenization.
+
+Two runs that differ in batch composition or in what a prefill pass holds round differently in last bits (other
+GEMM row counts); the comparisons pin one run's routing and region decisions into the other (model.Pins, keyed by
+request id) and accept a token difference only at a measured near-tie (tests/invariants.py).
+"""
+import random
+
+import pytest
+import torch
+
+import engine as E
+import model as M
+from invariants import NOISE, pinned, tokens_agree_up_to_near_tie
+
+
+def ids(n: int, seed: int) -> list:
+    r = random.Random(seed)
+    return [r.randrange(11, 1024) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def lm(tp1_models):
+    return tp1_models("bf16_text")
+
+
+def solo(lm, prompt, new, rec=None, rid=0, stop=()):
+    """A fresh engine's tokens for one request (with another run's decisions of request `rid` pinned)."""
+    eng = E.Engine(lm, E.EngineConfig(max_batch=1, max_context=256))
+    eng.start()
+    req = E.Request(prompt, new, frozenset(stop))
+    if rec is None:
+        return eng.run([req])[0].out
+    with pinned(lm, M.Pins(rec.data, requests=[rid])):
+        return eng.run([req])[0].out
+
+
+@torch.inference_mode()
+def test_a_slot_reused_after_a_request_gives_a_fresh_engines_tokens(lm):
+    """One slot, three requests in turn (the second stops at an EOS id): each gets a fresh engine's tokens; the
+    third, unrelated to what the slot holds, reuses nothing."""
+    eng = E.Engine(lm, E.EngineConfig(max_batch=1, max_context=256))
+    eng.start()
+    a, b, c = ids(30, 1), ids(45, 2), ids(20, 3)
+    want_b = solo(lm, b, 6)
+    eos = next(t for t in want_b[2:] if t not in want_b[:2])
+    with pinned(lm, M.Pins()) as rec:
+        first = eng.run([E.Request(a, 6)])[0]
+        second = eng.run([E.Request(b, 6, frozenset({eos}))])[0]
+        third = eng.run([E.Request(c, 6)])[0]
+    assert second.out[-1] == eos and len(second.out) < 6 and second.finish == "stop"
+    assert third.cached == 0 and third.finish == "length"
+    for p, r in ((a, first), (b, second), (c, third)):
+        tokens_agree_up_to_near_tie(lm, p, solo(lm, p, 6, rec, r.rid, r.stop_ids), r.out)
+
+
+@torch.inference_mode()
+def test_a_next_turn_prefills_only_its_new_tokens(lm):
+    """A request that starts with what its slot holds (the prompt and answer of the last turn) reuses that prefix: the
+    cache keeps the common prefix at a region boundary, and only the rest is prefilled. Its tokens are a fresh
+    engine's on the whole prompt (decisions pinned)."""
+    eng = E.Engine(lm, E.EngineConfig(max_batch=1, max_context=256, prefill_chunk=7))
+    eng.start()
+    blk = lm.cfg.sparse.block
+    t1 = ids(37, 5)
+    with pinned(lm, M.Pins()) as rec:
+        r1 = eng.run([E.Request(t1, 5)])[0]
+        t2 = t1 + r1.out + ids(9, 6)  # the conversation so far, then the next user turn
+        r2 = eng.run([E.Request(t2, 5)])[0]
+    held = len(t1) + len(r1.out) - 1  # the last answer token was never fed
+    assert r2.cached == min(held, len(t2) - 1) // blk * blk > 0
+    assert r2.prefilled == len(t2)
+    # the reused positions' decisions are the first turn's: pinned into the fresh engine under the second's id
+    rec.data.update({(k[0], k[1], r2.rid, *k[3:]): v for k, v in list(rec.data.items())
+                     if k[2] == r1.rid and k[3] < r2.cached})
+    tokens_agree_up_to_near_tie(lm, t2, solo(lm, t2, 5, rec, r2.rid), r2.out)
+
+
+@torch.inference_mode()
+def test_requests_that_join_a_running_batch_get_their_solo_tokens(lm):
+    """Continuous batching: a request submitted while others decode is prefilled between their steps and joins the
+    decode batch; three requests on four slots decode in the bucket of 4 with a padding row (a free slot, routed to
+    no expert). Each gets its solo tokens."""
+    eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=256, prefill_chunk=16))
+    eng.start()
+    assert list(eng.graphs) == [1, 2, 4]
+    ps = [ids(40, 7), ids(25, 8), ids(33, 9)]
+    reqs = [E.Request(p, 7) for p in ps]
+    with pinned(lm, M.Pins()) as rec:
+        eng.submit(reqs[0])
+        for _ in range(4):
+            eng.step()
+        eng.submit(reqs[1])
+        eng.submit(reqs[2])
+        while eng.busy():
+            eng.step()
+    for p, r in zip(ps, reqs):
+        assert r.finish == "length" and len(r.out) == 7
+        tokens_agree_up_to_near_tie(lm, p, solo(lm, p, 7, rec, r.rid), r.out)
+
+
+@torch.inference_mode()
+def test_a_cancelled_request_frees_its_slot_for_a_waiting_one(lm):
+    eng = E.Engine(lm, E.EngineConfig(max_batch=1, max_context=256))
+    eng.start()
+    long, short = E.Request(ids(20, 10), 100), E.Request(ids(12, 11), 3)
+    eng.submit(long)
+    eng.submit(short)
+    for _ in range(3):
+        eng.step()
+    assert short.slot == -1 and len(long.out) >= 2  # waiting: the only slot is busy
+    eng.cancel(long)
+    while eng.busy():
+        eng.step()
+    assert long.finish == "cancelled" and len(long.out) < 100
+    assert short.finish == "length" and len(short.out) == 3 and short.slot == long.slot
+
+
+def test_requests_that_do_not_fit_are_refused_naming_the_context(lm):
+    eng = E.Engine(lm, E.EngineConfig(max_batch=1, max_context=64))
+    with pytest.raises(ValueError, match="max_context=64"):
+        eng.submit(E.Request(ids(60, 1), 8))
+    with pytest.raises(ValueError, match="top_p"):
+        eng.submit(E.Request(ids(6, 1), 8, sampling=E.Sampling(1.0, top_p=0.0)))
+
+
+def test_text_stream_never_splits_a_character(tp1_models, converted):
+    """Incremental detokenization: the pieces concatenate to the whole decode, and no piece ends inside a UTF-8
+    sequence (a character split over byte-level tokens is held back until it is complete)."""
+    import os
+    import generate
+    tok = generate.load_tokenizer(os.path.join(converted("bf16_text", 1), "..", "tokenizer_files"))
+    text = "张量并行 splits 矩阵 across ranks; 稀疏注意力 🙂 done"
+    toks = tok(text, add_special_tokens=False)["input_ids"]
+    s = E.TextStream(tok)
+    pieces = [s.push([t]) for t in toks] + [s.flush()]
+    assert "".join(pieces) == tok.decode(toks) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert sum(1 for p in pieces if p) > 5  # it streams, not just at the end
