@@ -2,6 +2,7 @@
 config.json field names, and the TP layout rules that derive from them. No torch kernels, no Triton: convert.py and
 the tests import this alone."""
 import json
+import math
 from dataclasses import dataclass, field
 
 LAYOUT_VERSION = "gqa-provider-shared-tp-v2"
@@ -44,6 +45,16 @@ def _check_types(d: dict, ints: tuple, floats: tuple = (), prefix: str = ""):
             if isinstance(v, bool) or not isinstance(v, ok):
                 raise ConfigError(f"{prefix}{k}={json.dumps(v)} must be {want} "
                                   f"(got a JSON {_JSON_TYPE.get(type(v), type(v).__name__)})")
+
+
+def _check_finite(v, name: str = ""):
+    """Refuse NaN / Infinity / -Infinity anywhere in a config (Python's json reads them as floats, and one would
+    reach every norm, RoPE table or clamp that uses the field), naming the field by its path."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ConfigError(f"{name}={json.dumps(v)} is not a finite number")
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        _check_finite(x, f"{name}[{k}]" if isinstance(v, list) else f"{name}.{k}" if name else str(k))
 
 
 @dataclass
@@ -333,6 +344,7 @@ def parse_config(d: dict, source: str = "config.json") -> tuple[Step5Config, "St
     """Either config form -> (text config, VL config or None). The structure decides, not the name: a dict
     `text_config` means the composite VL form; otherwise the text fields are at the top level."""
     try:
+        _check_finite(d)
         if isinstance(d.get("text_config"), dict):
             if d.get("model_type") not in VL_MODEL_TYPES + (None,):
                 raise ConfigError(f"model_type={d.get('model_type')!r} with a text_config is not a Step-5 VL "

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from itertools import groupby
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -453,38 +454,107 @@ def checksum_problem(path: str, rank: int, tp: int) -> str | None:
     return None
 
 
+# A float is NaN or Inf exactly when all bits of its exponent field are set (e4m3fn has no Inf: its NaNs 0x7F / 0xFF
+# are the codes with exponent and mantissa all ones). dtype -> (that bit pattern, bits per element).
+NON_FINITE_BITS = {torch.float64: (0x7FF0000000000000, 64), torch.float32: (0x7F800000, 32),
+                   torch.float16: (0x7C00, 16), torch.bfloat16: (0x7F80, 16), torch.float8_e4m3fn: (0x7F, 8),
+                   torch.float8_e5m2: (0x7C, 8)}
+FINITE_CHUNK = 1 << 19  # 64-bit words tested at a time: a 4 MB scratch buffer, cache-sized
+
+
+def _lanes(x: int, w: int) -> np.uint64:
+    return np.uint64(sum(x << k for k in range(0, 64, w)))  # x in every w-bit lane of a 64-bit word
+
+
+# per dtype: the pattern E, its lowest bit L and the sign bit S, each repeated in every lane of a 64-bit word
+_SWAR = {dt: (e, w, _lanes(e, w), _lanes(e & -e, w), _lanes(1 << (w - 1), w)) for dt, (e, w) in NON_FINITE_BITS.items()}
+
+
+def first_non_finite(t: torch.Tensor) -> int | None:
+    """Flat index of the first NaN/Inf element of a contiguous tensor (None: all finite, or not a float dtype).
+
+    One pass over the raw bits, 64 at a time, which is several times faster than torch.isfinite on BF16 on CPU and
+    works for FP8, which has no isfinite: with E the exponent pattern (its highest bit just below the sign) and L its
+    lowest bit, (x & E) + L carries into the sign bit exactly when (x & E) == E, in every lane at once, and no lane's
+    sum spills into the next."""
+    if t.dtype not in _SWAR:
+        return None
+    e, w, E, L, S = _SWAR[t.dtype]
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    n = raw.size // 8
+    tail = np.zeros(1, "<u8")  # the last < 8 bytes, zero-padded (zero is finite)
+    tail.view(np.uint8)[:raw.size - 8 * n] = raw[8 * n:]
+    words = raw[:8 * n].view("<u8")
+    buf = np.empty(min(n, FINITE_CHUNK) or 1, "<u8")
+    for b, chunk in [(b, words[b:b + FINITE_CHUNK]) for b in range(0, n, FINITE_CHUNK)] + [(n, tail)]:
+        o = buf[:chunk.size]
+        np.bitwise_and(chunk, E, out=o)
+        np.add(o, L, out=o)
+        np.bitwise_and(o, S, out=o)
+        if o.any():
+            j = int(o.argmax())
+            word = int(chunk[j])
+            k = next(k for k in range(64 // w) if (word >> (k * w)) & e == e)  # little-endian: lane k is element k
+            return (b + j) * (64 // w) + k
+    return None
+
+
+def source_index(p: "Piece", flat: int) -> list[int]:
+    """The source tensor's index of element `flat` of piece p (its slice, shifted by the slice's start)."""
+    idx = list(np.unravel_index(flat, p.shape)) if p.shape else []
+    if p.sel:
+        idx[p.sel[0]] += p.sel[1]
+    return [int(i) for i in idx]
+
+
+def read_pieces(src: Source, plan: list[Piece]):
+    """Each piece's bytes, in plan order: one tensor (or slice) at a time through the memory map, one source file
+    mapped at a time (so mapped pages do not pile up across the checkpoint), each checked finite on the way."""
+    for fname, pieces in groupby(plan, lambda p: p.src.file):
+        with safe_open(os.path.join(src.path, fname), framework="pt") as f:
+            for p in pieces:
+                if p.sel is None:
+                    t = f.get_tensor(p.src.key)
+                else:
+                    d, b, e = p.sel
+                    sl = f.get_slice(p.src.key)
+                    t = sl[b:e] if d == 0 else sl[:, b:e]
+                if list(t.shape) != p.shape:  # the header was planned from the source headers read earlier
+                    raise SystemExit(f"error: {fname}: {p.src.key} changed during the conversion")
+                t = t.contiguous()
+                bad = first_non_finite(t)
+                if bad is not None:
+                    raise SystemExit(f"error: {fname}: {p.src.key} holds a non-finite value "
+                                     f"({float(t.reshape(-1)[bad].float())}) at index {source_index(p, bad)}; "
+                                     "convert.py refuses non-finite weights (fix or re-download that file)")
+                yield p, t.reshape(-1).view(torch.uint8).numpy().data
+
+
 def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: int, rank: int, tp: int):
-    """Stream the shard: header first, then each slice read through the memory map, one tensor at a time, hashing
-    the bytes as they go out (no second read) into a sha256sum-format sidecar: one small file per shard, written
-    after its shard, so there is no shared manifest to rewrite N times, and `sha256sum -c` checks it by hand.
-    A run killed between the two renames leaves a shard without a sidecar, which a resume rewrites."""
+    """Stream the shard: header first, then each slice from read_pieces, hashing the bytes as they go out (no second
+    read) into a sha256sum-format sidecar: one small file per shard, written after its shard, so there is no shared
+    manifest to rewrite N times, and `sha256sum -c` checks it by hand. A run killed between the two renames leaves a
+    shard without a sidecar, which a resume rewrites; a run that fails removes its temporary file."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
     t0 = last = time.time()
     h = hashlib.sha256(head)
-    with open(tmp, "wb") as out:
-        out.write(head)
-        for fname, pieces in groupby(plan, lambda p: p.src.file):
-            # one source file mapped at a time, so mapped pages do not pile up across the checkpoint
-            with safe_open(os.path.join(src.path, fname), framework="pt") as f:
-                for p in pieces:
-                    if p.sel is None:
-                        t = f.get_tensor(p.src.key)
-                    else:
-                        d, b, e = p.sel
-                        sl = f.get_slice(p.src.key)
-                        t = sl[b:e] if d == 0 else sl[:, b:e]
-                    if list(t.shape) != p.shape:  # the header was planned from the source headers read earlier
-                        raise SystemExit(f"error: {fname}: {p.src.key} changed during the conversion")
-                    data = t.contiguous().reshape(-1).view(torch.uint8).numpy().data
-                    out.write(data)
-                    h.update(data)
-                    if time.time() - last > 15:
-                        last = time.time()
-                        print(f"  rank {rank}/{tp}: {out.tell() / 2**30:.2f} of {size / 2**30:.2f} GiB written, "
-                              f"{last - t0:.0f} s", file=sys.stderr)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as out:
+            out.write(head)
+            for _, data in read_pieces(src, plan):
+                out.write(data)
+                h.update(data)
+                if time.time() - last > 15:
+                    last = time.time()
+                    print(f"  rank {rank}/{tp}: {out.tell() / 2**30:.2f} of {size / 2**30:.2f} GiB written, "
+                          f"{last - t0:.0f} s", file=sys.stderr)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     write_bytes(path + ".sha256", f"{h.hexdigest()}  {os.path.basename(path)}\n".encode())
 
 
@@ -543,7 +613,7 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         raise SystemExit("error: --out-dir is required unless --check-only")
     src = inspect(checkpoint, tp_size, out_dir, keep_mtp)
     if check_only:
-        print("check passed; nothing written")
+        print("check passed (headers only: NaN/Inf in tensor values are checked while converting); nothing written")
         return
     fp = fingerprint(src)
     cfg = rank_config(src.raw, tp_size, fp, src.mtp)

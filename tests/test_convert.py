@@ -692,3 +692,115 @@ def test_keep_mtp_resume_sees_a_source_whose_mtp_weights_alone_changed(ckpts, tm
     convert.main(src, out, tp_size=1, keep_mtp=True)
     printed = capsys.readouterr().out
     assert "rank 0: rewriting" in printed and "source_fingerprint" in printed, printed
+
+
+# ---------------------------------------------------------------------------------------------- non-finite values
+def _poke(ck, name, flat_index, raw: bytes):
+    """Overwrite element `flat_index` of tensor `name` in its source file with `raw` (header and length kept)."""
+    path = os.path.join(ck, json.load(open(os.path.join(ck, INDEX)))["weight_map"][name])
+    entries, _, start = convert.read_header(path)
+    with open(path, "r+b") as f:
+        f.seek(start + entries[name]["data_offsets"][0] + flat_index * len(raw))
+        f.write(raw)
+    return os.path.basename(path)
+
+
+# (tensor, dtype's non-finite bytes, flat element index, that index in the tensor's shape, value as printed)
+NON_FINITE = [("model.layers.1.mlp.up_proj.weight", b"\xc0\x7f", 512 * 256 - 1, "[511, 255]", "nan"),   # BF16, split
+              ("model.layers.1.self_attn.o_proj.weight", b"\x80\xff", 3 * 768 + 700, "[3, 700]", "-inf"),  # split dim 1
+              ("model.norm.weight", b"\x00\x00\x80\x7f", 100, "[100]", "inf"),                       # F32, replicated
+              ("model.layers.3.moe.up_proj.weight", b"\x7f", 5 * 192 * 256 + 7, "[5, 0, 7]", "nan"),  # E4M3 0x7F
+              ("model.layers.3.moe.down_proj.weight", b"\xff", 15 * 256 * 192 + 255 * 192 + 191, "[15, 255, 191]",
+               "nan"),                                                                                # E4M3 0xFF
+              ("model.layers.3.moe.up_proj.weight_scale_inv", b"\x00\x00\xc0\x7f", 1, "[0, 0, 1]", "nan")]
+
+
+@pytest.mark.parametrize("name,raw,flat,index,value", NON_FINITE, ids=[n[0].split(".", 3)[-1] + n[4] for n in NON_FINITE])
+def test_non_finite_weight_is_refused_naming_tensor_file_and_index(ckpts, tmp_path, name, raw, flat, index, value):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    fname = _poke(ck, name, flat, raw)
+    before = dir_bytes(ck)
+    out = str(tmp_path / "out")
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--out-dir", out, "--tp-size", "2"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert err[-1] == f"error: {fname}: {name} holds a non-finite value ({value}) at index {index}; convert.py " \
+                      "refuses non-finite weights (fix or re-download that file)", r.stderr
+    assert not any(f.endswith(".partial") for f in os.listdir(os.path.join(out, "tp2")))
+    assert "PASS" not in r.stdout and dir_bytes(ck) == before
+
+
+def test_check_only_says_values_are_checked_during_conversion(ckpts, capsys):
+    convert.main(ckpts["bf16_text"], None, tp_size=2, check_only=True)
+    assert "check passed (headers only: NaN/Inf in tensor values are checked while converting); nothing written" \
+        in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_first_non_finite_finds_nan_and_inf(dtype):
+    fin = torch.tensor([0.0, -1.5, torch.finfo(dtype).max, torch.finfo(dtype).min, torch.finfo(dtype).tiny], dtype=dtype)
+    assert convert.first_non_finite(fin) is None
+    for v in (float("nan"), float("inf"), float("-inf")):
+        assert convert.first_non_finite(torch.cat([fin, torch.tensor([v], dtype=dtype), fin]).reshape(1, -1)) == 5, v
+
+
+@pytest.mark.parametrize("dtype,finite,bad", [
+    (torch.float8_e4m3fn, [0x00, 0x7E, 0x80, 0xFE, 0x01], [0x7F, 0xFF]),  # no Inf; 0x7E = 448 is finite
+    (torch.float8_e5m2, [0x00, 0x7B, 0x80, 0xFB, 0x01], [0x7C, 0xFC, 0x7D, 0x7F, 0xFD, 0xFF]),  # +-Inf, NaNs
+], ids=["e4m3", "e5m2"])
+def test_first_non_finite_knows_the_fp8_encodings(dtype, finite, bad):
+    fin = torch.tensor(finite, dtype=torch.uint8)
+    assert convert.first_non_finite(fin.view(dtype)) is None
+    for b in bad:
+        t = torch.cat([fin, torch.tensor([b], dtype=torch.uint8), fin]).view(dtype)
+        assert convert.first_non_finite(t) == 5, hex(b)
+
+
+def test_first_non_finite_scans_long_tensors_in_chunks():
+    t = torch.zeros(3 * convert.FINITE_CHUNK + 5)
+    t[2 * convert.FINITE_CHUNK + 3] = float("nan")
+    t[-1] = float("inf")
+    assert convert.first_non_finite(t) == 2 * convert.FINITE_CHUNK + 3
+    t[2 * convert.FINITE_CHUNK + 3] = 0
+    assert convert.first_non_finite(t) == t.numel() - 1  # an odd count: the last element is in the padded tail
+
+
+@pytest.mark.parametrize("path,value", [
+    (("text_config", "rms_norm_eps"), float("nan")), (("text_config", "rope_theta", 3), float("inf")),
+    (("text_config", "moe_router_scaling_factor"), float("-inf")),
+    (("text_config", "rope_scaling", "factor"), float("nan")), (("text_config", "swiglu_limits", 0), float("inf")),
+    (("vision_config", "layer_norm_eps"), float("nan")), (("vision_config", "rope_theta"), float("inf")),
+    (("vision_config", "mlp_ratio"), float("nan")),
+])
+def test_non_finite_config_number_is_refused_naming_the_field(ckpts, tmp_path, path, value):
+    """Python's json reads NaN / Infinity / -Infinity as floats; every reader of a config (convert.py, and
+    config.load_config for generate.py's per-rank configs) refuses them, naming the field."""
+    from config import ConfigError, load_config
+    cfg = json.load(open(os.path.join(ckpts["fp8_vl"], "config.json")))
+    d = cfg
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+    field = ".".join(str(k) for k in path if not isinstance(k, int)) + "".join(f"[{k}]" for k in path if isinstance(k, int))
+    needle = f"{field}={json.dumps(value)} is not a finite number"
+    with pytest.raises(ConfigError) as e:
+        parse_config(cfg)
+    assert str(e.value) == f"config.json: {needle}"
+    if path[0] == "text_config":  # the text-only form names the field at the top level
+        with pytest.raises(ConfigError) as e:
+            parse_config(cfg["text_config"])
+        assert str(e.value) == f"config.json: {needle.split('.', 1)[1]}"
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    json.dump(cfg, open(os.path.join(ck, "config.json"), "w"))
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--out-dir", str(tmp_path / "out"),
+                        "--tp-size", "2"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {os.path.join(ck, 'config.json')}: {needle}", r.stderr
+    assert not (tmp_path / "out").exists()
+    per_rank = str(tmp_path / "config-r0.json")
+    json.dump(cfg, open(per_rank, "w"))
+    with pytest.raises(ConfigError) as e:
+        load_config(per_rank)
+    assert str(e.value) == f"{per_rank}: {needle}"
