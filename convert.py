@@ -5,10 +5,13 @@
 Writes OUT/tp{N}/model-r{rank}.safetensors, OUT/tp{N}/config-r{rank}.json, OUT/tp{N}/README.md and one shared
 OUT/tokenizer_files/. Before converting (and alone, with --check-only) it checks the checkpoint against its config
 from the safetensors headers only. Shards are streamed tensor by tensor, so host memory tracks the largest single
-tensor rather than the checkpoint. Each shard's sha256 is recorded beside it (model-r{rank}.safetensors.sha256) while
-it is written; a rerun keeps every shard whose header matches and whose bytes still hash to that value (re-hashing
-is skipped with --no-verify-existing) and rewrites the rest. MTP layers (index >= num_hidden_layers) are dropped unless
---keep-mtp writes them into every rank's shard for speculative decoding.
+tensor rather than the checkpoint, and every floating tensor is checked for NaN/Inf on the way. Each shard's sha256 is
+recorded beside it (model-r{rank}.safetensors.sha256) while it is written, with the size, mtime, ctime and inode of
+each source file it was read from (model-r{rank}.safetensors.source.json). A rerun keeps a shard only if its header
+matches, its bytes still hash to that value (re-hashing is skipped with --no-verify-existing) and its source is
+unchanged: the same file stats, or, where they differ, source slices that read again give the same sha256. It
+rewrites the rest. MTP layers (index >= num_hidden_layers) are dropped unless --keep-mtp writes them into every rank's
+shard for speculative decoding.
 """
 import argparse
 import hashlib
@@ -339,10 +342,11 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = Fal
 
 
 def fingerprint(src: Source) -> str:
-    """Identity of what the shards are made of, for the shard metadata: config, tensor inventory and the first bytes
-    of every converted tensor (a few KB of reads), so a checkpoint with the same geometry but other weights gets
-    another value. Kept MTP tensors count when --keep-mtp keeps them, so a source whose MTP weights alone changed is
-    rewritten on resume too; without the flag the value is the one earlier conversions wrote."""
+    """The conversion's identity, for the shard metadata and every config-r{rank}.json (model.py and generate.py
+    compare them): config, tensor inventory and the first bytes of every converted tensor (a few KB of reads), so a
+    checkpoint with the same geometry but other weights gets another value. Kept MTP tensors count when --keep-mtp
+    keeps them; without the flag the value is the one earlier conversions wrote. It samples the weights, so it does
+    not decide alone whether a shard may be kept: each shard's SourceRecord does (see judge_existing)."""
     h = hashlib.sha256(json.dumps(src.raw, sort_keys=True).encode())
     body = sorted(src.tensors.items(), key=lambda kv: (kv[1].file, kv[0]))  # holds only the MTP layers kept
     for fname, group in groupby(body, lambda kv: kv[1].file):
@@ -360,6 +364,51 @@ class Piece:
     sel: tuple | None   # (dim, begin, end) or None for the whole tensor
     shape: list
     rule: str
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """What the filesystem says about a source file. Writing a file, or putting an old mtime back with os.utime
+    (touch -r, a copy keeping times), sets its ctime to the current time, and nothing sets it to another value; a
+    replaced file has another inode. So while all four are equal, the file holds the bytes read when they were taken,
+    short of damage below the filesystem (only a full re-read would see that)."""
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, path: str) -> "FileStat":
+        st = os.stat(path)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+@dataclass
+class SourceRecord:
+    """What a shard was made of, written beside it as model-r{rank}.safetensors.source.json: its sha256 and the
+    FileStat of every source file it was read from, taken as they were read."""
+    sha256: str
+    files: dict  # source file name -> FileStat
+
+    def dumps(self) -> bytes:
+        files = {f: vars(st) for f, st in sorted(self.files.items())}
+        return (json.dumps({"sha256": self.sha256, "files": files}, indent=1) + "\n").encode()
+
+    @classmethod
+    def load(cls, path: str) -> "SourceRecord":
+        """The record, or ValueError saying why there is none to trust."""
+        name = os.path.basename(path)
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            rec = cls(d["sha256"], {k: FileStat(**v) for k, v in d["files"].items()})
+        except FileNotFoundError:
+            raise ValueError(f"no source record ({name} missing)") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{name} unreadable ({type(e).__name__}: {e})") from None
+        if not isinstance(rec.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", rec.sha256):
+            raise ValueError(f"{name} holds no sha256")
+        return rec
 
 
 def rank_plan(src: Source, tp: int, rank: int) -> list[Piece]:
@@ -396,62 +445,6 @@ def shard_header(plan: list[Piece], meta: dict) -> tuple[bytes, int]:
     js = json.dumps(entries, separators=(",", ":")).encode()
     js += b" " * (-len(js) % 8)
     return struct.pack("<Q", len(js)) + js, 8 + len(js) + off
-
-
-def stale_reason(path: str, head: bytes, size: int, plan: list[Piece], meta: dict) -> str | None:
-    """None when the existing shard is exactly what this run would write (judged from its header and length);
-    otherwise why it must be rewritten."""
-    if not os.path.exists(path):
-        return "missing"
-    try:
-        entries, have_meta, _ = read_header(path)
-    except BadFile as e:
-        return str(e).split(": ", 1)[1]
-    for k, v in meta.items():
-        if have_meta.get(k) != v:
-            return f"metadata {k}={have_meta.get(k)!r}, this conversion writes {v!r}"
-    want = {p.name: (p.src.dtype, p.shape) for p in plan}
-    if set(entries) != set(want):
-        return f"key set differs ({len(set(want) - set(entries))} missing, {len(set(entries) - set(want))} unexpected)"
-    for n, (dtype, shape) in want.items():
-        if (entries[n]["dtype"], entries[n]["shape"]) != (dtype, shape):
-            return f"{n} is {entries[n]['dtype']} {entries[n]['shape']}, want {dtype} {shape}"
-    with open(path, "rb") as f:
-        if os.path.getsize(path) != size or f.read(len(head)) != head:
-            return "tensor order/offsets differ from this converter's layout"
-    return None
-
-
-def sha256_file(path: str, rank: int, tp: int) -> str:
-    h, size, buf = hashlib.sha256(), os.path.getsize(path), bytearray(1 << 24)
-    t0 = last = time.time()
-    with open(path, "rb") as f:
-        while n := f.readinto(buf):
-            h.update(memoryview(buf)[:n])
-            if time.time() - last > 15:
-                last = time.time()
-                print(f"  rank {rank}/{tp}: verifying sha256, {f.tell() / 2**30:.2f} of {size / 2**30:.2f} GiB, "
-                      f"{last - t0:.0f} s", file=sys.stderr)
-    return h.hexdigest()
-
-
-def checksum_problem(path: str, rank: int, tp: int) -> str | None:
-    """None when the shard's bytes still hash to the sha256 recorded when it was written (a header check cannot
-    see damage inside the data); otherwise why it must be rewritten."""
-    name = os.path.basename(path) + ".sha256"
-    try:
-        with open(path + ".sha256") as f:
-            want = (f.read().split() or [""])[0]
-    except FileNotFoundError:
-        return f"no sha256 recorded ({name} missing), so its contents cannot be verified"
-    except (OSError, UnicodeDecodeError) as e:
-        return f"{name} unreadable ({e}), so its contents cannot be verified"
-    if not re.fullmatch(r"[0-9a-f]{64}", want):
-        return f"{name} holds no sha256, so its contents cannot be verified"
-    got = sha256_file(path, rank, tp)
-    if got != want:
-        return f"its sha256 {got[:12]}... differs from the {want[:12]}... recorded in {name} (changed since written)"
-    return None
 
 
 # A float is NaN or Inf exactly when all bits of its exponent field are set (e4m3fn has no Inf: its NaNs 0x7F / 0xFF
@@ -499,7 +492,7 @@ def first_non_finite(t: torch.Tensor) -> int | None:
     return None
 
 
-def source_index(p: "Piece", flat: int) -> list[int]:
+def source_index(p: Piece, flat: int) -> list[int]:
     """The source tensor's index of element `flat` of piece p (its slice, shifted by the slice's start)."""
     idx = list(np.unravel_index(flat, p.shape)) if p.shape else []
     if p.sel:
@@ -507,11 +500,14 @@ def source_index(p: "Piece", flat: int) -> list[int]:
     return [int(i) for i in idx]
 
 
-def read_pieces(src: Source, plan: list[Piece]):
+def read_pieces(src: Source, plan: list[Piece], stats: dict):
     """Each piece's bytes, in plan order: one tensor (or slice) at a time through the memory map, one source file
-    mapped at a time (so mapped pages do not pile up across the checkpoint), each checked finite on the way."""
+    mapped at a time (so mapped pages do not pile up across the checkpoint), each checked finite on the way. Fills
+    stats with each file's FileStat as first read, and stops if a file changes while it is read."""
     for fname, pieces in groupby(plan, lambda p: p.src.file):
-        with safe_open(os.path.join(src.path, fname), framework="pt") as f:
+        fpath = os.path.join(src.path, fname)
+        seen = stats.setdefault(fname, FileStat.of(fpath))
+        with safe_open(fpath, framework="pt") as f:
             for p in pieces:
                 if p.sel is None:
                     t = f.get_tensor(p.src.key)
@@ -528,20 +524,118 @@ def read_pieces(src: Source, plan: list[Piece]):
                                      f"({float(t.reshape(-1)[bad].float())}) at index {source_index(p, bad)}; "
                                      "convert.py refuses non-finite weights (fix or re-download that file)")
                 yield p, t.reshape(-1).view(torch.uint8).numpy().data
+        if FileStat.of(fpath) != seen:
+            raise SystemExit(f"error: {fpath}: changed while convert.py was reading it; rerun once it is complete")
+
+
+def stale_reason(path: str, head: bytes, size: int, plan: list[Piece], meta: dict) -> str | None:
+    """None when the existing shard is exactly what this run would write (judged from its header and length);
+    otherwise why it must be rewritten."""
+    if not os.path.exists(path):
+        return "missing"
+    try:
+        entries, have_meta, _ = read_header(path)
+    except BadFile as e:
+        return str(e).split(": ", 1)[1]
+    for k, v in meta.items():
+        if have_meta.get(k) != v:
+            return f"metadata {k}={have_meta.get(k)!r}, this conversion writes {v!r}"
+    want = {p.name: (p.src.dtype, p.shape) for p in plan}
+    if set(entries) != set(want):
+        return f"key set differs ({len(set(want) - set(entries))} missing, {len(set(entries) - set(want))} unexpected)"
+    for n, (dtype, shape) in want.items():
+        if (entries[n]["dtype"], entries[n]["shape"]) != (dtype, shape):
+            return f"{n} is {entries[n]['dtype']} {entries[n]['shape']}, want {dtype} {shape}"
+    with open(path, "rb") as f:
+        if os.path.getsize(path) != size or f.read(len(head)) != head:
+            return "tensor order/offsets differ from this converter's layout"
+    return None
+
+
+def sha256_file(path: str, rank: int, tp: int) -> str:
+    h, size, buf = hashlib.sha256(), os.path.getsize(path), bytearray(1 << 24)
+    t0 = last = time.time()
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(memoryview(buf)[:n])
+            if time.time() - last > 15:
+                last = time.time()
+                print(f"  rank {rank}/{tp}: verifying sha256, {f.tell() / 2**30:.2f} of {size / 2**30:.2f} GiB, "
+                      f"{last - t0:.0f} s", file=sys.stderr)
+    return h.hexdigest()
+
+
+def checksum_problem(path: str, rank: int, tp: int, record: SourceRecord) -> str | None:
+    """None when the shard's bytes still hash to the sha256 recorded when it was written (a header check cannot
+    see damage inside the data); otherwise why it must be rewritten."""
+    name = os.path.basename(path) + ".sha256"
+    try:
+        with open(path + ".sha256") as f:
+            want = (f.read().split() or [""])[0]
+    except FileNotFoundError:
+        return f"no sha256 recorded ({name} missing), so its contents cannot be verified"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{name} unreadable ({e}), so its contents cannot be verified"
+    if not re.fullmatch(r"[0-9a-f]{64}", want):
+        return f"{name} holds no sha256, so its contents cannot be verified"
+    if want != record.sha256:
+        return f"{name} and {os.path.basename(path)}.source.json record different sha256s"
+    got = sha256_file(path, rank, tp)
+    if got != want:
+        return f"its sha256 {got[:12]}... differs from the {want[:12]}... recorded in {name} (changed since written)"
+    return None
+
+
+@dataclass
+class Verdict:
+    keep: bool
+    why: str                              # kept: what was checked beyond header, metadata and length; else: why not
+    record: SourceRecord | None = None    # kept after re-reading the source: the record to write instead
+
+
+def judge_existing(path: str, src: Source, plan: list[Piece], head: bytes, size: int, meta: dict, rank: int,
+                   tp: int, verify: bool) -> Verdict:
+    """May the shard at `path` be kept? Its header, metadata and length must be what this run writes, its own
+    bytes must hash to its recorded sha256 (unless not `verify`), and it must be made of today's source bytes: when
+    every source file it was read from has the FileStat its record holds, it is; when any differs (a touch, a copy,
+    a fix, a re-download), that shard's source slices are read again and hashed with its header, and it is kept
+    only if that gives its recorded sha256. A content change never hides behind an unchanged size and mtime."""
+    why = stale_reason(path, head, size, plan, meta)
+    if why:
+        return Verdict(False, why)
+    try:
+        rec = SourceRecord.load(path + ".source.json")
+    except ValueError as e:
+        return Verdict(False, f"{e}, so it cannot be matched to today's source")
+    if verify and (why := checksum_problem(path, rank, tp, rec)):
+        return Verdict(False, why)
+    now = {f: FileStat.of(os.path.join(src.path, f)) for f in sorted({p.src.file for p in plan})}
+    if now == rec.files:
+        return Verdict(True, "source files' size/mtime/ctime/inode unchanged")
+    changed = sorted(f for f in now.keys() | rec.files.keys() if now.get(f) != rec.files.get(f))
+    print(f"  rank {rank}/{tp}: {', '.join(changed)} changed on disk since the shard was written; re-reading its "
+          "source slices to compare", file=sys.stderr)
+    stats, h = {}, hashlib.sha256(head)
+    for _, data in read_pieces(src, plan, stats):
+        h.update(data)
+    if h.hexdigest() != rec.sha256:
+        return Verdict(False, f"the source's bytes differ from those it was made from (changed on disk since: "
+                              f"{', '.join(changed)})")
+    return Verdict(True, "source re-read: its changed files still give these bytes", SourceRecord(rec.sha256, stats))
 
 
 def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: int, rank: int, tp: int):
     """Stream the shard: header first, then each slice from read_pieces, hashing the bytes as they go out (no second
     read) into a sha256sum-format sidecar: one small file per shard, written after its shard, so there is no shared
     manifest to rewrite N times, and `sha256sum -c` checks it by hand. A run killed between the two renames leaves a
-    shard without a sidecar, which a resume rewrites; a run that fails removes its temporary file."""
+    shard without a sidecar or source record, which a resume rewrites; a run that fails removes its temporary file."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
     t0 = last = time.time()
-    h = hashlib.sha256(head)
+    h, stats = hashlib.sha256(head), {}
     try:
         with open(tmp, "wb") as out:
             out.write(head)
-            for _, data in read_pieces(src, plan):
+            for _, data in read_pieces(src, plan, stats):
                 out.write(data)
                 h.update(data)
                 if time.time() - last > 15:
@@ -556,6 +650,7 @@ def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: in
             os.remove(tmp)
         raise
     write_bytes(path + ".sha256", f"{h.hexdigest()}  {os.path.basename(path)}\n".encode())
+    write_bytes(path + ".source.json", SourceRecord(h.hexdigest(), stats).dumps())
 
 
 def write_bytes(path: str, data: bytes):
@@ -597,7 +692,8 @@ def readme(src: Source, tp: int, fp: str, plan0: list[Piece]) -> str:
             "vocabulary rows), " if m else "")
     return (f"# Step-5 shards: TP = EP = {tp}, layout `{LAYOUT_VERSION}`\n\n"
             f"Source fingerprint `{fp}`; {len(plan0)} tensors per rank, {kept}{src.n_mtp} MTP tensors excluded. "
-            "`model-r{rank}.safetensors` (its sha256 in `model-r{rank}.safetensors.sha256`) + "
+            "`model-r{rank}.safetensors` (its sha256 in `model-r{rank}.safetensors.sha256`, the source files it "
+            "was read from in `model-r{rank}.safetensors.source.json`) + "
             "`config-r{rank}.json` per rank; `lm_head` is stored whole and narrowed "
             "to the rank's vocabulary rows at load; KV and indexer groups are duplicated on adjacent ranks when "
             "tp exceeds the group count.\n\n| tensor (first of its kind) | dtype | source shape | rank-0 shape | rule |\n|---|---|---|---|---|\n"
@@ -639,18 +735,20 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
                 "expert_parallel_size": str(tp_size), "rank": str(rank), "source_fingerprint": fp}
         head, size = shard_header(plan, meta)
         path = os.path.join(tp_dir, f"model-r{rank}.safetensors")
-        why = stale_reason(path, head, size, plan, meta)
-        if why is None and not verify_existing:
-            not_hashed += 1
-            print(f"rank {rank}: {path} matches (header, metadata, length); kept, contents not verified "
-                  "(--no-verify-existing)")
+        v = judge_existing(path, src, plan, head, size, meta, rank, tp_size, verify_existing)
+        if v.keep:
+            if v.record:
+                write_bytes(path + ".source.json", v.record.dumps())
+            if verify_existing:
+                print(f"rank {rank}: {path} is complete and matches (header, metadata, length, {v.why}, sha256 "
+                      "verified); kept")
+            else:
+                not_hashed += 1
+                print(f"rank {rank}: {path} matches (header, metadata, length, {v.why}); kept, contents not "
+                      "verified (--no-verify-existing)")
             continue
-        why = why or checksum_problem(path, rank, tp_size)
-        if why is None:
-            print(f"rank {rank}: {path} is complete and matches (header, metadata, length, sha256 verified); kept")
-            continue
-        if why != "missing":
-            print(f"rank {rank}: rewriting {path}: {why}")
+        if v.why != "missing":
+            print(f"rank {rank}: rewriting {path}: {v.why}")
         write_shard(path, src, plan, head, size, rank, tp_size)
         print(f"rank {rank}: wrote {path} ({len(plan)} tensors, {size / 2**20:.1f} MiB, {time.time() - t0:.1f} s)")
     for rank in range(tp_size):

@@ -804,3 +804,94 @@ def test_non_finite_config_number_is_refused_naming_the_field(ckpts, tmp_path, p
     with pytest.raises(ConfigError) as e:
         load_config(per_rank)
     assert str(e.value) == f"{per_rank}: {needle}"
+
+
+# ---------------------------------------------------------------------------------------------- resume vs a changed source
+def _flip_late_byte(ck, name="model.layers.1.mlp.up_proj.weight", keep_mtime=False):
+    """Change one BF16 element far past a tensor's first 64 bytes (in its last row: rank 1's slice at TP=2), the
+    file's size kept; with keep_mtime its atime/mtime are put back too (as `touch -r` or a careful copy would)."""
+    path = os.path.join(ck, json.load(open(os.path.join(ck, INDEX)))["weight_map"][name])
+    st = os.stat(path)
+    _poke(ck, name, 512 * 256 - 3, b"\x80\x3f")  # 1.0
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.path.getsize(path) == st.st_size
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["mtime changed", "size and mtime unchanged"])
+def test_resume_rewrites_a_shard_whose_source_bytes_changed_past_the_first_bytes(ckpts, tmp_path, capsys, keep_mtime):
+    """The fingerprint samples only the first bytes of each tensor; each shard's source record (its source files'
+    size, mtime, ctime and inode, beside the shard's sha256) sees the change, the source is re-read for that shard,
+    and only the shard whose bytes really differ is rewritten."""
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    convert.main(ck, out, tp_size=2)
+    _flip_late_byte(ck, keep_mtime=keep_mtime)
+    capsys.readouterr()
+    convert.main(ck, out, tp_size=2)
+    printed = capsys.readouterr().out
+    tp2 = os.path.join(out, "tp2")
+    assert f"rank 1: rewriting {tp2}/model-r1.safetensors: the source's bytes differ from those it was made from " \
+           "(changed on disk since: model-" in printed, printed
+    assert f"rank 0: {tp2}/model-r0.safetensors is complete and matches (header, metadata, length, source re-read: " \
+           "its changed files still give these bytes, sha256 verified); kept" in printed, printed
+    fresh = str(tmp_path / "fresh")
+    convert.main(ck, fresh, tp_size=2)
+    assert dir_bytes(out) == dir_bytes(fresh)
+
+
+def test_resume_keeps_shards_of_an_unchanged_source_without_reading_it(ckpts, converted, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "out")
+    shutil.copytree(converted("bf16_text", 2), out)
+
+    def no_data(*a, **k):
+        raise AssertionError("the source was read although its files are unchanged")
+    monkeypatch.setattr(convert, "safe_open", no_data)
+    capsys.readouterr()
+    convert.main(ckpts["bf16_text"], out, tp_size=2)
+    printed = capsys.readouterr().out
+    for r in range(2):
+        assert f"rank {r}: {os.path.join(out, 'tp2', f'model-r{r}.safetensors')} is complete and matches (header, " \
+               "metadata, length, source files' size/mtime/ctime/inode unchanged, sha256 verified); kept" in printed
+    assert dir_bytes(out) == dir_bytes(converted("bf16_text", 2))
+
+
+def test_resume_after_touching_the_source_rereads_it_and_keeps_the_shards(ckpts, tmp_path, capsys):
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    convert.main(ck, out, tp_size=2)
+    before = {r: os.stat(os.path.join(out, "tp2", f"model-r{r}.safetensors")) for r in range(2)}
+    for f in os.listdir(ck):
+        os.utime(os.path.join(ck, f))
+    capsys.readouterr()
+    convert.main(ck, out, tp_size=2)
+    printed = capsys.readouterr().out
+    assert printed.count("source re-read: its changed files still give these bytes, sha256 verified); kept") == 2
+    for r in range(2):
+        st = os.stat(os.path.join(out, "tp2", f"model-r{r}.safetensors"))
+        assert (st.st_ino, st.st_mtime_ns) == (before[r].st_ino, before[r].st_mtime_ns)
+    capsys.readouterr()
+    convert.main(ck, out, tp_size=2)  # the refreshed records now match: no second re-read
+    assert capsys.readouterr().out.count("size/mtime/ctime/inode unchanged, sha256 verified); kept") == 2
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbled", "another shard's"])
+def test_shard_without_a_valid_source_record_is_rewritten(ckpts, converted, tmp_path, capsys, damage):
+    """No record (a shard of an older converter, or a run killed before the record was written): it cannot be
+    matched to today's source, so it is rewritten."""
+    clean = converted("fp8_vl", 2)
+    out = str(tmp_path / "out")
+    shutil.copytree(clean, out)
+    rec = os.path.join(out, "tp2", "model-r1.safetensors.source.json")
+    if damage == "missing":
+        os.remove(rec)
+    elif damage == "garbled":
+        open(rec, "w").write("{")
+    else:
+        shutil.copyfile(os.path.join(out, "tp2", "model-r0.safetensors.source.json"), rec)
+    capsys.readouterr()
+    convert.main(ckpts["fp8_vl"], out, tp_size=2)
+    printed = capsys.readouterr().out
+    assert f"rank 1: rewriting {os.path.join(out, 'tp2', 'model-r1.safetensors')}: " in printed, printed
+    assert "model-r1.safetensors.source.json" in printed and "rank 0:" in printed and "kept" in printed, printed
+    assert dir_bytes(out) == dir_bytes(clean)
