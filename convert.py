@@ -14,14 +14,19 @@ rewrites the rest. MTP layers (index >= num_hidden_layers) are dropped unless --
 shard for speculative decoding.
 """
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
 import os
 import re
+import secrets
+import socket
 import struct
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -32,6 +37,7 @@ from safetensors import safe_open
 from config import LAYOUT_VERSION, ConfigError, Step5Config, Step5VLConfig, group_window, parse_config
 
 INDEX = "model.safetensors.index.json"
+LOCK = ".convert.lock"  # in OUT: held (flock) by the one run converting into OUT
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "added_tokens.json")
 ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "U16": 2,
@@ -624,12 +630,18 @@ def judge_existing(path: str, src: Source, plan: list[Piece], head: bytes, size:
     return Verdict(True, "source re-read: its changed files still give these bytes", SourceRecord(rec.sha256, stats))
 
 
-def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: int, rank: int, tp: int):
+def temp_path(path: str) -> str:
+    """A temporary name beside `path`, unique to this process and call, so no two writers ever share one."""
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+
+
+def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: int, rank: int, tp: int) -> str:
     """Stream the shard: header first, then each slice from read_pieces, hashing the bytes as they go out (no second
     read) into a sha256sum-format sidecar: one small file per shard, written after its shard, so there is no shared
-    manifest to rewrite N times, and `sha256sum -c` checks it by hand. A run killed between the two renames leaves a
-    shard without a sidecar or source record, which a resume rewrites; a run that fails removes its temporary file."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
+    manifest to rewrite N times, and `sha256sum -c` checks it by hand. A run killed between the renames leaves a
+    shard without a sidecar or source record, which a resume rewrites; a run that fails removes its temporary file.
+    Returns the shard's sha256."""
+    tmp = temp_path(path)
     t0 = last = time.time()
     h, stats = hashlib.sha256(head), {}
     try:
@@ -651,13 +663,49 @@ def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: in
         raise
     write_bytes(path + ".sha256", f"{h.hexdigest()}  {os.path.basename(path)}\n".encode())
     write_bytes(path + ".source.json", SourceRecord(h.hexdigest(), stats).dumps())
+    return h.hexdigest()
 
 
 def write_bytes(path: str, data: bytes):
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
+    tmp = temp_path(path)
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def out_dir_lock(out_dir: str):
+    """Hold an exclusive lock on OUT/.convert.lock while converting into OUT. A second run refuses at once, naming the
+    holder, rather than waiting an unknown time behind it. The kernel drops a flock when its holder dies (kill -9
+    too), so a crashed run never leaves OUT locked, and while one is held any *.partial file in OUT is a dead run's.
+    The file stays (deleting it would let two runs lock two different files) and is emptied when the run ends."""
+    path = os.path.join(out_dir, LOCK)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "pid unknown"
+        f.close()
+        raise SystemExit(f"error: {path} is held by another convert.py ({holder}) converting into {out_dir}; wait "
+                         "for it to finish or stop it") from None
+    try:
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        yield
+    finally:
+        f.truncate(0)
+        f.close()
+
+
+def changed_since_written(path: str, size: int, sha: str | None, rank: int, tp: int) -> str | None:
+    """None when the shard at `path` still has the size and (when given) the sha256 this run wrote."""
+    if (got := os.path.getsize(path)) != size:
+        return f"{path}: changed after convert.py wrote it (now {got} bytes, written {size})"
+    if sha and (got := sha256_file(path, rank, tp)) != sha:
+        return f"{path}: changed after convert.py wrote it (sha256 now {got[:12]}..., written {sha[:12]}...)"
+    return None
 
 
 def rank_config(raw: dict, tp: int, fp: str, mtp: int = 0) -> dict:
@@ -717,6 +765,16 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         parse_config(cfg, "per-rank config")  # what the runtime will read must parse, with its tp checks
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: cannot create {out_dir}: {e.strerror}") from None
+    with out_dir_lock(out_dir):
+        write_outputs(src, out_dir, tp_size, fp, cfg, verify_existing)
+
+
+def write_outputs(src: Source, out_dir: str, tp_size: int, fp: str, cfg: dict, verify_existing: bool):
+    """Everything main writes, under the output directory's lock."""
     tp_dir = os.path.join(out_dir, f"tp{tp_size}")
     tok_dir = os.path.join(out_dir, "tokenizer_files")
     try:
@@ -724,10 +782,11 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         os.makedirs(tok_dir, exist_ok=True)
     except OSError as e:
         raise SystemExit(f"error: cannot create {tp_dir}: {e.strerror}") from None
-    for f in os.listdir(tp_dir):  # a killed earlier run's leftovers; never mistaken for shards
-        if f.endswith(".partial"):
-            os.remove(os.path.join(tp_dir, f))
-    t0, plan0, not_hashed = time.time(), None, 0
+    for d in (tp_dir, tok_dir):  # a dead run's leftovers (the lock rules out a live one); never mistaken for outputs
+        for f in os.listdir(d):
+            if f.endswith(".partial"):
+                os.remove(os.path.join(d, f))
+    t0, plan0, not_hashed, shards = time.time(), None, 0, {}
     for rank in range(tp_size):
         plan = rank_plan(src, tp_size, rank)
         plan0 = plan0 or plan
@@ -737,6 +796,7 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         path = os.path.join(tp_dir, f"model-r{rank}.safetensors")
         v = judge_existing(path, src, plan, head, size, meta, rank, tp_size, verify_existing)
         if v.keep:
+            shards[rank] = (path, size, None)  # checked above, in this run
             if v.record:
                 write_bytes(path + ".source.json", v.record.dumps())
             if verify_existing:
@@ -749,25 +809,31 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
             continue
         if v.why != "missing":
             print(f"rank {rank}: rewriting {path}: {v.why}")
-        write_shard(path, src, plan, head, size, rank, tp_size)
+        shards[rank] = (path, size, write_shard(path, src, plan, head, size, rank, tp_size))
         print(f"rank {rank}: wrote {path} ({len(plan)} tensors, {size / 2**20:.1f} MiB, {time.time() - t0:.1f} s)")
     for rank in range(tp_size):
         write_bytes(os.path.join(tp_dir, f"config-r{rank}.json"), (json.dumps(cfg, indent=2) + "\n").encode())
     write_bytes(os.path.join(tp_dir, "README.md"), readme(src, tp_size, fp, plan0).encode())
-    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(checkpoint, f))]
+    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src.path, f))]
     for f in copied:
-        with open(os.path.join(checkpoint, f), "rb") as fh:
+        with open(os.path.join(src.path, f), "rb") as fh:
             write_bytes(os.path.join(tok_dir, f), fh.read())
     print(f"tokenizer files: {', '.join(copied) or 'none found in the checkpoint'} -> {tok_dir}")
+    # Read every shard written back before PASS (one thread per shard: hashlib and reads release the GIL)
+    with ThreadPoolExecutor(max(1, min(tp_size, os.cpu_count() or 1))) as ex:
+        problems = [w for w in ex.map(lambda r: changed_since_written(*shards[r], r, tp_size), range(tp_size)) if w]
+    if problems:
+        raise SystemExit(f"error: {problems[0]}; rerun to rewrite it")
     for w in src.warnings:
         print(w, file=sys.stderr)
     if not_hashed:
         print(f"warning: {not_hashed} kept shard(s) were not checked against their sha256 (--no-verify-existing); "
               "rerun without it to verify them", file=sys.stderr)
-    print(f"PASS: {tp_size} ranks in {tp_dir} ({time.time() - t0:.1f} s)")
+    print(f"PASS: {tp_size} ranks in {tp_dir}, each shard written read back (size, sha256) "
+          f"({time.time() - t0:.1f} s)")
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="original checkpoint directory")
     ap.add_argument("--out-dir", "--out_dir", dest="out_dir", help="output root (OUT/tp{N}, OUT/tokenizer_files)")
@@ -782,8 +848,12 @@ if __name__ == "__main__":
     ap.add_argument("--keep-mtp", "--keep_mtp", dest="keep_mtp", action="store_true",
                     help="also write the checkpoint's MTP layers (num_nextn_predict_layers of them) into every "
                          "rank's shard, for generate.py --speculative")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     try:
         main(a.checkpoint, a.out_dir, a.tp_size, a.ep_size, a.check_only, a.verify_existing, a.keep_mtp)
     except OSError as e:  # disk full, permissions, a file vanishing mid-run: name it, no traceback
         raise SystemExit(f"error: {e.filename or ''}: {e.strerror or e}") from None
+
+
+if __name__ == "__main__":
+    cli()

@@ -895,3 +895,88 @@ def test_shard_without_a_valid_source_record_is_rewritten(ckpts, converted, tmp_
     assert f"rank 1: rewriting {os.path.join(out, 'tp2', 'model-r1.safetensors')}: " in printed, printed
     assert "model-r1.safetensors.source.json" in printed and "rank 0:" in printed and "kept" in printed, printed
     assert dir_bytes(out) == dir_bytes(clean)
+
+
+# ---------------------------------------------------------------------------------------------- two runs, one --out-dir
+# A real convert.py process (convert.cli) whose first source read waits until the file argv[1] exists, so a test can
+# act while it holds the output directory with a shard half written.
+HOLD = """
+import os, sys, time
+import convert
+real, held = convert.safe_open, []
+def held_open(*a, **k):
+    if not held:
+        held.append(1)
+        print("HOLDING", file=sys.stderr, flush=True)
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.05)
+    return real(*a, **k)
+convert.safe_open = held_open
+convert.cli(sys.argv[2:])
+"""
+
+
+def _start_held(go, args):
+    p = subprocess.Popen([sys.executable, "-c", HOLD, go, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    for line in p.stderr:
+        if line.strip() == "HOLDING":
+            return p
+    raise AssertionError(f"the held run ended early: {p.communicate()}")
+
+
+def test_a_second_conversion_into_the_same_out_dir_is_refused_at_once(ckpts, converted, tmp_path):
+    import socket
+    out, go = str(tmp_path / "out"), str(tmp_path / "go")
+    args = ["--checkpoint", ckpts["fp8_vl"], "--out-dir", out, "--tp-size", "2"]
+    a = _start_held(go, args)
+    try:
+        partial = [f for f in os.listdir(os.path.join(out, "tp2")) if f.endswith(".partial")]
+        assert len(partial) == 1 and partial[0].startswith(f".model-r0.safetensors.{a.pid}-"), partial
+        b = subprocess.run([sys.executable, "convert.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert b.returncode == 1 and b.stderr.strip() == (
+            f"error: {out}/.convert.lock is held by another convert.py (pid {a.pid} on {socket.gethostname()}) "
+            f"converting into {out}; wait for it to finish or stop it"), b.stderr
+        assert "PASS" not in b.stdout
+    finally:
+        open(go, "w").close()
+        a_out, a_err = a.communicate(timeout=300)
+    assert a.returncode == 0 and "PASS" in a_out, a_err
+    assert dir_bytes(out) == dir_bytes(converted("fp8_vl", 2))
+
+
+def test_a_run_killed_mid_shard_leaves_nothing_the_next_run_keeps(ckpts, converted, tmp_path):
+    import signal
+    out, go = str(tmp_path / "out"), str(tmp_path / "go")
+    args = ["--checkpoint", ckpts["fp8_vl"], "--out-dir", out, "--tp-size", "2"]
+    a = _start_held(go, args)
+    os.kill(a.pid, signal.SIGKILL)
+    a.communicate(timeout=60)
+    assert any(f.endswith(".partial") for f in os.listdir(os.path.join(out, "tp2")))
+    r = subprocess.run([sys.executable, "convert.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stderr
+    assert dir_bytes(out) == dir_bytes(converted("fp8_vl", 2))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "4 KB overwritten"])
+def test_a_shard_changed_after_its_rename_fails_the_run(ckpts, tmp_path, monkeypatch, capsys, damage):
+    """Before PASS every shard written is checked again (size, then sha256 re-read): bytes someone else wrote
+    into OUT after the rename are not passed off as this conversion."""
+    out = str(tmp_path / "out")
+    real = convert.write_shard
+
+    def clobbered(path, *a):
+        sha = real(path, *a)
+        if path.endswith("model-r1.safetensors"):
+            if damage == "truncated":
+                os.truncate(path, os.path.getsize(path) // 2)
+            else:
+                _overwrite_4k(path)
+        return sha
+    monkeypatch.setattr(convert, "write_shard", clobbered)
+    with pytest.raises(SystemExit) as e:
+        convert.main(ckpts["fp8_vl"], out, tp_size=2)
+    shard = os.path.join(out, "tp2", "model-r1.safetensors")
+    assert str(e.value).startswith(f"error: {shard}: changed after convert.py wrote it ("), e.value
+    assert str(e.value).endswith("; rerun to rewrite it"), e.value
+    assert "PASS" not in capsys.readouterr().out
