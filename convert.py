@@ -248,6 +248,31 @@ def out_dir_problems(ckpt: str, out_dir: str, tp: int) -> list[str]:
             "into the source, choose an --out-dir outside it"]
 
 
+def tokenizer_problems(ckpt: str) -> list[str]:
+    """The tokenizer files conversion copies must be what generate.py can load: UTF-8 text, JSON where named .json
+    (a truncated download or a file saved in another encoding would only fail at the first prompt)."""
+    out = []
+    for f in TOKENIZER_FILES:
+        path = os.path.join(ckpt, f)
+        if os.path.isdir(path):
+            out.append(f"{f}: is a directory, not a file")
+            continue
+        try:
+            with open(path, "rb") as fh:
+                text = fh.read().decode("utf-8")
+            if f.endswith(".json"):
+                json.loads(text)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            out.append(f"{f}: cannot read ({e.strerror})")
+        except UnicodeDecodeError as e:
+            out.append(f"{f}: not UTF-8 text ({e})")
+        except json.JSONDecodeError as e:
+            out.append(f"{f}: not valid JSON ({e})")
+    return out
+
+
 def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = False) -> Source:
     """Header-only check of a checkpoint against its config. Prints what was checked; exits listing every problem."""
     if os.path.isfile(ckpt):
@@ -312,8 +337,9 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = Fal
             n_fp8 += 1
             # 128 x 128 blocks: config.parse_config refuses any other weight_block_size
             s, grid = tensors.get(name + "_scale_inv"), [*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128)]
-            if s is None and name + "_scale_inv" not in unverified:
-                problems.append(f"{name} in {t.file}: FP8 weight without its {name}_scale_inv")
+            if s is None:  # absent, or in an unreadable file (already a problem of its own)
+                if name + "_scale_inv" not in unverified:
+                    problems.append(f"{name} in {t.file}: FP8 weight without its {name}_scale_inv")
             elif s.shape != grid or s.dtype != "F32":
                 problems.append(f"{name}_scale_inv in {s.file}: {s.dtype} {s.shape}, expected F32 {grid} for {t.shape}")
     # experts in an unreadable file (already a problem) are unknown, not BF16: no second, false disagreement
@@ -336,8 +362,9 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = Fal
           f"{f' (not checked: {str(sorted(unknown))[1:-1]}, whose tensors could not be read)' if unknown else ''}, "
           f"{n_fp8} FP8 scale grids; "
           f"TP=EP={tp} split of heads, KV/provider groups, dense/shared widths, experts, vocab")
+    problems += tokenizer_problems(ckpt)
     # not an error: prompts given as token ids need no tokenizer
-    no_tok = [f for f in ("tokenizer.json", "tokenizer_config.json") if not os.path.isfile(os.path.join(ckpt, f))]
+    no_tok = [f for f in ("tokenizer.json", "tokenizer_config.json") if not os.path.exists(os.path.join(ckpt, f))]
     warnings = [f"warning: {ckpt} has no {' or '.join(no_tok)}: generate.py --prompt will fail without "
                 "--tokenizer DIR (token-id prompts still work)"] if no_tok else []
     for w in warnings:
@@ -851,6 +878,9 @@ def cli(argv: list[str] | None = None):
     a = ap.parse_args(argv)
     try:
         main(a.checkpoint, a.out_dir, a.tp_size, a.ep_size, a.check_only, a.verify_existing, a.keep_mtp)
+    except KeyboardInterrupt:  # write_shard has removed its temporary file; complete shards stay for the rerun
+        raise SystemExit("error: interrupted (Ctrl-C); shards already complete are kept: rerun the same command to "
+                         "resume") from None
     except OSError as e:  # disk full, permissions, a file vanishing mid-run: name it, no traceback
         raise SystemExit(f"error: {e.filename or ''}: {e.strerror or e}") from None
 

@@ -980,3 +980,88 @@ def test_a_shard_changed_after_its_rename_fails_the_run(ckpts, tmp_path, monkeyp
     assert str(e.value).startswith(f"error: {shard}: changed after convert.py wrote it ("), e.value
     assert str(e.value).endswith("; rerun to rewrite it"), e.value
     assert "PASS" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- partial downloads, tokenizer, Ctrl-C
+def _scale_in_its_own_file(ck, name="model.layers.3.moe.up_proj.weight_scale_inv", fname="model-scales.safetensors"):
+    """Move one FP8 scale grid into a file of its own (its weight stays where it was), as a release may split them."""
+    idx = json.load(open(os.path.join(ck, INDEX)))
+    wm = idx["weight_map"]
+    home = os.path.join(ck, wm[name])
+    d = load_file(home)
+    save_file({name: d.pop(name)}, os.path.join(ck, fname), metadata={"format": "pt"})
+    save_file(d, home, metadata={"format": "pt"})
+    wm[name] = fname
+    json.dump(idx, open(os.path.join(ck, INDEX), "w"))
+    return os.path.join(ck, fname)
+
+
+@pytest.mark.parametrize("check_only", [True, False], ids=["check-only", "convert"])
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_scale_grid_in_a_missing_or_truncated_file_is_one_problem(ckpts, tmp_path, damage, check_only):
+    """A partial download: the FP8 weight's file is complete, its weight_scale_inv's file is not."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    path = _scale_in_its_own_file(ck)
+    convert.main(ck, None, tp_size=2, check_only=True)  # the split itself is a valid checkpoint
+    if damage == "missing":
+        os.remove(path)
+    else:
+        os.truncate(path, os.path.getsize(path) - 10)
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--tp-size", "2",
+                        *(["--check-only"] if check_only else ["--out-dir", str(tmp_path / "out")])],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "error: 1 problem(s)" in r.stderr and "model-scales.safetensors" in r.stderr, r.stderr
+    assert ("but missing" if damage == "missing" else "truncated") in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _truncate_tokenizer(ck):
+    p = os.path.join(ck, "tokenizer.json")
+    os.truncate(p, os.path.getsize(p) // 2)
+
+
+def _latin1_tokenizer_config(ck):
+    p = os.path.join(ck, "tokenizer_config.json")
+    data = open(p, "rb").read()
+    open(p, "wb").write(data.replace(b'"<s>"', '"<s>\u00e9"'.encode("latin-1")))
+
+
+def _tokenizer_json_is_a_directory(ck):
+    os.remove(os.path.join(ck, "tokenizer.json"))
+    os.mkdir(os.path.join(ck, "tokenizer.json"))
+
+
+@pytest.mark.parametrize("check_only", [True, False], ids=["check-only", "convert"])
+@pytest.mark.parametrize("damage,needle", [
+    (_truncate_tokenizer, "tokenizer.json: not valid JSON ("),
+    (_latin1_tokenizer_config, "tokenizer_config.json: not UTF-8 text ('utf-8' codec can't decode byte 0xe9"),
+    (_tokenizer_json_is_a_directory, "tokenizer.json: is a directory, not a file"),
+], ids=["truncated tokenizer.json", "latin-1 tokenizer_config.json", "tokenizer.json is a directory"])
+def test_bad_tokenizer_file_is_named(ckpts, tmp_path, damage, needle, check_only):
+    """The tokenizer files convert.py copies are checked first: JSON ones must be UTF-8 JSON, the rest UTF-8."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    damage(ck)
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--tp-size", "2",
+                        *(["--check-only"] if check_only else ["--out-dir", str(tmp_path / "out")])],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "error: 1 problem(s)" in r.stderr and f"  {needle}" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_ends_with_one_line_and_the_rerun_resumes(ckpts, converted, tmp_path):
+    import signal
+    out, go = str(tmp_path / "out"), str(tmp_path / "go")
+    args = ["--checkpoint", ckpts["fp8_vl"], "--out-dir", out, "--tp-size", "2"]
+    a = _start_held(go, args)
+    a.send_signal(signal.SIGINT)
+    _, err = a.communicate(timeout=120)
+    assert a.returncode == 1 and err.strip() == ("error: interrupted (Ctrl-C); shards already complete are kept: "
+                                                 "rerun the same command to resume"), err
+    assert not any(f.endswith(".partial") for f in os.listdir(os.path.join(out, "tp2")))
+    r = subprocess.run([sys.executable, "convert.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stderr
+    assert dir_bytes(out) == dir_bytes(converted("fp8_vl", 2))
