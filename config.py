@@ -14,6 +14,20 @@ class ConfigError(ValueError):
     """A config field is missing, inconsistent or unsupported; the message names the field."""
 
 
+class DuplicateKey(ValueError):
+    """A JSON object names one key twice; the message names the key."""
+
+
+def unique_keys(pairs: list) -> dict:
+    """json object_pairs_hook: refuse an object that names a key twice (json would silently keep the last value)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise DuplicateKey(f"key {json.dumps(key)} appears twice in one JSON object")
+    return d
+
+
 # --------------------------------------------------------------------------------------------------
 # configuration
 
@@ -372,9 +386,13 @@ def parse_config(d: dict, source: str = "config.json") -> tuple[Step5Config, "St
 def load_config(path: str) -> tuple[Step5Config, "Step5VLConfig | None", dict]:
     try:
         with open(path) as f:
-            d = json.load(f)
+            d = json.load(f, object_pairs_hook=unique_keys)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a JSON file") from None
+    except DuplicateKey as e:
+        raise ConfigError(f"{path}: {e}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(d, dict):

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from config import LAYOUT_VERSION, ConfigError, Step5Config, Step5VLConfig, group_window, parse_config
+from config import (LAYOUT_VERSION, ConfigError, DuplicateKey, Step5Config, Step5VLConfig, group_window, parse_config,
+                    unique_keys)
 
 INDEX = "model.safetensors.index.json"
 LOCK = ".convert.lock"  # in OUT: held (flock) by the one run converting into OUT
@@ -94,9 +95,11 @@ def read_header(path: str) -> tuple[dict, dict, int]:
             n = struct.unpack("<Q", raw)[0]
             if n > size - 8:
                 raise BadFile(f"{path}: header length {n} exceeds the file size {size}")
-            header = json.loads(f.read(n))
+            header = json.loads(f.read(n), object_pairs_hook=unique_keys)
     except OSError as e:
         raise BadFile(f"{path}: cannot read ({e.strerror})") from None
+    except DuplicateKey as e:
+        raise BadFile(f"{path}: header: {e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadFile(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -119,11 +122,15 @@ def read_header(path: str) -> tuple[dict, dict, int]:
 
 
 def load_json(path: str) -> dict:
+    if os.path.isdir(path):
+        raise SystemExit(f"error: {path}: is a directory, not a JSON file")
     try:
         with open(path) as f:
-            d = json.load(f)
+            d = json.load(f, object_pairs_hook=unique_keys)
     except FileNotFoundError:
         raise SystemExit(f"error: {path}: no such file") from None
+    except DuplicateKey as e:
+        raise SystemExit(f"error: {path}: {e}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SystemExit(f"error: {path}: not readable JSON ({e})") from None
     if not isinstance(d, dict):
@@ -231,15 +238,15 @@ class Source:
 
 
 def out_dir_problems(ckpt: str, out_dir: str, tp: int) -> list[str]:
-    """The outputs must not be the checkpoint, lie inside it or contain it (a checkpoint named tp8 under OUT would be
-    overwritten by OUT/tp8). Real paths, so a symlinked OUT, OUT/tpN or OUT/tokenizer_files counts as its target."""
+    """Conversion writes files directly into OUT (its lock), OUT/tpN and OUT/tokenizer_files, and nowhere else; none of
+    the three may be the checkpoint directory or lie inside it (a checkpoint named tp8 under OUT is OUT/tp8). An OUT
+    that only contains the checkpoint (--checkpoint /data/X --out-dir /data) is fine: the outputs land beside it.
+    Real paths, so a symlinked OUT, OUT/tpN or OUT/tokenizer_files counts as its target."""
     src, found = os.path.realpath(ckpt), []
     for p in (out_dir, os.path.join(out_dir, f"tp{tp}"), os.path.join(out_dir, "tokenizer_files")):
         real = os.path.realpath(p)
-        common = os.path.commonpath([src, real])
-        how = "is" if real == src else "is inside" if common == src else "contains" if common == real else None
-        if how:
-            found.append((("is", "is inside", "contains").index(how), p, real, how))
+        if os.path.commonpath([src, real]) == src:
+            found.append((real != src, p, real, "is" if real == src else "is inside"))
     if not found:
         return []
     _, p, real, how = min(found)  # the most direct relation names the problem best
@@ -294,7 +301,8 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = Fal
         if os.path.basename(fname) != fname:
             problems.append(f"{INDEX}: file name {fname!r} is not a plain file name inside the checkpoint")
         elif not os.path.isfile(path):
-            problems.append(f"{fname}: named by {INDEX} for {sum(v == fname for v in wm.values())} tensors but missing")
+            how = "is a directory, not a safetensors file" if os.path.isdir(path) else "missing"
+            problems.append(f"{fname}: named by {INDEX} for {sum(v == fname for v in wm.values())} tensors but {how}")
         else:
             try:
                 headers[fname] = read_header(path)
@@ -539,26 +547,29 @@ def read_pieces(src: Source, plan: list[Piece], stats: dict):
     stats with each file's FileStat as first read, and stops if a file changes while it is read."""
     for fname, pieces in groupby(plan, lambda p: p.src.file):
         fpath = os.path.join(src.path, fname)
-        seen = stats.setdefault(fname, FileStat.of(fpath))
-        with safe_open(fpath, framework="pt") as f:
-            for p in pieces:
-                if p.sel is None:
-                    t = f.get_tensor(p.src.key)
-                else:
-                    d, b, e = p.sel
-                    sl = f.get_slice(p.src.key)
-                    t = sl[b:e] if d == 0 else sl[:, b:e]
-                if list(t.shape) != p.shape:  # the header was planned from the source headers read earlier
-                    raise SystemExit(f"error: {fname}: {p.src.key} changed during the conversion")
-                t = t.contiguous()
-                bad = first_non_finite(t)
-                if bad is not None:
-                    raise SystemExit(f"error: {fname}: {p.src.key} holds a non-finite value "
-                                     f"({float(t.reshape(-1)[bad].float())}) at index {source_index(p, bad)}; "
-                                     "convert.py refuses non-finite weights (fix or re-download that file)")
-                yield p, t.reshape(-1).view(torch.uint8).numpy().data
-        if FileStat.of(fpath) != seen:
-            raise SystemExit(f"error: {fpath}: changed while convert.py was reading it; rerun once it is complete")
+        with naming(fpath):
+            # stat before opening: a file replaced in between then shows as a changed inode at the end
+            seen = stats.setdefault(fname, FileStat.of(fpath))
+            with safe_open(fpath, framework="pt") as f:
+                for p in pieces:
+                    if p.sel is None:
+                        t = f.get_tensor(p.src.key)
+                    else:
+                        d, b, e = p.sel
+                        sl = f.get_slice(p.src.key)
+                        t = sl[b:e] if d == 0 else sl[:, b:e]
+                    if list(t.shape) != p.shape:  # the header was planned from the source headers read earlier
+                        raise SystemExit(f"error: {fname}: {p.src.key} changed during the conversion")
+                    t = t.contiguous()
+                    bad = first_non_finite(t)
+                    if bad is not None:
+                        raise SystemExit(f"error: {fname}: {p.src.key} holds a non-finite value "
+                                         f"({float(t.reshape(-1)[bad].float())}) at index {source_index(p, bad)}; "
+                                         "convert.py refuses non-finite weights (fix or re-download that file)")
+                    yield p, t.reshape(-1).view(torch.uint8).numpy().data
+            if FileStat.of(fpath) != seen:
+                raise SystemExit(f"error: {fpath}: changed while convert.py was reading it; rerun once it is "
+                                 "complete")
 
 
 def stale_reason(path: str, head: bytes, size: int, plan: list[Piece], meta: dict) -> str | None:
@@ -657,6 +668,16 @@ def judge_existing(path: str, src: Source, plan: list[Piece], head: bytes, size:
     return Verdict(True, "source re-read: its changed files still give these bytes", SourceRecord(rec.sha256, stats))
 
 
+@contextlib.contextmanager
+def naming(path: str):
+    """An OSError while writing `path` ends the run naming it: the OS gives write() and fsync() errors (disk full,
+    quota, a file size limit) no file name, and the temporary name would mean nothing to the user."""
+    try:
+        yield
+    except OSError as e:
+        raise SystemExit(f"error: {path}: {e.strerror or e}") from None
+
+
 def temp_path(path: str) -> str:
     """A temporary name beside `path`, unique to this process and call, so no two writers ever share one."""
     return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}-{secrets.token_hex(4)}.partial")
@@ -672,18 +693,19 @@ def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: in
     t0 = last = time.time()
     h, stats = hashlib.sha256(head), {}
     try:
-        with open(tmp, "wb") as out:
-            out.write(head)
-            for _, data in read_pieces(src, plan, stats):
-                out.write(data)
-                h.update(data)
-                if time.time() - last > 15:
-                    last = time.time()
-                    print(f"  rank {rank}/{tp}: {out.tell() / 2**30:.2f} of {size / 2**30:.2f} GiB written, "
-                          f"{last - t0:.0f} s", file=sys.stderr)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
+        with naming(path):  # read_pieces names a source file that fails to read
+            with open(tmp, "wb") as out:
+                out.write(head)
+                for _, data in read_pieces(src, plan, stats):
+                    out.write(data)
+                    h.update(data)
+                    if time.time() - last > 15:
+                        last = time.time()
+                        print(f"  rank {rank}/{tp}: {out.tell() / 2**30:.2f} of {size / 2**30:.2f} GiB written, "
+                              f"{last - t0:.0f} s", file=sys.stderr)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -695,9 +717,15 @@ def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: in
 
 def write_bytes(path: str, data: bytes):
     tmp = temp_path(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with naming(path):
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 @contextlib.contextmanager
@@ -707,7 +735,8 @@ def out_dir_lock(out_dir: str):
     too), so a crashed run never leaves OUT locked, and while one is held any *.partial file in OUT is a dead run's.
     The file stays (deleting it would let two runs lock two different files) and is emptied when the run ends."""
     path = os.path.join(out_dir, LOCK)
-    f = open(path, "a+")
+    with naming(path):
+        f = open(path, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -809,6 +838,12 @@ def write_outputs(src: Source, out_dir: str, tp_size: int, fp: str, cfg: dict, v
         os.makedirs(tok_dir, exist_ok=True)
     except OSError as e:
         raise SystemExit(f"error: cannot create {tp_dir}: {e.strerror}") from None
+    outputs = [os.path.join(tp_dir, f"model-r{r}.safetensors{x}") for r in range(tp_size)
+               for x in ("", ".sha256", ".source.json")]
+    outputs += [os.path.join(tp_dir, f"config-r{r}.json") for r in range(tp_size)] + [os.path.join(tp_dir, "README.md")]
+    for p in outputs + [os.path.join(tok_dir, f) for f in TOKENIZER_FILES]:  # refused before anything is written
+        if os.path.isdir(p):
+            raise SystemExit(f"error: {p} is a directory; convert.py writes a file there (move the directory away)")
     for d in (tp_dir, tok_dir):  # a dead run's leftovers (the lock rules out a live one); never mistaken for outputs
         for f in os.listdir(d):
             if f.endswith(".partial"):
@@ -864,9 +899,10 @@ def cli(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="original checkpoint directory")
     ap.add_argument("--out-dir", "--out_dir", dest="out_dir", help="output root (OUT/tp{N}, OUT/tokenizer_files)")
-    ap.add_argument("--tp-size", "--tp_size", dest="tp_size", type=int, default=8)
+    ap.add_argument("--tp-size", "--tp_size", dest="tp_size", type=int, default=8,
+                    help="tensor-parallel size, the number of ranks to shard for (default: 8)")
     ap.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=None,
-                    help="must equal --tp-size (default: the same)")
+                    help="expert-parallel size; must equal --tp-size (default: --tp-size)")
     ap.add_argument("--check-only", "--check_only", dest="check_only", action="store_true",
                     help="check the checkpoint from its safetensors headers only; write nothing")
     ap.add_argument("--no-verify-existing", dest="verify_existing", action="store_false",
@@ -881,8 +917,8 @@ def cli(argv: list[str] | None = None):
     except KeyboardInterrupt:  # write_shard has removed its temporary file; complete shards stay for the rerun
         raise SystemExit("error: interrupted (Ctrl-C); shards already complete are kept: rerun the same command to "
                          "resume") from None
-    except OSError as e:  # disk full, permissions, a file vanishing mid-run: name it, no traceback
-        raise SystemExit(f"error: {e.filename or ''}: {e.strerror or e}") from None
+    except OSError as e:  # permissions, a file vanishing mid-run: name it, no traceback (writes name theirs: naming)
+        raise SystemExit(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}") from None
 
 
 if __name__ == "__main__":

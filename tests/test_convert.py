@@ -1065,3 +1065,139 @@ def test_ctrl_c_ends_with_one_line_and_the_rerun_resumes(ckpts, converted, tmp_p
     r = subprocess.run([sys.executable, "convert.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "PASS" in r.stdout, r.stderr
     assert dir_bytes(out) == dir_bytes(converted("fp8_vl", 2))
+
+
+# ---------------------------------------------------------------------------------------------- messages that name the thing
+def _limit_file_size():
+    import resource
+    import signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG instead of killing
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+
+def test_a_failed_write_names_the_file(ckpts, tmp_path):
+    """The OS gives write() errors no file name (`error: : No space left on device` was the result); a file size
+    limit fails the same write() with EFBIG."""
+    out = str(tmp_path / "out")
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ckpts["bf16_text"], "--out-dir", out,
+                        "--tp-size", "2"], cwd=ROOT, capture_output=True, text=True, preexec_fn=_limit_file_size)
+    shard = os.path.join(out, "tp2", "model-r0.safetensors")
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {shard}: File too large", r.stderr
+    assert not any(f.endswith(".partial") for f in os.listdir(os.path.join(out, "tp2")))
+
+
+def test_disk_full_at_fsync_names_the_file(ckpts, tmp_path, monkeypatch):
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(convert.os, "fsync", full)
+    out = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as e:
+        convert.main(ckpts["bf16_text"], out, tp_size=2)
+    assert str(e.value) == f"error: {os.path.join(out, 'tp2', 'model-r0.safetensors')}: No space left on device"
+
+
+def _index_file_is_a_directory(ck):
+    f = os.path.join(ck, "model-00002-of-00004.safetensors")
+    os.remove(f)
+    os.mkdir(f)
+
+
+def _index_is_a_directory(ck):
+    os.remove(os.path.join(ck, INDEX))
+    os.mkdir(os.path.join(ck, INDEX))
+
+
+def _duplicate_index_key(ck):
+    text = open(os.path.join(ck, INDEX)).read()
+    line = next(ln for ln in text.splitlines() if '"model.norm.weight"' in ln)
+    open(os.path.join(ck, INDEX), "w").write(text.replace(line, line.rstrip(",") + ",\n" + line, 1))
+
+
+def _duplicate_config_key(ck):
+    text = open(os.path.join(ck, "config.json")).read()
+    open(os.path.join(ck, "config.json"), "w").write(text.replace('"rms_norm_eps": 1e-05,',
+                                                                  '"rms_norm_eps": 1e-05, "rms_norm_eps": 1e-06,', 1))
+
+
+def _duplicate_header_key(ck):
+    """A safetensors header naming one tensor twice (same length, so only the duplicate is wrong)."""
+    path = os.path.join(ck, "model-00001-of-00004.safetensors")
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    head = json.loads(data[8:8 + n])
+    a, b = sorted(k for k in head if k != "__metadata__")[:2]
+    raw = data[8:8 + n].replace(f'"{b}"'.encode(), f'"{a}"'.encode().ljust(len(b) + 2), 1)
+    open(path, "wb").write(data[:8] + raw + data[8 + n:])
+    return a
+
+
+@pytest.mark.parametrize("case,needle", [
+    (_index_file_is_a_directory, "model-00002-of-00004.safetensors: named by model.safetensors.index.json for "),
+    (_index_is_a_directory, f"{INDEX}: is a directory, not a JSON file"),
+    (_duplicate_index_key, f'{INDEX}: key "model.norm.weight" appears twice in one JSON object'),
+    (_duplicate_config_key, 'config.json: key "rms_norm_eps" appears twice in one JSON object'),
+    (_duplicate_header_key, 'model-00001-of-00004.safetensors: header: key "'),
+], ids=["index-named file is a directory", "index is a directory", "duplicate key in the index",
+        "duplicate key in config.json", "duplicate key in a safetensors header"])
+def test_directories_and_duplicate_keys_are_named(ckpts, tmp_path, case, needle):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    case(ck)
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--check-only", "--tp-size", "2"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    if case is _index_file_is_a_directory:
+        assert "but is a directory, not a safetensors file" in r.stderr and "missing" not in r.stderr, r.stderr
+    if case is _duplicate_header_key:
+        assert "appears twice in one JSON object" in r.stderr, r.stderr
+
+
+def test_an_output_path_that_is_a_directory_is_named(ckpts, tmp_path):
+    out = str(tmp_path / "out")
+    os.makedirs(os.path.join(out, "tp2", "model-r1.safetensors"))
+    with pytest.raises(SystemExit) as e:
+        convert.main(ckpts["bf16_text"], out, tp_size=2)
+    path = os.path.join(out, "tp2", "model-r1.safetensors")
+    assert str(e.value) == (f"error: {path} is a directory; convert.py writes a file there (move the directory "
+                            "away)"), e.value
+    assert not os.path.exists(os.path.join(out, "tp2", "model-r0.safetensors")), "refused before writing anything"
+
+
+def test_per_rank_config_with_a_duplicate_key_is_refused():
+    from config import ConfigError, load_config
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write('{"hidden_size": 256, "hidden_size": 512}')
+    with pytest.raises(ConfigError) as e:
+        load_config(f.name)
+    assert str(e.value) == f'{f.name}: key "hidden_size" appears twice in one JSON object'
+    os.remove(f.name)
+
+
+def test_help_states_the_defaults():
+    r = subprocess.run([sys.executable, "convert.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "--tp-size TP_SIZE" in text, r.stdout
+    assert "number of ranks to shard for (default: 8)" in text and "(default: --tp-size)" in text, r.stdout
+
+
+@pytest.mark.parametrize("check_only", [False, True])
+def test_out_dir_holding_the_checkpoint_beside_the_outputs_is_accepted(ckpts, tmp_path, check_only):
+    """--checkpoint /data/X --out-dir /data writes /data/tp2 and /data/tokenizer_files, beside X, not into it."""
+    data = tmp_path / "data"
+    ck = str(data / "X")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    before = dir_bytes(ck)
+    convert.main(ck, str(data), tp_size=2, check_only=check_only)
+    assert dir_bytes(ck) == before
+    assert os.path.exists(data / "tp2" / "model-r1.safetensors") != check_only
+
+
+def test_checkpoint_named_tokenizer_files_under_out_is_refused(ckpts, tmp_path):
+    ck = str(tmp_path / "tokenizer_files")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    with pytest.raises(SystemExit) as e:
+        convert.main(ck, str(tmp_path), tp_size=2)
+    assert f"the output {os.path.join(str(tmp_path), 'tokenizer_files')} is the checkpoint directory" in str(e.value)
