@@ -9,8 +9,8 @@ tensor rather than the checkpoint, and every floating tensor is checked for NaN/
 recorded beside it (model-r{rank}.safetensors.sha256) while it is written, with the size, mtime, ctime and inode of
 each source file it was read from (model-r{rank}.safetensors.source.json). A rerun keeps a shard only if its header
 matches, its bytes still hash to that value (re-hashing is skipped with --no-verify-existing) and its source is
-unchanged: the same file stats, or, where they differ, source slices that read again give the same sha256. It
-rewrites the rest. MTP layers (index >= num_hidden_layers) are dropped unless --keep-mtp writes them into every rank's
+unchanged: the same file stats, or, where they differ or are not recorded, source slices that read again give the
+same sha256. It rewrites the rest. MTP layers (index >= num_hidden_layers) are dropped unless --keep-mtp writes them into every rank's
 shard for speculative decoding.
 """
 import argparse
@@ -609,25 +609,19 @@ def sha256_file(path: str, rank: int, tp: int) -> str:
     return h.hexdigest()
 
 
-def checksum_problem(path: str, rank: int, tp: int, record: SourceRecord) -> str | None:
-    """None when the shard's bytes still hash to the sha256 recorded when it was written (a header check cannot
-    see damage inside the data); otherwise why it must be rewritten."""
+def recorded_sha256(path: str) -> str:
+    """The sha256 recorded beside the shard when it was written, or ValueError saying why there is none."""
     name = os.path.basename(path) + ".sha256"
     try:
         with open(path + ".sha256") as f:
             want = (f.read().split() or [""])[0]
     except FileNotFoundError:
-        return f"no sha256 recorded ({name} missing), so its contents cannot be verified"
+        raise ValueError(f"no sha256 recorded ({name} missing)") from None
     except (OSError, UnicodeDecodeError) as e:
-        return f"{name} unreadable ({e}), so its contents cannot be verified"
+        raise ValueError(f"{name} unreadable ({e})") from None
     if not re.fullmatch(r"[0-9a-f]{64}", want):
-        return f"{name} holds no sha256, so its contents cannot be verified"
-    if want != record.sha256:
-        return f"{name} and {os.path.basename(path)}.source.json record different sha256s"
-    got = sha256_file(path, rank, tp)
-    if got != want:
-        return f"its sha256 {got[:12]}... differs from the {want[:12]}... recorded in {name} (changed since written)"
-    return None
+        raise ValueError(f"{name} holds no sha256")
+    return want
 
 
 @dataclass
@@ -639,33 +633,47 @@ class Verdict:
 
 def judge_existing(path: str, src: Source, plan: list[Piece], head: bytes, size: int, meta: dict, rank: int,
                    tp: int, verify: bool) -> Verdict:
-    """May the shard at `path` be kept? Its header, metadata and length must be what this run writes, its own
-    bytes must hash to its recorded sha256 (unless not `verify`), and it must be made of today's source bytes: when
-    every source file it was read from has the FileStat its record holds, it is; when any differs (a touch, a copy,
-    a fix, a re-download), that shard's source slices are read again and hashed with its header, and it is kept
-    only if that gives its recorded sha256. A content change never hides behind an unchanged size and mtime."""
+    """May the shard at `path` be kept? Its header, metadata and length must be what this run writes, its bytes
+    must hash to the sha256 recorded beside it (unless not `verify`), and it must be made of today's source bytes.
+    When every source file it was read from has the FileStat its source record holds, it is; when any differs (a
+    touch, a copy, a fix, a re-download) or there is no valid record (a shard of an earlier converter), that shard's
+    source slices are read again and hashed with its header, and it is kept only if that gives its sha256. A content
+    change never hides behind an unchanged size and mtime."""
     why = stale_reason(path, head, size, plan, meta)
     if why:
         return Verdict(False, why)
+    name = os.path.basename(path)
+    try:
+        want = recorded_sha256(path)
+    except ValueError as e:
+        if verify:
+            return Verdict(False, f"{e}, so its contents cannot be verified")
+        want = None
     try:
         rec = SourceRecord.load(path + ".source.json")
+        if want and rec.sha256 != want:
+            raise ValueError(f"{name}.source.json records another sha256 than {name}.sha256")
     except ValueError as e:
-        return Verdict(False, f"{e}, so it cannot be matched to today's source")
-    if verify and (why := checksum_problem(path, rank, tp, rec)):
-        return Verdict(False, why)
+        rec, no_record = None, str(e)
+    want = want or (rec.sha256 if rec else None)
+    if want is None:  # --no-verify-existing, and neither file says what the shard's bytes hash to
+        return Verdict(False, f"neither {name}.sha256 nor {name}.source.json records its sha256, so it cannot be "
+                              "matched to today's source")
+    if verify and (got := sha256_file(path, rank, tp)) != want:
+        return Verdict(False, f"its sha256 {got[:12]}... differs from the {want[:12]}... recorded in {name}.sha256 "
+                              "(changed since written)")
     now = {f: FileStat.of(os.path.join(src.path, f)) for f in sorted({p.src.file for p in plan})}
-    if now == rec.files:
+    if rec and now == rec.files:
         return Verdict(True, "source files' size/mtime/ctime/inode unchanged")
-    changed = sorted(f for f in now.keys() | rec.files.keys() if now.get(f) != rec.files.get(f))
-    print(f"  rank {rank}/{tp}: {', '.join(changed)} changed on disk since the shard was written; re-reading its "
-          "source slices to compare", file=sys.stderr)
+    reason = no_record if rec is None else ", ".join(
+        sorted(f for f in now.keys() | rec.files.keys() if now.get(f) != rec.files.get(f))) + " changed on disk"
+    print(f"  rank {rank}/{tp}: {reason}; re-reading the shard's source slices to compare", file=sys.stderr)
     stats, h = {}, hashlib.sha256(head)
     for _, data in read_pieces(src, plan, stats):
         h.update(data)
-    if h.hexdigest() != rec.sha256:
-        return Verdict(False, f"the source's bytes differ from those it was made from (changed on disk since: "
-                              f"{', '.join(changed)})")
-    return Verdict(True, "source re-read: its changed files still give these bytes", SourceRecord(rec.sha256, stats))
+    if h.hexdigest() != want:
+        return Verdict(False, f"the source's bytes differ from those it was made from (re-read since {reason})")
+    return Verdict(True, f"source re-read since {reason}: same bytes", SourceRecord(want, stats))
 
 
 @contextlib.contextmanager
@@ -687,8 +695,8 @@ def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: in
     """Stream the shard: header first, then each slice from read_pieces, hashing the bytes as they go out (no second
     read) into a sha256sum-format sidecar: one small file per shard, written after its shard, so there is no shared
     manifest to rewrite N times, and `sha256sum -c` checks it by hand. A run killed between the renames leaves a
-    shard without a sidecar or source record, which a resume rewrites; a run that fails removes its temporary file.
-    Returns the shard's sha256."""
+    shard without a sidecar, which a resume rewrites, or without a source record, which makes a resume re-read its
+    source slices; a run that fails removes its temporary file. Returns the shard's sha256."""
     tmp = temp_path(path)
     t0 = last = time.time()
     h, stats = hashlib.sha256(head), {}
@@ -906,8 +914,9 @@ def cli(argv: list[str] | None = None):
     ap.add_argument("--check-only", "--check_only", dest="check_only", action="store_true",
                     help="check the checkpoint from its safetensors headers only; write nothing")
     ap.add_argument("--no-verify-existing", dest="verify_existing", action="store_false",
-                    help="on a rerun, keep shards whose header matches without re-hashing them against their "
-                         "recorded sha256 (faster; damage inside the data goes unnoticed)")
+                    help="on a rerun, keep shards whose header matches and whose source is unchanged without "
+                         "re-hashing them against their recorded sha256 (faster; damage inside the shard goes "
+                         "unnoticed)")
     ap.add_argument("--keep-mtp", "--keep_mtp", dest="keep_mtp", action="store_true",
                     help="also write the checkpoint's MTP layers (num_nextn_predict_layers of them) into every "
                          "rank's shard, for generate.py --speculative")

@@ -831,10 +831,11 @@ def test_resume_rewrites_a_shard_whose_source_bytes_changed_past_the_first_bytes
     convert.main(ck, out, tp_size=2)
     printed = capsys.readouterr().out
     tp2 = os.path.join(out, "tp2")
+    fname = json.load(open(os.path.join(ck, INDEX)))["weight_map"]["model.layers.1.mlp.up_proj.weight"]
     assert f"rank 1: rewriting {tp2}/model-r1.safetensors: the source's bytes differ from those it was made from " \
-           "(changed on disk since: model-" in printed, printed
-    assert f"rank 0: {tp2}/model-r0.safetensors is complete and matches (header, metadata, length, source re-read: " \
-           "its changed files still give these bytes, sha256 verified); kept" in printed, printed
+           f"(re-read since {fname} changed on disk)" in printed, printed
+    assert f"rank 0: {tp2}/model-r0.safetensors is complete and matches (header, metadata, length, source re-read " \
+           f"since {fname} changed on disk: same bytes, sha256 verified); kept" in printed, printed
     fresh = str(tmp_path / "fresh")
     convert.main(ck, fresh, tp_size=2)
     assert dir_bytes(out) == dir_bytes(fresh)
@@ -866,7 +867,7 @@ def test_resume_after_touching_the_source_rereads_it_and_keeps_the_shards(ckpts,
     capsys.readouterr()
     convert.main(ck, out, tp_size=2)
     printed = capsys.readouterr().out
-    assert printed.count("source re-read: its changed files still give these bytes, sha256 verified); kept") == 2
+    assert printed.count("changed on disk: same bytes, sha256 verified); kept") == 2, printed
     for r in range(2):
         st = os.stat(os.path.join(out, "tp2", f"model-r{r}.safetensors"))
         assert (st.st_ino, st.st_mtime_ns) == (before[r].st_ino, before[r].st_mtime_ns)
@@ -876,25 +877,39 @@ def test_resume_after_touching_the_source_rereads_it_and_keeps_the_shards(ckpts,
 
 
 @pytest.mark.parametrize("damage", ["missing", "garbled", "another shard's"])
-def test_shard_without_a_valid_source_record_is_rewritten(ckpts, converted, tmp_path, capsys, damage):
-    """No record (a shard of an older converter, or a run killed before the record was written): it cannot be
-    matched to today's source, so it is rewritten."""
-    clean = converted("fp8_vl", 2)
-    out = str(tmp_path / "out")
-    shutil.copytree(clean, out)
-    rec = os.path.join(out, "tp2", "model-r1.safetensors.source.json")
+def test_shard_without_a_valid_source_record_is_checked_against_a_source_reread(ckpts, tmp_path, capsys, damage):
+    """No record (a shard of an earlier converter, or a run killed before the record was written): the source is
+    re-read for that shard, which is kept (with a new record) only if it still gives the shard's sha256."""
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    convert.main(ck, out, tp_size=2)
+    clean = dir_bytes(out)
+    tp2 = os.path.join(out, "tp2")
+    recs = [os.path.join(tp2, f"model-r{r}.safetensors.source.json") for r in range(2)]
     if damage == "missing":
-        os.remove(rec)
+        for rec in recs:
+            os.remove(rec)
     elif damage == "garbled":
-        open(rec, "w").write("{")
-    else:
-        shutil.copyfile(os.path.join(out, "tp2", "model-r0.safetensors.source.json"), rec)
+        for rec in recs:
+            open(rec, "w").write("{")
+    else:  # the two records swapped
+        texts = [open(rec).read() for rec in recs]
+        for rec, text in zip(recs, texts[::-1]):
+            open(rec, "w").write(text)
+    _flip_late_byte(ck)  # in rank 1's slice: rank 1 must be rewritten, rank 0 kept
     capsys.readouterr()
-    convert.main(ckpts["fp8_vl"], out, tp_size=2)
+    convert.main(ck, out, tp_size=2)
     printed = capsys.readouterr().out
-    assert f"rank 1: rewriting {os.path.join(out, 'tp2', 'model-r1.safetensors')}: " in printed, printed
-    assert "model-r1.safetensors.source.json" in printed and "rank 0:" in printed and "kept" in printed, printed
-    assert dir_bytes(out) == dir_bytes(clean)
+    why = {"missing": "no source record (model-r{r}.safetensors.source.json missing)",
+           "garbled": "model-r{r}.safetensors.source.json unreadable (",
+           "another shard's": "model-r{r}.safetensors.source.json records another sha256 than model-r{r}.safetensors.sha256"}
+    assert f"rank 0: {tp2}/model-r0.safetensors is complete and matches (header, metadata, length, source re-read " \
+           f"since {why[damage].format(r=0)}" in printed, printed
+    assert f"rank 1: rewriting {tp2}/model-r1.safetensors: the source's bytes differ from those it was made from " \
+           f"(re-read since {why[damage].format(r=1)}" in printed, printed
+    fresh = str(tmp_path / "fresh")
+    convert.main(ck, fresh, tp_size=2)
+    assert dir_bytes(out) == dir_bytes(fresh) and dir_bytes(out) != clean
 
 
 # ---------------------------------------------------------------------------------------------- two runs, one --out-dir
