@@ -7,11 +7,12 @@ OUT/tokenizer_files/. Before converting (and alone, with --check-only) it checks
 from the safetensors headers only. Shards are streamed tensor by tensor, so host memory tracks the largest single
 tensor rather than the checkpoint, and every floating tensor is checked for NaN/Inf on the way. Each shard's sha256 is
 recorded beside it (model-r{rank}.safetensors.sha256) while it is written, with the size, mtime, ctime and inode of
-each source file it was read from (model-r{rank}.safetensors.source.json). A rerun keeps a shard only if its header
-matches, its bytes still hash to that value (re-hashing is skipped with --no-verify-existing) and its source is
-unchanged: the same file stats, or, where they differ or are not recorded, source slices that read again give the
-same sha256. It rewrites the rest. MTP layers (index >= num_hidden_layers) are dropped unless --keep-mtp writes them into every rank's
-shard for speculative decoding.
+each source file it was read from (model-r{rank}.safetensors.source.json), and read back before PASS. A rerun keeps a
+shard only if its header matches, its bytes still hash to that value (re-hashing is skipped with
+--no-verify-existing) and its source is unchanged: the same file stats, or, where they differ or are not recorded,
+source slices that read again give the same sha256. It rewrites the rest. One run at a time per OUT (a lock file).
+MTP layers (index >= num_hidden_layers) are dropped unless --keep-mtp writes them into every rank's shard for
+speculative decoding.
 """
 import argparse
 import contextlib
@@ -136,6 +137,16 @@ def load_json(path: str) -> dict:
     if not isinstance(d, dict):
         raise SystemExit(f"error: {path}: expected a JSON object")
     return d
+
+
+@contextlib.contextmanager
+def naming(path: str):
+    """An OSError while reading or writing `path` ends the run with one line naming it: the OS gives write() and
+    fsync() errors (disk full, quota, a file size limit) no file name, and a temporary name means nothing to users."""
+    try:
+        yield
+    except OSError as e:
+        raise SystemExit(f"error: {path}: {e.strerror or e}") from None
 
 
 def is_mtp(name: str, tc: Step5Config) -> bool:
@@ -676,16 +687,6 @@ def judge_existing(path: str, src: Source, plan: list[Piece], head: bytes, size:
     return Verdict(True, f"source re-read since {reason}: same bytes", SourceRecord(want, stats))
 
 
-@contextlib.contextmanager
-def naming(path: str):
-    """An OSError while writing `path` ends the run naming it: the OS gives write() and fsync() errors (disk full,
-    quota, a file size limit) no file name, and the temporary name would mean nothing to the user."""
-    try:
-        yield
-    except OSError as e:
-        raise SystemExit(f"error: {path}: {e.strerror or e}") from None
-
-
 def temp_path(path: str) -> str:
     """A temporary name beside `path`, unique to this process and call, so no two writers ever share one."""
     return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}-{secrets.token_hex(4)}.partial")
@@ -743,16 +744,16 @@ def out_dir_lock(out_dir: str):
     too), so a crashed run never leaves OUT locked, and while one is held any *.partial file in OUT is a dead run's.
     The file stays (deleting it would let two runs lock two different files) and is emptied when the run ends."""
     path = os.path.join(out_dir, LOCK)
-    with naming(path):
+    with naming(path):  # e.g. a filesystem without locks
         f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "pid unknown"
-        f.close()
-        raise SystemExit(f"error: {path} is held by another convert.py ({holder}) converting into {out_dir}; wait "
-                         "for it to finish or stop it") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "pid unknown"
+            f.close()
+            raise SystemExit(f"error: {path} is held by another convert.py ({holder}) converting into {out_dir}; "
+                             "wait for it to finish or stop it") from None
     try:
         f.truncate(0)
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -889,8 +890,8 @@ def write_outputs(src: Source, out_dir: str, tp_size: int, fp: str, cfg: dict, v
         with open(os.path.join(src.path, f), "rb") as fh:
             write_bytes(os.path.join(tok_dir, f), fh.read())
     print(f"tokenizer files: {', '.join(copied) or 'none found in the checkpoint'} -> {tok_dir}")
-    # Read every shard written back before PASS (one thread per shard: hashlib and reads release the GIL)
-    with ThreadPoolExecutor(max(1, min(tp_size, os.cpu_count() or 1))) as ex:
+    # every shard this run wrote read back before PASS, in parallel (hashlib and file reads release the GIL)
+    with ThreadPoolExecutor(min(tp_size, os.cpu_count() or 1)) as ex:
         problems = [w for w in ex.map(lambda r: changed_since_written(*shards[r], r, tp_size), range(tp_size)) if w]
     if problems:
         raise SystemExit(f"error: {problems[0]}; rerun to rewrite it")
@@ -899,8 +900,8 @@ def write_outputs(src: Source, out_dir: str, tp_size: int, fp: str, cfg: dict, v
     if not_hashed:
         print(f"warning: {not_hashed} kept shard(s) were not checked against their sha256 (--no-verify-existing); "
               "rerun without it to verify them", file=sys.stderr)
-    print(f"PASS: {tp_size} ranks in {tp_dir}, each shard written read back (size, sha256) "
-          f"({time.time() - t0:.1f} s)")
+    print(f"PASS: {tp_size} ranks in {tp_dir} (shards written by this run read back: size and sha256 match; "
+          f"{time.time() - t0:.1f} s)")
 
 
 def cli(argv: list[str] | None = None):

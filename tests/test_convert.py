@@ -841,6 +841,22 @@ def test_resume_rewrites_a_shard_whose_source_bytes_changed_past_the_first_bytes
     assert dir_bytes(out) == dir_bytes(fresh)
 
 
+def test_no_verify_existing_still_sees_a_changed_source(ckpts, tmp_path, capsys):
+    """--no-verify-existing skips re-hashing the shards, not the source check: a stale shard is a wrong answer."""
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    convert.main(ck, out, tp_size=2)
+    _flip_late_byte(ck, keep_mtime=True)
+    capsys.readouterr()
+    convert.main(ck, out, tp_size=2, verify_existing=False)
+    printed = capsys.readouterr().out
+    assert "rank 1: rewriting" in printed and "the source's bytes differ" in printed, printed
+    assert "changed on disk: same bytes); kept, contents not verified (--no-verify-existing)" in printed, printed
+    fresh = str(tmp_path / "fresh")
+    convert.main(ck, fresh, tp_size=2)
+    assert dir_bytes(out) == dir_bytes(fresh)
+
+
 def test_resume_keeps_shards_of_an_unchanged_source_without_reading_it(ckpts, converted, tmp_path, capsys, monkeypatch):
     out = str(tmp_path / "out")
     shutil.copytree(converted("bf16_text", 2), out)
