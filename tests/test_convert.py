@@ -818,24 +818,50 @@ def _flip_late_byte(ck, name="model.layers.1.mlp.up_proj.weight", keep_mtime=Fal
     assert os.path.getsize(path) == st.st_size
 
 
-@pytest.mark.parametrize("keep_mtime", [False, True], ids=["mtime changed", "size and mtime unchanged"])
-def test_resume_rewrites_a_shard_whose_source_bytes_changed_past_the_first_bytes(ckpts, tmp_path, capsys, keep_mtime):
+def _records(tp2, edit):
+    """Replace the two ranks' source records by edit(their texts); a None text removes that record."""
+    recs = [os.path.join(tp2, f"model-r{r}.safetensors.source.json") for r in range(2)]
+    for rec, text in zip(recs, edit([open(rec).read() for rec in recs])):
+        if text is None:
+            os.remove(rec)
+        else:
+            open(rec, "w").write(text)
+
+
+# how the change shows on a rerun: (keep the file's mtime, edit of the source records, why rank r re-reads)
+RESUME_CASES = {
+    "mtime changed": (False, None, "{fname} changed on disk"),
+    "size and mtime unchanged": (True, None, "{fname} changed on disk"),  # ctime tells
+    # no valid record (a shard of an earlier converter, or a run killed before its record): the same re-read
+    "record missing": (True, lambda texts: [None, None], "no source record (model-r{r}.safetensors.source.json missing)"),
+    "record garbled": (True, lambda texts: ["{", "{"], "model-r{r}.safetensors.source.json unreadable ("),
+    "records swapped": (True, lambda texts: texts[::-1],
+                        "model-r{r}.safetensors.source.json records another sha256 than model-r{r}.safetensors.sha256"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_rewrites_a_shard_whose_source_bytes_changed_past_the_first_bytes(ckpts, tmp_path, capsys, case):
     """The fingerprint samples only the first bytes of each tensor; each shard's source record (its source files'
-    size, mtime, ctime and inode, beside the shard's sha256) sees the change, the source is re-read for that shard,
-    and only the shard whose bytes really differ is rewritten."""
+    size, mtime, ctime and inode, beside the shard's sha256) sees the change, or is missing, so the source is re-read
+    for that shard, and only the shard whose bytes really differ is rewritten; the other is kept with a new record."""
+    keep_mtime, edit, why = RESUME_CASES[case]
     ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
     shutil.copytree(ckpts["bf16_text"], ck)
     convert.main(ck, out, tp_size=2)
+    tp2 = os.path.join(out, "tp2")
+    if edit:
+        _records(tp2, edit)
     _flip_late_byte(ck, keep_mtime=keep_mtime)
     capsys.readouterr()
     convert.main(ck, out, tp_size=2)
     printed = capsys.readouterr().out
-    tp2 = os.path.join(out, "tp2")
     fname = json.load(open(os.path.join(ck, INDEX)))["weight_map"]["model.layers.1.mlp.up_proj.weight"]
     assert f"rank 1: rewriting {tp2}/model-r1.safetensors: the source's bytes differ from those it was made from " \
-           f"(re-read since {fname} changed on disk)" in printed, printed
+           f"(re-read since {why.format(fname=fname, r=1)}" in printed, printed
     assert f"rank 0: {tp2}/model-r0.safetensors is complete and matches (header, metadata, length, source re-read " \
-           f"since {fname} changed on disk: same bytes, sha256 verified); kept" in printed, printed
+           f"since {why.format(fname=fname, r=0)}" in printed, printed
+    assert "same bytes, sha256 verified); kept" in printed, printed
     fresh = str(tmp_path / "fresh")
     convert.main(ck, fresh, tp_size=2)
     assert dir_bytes(out) == dir_bytes(fresh)
@@ -890,42 +916,6 @@ def test_resume_after_touching_the_source_rereads_it_and_keeps_the_shards(ckpts,
     capsys.readouterr()
     convert.main(ck, out, tp_size=2)  # the refreshed records now match: no second re-read
     assert capsys.readouterr().out.count("size/mtime/ctime/inode unchanged, sha256 verified); kept") == 2
-
-
-@pytest.mark.parametrize("damage", ["missing", "garbled", "another shard's"])
-def test_shard_without_a_valid_source_record_is_checked_against_a_source_reread(ckpts, tmp_path, capsys, damage):
-    """No record (a shard of an earlier converter, or a run killed before the record was written): the source is
-    re-read for that shard, which is kept (with a new record) only if it still gives the shard's sha256."""
-    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
-    shutil.copytree(ckpts["fp8_vl"], ck)
-    convert.main(ck, out, tp_size=2)
-    clean = dir_bytes(out)
-    tp2 = os.path.join(out, "tp2")
-    recs = [os.path.join(tp2, f"model-r{r}.safetensors.source.json") for r in range(2)]
-    if damage == "missing":
-        for rec in recs:
-            os.remove(rec)
-    elif damage == "garbled":
-        for rec in recs:
-            open(rec, "w").write("{")
-    else:  # the two records swapped
-        texts = [open(rec).read() for rec in recs]
-        for rec, text in zip(recs, texts[::-1]):
-            open(rec, "w").write(text)
-    _flip_late_byte(ck)  # in rank 1's slice: rank 1 must be rewritten, rank 0 kept
-    capsys.readouterr()
-    convert.main(ck, out, tp_size=2)
-    printed = capsys.readouterr().out
-    why = {"missing": "no source record (model-r{r}.safetensors.source.json missing)",
-           "garbled": "model-r{r}.safetensors.source.json unreadable (",
-           "another shard's": "model-r{r}.safetensors.source.json records another sha256 than model-r{r}.safetensors.sha256"}
-    assert f"rank 0: {tp2}/model-r0.safetensors is complete and matches (header, metadata, length, source re-read " \
-           f"since {why[damage].format(r=0)}" in printed, printed
-    assert f"rank 1: rewriting {tp2}/model-r1.safetensors: the source's bytes differ from those it was made from " \
-           f"(re-read since {why[damage].format(r=1)}" in printed, printed
-    fresh = str(tmp_path / "fresh")
-    convert.main(ck, fresh, tp_size=2)
-    assert dir_bytes(out) == dir_bytes(fresh) and dir_bytes(out) != clean
 
 
 # ---------------------------------------------------------------------------------------------- two runs, one --out-dir
