@@ -715,7 +715,8 @@ NON_FINITE = [("model.layers.1.mlp.up_proj.weight", b"\xc0\x7f", 512 * 256 - 1, 
               ("model.layers.3.moe.up_proj.weight_scale_inv", b"\x00\x00\xc0\x7f", 1, "[0, 0, 1]", "nan")]
 
 
-@pytest.mark.parametrize("name,raw,flat,index,value", NON_FINITE, ids=[n[0].split(".", 3)[-1] + n[4] for n in NON_FINITE])
+@pytest.mark.parametrize("name,raw,flat,index,value", NON_FINITE,
+                         ids=[n[0].split(".", 3)[-1] + n[4] for n in NON_FINITE])
 def test_non_finite_weight_is_refused_naming_tensor_file_and_index(ckpts, tmp_path, name, raw, flat, index, value):
     ck = str(tmp_path / "ck")
     shutil.copytree(ckpts["fp8_vl"], ck)
@@ -740,7 +741,8 @@ def test_check_only_says_values_are_checked_during_conversion(ckpts, capsys):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_first_non_finite_finds_nan_and_inf(dtype):
-    fin = torch.tensor([0.0, -1.5, torch.finfo(dtype).max, torch.finfo(dtype).min, torch.finfo(dtype).tiny], dtype=dtype)
+    info = torch.finfo(dtype)
+    fin = torch.tensor([0.0, -1.5, info.max, info.min, info.tiny], dtype=dtype)
     assert convert.first_non_finite(fin) is None
     for v in (float("nan"), float("inf"), float("-inf")):
         assert convert.first_non_finite(torch.cat([fin, torch.tensor([v], dtype=dtype), fin]).reshape(1, -1)) == 5, v
@@ -758,13 +760,15 @@ def test_first_non_finite_knows_the_fp8_encodings(dtype, finite, bad):
         assert convert.first_non_finite(t) == 5, hex(b)
 
 
-def test_first_non_finite_scans_long_tensors_in_chunks():
-    t = torch.zeros(3 * convert.FINITE_CHUNK + 5)
-    t[2 * convert.FINITE_CHUNK + 3] = float("nan")
-    t[-1] = float("inf")
-    assert convert.first_non_finite(t) == 2 * convert.FINITE_CHUNK + 3
-    t[2 * convert.FINITE_CHUNK + 3] = 0
-    assert convert.first_non_finite(t) == t.numel() - 1  # an odd count: the last element is in the padded tail
+def test_first_non_finite_finds_the_first_bad_element_of_a_long_tensor():
+    t = torch.zeros(3 << 20 | 5)
+    t[2 << 20 | 3] = float("nan")
+    t[-1] = float("-inf")
+    assert convert.first_non_finite(t) == 2 << 20 | 3
+    t[2 << 20 | 3] = 0
+    assert convert.first_non_finite(t) == t.numel() - 1
+    assert convert.first_non_finite(torch.zeros(0, 4)) is None
+    assert convert.first_non_finite(torch.ones(3, dtype=torch.int64)) is None
 
 
 @pytest.mark.parametrize("path,value", [
@@ -783,7 +787,8 @@ def test_non_finite_config_number_is_refused_naming_the_field(ckpts, tmp_path, p
     for k in path[:-1]:
         d = d[k]
     d[path[-1]] = value
-    field = ".".join(str(k) for k in path if not isinstance(k, int)) + "".join(f"[{k}]" for k in path if isinstance(k, int))
+    field = (".".join(str(k) for k in path if not isinstance(k, int))
+             + "".join(f"[{k}]" for k in path if isinstance(k, int)))
     needle = f"{field}={json.dumps(value)} is not a finite number"
     with pytest.raises(ConfigError) as e:
         parse_config(cfg)
@@ -806,7 +811,7 @@ def test_non_finite_config_number_is_refused_naming_the_field(ckpts, tmp_path, p
     assert str(e.value) == f"{per_rank}: {needle}"
 
 
-# ---------------------------------------------------------------------------------------------- resume vs a changed source
+# ------------------------------------------------------------------------------------------- resume vs a changed source
 def _flip_late_byte(ck, name="model.layers.1.mlp.up_proj.weight", keep_mtime=False):
     """Change one BF16 element far past a tensor's first 64 bytes (in its last row: rank 1's slice at TP=2), the
     file's size kept; with keep_mtime its atime/mtime are put back too (as `touch -r` or a careful copy would)."""
@@ -833,7 +838,8 @@ RESUME_CASES = {
     "mtime changed": (False, None, "{fname} changed on disk"),
     "size and mtime unchanged": (True, None, "{fname} changed on disk"),  # ctime tells
     # no valid record (a shard of an earlier converter, or a run killed before its record): the same re-read
-    "record missing": (True, lambda texts: [None, None], "no source record (model-r{r}.safetensors.source.json missing)"),
+    "record missing": (True, lambda texts: [None, None],
+                       "no source record (model-r{r}.safetensors.source.json missing)"),
     "record garbled": (True, lambda texts: ["{", "{"], "model-r{r}.safetensors.source.json unreadable ("),
     "records swapped": (True, lambda texts: texts[::-1],
                         "model-r{r}.safetensors.source.json records another sha256 than model-r{r}.safetensors.sha256"),
@@ -1003,9 +1009,10 @@ def test_a_shard_changed_after_its_rename_fails_the_run(ckpts, tmp_path, monkeyp
     assert "PASS" not in capsys.readouterr().out
 
 
-# ---------------------------------------------------------------------------------------------- partial downloads, tokenizer, Ctrl-C
-def _scale_in_its_own_file(ck, name="model.layers.3.moe.up_proj.weight_scale_inv", fname="model-scales.safetensors"):
-    """Move one FP8 scale grid into a file of its own (its weight stays where it was), as a release may split them."""
+# ----------------------------------------------------------------------------- partial downloads, tokenizer, Ctrl-C
+def _scale_in_its_own_file(ck, name="model.layers.3.moe.up_proj.weight_scale_inv"):
+    """Move one FP8 scale grid into model-scales.safetensors (its weight stays where it was), as a release may."""
+    fname = "model-scales.safetensors"
     idx = json.load(open(os.path.join(ck, INDEX)))
     wm = idx["weight_map"]
     home = os.path.join(ck, wm[name])
@@ -1088,7 +1095,7 @@ def test_ctrl_c_ends_with_one_line_and_the_rerun_resumes(ckpts, converted, tmp_p
     assert dir_bytes(out) == dir_bytes(converted("fp8_vl", 2))
 
 
-# ---------------------------------------------------------------------------------------------- messages that name the thing
+# ----------------------------------------------------------------------------------------- messages that name the thing
 def _limit_file_size():
     import resource
     import signal
