@@ -124,13 +124,14 @@ def to_rgb(img: Image.Image, name: str) -> Image.Image:
     Alpha is dropped without compositing, as the reference's convert("RGB") does (the spec only says "converted to
     RGB"): LA, PA, RGBA and P with a transparent entry keep their colour channels; the premultiplied La / RGBa are
     un-premultiplied first, so they give the same colour as their straight forms. convert("RGB") clips integer and
-    float modes at 255 (a 16-bit photo came out 99.6% white), so those are scaled first: 16-bit samples (I;16*, and I,
-    which Pillow gives 16-bit PGM/PPM and older 16-bit PNGs) keep their high byte, as Pillow decodes 16-bit RGB and
-    LA PNGs, so a grey and a colour 16-bit file agree; wider I values clip. F is taken as 0..1 (the float image
+    float modes at 255 (a 16-bit photo would be nearly all white), so those are scaled first: 16-bit samples (I;16*,
+    and I, which Pillow gives 16-bit PGM/PPM and older 16-bit PNGs) keep their high byte, as Pillow decodes 16-bit RGB
+    and LA PNGs, so a grey and a colour 16-bit file agree; wider I values clip. F is taken as 0..1 (the float image
     convention of TIFF/EXR writers and editors), clipped and rounded; a NaN/Inf pixel is refused."""
     if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
-        a = np.clip(np.asarray(img).astype(np.int64), 0, 65535) >> 8
-        return Image.fromarray(a.astype(np.uint8), "L").convert("RGB")
+        a = np.asarray(img)
+        a = np.clip(a, 0, 65535) if img.mode == "I" else a  # 32-bit signed
+        return Image.fromarray((a >> 8).astype(np.uint8), "L").convert("RGB")
     if img.mode == "F":
         a = np.asarray(img)
         if not np.isfinite(a).all():
