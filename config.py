@@ -2,6 +2,7 @@
 config.json field names, and the TP layout rules that derive from them. No torch kernels, no Triton: convert.py and
 the tests import this alone."""
 import json
+import math
 from dataclasses import dataclass, field
 
 LAYOUT_VERSION = "gqa-provider-shared-tp-v2"
@@ -11,6 +12,20 @@ VL_MODEL_TYPES = ("step5_vl", "step3p5v")
 
 class ConfigError(ValueError):
     """A config field is missing, inconsistent or unsupported; the message names the field."""
+
+
+class DuplicateKey(ValueError):
+    """A JSON object names one key twice; the message names the key."""
+
+
+def unique_keys(pairs: list) -> dict:
+    """json object_pairs_hook: refuse an object that names a key twice (json would silently keep the last value)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise DuplicateKey(f"key {json.dumps(key)} appears twice in one JSON object")
+    return d
 
 
 # --------------------------------------------------------------------------------------------------
@@ -44,6 +59,16 @@ def _check_types(d: dict, ints: tuple, floats: tuple = (), prefix: str = ""):
             if isinstance(v, bool) or not isinstance(v, ok):
                 raise ConfigError(f"{prefix}{k}={json.dumps(v)} must be {want} "
                                   f"(got a JSON {_JSON_TYPE.get(type(v), type(v).__name__)})")
+
+
+def _check_finite(v, name: str = ""):
+    """Refuse NaN / Infinity / -Infinity anywhere in a config (Python's json reads them as floats, and one would
+    reach every norm, RoPE table or clamp that uses the field), naming the field by its path."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ConfigError(f"{name}={json.dumps(v)} is not a finite number")
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        _check_finite(x, f"{name}[{k}]" if isinstance(v, list) else f"{name}.{k}" if name else str(k))
 
 
 @dataclass
@@ -333,6 +358,7 @@ def parse_config(d: dict, source: str = "config.json") -> tuple[Step5Config, "St
     """Either config form -> (text config, VL config or None). The structure decides, not the name: a dict
     `text_config` means the composite VL form; otherwise the text fields are at the top level."""
     try:
+        _check_finite(d)
         if isinstance(d.get("text_config"), dict):
             if d.get("model_type") not in VL_MODEL_TYPES + (None,):
                 raise ConfigError(f"model_type={d.get('model_type')!r} with a text_config is not a Step-5 VL "
@@ -360,9 +386,13 @@ def parse_config(d: dict, source: str = "config.json") -> tuple[Step5Config, "St
 def load_config(path: str) -> tuple[Step5Config, "Step5VLConfig | None", dict]:
     try:
         with open(path) as f:
-            d = json.load(f)
+            d = json.load(f, object_pairs_hook=unique_keys)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a JSON file") from None
+    except DuplicateKey as e:
+        raise ConfigError(f"{path}: {e}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(d, dict):

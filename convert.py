@@ -5,29 +5,41 @@
 Writes OUT/tp{N}/model-r{rank}.safetensors, OUT/tp{N}/config-r{rank}.json, OUT/tp{N}/README.md and one shared
 OUT/tokenizer_files/. Before converting (and alone, with --check-only) it checks the checkpoint against its config
 from the safetensors headers only. Shards are streamed tensor by tensor, so host memory tracks the largest single
-tensor rather than the checkpoint. Each shard's sha256 is recorded beside it (model-r{rank}.safetensors.sha256) while
-it is written; a rerun keeps every shard whose header matches and whose bytes still hash to that value (re-hashing
-is skipped with --no-verify-existing) and rewrites the rest. MTP layers (index >= num_hidden_layers) are dropped unless
---keep-mtp writes them into every rank's shard for speculative decoding.
+tensor rather than the checkpoint, and every floating tensor is checked for NaN/Inf on the way. Each shard's sha256 is
+recorded beside it (model-r{rank}.safetensors.sha256) while it is written, with the size, mtime, ctime and inode of
+each source file it was read from (model-r{rank}.safetensors.source.json), and read back before PASS. A rerun keeps a
+shard only if its header matches, its bytes still hash to that value (re-hashing is skipped with
+--no-verify-existing) and its source is unchanged: the same file stats, or, where they differ or are not recorded,
+source slices that read again give the same sha256. It rewrites the rest. One run at a time per OUT (a lock file).
+MTP layers (index >= num_hidden_layers) are dropped unless --keep-mtp writes them into every rank's shard for
+speculative decoding.
 """
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
 import os
 import re
+import secrets
+import socket
 import struct
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import groupby
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
-from config import LAYOUT_VERSION, ConfigError, Step5Config, Step5VLConfig, group_window, parse_config
+from config import (LAYOUT_VERSION, ConfigError, DuplicateKey, Step5Config, Step5VLConfig, group_window, parse_config,
+                    unique_keys)
 
 INDEX = "model.safetensors.index.json"
+LOCK = ".convert.lock"  # in OUT: held (flock) by the one run converting into OUT
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "added_tokens.json")
 ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "U16": 2,
@@ -84,9 +96,11 @@ def read_header(path: str) -> tuple[dict, dict, int]:
             n = struct.unpack("<Q", raw)[0]
             if n > size - 8:
                 raise BadFile(f"{path}: header length {n} exceeds the file size {size}")
-            header = json.loads(f.read(n))
+            header = json.loads(f.read(n), object_pairs_hook=unique_keys)
     except OSError as e:
         raise BadFile(f"{path}: cannot read ({e.strerror})") from None
+    except DuplicateKey as e:
+        raise BadFile(f"{path}: header: {e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadFile(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -109,16 +123,30 @@ def read_header(path: str) -> tuple[dict, dict, int]:
 
 
 def load_json(path: str) -> dict:
+    if os.path.isdir(path):
+        raise SystemExit(f"error: {path}: is a directory, not a JSON file")
     try:
         with open(path) as f:
-            d = json.load(f)
+            d = json.load(f, object_pairs_hook=unique_keys)
     except FileNotFoundError:
         raise SystemExit(f"error: {path}: no such file") from None
+    except DuplicateKey as e:
+        raise SystemExit(f"error: {path}: {e}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SystemExit(f"error: {path}: not readable JSON ({e})") from None
     if not isinstance(d, dict):
         raise SystemExit(f"error: {path}: expected a JSON object")
     return d
+
+
+@contextlib.contextmanager
+def naming(path: str):
+    """An OSError while reading or writing `path` ends the run with one line naming it: the OS gives write() and
+    fsync() errors (disk full, quota, a file size limit) no file name, and a temporary name means nothing to users."""
+    try:
+        yield
+    except OSError as e:
+        raise SystemExit(f"error: {path}: {e.strerror or e}") from None
 
 
 def is_mtp(name: str, tc: Step5Config) -> bool:
@@ -221,21 +249,46 @@ class Source:
 
 
 def out_dir_problems(ckpt: str, out_dir: str, tp: int) -> list[str]:
-    """The outputs must not be the checkpoint, lie inside it or contain it (a checkpoint named tp8 under OUT would be
-    overwritten by OUT/tp8). Real paths, so a symlinked OUT, OUT/tpN or OUT/tokenizer_files counts as its target."""
+    """Conversion writes files directly into OUT (its lock), OUT/tpN and OUT/tokenizer_files, and nowhere else; none of
+    the three may be the checkpoint directory or lie inside it (a checkpoint named tp8 under OUT is OUT/tp8). An OUT
+    that only contains the checkpoint (--checkpoint /data/X --out-dir /data) is fine: the outputs land beside it.
+    Real paths, so a symlinked OUT, OUT/tpN or OUT/tokenizer_files counts as its target."""
     src, found = os.path.realpath(ckpt), []
     for p in (out_dir, os.path.join(out_dir, f"tp{tp}"), os.path.join(out_dir, "tokenizer_files")):
         real = os.path.realpath(p)
-        common = os.path.commonpath([src, real])
-        how = "is" if real == src else "is inside" if common == src else "contains" if common == real else None
-        if how:
-            found.append((("is", "is inside", "contains").index(how), p, real, how))
+        if os.path.commonpath([src, real]) == src:
+            found.append((real != src, p, real, "is" if real == src else "is inside"))
     if not found:
         return []
     _, p, real, how = min(found)  # the most direct relation names the problem best
     shown = p if real == os.path.abspath(p) else f"{p} (-> {real})"
     return [f"--out-dir {out_dir}: the output {shown} {how} the checkpoint directory {src}; conversion would write "
             "into the source, choose an --out-dir outside it"]
+
+
+def tokenizer_problems(ckpt: str) -> list[str]:
+    """The tokenizer files conversion copies must be what generate.py can load: UTF-8 text, JSON where named .json
+    (a truncated download or a file saved in another encoding would only fail at the first prompt)."""
+    out = []
+    for f in TOKENIZER_FILES:
+        path = os.path.join(ckpt, f)
+        if os.path.isdir(path):
+            out.append(f"{f}: is a directory, not a file")
+            continue
+        try:
+            with open(path, "rb") as fh:
+                text = fh.read().decode("utf-8")
+            if f.endswith(".json"):
+                json.loads(text)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            out.append(f"{f}: cannot read ({e.strerror})")
+        except UnicodeDecodeError as e:
+            out.append(f"{f}: not UTF-8 text ({e})")
+        except json.JSONDecodeError as e:
+            out.append(f"{f}: not valid JSON ({e})")
+    return out
 
 
 def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = False) -> Source:
@@ -259,7 +312,8 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = Fal
         if os.path.basename(fname) != fname:
             problems.append(f"{INDEX}: file name {fname!r} is not a plain file name inside the checkpoint")
         elif not os.path.isfile(path):
-            problems.append(f"{fname}: named by {INDEX} for {sum(v == fname for v in wm.values())} tensors but missing")
+            how = "is a directory, not a safetensors file" if os.path.isdir(path) else "missing"
+            problems.append(f"{fname}: named by {INDEX} for {sum(v == fname for v in wm.values())} tensors but {how}")
         else:
             try:
                 headers[fname] = read_header(path)
@@ -302,8 +356,9 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = Fal
             n_fp8 += 1
             # 128 x 128 blocks: config.parse_config refuses any other weight_block_size
             s, grid = tensors.get(name + "_scale_inv"), [*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128)]
-            if s is None and name + "_scale_inv" not in unverified:
-                problems.append(f"{name} in {t.file}: FP8 weight without its {name}_scale_inv")
+            if s is None:  # absent, or in an unreadable file (already a problem of its own)
+                if name + "_scale_inv" not in unverified:
+                    problems.append(f"{name} in {t.file}: FP8 weight without its {name}_scale_inv")
             elif s.shape != grid or s.dtype != "F32":
                 problems.append(f"{name}_scale_inv in {s.file}: {s.dtype} {s.shape}, expected F32 {grid} for {t.shape}")
     # experts in an unreadable file (already a problem) are unknown, not BF16: no second, false disagreement
@@ -326,8 +381,9 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = Fal
           f"{f' (not checked: {str(sorted(unknown))[1:-1]}, whose tensors could not be read)' if unknown else ''}, "
           f"{n_fp8} FP8 scale grids; "
           f"TP=EP={tp} split of heads, KV/provider groups, dense/shared widths, experts, vocab")
+    problems += tokenizer_problems(ckpt)
     # not an error: prompts given as token ids need no tokenizer
-    no_tok = [f for f in ("tokenizer.json", "tokenizer_config.json") if not os.path.isfile(os.path.join(ckpt, f))]
+    no_tok = [f for f in ("tokenizer.json", "tokenizer_config.json") if not os.path.exists(os.path.join(ckpt, f))]
     warnings = [f"warning: {ckpt} has no {' or '.join(no_tok)}: generate.py --prompt will fail without "
                 "--tokenizer DIR (token-id prompts still work)"] if no_tok else []
     for w in warnings:
@@ -338,10 +394,11 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = Fal
 
 
 def fingerprint(src: Source) -> str:
-    """Identity of what the shards are made of, for the shard metadata: config, tensor inventory and the first bytes
-    of every converted tensor (a few KB of reads), so a checkpoint with the same geometry but other weights gets
-    another value. Kept MTP tensors count when --keep-mtp keeps them, so a source whose MTP weights alone changed is
-    rewritten on resume too; without the flag the value is the one earlier conversions wrote."""
+    """The conversion's identity, for the shard metadata and every config-r{rank}.json (model.py and generate.py
+    compare them): config, tensor inventory and the first bytes of every converted tensor (a few KB of reads), so a
+    checkpoint with the same geometry but other weights gets another value. Kept MTP tensors count when --keep-mtp
+    keeps them; without the flag the value is the one earlier conversions wrote. It samples the weights, so it does
+    not decide alone whether a shard may be kept: each shard's SourceRecord does (see judge_existing)."""
     h = hashlib.sha256(json.dumps(src.raw, sort_keys=True).encode())
     body = sorted(src.tensors.items(), key=lambda kv: (kv[1].file, kv[0]))  # holds only the MTP layers kept
     for fname, group in groupby(body, lambda kv: kv[1].file):
@@ -359,6 +416,51 @@ class Piece:
     sel: tuple | None   # (dim, begin, end) or None for the whole tensor
     shape: list
     rule: str
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """What the filesystem says about a source file. Writing a file, or putting an old mtime back with os.utime
+    (touch -r, a copy keeping times), sets its ctime to the current time, and nothing sets it to another value; a
+    replaced file has another inode. So while all four are equal, the file holds the bytes read when they were taken,
+    short of damage below the filesystem (only a full re-read would see that)."""
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, path: str) -> "FileStat":
+        st = os.stat(path)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+@dataclass
+class SourceRecord:
+    """What a shard was made of, written beside it as model-r{rank}.safetensors.source.json: its sha256 and the
+    FileStat of every source file it was read from, taken as they were read."""
+    sha256: str
+    files: dict  # source file name -> FileStat
+
+    def dumps(self) -> bytes:
+        files = {f: vars(st) for f, st in sorted(self.files.items())}
+        return (json.dumps({"sha256": self.sha256, "files": files}, indent=1) + "\n").encode()
+
+    @classmethod
+    def load(cls, path: str) -> "SourceRecord":
+        """The record, or ValueError saying why there is none to trust."""
+        name = os.path.basename(path)
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            rec = cls(d["sha256"], {k: FileStat(**v) for k, v in d["files"].items()})
+        except FileNotFoundError:
+            raise ValueError(f"no source record ({name} missing)") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{name} unreadable ({type(e).__name__}: {e})") from None
+        if not isinstance(rec.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", rec.sha256):
+            raise ValueError(f"{name} holds no sha256")
+        return rec
 
 
 def rank_plan(src: Source, tp: int, rank: int) -> list[Piece]:
@@ -395,6 +497,71 @@ def shard_header(plan: list[Piece], meta: dict) -> tuple[bytes, int]:
     js = json.dumps(entries, separators=(",", ":")).encode()
     js += b" " * (-len(js) % 8)
     return struct.pack("<Q", len(js)) + js, 8 + len(js) + off
+
+
+# A float is NaN or Inf exactly when all bits of its exponent field are set (e4m3fn has no Inf: its NaNs 0x7F / 0xFF
+# are the codes with exponent and mantissa all set). dtype -> (that bit pattern E, same-width signed and unsigned ints).
+NON_FINITE = {torch.float64: (0x7FF0000000000000, np.int64, np.uint64),
+              torch.float32: (0x7F800000, np.int32, np.uint32), torch.float16: (0x7C00, np.int16, np.uint16),
+              torch.bfloat16: (0x7F80, np.int16, np.uint16), torch.float8_e4m3fn: (0x7F, np.int8, np.uint8),
+              torch.float8_e5m2: (0x7C, np.int8, np.uint8)}
+
+
+def first_non_finite(t: torch.Tensor) -> int | None:
+    """Flat index of the first NaN/Inf element of a contiguous tensor (None: all finite, or not a float dtype).
+
+    E is the run of bits just below the sign, so a code with the sign clear is non-finite iff, as a signed integer,
+    it is >= E, and one with the sign set iff, as an unsigned integer, it is >= sign | E. Two max-reductions over the
+    raw bits then decide, with no temporary array: several times faster than torch.isfinite on BF16 on CPU, and FP8
+    has no isfinite at all. Only a tensor that fails pays for locating its first bad element."""
+    if t.dtype not in NON_FINITE or t.numel() == 0:
+        return None
+    e, signed, unsigned = NON_FINITE[t.dtype]
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    s, u = raw.view(signed), raw.view(unsigned)
+    neg = unsigned(e | 1 << (8 * u.itemsize - 1))
+    if s.max() < e and u.max() < neg:
+        return None
+    return int(np.flatnonzero((s >= e) | (u >= neg))[0])
+
+
+def source_index(p: Piece, flat: int) -> list[int]:
+    """The source tensor's index of element `flat` of piece p (its slice, shifted by the slice's start)."""
+    idx = list(np.unravel_index(flat, p.shape)) if p.shape else []
+    if p.sel:
+        idx[p.sel[0]] += p.sel[1]
+    return [int(i) for i in idx]
+
+
+def read_pieces(src: Source, plan: list[Piece], stats: dict):
+    """Each piece's bytes, in plan order: one tensor (or slice) at a time through the memory map, one source file
+    mapped at a time (so mapped pages do not pile up across the checkpoint), each checked finite on the way. Fills
+    stats with each file's FileStat as first read, and stops if a file changes while it is read."""
+    for fname, pieces in groupby(plan, lambda p: p.src.file):
+        fpath = os.path.join(src.path, fname)
+        with naming(fpath):
+            # stat before opening: a file replaced in between then shows as a changed inode at the end
+            seen = stats.setdefault(fname, FileStat.of(fpath))
+            with safe_open(fpath, framework="pt") as f:
+                for p in pieces:
+                    if p.sel is None:
+                        t = f.get_tensor(p.src.key)
+                    else:
+                        d, b, e = p.sel
+                        sl = f.get_slice(p.src.key)
+                        t = sl[b:e] if d == 0 else sl[:, b:e]
+                    if list(t.shape) != p.shape:  # the header was planned from the source headers read earlier
+                        raise SystemExit(f"error: {fname}: {p.src.key} changed during the conversion")
+                    t = t.contiguous()
+                    bad = first_non_finite(t)
+                    if bad is not None:
+                        raise SystemExit(f"error: {fname}: {p.src.key} holds a non-finite value "
+                                         f"({float(t.reshape(-1)[bad].float())}) at index {source_index(p, bad)}; "
+                                         "convert.py refuses non-finite weights (fix or re-download that file)")
+                    yield p, t.reshape(-1).view(torch.uint8).numpy().data
+            if FileStat.of(fpath) != seen:
+                raise SystemExit(f"error: {fpath}: changed while convert.py was reading it; rerun once it is "
+                                 "complete")
 
 
 def stale_reason(path: str, head: bytes, size: int, plan: list[Piece], meta: dict) -> str | None:
@@ -434,65 +601,158 @@ def sha256_file(path: str, rank: int, tp: int) -> str:
     return h.hexdigest()
 
 
-def checksum_problem(path: str, rank: int, tp: int) -> str | None:
-    """None when the shard's bytes still hash to the sha256 recorded when it was written (a header check cannot
-    see damage inside the data); otherwise why it must be rewritten."""
+def recorded_sha256(path: str) -> str:
+    """The sha256 recorded beside the shard when it was written, or ValueError saying why there is none."""
     name = os.path.basename(path) + ".sha256"
     try:
         with open(path + ".sha256") as f:
             want = (f.read().split() or [""])[0]
     except FileNotFoundError:
-        return f"no sha256 recorded ({name} missing), so its contents cannot be verified"
+        raise ValueError(f"no sha256 recorded ({name} missing)") from None
     except (OSError, UnicodeDecodeError) as e:
-        return f"{name} unreadable ({e}), so its contents cannot be verified"
+        raise ValueError(f"{name} unreadable ({e})") from None
     if not re.fullmatch(r"[0-9a-f]{64}", want):
-        return f"{name} holds no sha256, so its contents cannot be verified"
-    got = sha256_file(path, rank, tp)
-    if got != want:
-        return f"its sha256 {got[:12]}... differs from the {want[:12]}... recorded in {name} (changed since written)"
-    return None
+        raise ValueError(f"{name} holds no sha256")
+    return want
 
 
-def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: int, rank: int, tp: int):
-    """Stream the shard: header first, then each slice read through the memory map, one tensor at a time, hashing
-    the bytes as they go out (no second read) into a sha256sum-format sidecar: one small file per shard, written
-    after its shard, so there is no shared manifest to rewrite N times, and `sha256sum -c` checks it by hand.
-    A run killed between the two renames leaves a shard without a sidecar, which a resume rewrites."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
+@dataclass
+class Verdict:
+    keep: bool
+    why: str                              # kept: what was checked beyond header, metadata and length; else: why not
+    record: SourceRecord | None = None    # kept after re-reading the source: the record to write instead
+
+
+def judge_existing(path: str, src: Source, plan: list[Piece], head: bytes, size: int, meta: dict, rank: int,
+                   tp: int, verify: bool) -> Verdict:
+    """May the shard at `path` be kept? Its header, metadata and length must be what this run writes, its bytes
+    must hash to the sha256 recorded beside it (unless not `verify`), and it must be made of today's source bytes.
+    When every source file it was read from has the FileStat its source record holds, it is; when any differs (a
+    touch, a copy, a fix, a re-download) or there is no valid record (a shard of an earlier converter), that shard's
+    source slices are read again and hashed with its header, and it is kept only if that gives its sha256. A content
+    change never hides behind an unchanged size and mtime."""
+    why = stale_reason(path, head, size, plan, meta)
+    if why:
+        return Verdict(False, why)
+    name = os.path.basename(path)
+    try:
+        want = recorded_sha256(path)
+    except ValueError as e:
+        if verify:
+            return Verdict(False, f"{e}, so its contents cannot be verified")
+        want = None
+    try:
+        rec = SourceRecord.load(path + ".source.json")
+        if want and rec.sha256 != want:
+            raise ValueError(f"{name}.source.json records another sha256 than {name}.sha256")
+    except ValueError as e:
+        rec, no_record = None, str(e)
+    want = want or (rec.sha256 if rec else None)
+    if want is None:  # --no-verify-existing, and neither file says what the shard's bytes hash to
+        return Verdict(False, f"neither {name}.sha256 nor {name}.source.json records its sha256, so it cannot be "
+                              "matched to today's source")
+    if verify and (got := sha256_file(path, rank, tp)) != want:
+        return Verdict(False, f"its sha256 {got[:12]}... differs from the {want[:12]}... recorded in {name}.sha256 "
+                              "(changed since written)")
+    now = {f: FileStat.of(os.path.join(src.path, f)) for f in sorted({p.src.file for p in plan})}
+    if rec and now == rec.files:
+        return Verdict(True, "source files' size/mtime/ctime/inode unchanged")
+    reason = no_record if rec is None else ", ".join(
+        sorted(f for f in now.keys() | rec.files.keys() if now.get(f) != rec.files.get(f))) + " changed on disk"
+    print(f"  rank {rank}/{tp}: {reason}; re-reading the shard's source slices to compare", file=sys.stderr)
+    stats, h = {}, hashlib.sha256(head)
+    for _, data in read_pieces(src, plan, stats):
+        h.update(data)
+    if h.hexdigest() != want:
+        return Verdict(False, f"the source's bytes differ from those it was made from (re-read since {reason})")
+    return Verdict(True, f"source re-read since {reason}: same bytes", SourceRecord(want, stats))
+
+
+def temp_path(path: str) -> str:
+    """A temporary name beside `path`, unique to this process and call, so no two writers ever share one."""
+    name = f".{os.path.basename(path)}.{os.getpid()}-{secrets.token_hex(4)}.partial"
+    return os.path.join(os.path.dirname(path), name)
+
+
+def write_shard(path: str, src: Source, plan: list[Piece], head: bytes, size: int, rank: int, tp: int) -> str:
+    """Stream the shard: header first, then each slice from read_pieces, hashing the bytes as they go out (no second
+    read) into a sha256sum-format sidecar: one small file per shard, written after its shard, so there is no shared
+    manifest to rewrite N times, and `sha256sum -c` checks it by hand. A run killed between the renames leaves a
+    shard without a sidecar, which a resume rewrites, or without a source record, which makes a resume re-read its
+    source slices; a run that fails removes its temporary file. Returns the shard's sha256."""
+    tmp = temp_path(path)
     t0 = last = time.time()
-    h = hashlib.sha256(head)
-    with open(tmp, "wb") as out:
-        out.write(head)
-        for fname, pieces in groupby(plan, lambda p: p.src.file):
-            # one source file mapped at a time, so mapped pages do not pile up across the checkpoint
-            with safe_open(os.path.join(src.path, fname), framework="pt") as f:
-                for p in pieces:
-                    if p.sel is None:
-                        t = f.get_tensor(p.src.key)
-                    else:
-                        d, b, e = p.sel
-                        sl = f.get_slice(p.src.key)
-                        t = sl[b:e] if d == 0 else sl[:, b:e]
-                    if list(t.shape) != p.shape:  # the header was planned from the source headers read earlier
-                        raise SystemExit(f"error: {fname}: {p.src.key} changed during the conversion")
-                    data = t.contiguous().reshape(-1).view(torch.uint8).numpy().data
+    h, stats = hashlib.sha256(head), {}
+    try:
+        with naming(path):  # read_pieces names a source file that fails to read
+            with open(tmp, "wb") as out:
+                out.write(head)
+                for _, data in read_pieces(src, plan, stats):
                     out.write(data)
                     h.update(data)
                     if time.time() - last > 15:
                         last = time.time()
                         print(f"  rank {rank}/{tp}: {out.tell() / 2**30:.2f} of {size / 2**30:.2f} GiB written, "
                               f"{last - t0:.0f} s", file=sys.stderr)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     write_bytes(path + ".sha256", f"{h.hexdigest()}  {os.path.basename(path)}\n".encode())
+    write_bytes(path + ".source.json", SourceRecord(h.hexdigest(), stats).dumps())
+    return h.hexdigest()
 
 
 def write_bytes(path: str, data: bytes):
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    tmp = temp_path(path)
+    try:
+        with naming(path):
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def out_dir_lock(out_dir: str):
+    """Hold an exclusive lock on OUT/.convert.lock while converting into OUT. A second run refuses at once, naming the
+    holder, rather than waiting an unknown time behind it. The kernel drops a flock when its holder dies (kill -9
+    too), so a crashed run never leaves OUT locked, and while one is held any *.partial file in OUT is a dead run's.
+    The file stays (deleting it would let two runs lock two different files) and is emptied when the run ends."""
+    path = os.path.join(out_dir, LOCK)
+    with naming(path):  # e.g. a filesystem without locks
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "pid unknown"
+            f.close()
+            raise SystemExit(f"error: {path} is held by another convert.py ({holder}) converting into {out_dir}; "
+                             "wait for it to finish or stop it") from None
+    try:
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        yield
+    finally:
+        f.truncate(0)
+        f.close()
+
+
+def changed_since_written(path: str, size: int, sha: str | None, rank: int, tp: int) -> str | None:
+    """None when the shard at `path` still has the size and (when given) the sha256 this run wrote."""
+    if (got := os.path.getsize(path)) != size:
+        return f"{path}: changed after convert.py wrote it (now {got} bytes, written {size})"
+    if sha and (got := sha256_file(path, rank, tp)) != sha:
+        return f"{path}: changed after convert.py wrote it (sha256 now {got[:12]}..., written {sha[:12]}...)"
+    return None
 
 
 def rank_config(raw: dict, tp: int, fp: str, mtp: int = 0) -> dict:
@@ -527,7 +787,8 @@ def readme(src: Source, tp: int, fp: str, plan0: list[Piece]) -> str:
             "vocabulary rows), " if m else "")
     return (f"# Step-5 shards: TP = EP = {tp}, layout `{LAYOUT_VERSION}`\n\n"
             f"Source fingerprint `{fp}`; {len(plan0)} tensors per rank, {kept}{src.n_mtp} MTP tensors excluded. "
-            "`model-r{rank}.safetensors` (its sha256 in `model-r{rank}.safetensors.sha256`) + "
+            "`model-r{rank}.safetensors` (its sha256 in `model-r{rank}.safetensors.sha256`, the source files it "
+            "was read from in `model-r{rank}.safetensors.source.json`) + "
             "`config-r{rank}.json` per rank; `lm_head` is stored whole and narrowed "
             "to the rank's vocabulary rows at load; KV and indexer groups are duplicated on adjacent ranks when "
             "tp exceeds the group count.\n\n| tensor (first of its kind) | dtype | source shape | rank-0 shape | rule |\n|---|---|---|---|---|\n"
@@ -543,7 +804,7 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         raise SystemExit("error: --out-dir is required unless --check-only")
     src = inspect(checkpoint, tp_size, out_dir, keep_mtp)
     if check_only:
-        print("check passed; nothing written")
+        print("check passed (headers only: NaN/Inf in tensor values are checked while converting); nothing written")
         return
     fp = fingerprint(src)
     cfg = rank_config(src.raw, tp_size, fp, src.mtp)
@@ -551,6 +812,16 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         parse_config(cfg, "per-rank config")  # what the runtime will read must parse, with its tp checks
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: cannot create {out_dir}: {e.strerror}") from None
+    with out_dir_lock(out_dir):
+        write_outputs(src, out_dir, tp_size, fp, cfg, verify_existing)
+
+
+def write_outputs(src: Source, out_dir: str, tp_size: int, fp: str, cfg: dict, verify_existing: bool):
+    """Everything main writes, under the output directory's lock."""
     tp_dir = os.path.join(out_dir, f"tp{tp_size}")
     tok_dir = os.path.join(out_dir, "tokenizer_files")
     try:
@@ -558,10 +829,17 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         os.makedirs(tok_dir, exist_ok=True)
     except OSError as e:
         raise SystemExit(f"error: cannot create {tp_dir}: {e.strerror}") from None
-    for f in os.listdir(tp_dir):  # a killed earlier run's leftovers; never mistaken for shards
-        if f.endswith(".partial"):
-            os.remove(os.path.join(tp_dir, f))
-    t0, plan0, not_hashed = time.time(), None, 0
+    outputs = [os.path.join(tp_dir, f"model-r{r}.safetensors{x}") for r in range(tp_size)
+               for x in ("", ".sha256", ".source.json")]
+    outputs += [os.path.join(tp_dir, f"config-r{r}.json") for r in range(tp_size)] + [os.path.join(tp_dir, "README.md")]
+    for p in outputs + [os.path.join(tok_dir, f) for f in TOKENIZER_FILES]:  # refused before anything is written
+        if os.path.isdir(p):
+            raise SystemExit(f"error: {p} is a directory; convert.py writes a file there (move the directory away)")
+    for d in (tp_dir, tok_dir):  # a dead run's leftovers (the lock rules out a live one); never mistaken for outputs
+        for f in os.listdir(d):
+            if f.endswith(".partial"):
+                os.remove(os.path.join(d, f))
+    t0, plan0, not_hashed, shards = time.time(), None, 0, {}
     for rank in range(tp_size):
         plan = rank_plan(src, tp_size, rank)
         plan0 = plan0 or plan
@@ -569,53 +847,71 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
                 "expert_parallel_size": str(tp_size), "rank": str(rank), "source_fingerprint": fp}
         head, size = shard_header(plan, meta)
         path = os.path.join(tp_dir, f"model-r{rank}.safetensors")
-        why = stale_reason(path, head, size, plan, meta)
-        if why is None and not verify_existing:
-            not_hashed += 1
-            print(f"rank {rank}: {path} matches (header, metadata, length); kept, contents not verified "
-                  "(--no-verify-existing)")
+        v = judge_existing(path, src, plan, head, size, meta, rank, tp_size, verify_existing)
+        if v.keep:
+            shards[rank] = (path, size, None)  # checked above, in this run
+            if v.record:
+                write_bytes(path + ".source.json", v.record.dumps())
+            if verify_existing:
+                print(f"rank {rank}: {path} is complete and matches (header, metadata, length, {v.why}, sha256 "
+                      "verified); kept")
+            else:
+                not_hashed += 1
+                print(f"rank {rank}: {path} matches (header, metadata, length, {v.why}); kept, contents not "
+                      "verified (--no-verify-existing)")
             continue
-        why = why or checksum_problem(path, rank, tp_size)
-        if why is None:
-            print(f"rank {rank}: {path} is complete and matches (header, metadata, length, sha256 verified); kept")
-            continue
-        if why != "missing":
-            print(f"rank {rank}: rewriting {path}: {why}")
-        write_shard(path, src, plan, head, size, rank, tp_size)
+        if v.why != "missing":
+            print(f"rank {rank}: rewriting {path}: {v.why}")
+        shards[rank] = (path, size, write_shard(path, src, plan, head, size, rank, tp_size))
         print(f"rank {rank}: wrote {path} ({len(plan)} tensors, {size / 2**20:.1f} MiB, {time.time() - t0:.1f} s)")
     for rank in range(tp_size):
         write_bytes(os.path.join(tp_dir, f"config-r{rank}.json"), (json.dumps(cfg, indent=2) + "\n").encode())
     write_bytes(os.path.join(tp_dir, "README.md"), readme(src, tp_size, fp, plan0).encode())
-    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(checkpoint, f))]
+    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src.path, f))]
     for f in copied:
-        with open(os.path.join(checkpoint, f), "rb") as fh:
+        with open(os.path.join(src.path, f), "rb") as fh:
             write_bytes(os.path.join(tok_dir, f), fh.read())
     print(f"tokenizer files: {', '.join(copied) or 'none found in the checkpoint'} -> {tok_dir}")
+    # every shard this run wrote read back before PASS, in parallel (hashlib and file reads release the GIL)
+    with ThreadPoolExecutor(min(tp_size, os.cpu_count() or 1)) as ex:
+        problems = [w for w in ex.map(lambda r: changed_since_written(*shards[r], r, tp_size), range(tp_size)) if w]
+    if problems:
+        raise SystemExit(f"error: {problems[0]}; rerun to rewrite it")
     for w in src.warnings:
         print(w, file=sys.stderr)
     if not_hashed:
         print(f"warning: {not_hashed} kept shard(s) were not checked against their sha256 (--no-verify-existing); "
               "rerun without it to verify them", file=sys.stderr)
-    print(f"PASS: {tp_size} ranks in {tp_dir} ({time.time() - t0:.1f} s)")
+    print(f"PASS: {tp_size} ranks in {tp_dir} (shards written by this run read back: size and sha256 match; "
+          f"{time.time() - t0:.1f} s)")
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="original checkpoint directory")
     ap.add_argument("--out-dir", "--out_dir", dest="out_dir", help="output root (OUT/tp{N}, OUT/tokenizer_files)")
-    ap.add_argument("--tp-size", "--tp_size", dest="tp_size", type=int, default=8)
+    ap.add_argument("--tp-size", "--tp_size", dest="tp_size", type=int, default=8,
+                    help="tensor-parallel size, the number of ranks to shard for (default: 8)")
     ap.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=None,
-                    help="must equal --tp-size (default: the same)")
+                    help="expert-parallel size; must equal --tp-size (default: --tp-size)")
     ap.add_argument("--check-only", "--check_only", dest="check_only", action="store_true",
                     help="check the checkpoint from its safetensors headers only; write nothing")
     ap.add_argument("--no-verify-existing", dest="verify_existing", action="store_false",
-                    help="on a rerun, keep shards whose header matches without re-hashing them against their "
-                         "recorded sha256 (faster; damage inside the data goes unnoticed)")
+                    help="on a rerun, keep shards whose header matches and whose source is unchanged without "
+                         "re-hashing them against their recorded sha256 (faster; damage inside the shard goes "
+                         "unnoticed)")
     ap.add_argument("--keep-mtp", "--keep_mtp", dest="keep_mtp", action="store_true",
                     help="also write the checkpoint's MTP layers (num_nextn_predict_layers of them) into every "
                          "rank's shard, for generate.py --speculative")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     try:
         main(a.checkpoint, a.out_dir, a.tp_size, a.ep_size, a.check_only, a.verify_existing, a.keep_mtp)
-    except OSError as e:  # disk full, permissions, a file vanishing mid-run: name it, no traceback
-        raise SystemExit(f"error: {e.filename or ''}: {e.strerror or e}") from None
+    except KeyboardInterrupt:  # write_shard has removed its temporary file; complete shards stay for the rerun
+        raise SystemExit("error: interrupted (Ctrl-C); shards already complete are kept: rerun the same command to "
+                         "resume") from None
+    except OSError as e:  # permissions, a file vanishing mid-run: name it, no traceback (writes name theirs: naming)
+        raise SystemExit(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    cli()

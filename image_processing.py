@@ -118,8 +118,36 @@ def plan(w: int, h: int, geo: Geometry) -> ImageLayout:
 
 # --------------------------------------------------------------------------------------------------
 # files and pixels
+def to_rgb(img: Image.Image, name: str) -> Image.Image:
+    """Any mode Pillow decodes -> 8-bit RGB; `name` (the file, or "image i") goes into the error.
+
+    Alpha is dropped without compositing, as the reference's convert("RGB") does (the spec only says "converted to
+    RGB"): LA, PA, RGBA and P with a transparent entry keep their colour channels; the premultiplied La / RGBa are
+    un-premultiplied first, so they give the same colour as their straight forms. convert("RGB") clips integer and
+    float modes at 255 (a 16-bit photo would be nearly all white), so those are scaled first: 16-bit samples (I;16*,
+    and I, which Pillow gives 16-bit PGM/PPM and older 16-bit PNGs) keep their high byte, as Pillow decodes 16-bit RGB
+    and LA PNGs, so a grey and a colour 16-bit file agree; wider I values clip. F is taken as 0..1 (the float image
+    convention of TIFF/EXR writers and editors), clipped and rounded; a NaN/Inf pixel is refused."""
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        a = np.asarray(img)
+        a = np.clip(a, 0, 65535) if img.mode == "I" else a  # 32-bit signed
+        return Image.fromarray((a >> 8).astype(np.uint8), "L").convert("RGB")
+    if img.mode == "F":
+        a = np.asarray(img)
+        if not np.isfinite(a).all():
+            y, x = np.argwhere(~np.isfinite(a))[0]
+            raise ImageError(f"{name}: mode F image has a non-finite pixel ({a[y, x]}) at x={x}, y={y}")
+        return Image.fromarray(np.rint(np.clip(a, 0, 1) * 255).astype(np.uint8), "L").convert("RGB")
+    if img.mode in ("La", "RGBa"):
+        img = img.convert(img.mode[:-1] + "A")
+    try:
+        return img.convert("RGB")
+    except ValueError as e:  # a mode Pillow cannot turn into RGB
+        raise ImageError(f"{name}: cannot convert a mode {img.mode} image to RGB ({e})") from None
+
+
 def load_image(path) -> Image.Image:
-    """Open and decode an image file to RGB, or raise one ImageError naming the file."""
+    """Open and decode an image file to RGB (to_rgb), or raise one ImageError naming the file."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ImageError(f"{path}: no such image file")
@@ -128,7 +156,7 @@ def load_image(path) -> Image.Image:
     try:
         with Image.open(path) as im:
             im.load()  # decode now: a truncated file fails here, not later inside preprocess()
-            img = im.convert("RGB")  # drops alpha without compositing, as the reference does
+            img = to_rgb(im, path)
     except UnidentifiedImageError:
         raise ImageError(f"{path}: not an image (Pillow cannot identify its format)") from None
     except Image.DecompressionBombError as e:
@@ -180,7 +208,7 @@ def preprocess(images, vcfg) -> ImageBatch:
             raise ImageError(f"image {i}: expected a PIL image or a path, got {type(img).__name__}")
         if 0 in img.size:
             raise ImageError(f"image {i}: image has zero size ({img.size[0]}x{img.size[1]})")
-        img = img.convert("RGB") if img.mode != "RGB" else img
+        img = to_rgb(img, f"image {i}") if img.mode != "RGB" else img
         lay = plan(*img.size, geo)
         if lay.padded:  # 1. top-left of a black square
             sq = Image.new("RGB", (max(img.size),) * 2)

@@ -692,3 +692,540 @@ def test_keep_mtp_resume_sees_a_source_whose_mtp_weights_alone_changed(ckpts, tm
     convert.main(src, out, tp_size=1, keep_mtp=True)
     printed = capsys.readouterr().out
     assert "rank 0: rewriting" in printed and "source_fingerprint" in printed, printed
+
+
+# ---------------------------------------------------------------------------------------------- non-finite values
+def _poke(ck, name, flat_index, raw: bytes):
+    """Overwrite element `flat_index` of tensor `name` in its source file with `raw` (header and length kept)."""
+    path = os.path.join(ck, json.load(open(os.path.join(ck, INDEX)))["weight_map"][name])
+    entries, _, start = convert.read_header(path)
+    with open(path, "r+b") as f:
+        f.seek(start + entries[name]["data_offsets"][0] + flat_index * len(raw))
+        f.write(raw)
+    return os.path.basename(path)
+
+
+# (tensor, dtype's non-finite bytes, flat element index, that index in the tensor's shape, value as printed)
+NON_FINITE = [("model.layers.1.mlp.up_proj.weight", b"\xc0\x7f", 512 * 256 - 1, "[511, 255]", "nan"),   # BF16, split
+              ("model.layers.1.self_attn.o_proj.weight", b"\x80\xff", 3 * 768 + 700, "[3, 700]", "-inf"),  # split dim 1
+              ("model.norm.weight", b"\x00\x00\x80\x7f", 100, "[100]", "inf"),                       # F32, replicated
+              ("model.layers.3.moe.up_proj.weight", b"\x7f", 5 * 192 * 256 + 7, "[5, 0, 7]", "nan"),  # E4M3 0x7F
+              ("model.layers.3.moe.down_proj.weight", b"\xff", 15 * 256 * 192 + 255 * 192 + 191, "[15, 255, 191]",
+               "nan"),                                                                                # E4M3 0xFF
+              ("model.layers.3.moe.up_proj.weight_scale_inv", b"\x00\x00\xc0\x7f", 1, "[0, 0, 1]", "nan")]
+
+
+@pytest.mark.parametrize("name,raw,flat,index,value", NON_FINITE,
+                         ids=[n[0].split(".", 3)[-1] + n[4] for n in NON_FINITE])
+def test_non_finite_weight_is_refused_naming_tensor_file_and_index(ckpts, tmp_path, name, raw, flat, index, value):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    fname = _poke(ck, name, flat, raw)
+    before = dir_bytes(ck)
+    out = str(tmp_path / "out")
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--out-dir", out, "--tp-size", "2"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert err[-1] == f"error: {fname}: {name} holds a non-finite value ({value}) at index {index}; convert.py " \
+                      "refuses non-finite weights (fix or re-download that file)", r.stderr
+    assert not any(f.endswith(".partial") for f in os.listdir(os.path.join(out, "tp2")))
+    assert "PASS" not in r.stdout and dir_bytes(ck) == before
+
+
+def test_check_only_says_values_are_checked_during_conversion(ckpts, capsys):
+    convert.main(ckpts["bf16_text"], None, tp_size=2, check_only=True)
+    assert "check passed (headers only: NaN/Inf in tensor values are checked while converting); nothing written" \
+        in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_first_non_finite_finds_nan_and_inf(dtype):
+    info = torch.finfo(dtype)
+    fin = torch.tensor([0.0, -1.5, info.max, info.min, info.tiny], dtype=dtype)
+    assert convert.first_non_finite(fin) is None
+    for v in (float("nan"), float("inf"), float("-inf")):
+        assert convert.first_non_finite(torch.cat([fin, torch.tensor([v], dtype=dtype), fin]).reshape(1, -1)) == 5, v
+
+
+@pytest.mark.parametrize("dtype,finite,bad", [
+    (torch.float8_e4m3fn, [0x00, 0x7E, 0x80, 0xFE, 0x01], [0x7F, 0xFF]),  # no Inf; 0x7E = 448 is finite
+    (torch.float8_e5m2, [0x00, 0x7B, 0x80, 0xFB, 0x01], [0x7C, 0xFC, 0x7D, 0x7F, 0xFD, 0xFF]),  # +-Inf, NaNs
+], ids=["e4m3", "e5m2"])
+def test_first_non_finite_knows_the_fp8_encodings(dtype, finite, bad):
+    fin = torch.tensor(finite, dtype=torch.uint8)
+    assert convert.first_non_finite(fin.view(dtype)) is None
+    for b in bad:
+        t = torch.cat([fin, torch.tensor([b], dtype=torch.uint8), fin]).view(dtype)
+        assert convert.first_non_finite(t) == 5, hex(b)
+
+
+def test_first_non_finite_finds_the_first_bad_element_of_a_long_tensor():
+    t = torch.zeros(3 << 20 | 5)
+    t[2 << 20 | 3] = float("nan")
+    t[-1] = float("-inf")
+    assert convert.first_non_finite(t) == 2 << 20 | 3
+    t[2 << 20 | 3] = 0
+    assert convert.first_non_finite(t) == t.numel() - 1
+    assert convert.first_non_finite(torch.zeros(0, 4)) is None
+    assert convert.first_non_finite(torch.ones(3, dtype=torch.int64)) is None
+
+
+@pytest.mark.parametrize("path,value", [
+    (("text_config", "rms_norm_eps"), float("nan")), (("text_config", "rope_theta", 3), float("inf")),
+    (("text_config", "moe_router_scaling_factor"), float("-inf")),
+    (("text_config", "rope_scaling", "factor"), float("nan")), (("text_config", "swiglu_limits", 0), float("inf")),
+    (("vision_config", "layer_norm_eps"), float("nan")), (("vision_config", "rope_theta"), float("inf")),
+    (("vision_config", "mlp_ratio"), float("nan")),
+])
+def test_non_finite_config_number_is_refused_naming_the_field(ckpts, tmp_path, path, value):
+    """Python's json reads NaN / Infinity / -Infinity as floats; every reader of a config (convert.py, and
+    config.load_config for generate.py's per-rank configs) refuses them, naming the field."""
+    from config import ConfigError, load_config
+    cfg = json.load(open(os.path.join(ckpts["fp8_vl"], "config.json")))
+    d = cfg
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+    field = (".".join(str(k) for k in path if not isinstance(k, int))
+             + "".join(f"[{k}]" for k in path if isinstance(k, int)))
+    needle = f"{field}={json.dumps(value)} is not a finite number"
+    with pytest.raises(ConfigError) as e:
+        parse_config(cfg)
+    assert str(e.value) == f"config.json: {needle}"
+    if path[0] == "text_config":  # the text-only form names the field at the top level
+        with pytest.raises(ConfigError) as e:
+            parse_config(cfg["text_config"])
+        assert str(e.value) == f"config.json: {needle.split('.', 1)[1]}"
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    json.dump(cfg, open(os.path.join(ck, "config.json"), "w"))
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--out-dir", str(tmp_path / "out"),
+                        "--tp-size", "2"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {os.path.join(ck, 'config.json')}: {needle}", r.stderr
+    assert not (tmp_path / "out").exists()
+    per_rank = str(tmp_path / "config-r0.json")
+    json.dump(cfg, open(per_rank, "w"))
+    with pytest.raises(ConfigError) as e:
+        load_config(per_rank)
+    assert str(e.value) == f"{per_rank}: {needle}"
+
+
+# ------------------------------------------------------------------------------------------- resume vs a changed source
+def _flip_late_byte(ck, name="model.layers.1.mlp.up_proj.weight", keep_mtime=False):
+    """Change one BF16 element far past a tensor's first 64 bytes (in its last row: rank 1's slice at TP=2), the
+    file's size kept; with keep_mtime its atime/mtime are put back too (as `touch -r` or a careful copy would)."""
+    path = os.path.join(ck, json.load(open(os.path.join(ck, INDEX)))["weight_map"][name])
+    st = os.stat(path)
+    _poke(ck, name, 512 * 256 - 3, b"\x80\x3f")  # 1.0
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.path.getsize(path) == st.st_size
+
+
+def _records(tp2, edit):
+    """Replace the two ranks' source records by edit(their texts); a None text removes that record."""
+    recs = [os.path.join(tp2, f"model-r{r}.safetensors.source.json") for r in range(2)]
+    for rec, text in zip(recs, edit([open(rec).read() for rec in recs])):
+        if text is None:
+            os.remove(rec)
+        else:
+            open(rec, "w").write(text)
+
+
+# how the change shows on a rerun: (keep the file's mtime, edit of the source records, why rank r re-reads)
+RESUME_CASES = {
+    "mtime changed": (False, None, "{fname} changed on disk"),
+    "size and mtime unchanged": (True, None, "{fname} changed on disk"),  # ctime tells
+    # no valid record (a shard of an earlier converter, or a run killed before its record): the same re-read
+    "record missing": (True, lambda texts: [None, None],
+                       "no source record (model-r{r}.safetensors.source.json missing)"),
+    "record garbled": (True, lambda texts: ["{", "{"], "model-r{r}.safetensors.source.json unreadable ("),
+    "records swapped": (True, lambda texts: texts[::-1],
+                        "model-r{r}.safetensors.source.json records another sha256 than model-r{r}.safetensors.sha256"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_rewrites_a_shard_whose_source_bytes_changed_past_the_first_bytes(ckpts, tmp_path, capsys, case):
+    """The fingerprint samples only the first bytes of each tensor; each shard's source record (its source files'
+    size, mtime, ctime and inode, beside the shard's sha256) sees the change, or is missing, so the source is re-read
+    for that shard, and only the shard whose bytes really differ is rewritten; the other is kept with a new record."""
+    keep_mtime, edit, why = RESUME_CASES[case]
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    convert.main(ck, out, tp_size=2)
+    tp2 = os.path.join(out, "tp2")
+    if edit:
+        _records(tp2, edit)
+    _flip_late_byte(ck, keep_mtime=keep_mtime)
+    capsys.readouterr()
+    convert.main(ck, out, tp_size=2)
+    printed = capsys.readouterr().out
+    fname = json.load(open(os.path.join(ck, INDEX)))["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    assert f"rank 1: rewriting {tp2}/model-r1.safetensors: the source's bytes differ from those it was made from " \
+           f"(re-read since {why.format(fname=fname, r=1)}" in printed, printed
+    assert f"rank 0: {tp2}/model-r0.safetensors is complete and matches (header, metadata, length, source re-read " \
+           f"since {why.format(fname=fname, r=0)}" in printed, printed
+    assert "same bytes, sha256 verified); kept" in printed, printed
+    fresh = str(tmp_path / "fresh")
+    convert.main(ck, fresh, tp_size=2)
+    assert dir_bytes(out) == dir_bytes(fresh)
+
+
+def test_no_verify_existing_still_sees_a_changed_source(ckpts, tmp_path, capsys):
+    """--no-verify-existing skips re-hashing the shards, not the source check: a stale shard is a wrong answer."""
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    convert.main(ck, out, tp_size=2)
+    _flip_late_byte(ck, keep_mtime=True)
+    capsys.readouterr()
+    convert.main(ck, out, tp_size=2, verify_existing=False)
+    printed = capsys.readouterr().out
+    assert "rank 1: rewriting" in printed and "the source's bytes differ" in printed, printed
+    assert "changed on disk: same bytes); kept, contents not verified (--no-verify-existing)" in printed, printed
+    fresh = str(tmp_path / "fresh")
+    convert.main(ck, fresh, tp_size=2)
+    assert dir_bytes(out) == dir_bytes(fresh)
+
+
+def test_resume_keeps_shards_of_an_unchanged_source_without_reading_it(ckpts, converted, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "out")
+    shutil.copytree(converted("bf16_text", 2), out)
+
+    def no_data(*a, **k):
+        raise AssertionError("the source was read although its files are unchanged")
+    monkeypatch.setattr(convert, "safe_open", no_data)
+    capsys.readouterr()
+    convert.main(ckpts["bf16_text"], out, tp_size=2)
+    printed = capsys.readouterr().out
+    for r in range(2):
+        assert f"rank {r}: {os.path.join(out, 'tp2', f'model-r{r}.safetensors')} is complete and matches (header, " \
+               "metadata, length, source files' size/mtime/ctime/inode unchanged, sha256 verified); kept" in printed
+    assert dir_bytes(out) == dir_bytes(converted("bf16_text", 2))
+
+
+def test_resume_after_touching_the_source_rereads_it_and_keeps_the_shards(ckpts, tmp_path, capsys):
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    convert.main(ck, out, tp_size=2)
+    before = {r: os.stat(os.path.join(out, "tp2", f"model-r{r}.safetensors")) for r in range(2)}
+    for f in os.listdir(ck):
+        os.utime(os.path.join(ck, f))
+    capsys.readouterr()
+    convert.main(ck, out, tp_size=2)
+    printed = capsys.readouterr().out
+    assert printed.count("changed on disk: same bytes, sha256 verified); kept") == 2, printed
+    for r in range(2):
+        st = os.stat(os.path.join(out, "tp2", f"model-r{r}.safetensors"))
+        assert (st.st_ino, st.st_mtime_ns) == (before[r].st_ino, before[r].st_mtime_ns)
+    capsys.readouterr()
+    convert.main(ck, out, tp_size=2)  # the refreshed records now match: no second re-read
+    assert capsys.readouterr().out.count("size/mtime/ctime/inode unchanged, sha256 verified); kept") == 2
+
+
+# ---------------------------------------------------------------------------------------------- two runs, one --out-dir
+# A real convert.py process (convert.cli) whose first source read waits until the file argv[1] exists, so a test can
+# act while it holds the output directory with a shard half written.
+HOLD = """
+import os, sys, time
+import convert
+real, held = convert.safe_open, []
+def held_open(*a, **k):
+    if not held:
+        held.append(1)
+        print("HOLDING", file=sys.stderr, flush=True)
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.05)
+    return real(*a, **k)
+convert.safe_open = held_open
+convert.cli(sys.argv[2:])
+"""
+
+
+def _start_held(go, args):
+    p = subprocess.Popen([sys.executable, "-c", HOLD, go, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    for line in p.stderr:
+        if line.strip() == "HOLDING":
+            return p
+    raise AssertionError(f"the held run ended early: {p.communicate()}")
+
+
+def test_a_second_conversion_into_the_same_out_dir_is_refused_at_once(ckpts, converted, tmp_path):
+    import socket
+    out, go = str(tmp_path / "out"), str(tmp_path / "go")
+    args = ["--checkpoint", ckpts["fp8_vl"], "--out-dir", out, "--tp-size", "2"]
+    a = _start_held(go, args)
+    try:
+        partial = [f for f in os.listdir(os.path.join(out, "tp2")) if f.endswith(".partial")]
+        assert len(partial) == 1 and partial[0].startswith(f".model-r0.safetensors.{a.pid}-"), partial
+        b = subprocess.run([sys.executable, "convert.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert b.returncode == 1 and b.stderr.strip() == (
+            f"error: {out}/.convert.lock is held by another convert.py (pid {a.pid} on {socket.gethostname()}) "
+            f"converting into {out}; wait for it to finish or stop it"), b.stderr
+        assert "PASS" not in b.stdout
+    finally:
+        open(go, "w").close()
+        a_out, a_err = a.communicate(timeout=300)
+    assert a.returncode == 0 and "PASS" in a_out, a_err
+    assert dir_bytes(out) == dir_bytes(converted("fp8_vl", 2))
+
+
+def test_a_run_killed_mid_shard_leaves_nothing_the_next_run_keeps(ckpts, converted, tmp_path):
+    import signal
+    out, go = str(tmp_path / "out"), str(tmp_path / "go")
+    args = ["--checkpoint", ckpts["fp8_vl"], "--out-dir", out, "--tp-size", "2"]
+    a = _start_held(go, args)
+    os.kill(a.pid, signal.SIGKILL)
+    a.communicate(timeout=60)
+    assert any(f.endswith(".partial") for f in os.listdir(os.path.join(out, "tp2")))
+    r = subprocess.run([sys.executable, "convert.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stderr
+    assert dir_bytes(out) == dir_bytes(converted("fp8_vl", 2))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "4 KB overwritten"])
+def test_a_shard_changed_after_its_rename_fails_the_run(ckpts, tmp_path, monkeypatch, capsys, damage):
+    """Before PASS every shard written is checked again (size, then sha256 re-read): bytes someone else wrote
+    into OUT after the rename are not passed off as this conversion."""
+    out = str(tmp_path / "out")
+    real = convert.write_shard
+
+    def clobbered(path, *a):
+        sha = real(path, *a)
+        if path.endswith("model-r1.safetensors"):
+            if damage == "truncated":
+                os.truncate(path, os.path.getsize(path) // 2)
+            else:
+                _overwrite_4k(path)
+        return sha
+    monkeypatch.setattr(convert, "write_shard", clobbered)
+    with pytest.raises(SystemExit) as e:
+        convert.main(ckpts["fp8_vl"], out, tp_size=2)
+    shard = os.path.join(out, "tp2", "model-r1.safetensors")
+    assert str(e.value).startswith(f"error: {shard}: changed after convert.py wrote it ("), e.value
+    assert str(e.value).endswith("; rerun to rewrite it"), e.value
+    assert "PASS" not in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- partial downloads, tokenizer, Ctrl-C
+def _scale_in_its_own_file(ck, name="model.layers.3.moe.up_proj.weight_scale_inv"):
+    """Move one FP8 scale grid into model-scales.safetensors (its weight stays where it was), as a release may."""
+    fname = "model-scales.safetensors"
+    idx = json.load(open(os.path.join(ck, INDEX)))
+    wm = idx["weight_map"]
+    home = os.path.join(ck, wm[name])
+    d = load_file(home)
+    save_file({name: d.pop(name)}, os.path.join(ck, fname), metadata={"format": "pt"})
+    save_file(d, home, metadata={"format": "pt"})
+    wm[name] = fname
+    json.dump(idx, open(os.path.join(ck, INDEX), "w"))
+    return os.path.join(ck, fname)
+
+
+@pytest.mark.parametrize("check_only", [True, False], ids=["check-only", "convert"])
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_scale_grid_in_a_missing_or_truncated_file_is_one_problem(ckpts, tmp_path, damage, check_only):
+    """A partial download: the FP8 weight's file is complete, its weight_scale_inv's file is not."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    path = _scale_in_its_own_file(ck)
+    convert.main(ck, None, tp_size=2, check_only=True)  # the split itself is a valid checkpoint
+    if damage == "missing":
+        os.remove(path)
+    else:
+        os.truncate(path, os.path.getsize(path) - 10)
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--tp-size", "2",
+                        *(["--check-only"] if check_only else ["--out-dir", str(tmp_path / "out")])],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "error: 1 problem(s)" in r.stderr and "model-scales.safetensors" in r.stderr, r.stderr
+    assert ("but missing" if damage == "missing" else "truncated") in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _truncate_tokenizer(ck):
+    p = os.path.join(ck, "tokenizer.json")
+    os.truncate(p, os.path.getsize(p) // 2)
+
+
+def _latin1_tokenizer_config(ck):
+    p = os.path.join(ck, "tokenizer_config.json")
+    data = open(p, "rb").read()
+    open(p, "wb").write(data.replace(b'"<s>"', '"<s>\u00e9"'.encode("latin-1")))
+
+
+def _tokenizer_json_is_a_directory(ck):
+    os.remove(os.path.join(ck, "tokenizer.json"))
+    os.mkdir(os.path.join(ck, "tokenizer.json"))
+
+
+@pytest.mark.parametrize("check_only", [True, False], ids=["check-only", "convert"])
+@pytest.mark.parametrize("damage,needle", [
+    (_truncate_tokenizer, "tokenizer.json: not valid JSON ("),
+    (_latin1_tokenizer_config, "tokenizer_config.json: not UTF-8 text ('utf-8' codec can't decode byte 0xe9"),
+    (_tokenizer_json_is_a_directory, "tokenizer.json: is a directory, not a file"),
+], ids=["truncated tokenizer.json", "latin-1 tokenizer_config.json", "tokenizer.json is a directory"])
+def test_bad_tokenizer_file_is_named(ckpts, tmp_path, damage, needle, check_only):
+    """The tokenizer files convert.py copies are checked first: JSON ones must be UTF-8 JSON, the rest UTF-8."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    damage(ck)
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--tp-size", "2",
+                        *(["--check-only"] if check_only else ["--out-dir", str(tmp_path / "out")])],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "error: 1 problem(s)" in r.stderr and f"  {needle}" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_ends_with_one_line_and_the_rerun_resumes(ckpts, converted, tmp_path):
+    import signal
+    out, go = str(tmp_path / "out"), str(tmp_path / "go")
+    args = ["--checkpoint", ckpts["fp8_vl"], "--out-dir", out, "--tp-size", "2"]
+    a = _start_held(go, args)
+    a.send_signal(signal.SIGINT)
+    _, err = a.communicate(timeout=120)
+    assert a.returncode == 1 and err.strip() == ("error: interrupted (Ctrl-C); shards already complete are kept: "
+                                                 "rerun the same command to resume"), err
+    assert not any(f.endswith(".partial") for f in os.listdir(os.path.join(out, "tp2")))
+    r = subprocess.run([sys.executable, "convert.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stderr
+    assert dir_bytes(out) == dir_bytes(converted("fp8_vl", 2))
+
+
+# ----------------------------------------------------------------------------------------- messages that name the thing
+def _limit_file_size():
+    import resource
+    import signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG instead of killing
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+
+def test_a_failed_write_names_the_file(ckpts, tmp_path):
+    """The OS gives write() errors no file name (`error: : No space left on device` was the result); a file size
+    limit fails the same write() with EFBIG."""
+    out = str(tmp_path / "out")
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ckpts["bf16_text"], "--out-dir", out,
+                        "--tp-size", "2"], cwd=ROOT, capture_output=True, text=True, preexec_fn=_limit_file_size)
+    shard = os.path.join(out, "tp2", "model-r0.safetensors")
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {shard}: File too large", r.stderr
+    assert not any(f.endswith(".partial") for f in os.listdir(os.path.join(out, "tp2")))
+
+
+def test_disk_full_at_fsync_names_the_file(ckpts, tmp_path, monkeypatch):
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(convert.os, "fsync", full)
+    out = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as e:
+        convert.main(ckpts["bf16_text"], out, tp_size=2)
+    assert str(e.value) == f"error: {os.path.join(out, 'tp2', 'model-r0.safetensors')}: No space left on device"
+
+
+def _index_file_is_a_directory(ck):
+    f = os.path.join(ck, "model-00002-of-00004.safetensors")
+    os.remove(f)
+    os.mkdir(f)
+
+
+def _index_is_a_directory(ck):
+    os.remove(os.path.join(ck, INDEX))
+    os.mkdir(os.path.join(ck, INDEX))
+
+
+def _duplicate_index_key(ck):
+    text = open(os.path.join(ck, INDEX)).read()
+    line = next(ln for ln in text.splitlines() if '"model.norm.weight"' in ln)
+    open(os.path.join(ck, INDEX), "w").write(text.replace(line, line.rstrip(",") + ",\n" + line, 1))
+
+
+def _duplicate_config_key(ck):
+    text = open(os.path.join(ck, "config.json")).read()
+    open(os.path.join(ck, "config.json"), "w").write(text.replace('"rms_norm_eps": 1e-05,',
+                                                                  '"rms_norm_eps": 1e-05, "rms_norm_eps": 1e-06,', 1))
+
+
+def _duplicate_header_key(ck):
+    """A safetensors header naming one tensor twice (same length, so only the duplicate is wrong)."""
+    path = os.path.join(ck, "model-00001-of-00004.safetensors")
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    head = json.loads(data[8:8 + n])
+    a, b = sorted(k for k in head if k != "__metadata__")[:2]
+    raw = data[8:8 + n].replace(f'"{b}"'.encode(), f'"{a}"'.encode().ljust(len(b) + 2), 1)
+    open(path, "wb").write(data[:8] + raw + data[8 + n:])
+    return a
+
+
+@pytest.mark.parametrize("case,needle", [
+    (_index_file_is_a_directory, "model-00002-of-00004.safetensors: named by model.safetensors.index.json for "),
+    (_index_is_a_directory, f"{INDEX}: is a directory, not a JSON file"),
+    (_duplicate_index_key, f'{INDEX}: key "model.norm.weight" appears twice in one JSON object'),
+    (_duplicate_config_key, 'config.json: key "rms_norm_eps" appears twice in one JSON object'),
+    (_duplicate_header_key, 'model-00001-of-00004.safetensors: header: key "'),
+], ids=["index-named file is a directory", "index is a directory", "duplicate key in the index",
+        "duplicate key in config.json", "duplicate key in a safetensors header"])
+def test_directories_and_duplicate_keys_are_named(ckpts, tmp_path, case, needle):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ckpts["fp8_vl"], ck)
+    case(ck)
+    r = subprocess.run([sys.executable, "convert.py", "--checkpoint", ck, "--check-only", "--tp-size", "2"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    if case is _index_file_is_a_directory:
+        assert "but is a directory, not a safetensors file" in r.stderr and "missing" not in r.stderr, r.stderr
+    if case is _duplicate_header_key:
+        assert "appears twice in one JSON object" in r.stderr, r.stderr
+
+
+def test_an_output_path_that_is_a_directory_is_named(ckpts, tmp_path):
+    out = str(tmp_path / "out")
+    os.makedirs(os.path.join(out, "tp2", "model-r1.safetensors"))
+    with pytest.raises(SystemExit) as e:
+        convert.main(ckpts["bf16_text"], out, tp_size=2)
+    path = os.path.join(out, "tp2", "model-r1.safetensors")
+    assert str(e.value) == (f"error: {path} is a directory; convert.py writes a file there (move the directory "
+                            "away)"), e.value
+    assert not os.path.exists(os.path.join(out, "tp2", "model-r0.safetensors")), "refused before writing anything"
+
+
+def test_per_rank_config_with_a_duplicate_key_is_refused():
+    from config import ConfigError, load_config
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write('{"hidden_size": 256, "hidden_size": 512}')
+    with pytest.raises(ConfigError) as e:
+        load_config(f.name)
+    assert str(e.value) == f'{f.name}: key "hidden_size" appears twice in one JSON object'
+    os.remove(f.name)
+
+
+def test_help_states_the_defaults():
+    r = subprocess.run([sys.executable, "convert.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "--tp-size TP_SIZE" in text, r.stdout
+    assert "number of ranks to shard for (default: 8)" in text and "(default: --tp-size)" in text, r.stdout
+
+
+@pytest.mark.parametrize("check_only", [False, True])
+def test_out_dir_holding_the_checkpoint_beside_the_outputs_is_accepted(ckpts, tmp_path, check_only):
+    """--checkpoint /data/X --out-dir /data writes /data/tp2 and /data/tokenizer_files, beside X, not into it."""
+    data = tmp_path / "data"
+    ck = str(data / "X")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    before = dir_bytes(ck)
+    convert.main(ck, str(data), tp_size=2, check_only=check_only)
+    assert dir_bytes(ck) == before
+    assert os.path.exists(data / "tp2" / "model-r1.safetensors") != check_only
+
+
+def test_checkpoint_named_tokenizer_files_under_out_is_refused(ckpts, tmp_path):
+    ck = str(tmp_path / "tokenizer_files")
+    shutil.copytree(ckpts["bf16_text"], ck)
+    with pytest.raises(SystemExit) as e:
+        convert.main(ck, str(tmp_path), tp_size=2)
+    assert f"the output {os.path.join(str(tmp_path), 'tokenizer_files')} is the checkpoint directory" in str(e.value)

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 import tiny_checkpoint
 from config import VisionConfig, tokens_per_view
 from image_processing import (CLIP_MEAN, CLIP_STD, Geometry, ImageError, geometry, image_block_ids, image_token_ids,
-                              load_image, plan, preprocess, tile_origins)
+                              load_image, plan, preprocess, tile_origins, to_rgb)
 from vision_encoder import VisionModel
 
 # the released tower's config (only image_size / patch_size matter here)
@@ -299,3 +299,97 @@ def test_load_image_decodes_to_rgb(tmp_path):
     img = load_image(str(p))
     assert img.mode == "RGB" and img.size == (7, 3) and img.getpixel((0, 0)) == (100, 100, 100)
     assert preprocess([p], REAL).num_patches == [3]                        # a path works too (7x3: 3 windows of 3)
+
+
+# ==================================================================================================
+# every decoded mode to 8-bit RGB. Alpha is dropped without compositing (the reference's convert("RGB")); 16-bit
+# samples keep their high byte (as Pillow itself decodes 16-bit RGB and LA PNGs); floats are 0..1.
+def _palette(mode):
+    im = Image.new(mode, (3, 2))
+    im.putpalette([10, 20, 30, 200, 100, 50, 7, 8, 9])
+    for x in range(3):
+        for y in range(2):
+            im.putpixel((x, y), (x, 255 * y) if mode == "PA" else x)
+    if mode == "P":
+        im.info["transparency"] = 1  # palette entry 1 transparent: dropped like any alpha
+    return im
+
+
+_G16 = np.array([[0, 25700, 65535], [1000, 25900, 32767]], dtype=np.uint16)     # high bytes 0 100 255 / 3 101 127
+_GRAY16 = np.array([[0, 100, 255], [3, 101, 127]], dtype=np.uint8)
+_PAL = np.array([[[10, 20, 30], [200, 100, 50], [7, 8, 9]]] * 2, dtype=np.uint8)
+MODES = {  # mode -> (image, file format that stores it or None, expected [2, 3, 3] uint8 RGB)
+    "I;16": (lambda: Image.fromarray(_G16), "png", _GRAY16),
+    "I;16B": (lambda: Image.frombytes("I;16B", (3, 2), _G16.astype(">u2").tobytes()), "tiff", _GRAY16),
+    "I;16L": (lambda: Image.frombytes("I;16L", (3, 2), _G16.astype("<u2").tobytes()), "tiff", _GRAY16),
+    "I": (lambda: Image.fromarray(np.array([[0, 70000, -5], [300, 25700, 65535]], dtype=np.int32), "I"), "tiff",
+          np.array([[0, 255, 0], [1, 100, 255]], dtype=np.uint8)),                  # 16-bit scale, clipped
+    "F": (lambda: Image.fromarray(np.array([[0, 0.5, 1.0], [2.0, -1, 0.25]], dtype=np.float32), "F"), "tiff",
+          np.array([[0, 128, 255], [255, 0, 64]], dtype=np.uint8)),                 # 0..1, clipped, rounded
+    "L": (lambda: Image.fromarray(_GRAY16), "png", _GRAY16),
+    "1": (lambda: Image.frombytes("1", (3, 2), bytes([0b10100000, 0b01000000])), "png",
+          np.array([[255, 0, 255], [0, 255, 0]], dtype=np.uint8)),
+    "LA": (lambda: Image.fromarray(np.stack([_GRAY16, np.full((2, 3), 9, np.uint8)], -1), "LA"), "png", _GRAY16),
+    "La": (lambda: Image.frombytes("La", (3, 2), bytes([100, 128, 0, 0, 255, 255] * 2)), None,
+           np.array([[199, 0, 255]] * 2, dtype=np.uint8)),                          # un-premultiplied first
+    "RGBA": (lambda: Image.fromarray(np.concatenate([_PAL, np.zeros((2, 3, 1), np.uint8)], -1), "RGBA"), "png", _PAL),
+    "RGBa": (lambda: Image.frombytes("RGBa", (1, 1), bytes([100, 50, 20, 128])), None,
+             np.array([[[199, 99, 39]]], dtype=np.uint8)),
+    "P": (lambda: _palette("P"), "png", _PAL),
+    "PA": (lambda: _palette("PA"), "tiff", _PAL),
+    "CMYK": (lambda: Image.frombytes("CMYK", (3, 1), bytes([0, 255, 51, 0, 0, 0, 0, 102, 255, 0, 0, 0])), "tiff",
+             np.array([[[255, 0, 204], [153, 153, 153], [0, 255, 255]]], dtype=np.uint8)),  # (255-c)(255-k)/255
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_decodes_to_the_expected_8bit_rgb(tmp_path, mode):
+    build, fmt, want = MODES[mode]
+    img = build()
+    assert img.mode == mode
+    got = [to_rgb(img, "x")]
+    if fmt:
+        p = tmp_path / f"x.{fmt}"
+        img.save(p)
+        got.append(load_image(p))
+        with Image.open(p) as reopened:  # what the file gives back (a 16-bit PNG reopens as I;16)
+            assert reopened.mode in (mode, "I;16"), reopened.mode
+    for g in got:
+        assert g.mode == "RGB" and np.array_equal(np.asarray(g), np.broadcast_to(want[..., None], want.shape + (3,))
+                                                  if want.ndim == 2 else want), (mode, np.asarray(g))
+
+
+def _png16(path, arr, color_type):
+    """A 16-bit PNG (Pillow writes none with colour): arr [h, w, c] uint16, colour type 2 (RGB) or 4 (LA)."""
+    import struct
+    import zlib
+    h, w = arr.shape[:2]
+    raw = b"".join(b"\x00" + arr[y].astype(">u2").tobytes() for y in range(h))
+
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, color_type, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def test_16bit_grey_png_matches_the_same_picture_as_16bit_rgb(tmp_path):
+    """A grey 16-bit PNG (I;16) and the same samples as a 16-bit RGB PNG (decoded by Pillow to 8-bit RGB) give the
+    same pixels: the release's convert("RGB") made the grey one all white."""
+    _png16(tmp_path / "rgb.png", np.repeat(_G16[..., None], 3, -1), 2)
+    Image.fromarray(_G16).save(tmp_path / "grey.png")
+    a, b = np.asarray(load_image(tmp_path / "rgb.png")), np.asarray(load_image(tmp_path / "grey.png"))
+    assert np.array_equal(a, b) and np.array_equal(a[..., 0], _GRAY16)
+    noise = (np.random.default_rng(0).random((40, 60)) * 65535).astype(np.uint16)
+    Image.fromarray(noise).save(tmp_path / "noise.png")
+    px = np.asarray(load_image(tmp_path / "noise.png"))
+    assert (px == 255).mean() < 0.01 and abs(px.mean() - 127.5) < 3
+
+
+def test_float_image_with_nan_is_refused(tmp_path):
+    a = np.zeros((4, 5), dtype=np.float32)
+    a[2, 3] = np.nan
+    Image.fromarray(a, "F").save(tmp_path / "nan.tiff")
+    with pytest.raises(ImageError, match=r"nan\.tiff: mode F image has a non-finite pixel \(nan\) at x=3, y=2"):
+        load_image(tmp_path / "nan.tiff")
+    with pytest.raises(ImageError, match=r"image 0: mode F image has a non-finite pixel"):
+        preprocess([Image.fromarray(a, "F")], SMALL)
