@@ -245,7 +245,7 @@ class Source:
     tensors: dict   # output name -> TInfo; of the MTP layers only those kept
     n_mtp: int      # MTP tensors skipped
     mtp: int        # MTP layers kept (--keep-mtp: num_nextn_predict_layers; else 0)
-    warnings: list  # repeated in the conversion summary
+    warnings: list  # printed once, with the audit's or the conversion's result
 
 
 def out_dir_problems(ckpt: str, out_dir: str, tp: int) -> list[str]:
@@ -291,7 +291,7 @@ def tokenizer_problems(ckpt: str) -> list[str]:
     return out
 
 
-def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = False) -> Source:
+def audit(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = False) -> Source:
     """Header-only check of a checkpoint against its config. Prints what was checked; exits listing every problem."""
     if os.path.isfile(ckpt):
         raise SystemExit(f"error: --checkpoint {ckpt} is a file, not a directory (give the directory that holds "
@@ -386,8 +386,6 @@ def inspect(ckpt: str, tp: int, out_dir: str | None = None, keep_mtp: bool = Fal
     no_tok = [f for f in ("tokenizer.json", "tokenizer_config.json") if not os.path.exists(os.path.join(ckpt, f))]
     warnings = [f"warning: {ckpt} has no {' or '.join(no_tok)}: generate.py --prompt will fail without "
                 "--tokenizer DIR (token-id prompts still work)"] if no_tok else []
-    for w in warnings:
-        print(w, file=sys.stderr)
     if problems:
         raise SystemExit(f"error: {len(problems)} problem(s) in {ckpt}:\n" + "\n".join(f"  {p}" for p in problems))
     return Source(ckpt, raw, tc, vl, tensors, n_mtp, mtp, warnings)
@@ -802,8 +800,10 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         raise SystemExit(f"error: --tp-size={tp_size} and --ep-size={ep_size} must be equal and >= 1 (co-located TP/EP)")
     if not out_dir and not check_only:
         raise SystemExit("error: --out-dir is required unless --check-only")
-    src = inspect(checkpoint, tp_size, out_dir, keep_mtp)
+    src = audit(checkpoint, tp_size, out_dir, keep_mtp)
     if check_only:
+        for w in src.warnings:
+            print(w, file=sys.stderr)
         print("check passed (headers only: NaN/Inf in tensor values are checked while converting); nothing written")
         return
     fp = fingerprint(src)

@@ -793,3 +793,179 @@ def test_streamed_text_is_the_json_completion(converted):
     j = torchrun(1, "--tp-dir", d, "--prompt", "请介绍一下张量并行。", "--max-new-tokens", 12, "--ignore-eos", "--json")
     assert r.returncode == 0 and j.returncode == 0, (r.stderr + j.stderr)[-3000:]
     assert r.stdout == json.loads(j.stdout)["completion"] + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- hardening
+def test_bad_ranks_of_two_conversions_are_named_before_loading(tp2, tmp_path):
+    """Every rank's config and shard metadata must come from one conversion: a config-r1.json with one number edited
+    is named with the field, before any weight is read."""
+    mixed = tmp_path / "tp2"
+    shutil.copytree(tp2, mixed)
+    cfg = json.load(open(mixed / "config-r1.json"))
+    cfg["text_config"]["rms_norm_eps"] = 1e-3
+    json.dump(cfg, open(mixed / "config-r1.json", "w"))
+    p = write_json(tmp_path / "p.json", [11, 12, 13])
+    assert_all_ranks_fail(launch_ranks(2, ["--tp-dir", mixed, "--prompt-json", p]), "config-r1.json",
+                          "text_config.rms_norm_eps", "rank 0", "another conversion")
+
+
+def test_bad_non_finite_inputs_and_logits_stop_with_a_message(converted, tmp_path):
+    """NaN image embeddings are refused naming the file and tensor; a NaN config number names the field; a NaN weight
+    that makes the logits non-finite stops generation naming the request and the token."""
+    from safetensors.torch import load_file, save_file
+    vl = converted("fp8_vl", 1)
+    save_file({"image_embeds": torch.full((169, 256), float("nan"))}, str(tmp_path / "nan.safetensors"))
+    ids = write_json(tmp_path / "img.json", [11] + [5] * 169 + [12])
+    assert_all_ranks_fail(launch_ranks(1, ["--tp-dir", vl, "--prompt-json", ids, "--image-inputs",
+                                           tmp_path / "nan.safetensors"]), "nan.safetensors", "image_embeds",
+                          "non-finite")
+    text = converted("bf16_text", 1)
+    bad = tmp_path / "tp1"
+    shutil.copytree(text, bad)
+    cfg = json.load(open(bad / "config-r0.json"))
+    cfg["rms_norm_eps"] = float("nan")
+    json.dump(cfg, open(bad / "config-r0.json", "w"))
+    p = write_json(tmp_path / "p.json", [11, 12, 13])
+    assert_all_ranks_fail(launch_ranks(1, ["--tp-dir", bad, "--prompt-json", p]), "config-r0.json", "rms_norm_eps")
+    shutil.copy(os.path.join(text, "config-r0.json"), bad / "config-r0.json")
+    t = load_file(str(bad / "model-r0.safetensors"))
+    from safetensors import safe_open
+    with safe_open(str(bad / "model-r0.safetensors"), "pt") as f:
+        meta = f.metadata()
+    t["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
+    save_file(t, str(bad / "model-r0.safetensors"), metadata=meta)
+    assert_all_ranks_fail(launch_ranks(1, ["--tp-dir", bad, "--prompt-json", p]), "request 0", "non-finite logits",
+                          "new token 0")
+
+
+def test_bad_flags_are_reported_once_in_every_run_under_torchrun(tmp_path):
+    """Validated before any rank can exit, and printed by rank 0 after every rank agreed: the message appears in
+    every run (it was lost in about half of them), once, argparse's too; torchrun then exits with its own 1."""
+    p = write_json(tmp_path / "p.json", [11, 12, 13])
+    for args, word in ((["--temperature", "-1"], "--temperature -1.0"), (["--top-p", "0"], "--top-p 0.0"),
+                       (["--seed", "-1"], "--seed -1"), (["--no-such-flag"], "unrecognized arguments")):
+        r = torchrun(2, "--tp-dir", tmp_path, "--prompt-json", p, *args)
+        errs = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+        assert r.returncode == 1 and len(errs) == 1 and word in errs[0], (args, r.stderr[-2000:])
+
+
+def test_bad_paths_files_and_requests_are_named(converted, tmp_path):
+    vl = converted("fp8_vl", 1)
+    p = write_json(tmp_path / "p.json", [11, 12, 13])
+    run = lambda *a: launch_ranks(1, ["--max-new-tokens", 2, *a])  # noqa: E731
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert_all_ranks_fail(run("--tp-dir", f, "--prompt-json", p), str(f), "is a file")
+    assert_all_ranks_fail(run("--tp-dir", os.path.dirname(vl), "--prompt-json", p), "holds tp1", "--tp-dir")
+    for content, word in ((None, "is a directory"), (b"\xff\xfe{", "not valid JSON")):
+        d = tmp_path / f"tp_{word[:6].strip()}" / "tp1"
+        shutil.copytree(vl, d)
+        os.remove(d / "config-r0.json")
+        if content is None:
+            os.mkdir(d / "config-r0.json")
+        else:
+            (d / "config-r0.json").write_bytes(content)
+        assert_all_ranks_fail(run("--tp-dir", d, "--prompt-json", p), "config-r0.json", word)
+    img = wide_image(tmp_path / "w.png")
+    assert_all_ranks_fail(run("--tp-dir", vl, "--prompt", "hi", "--image", img, "--save-image-inputs",
+                              tmp_path / "nowhere" / "x.safetensors"), "--save-image-inputs", "does not exist")
+    if not torch.cuda.is_available():
+        assert_all_ranks_fail(run("--tp-dir", vl, "--prompt-json", p, "--device", "cuda"), "--device cuda",
+                              "no CUDA device")
+    for bad in (3, [1, 2], {"a": 1}):
+        b = write_json(tmp_path / "b.json", [{"prompt_ids": [11, 12], "image_inputs": bad}])
+        assert_all_ranks_fail(run("--tp-dir", vl, "--prompt-json-batch", b), "request 0", '"image_inputs" must be')
+    assert_all_ranks_fail(run("--tp-dir", vl, "--prompt", "look: <im_patch> here"), "<im_patch>", "literally")
+    b = write_json(tmp_path / "b2.json", [[11, 12], {"prompt_ids": [11, 5, 12], "image_inputs": "gone.safetensors"}])
+    assert_all_ranks_fail(run("--tp-dir", vl, "--prompt-json-batch", b), "request 1", "gone.safetensors")
+    # a truncated tokenizer.json: named for a text prompt; a warning for an id prompt, which needs none
+    out = tmp_path / "tok" / "tp1"
+    shutil.copytree(vl, out)
+    shutil.copytree(os.path.join(vl, "..", "tokenizer_files"), out / ".." / "tokenizer_files")
+    tj = out / ".." / "tokenizer_files" / "tokenizer.json"
+    tj.write_text(tj.read_text()[:200])
+    assert_all_ranks_fail(run("--tp-dir", out, "--prompt", "hi"), "tokenizer.json", "not a readable tokenizer")
+    (rc, so, se), = run("--tp-dir", out, "--prompt-json", p, "--json")
+    assert rc == 0 and "warning:" in se and "tokenizer.json" in se and json.loads(so)["completion"] is None, se
+    shutil.copy(os.path.join(vl, "..", "tokenizer_files", "tokenizer.json"), tj)
+    tc = out / ".." / "tokenizer_files" / "tokenizer_config.json"
+    tc.write_bytes(b"\xff\xfe not utf-8")
+    assert_all_ranks_fail(run("--tp-dir", out, "--prompt", "hi"), "tokenizer_config.json", "not valid JSON")
+
+
+def wait_line(proc, text: str, lines: list, timeout: float = 120):
+    import time
+    t0 = time.time()
+    while not any(text in x for x in lines):
+        assert time.time() - t0 < timeout and proc.poll() is None, "".join(lines)[-3000:]
+        time.sleep(0.1)
+
+
+def test_ctrl_c_ends_every_rank_with_one_line(converted):
+    """SIGINT (torchrun forwards Ctrl-C to every worker) mid-generation: rank 0 prints one 'interrupted' line, no rank
+    prints a traceback, every rank exits with 130."""
+    import signal
+    import threading
+    port = free_port()
+    procs, errs = [], [[], []]
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "generate.py", "--tp-dir", converted("bf16_text", 2),
+                                       "--prompt", "hi", "--max-new-tokens", "1500", "--ignore-eos"], cwd=ROOT, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        threading.Thread(target=lambda f, out: out.extend(f), args=(procs[-1].stderr, errs[r]), daemon=True).start()
+    try:
+        wait_line(procs[0], "start-up", errs[0])
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    import time
+    time.sleep(0.5)  # the stderr threads' last lines
+    assert codes == [130, 130], "".join(errs[0])[-2000:]
+    assert "".join(errs[0]).count("interrupted") == 1 and "interrupted" not in "".join(errs[1])
+    assert not any("Traceback" in "".join(e) for e in errs), "".join(errs[0])[-3000:] + "".join(errs[1])[-3000:]
+
+
+def test_workers_exit_when_their_launcher_is_killed(converted):
+    """kill -9 of torchrun: each worker notices its parent is gone (PR_SET_PDEATHSIG, and a watchdog) and exits
+    within seconds instead of holding its GPU."""
+    import signal
+    import threading
+    import time
+    tr = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "generate.py", "--tp-dir",
+                           converted("bf16_text", 2), "--interactive"], cwd=ROOT, stdin=subprocess.PIPE,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = []
+    threading.Thread(target=lambda: lines.extend(tr.stderr), daemon=True).start()
+    try:
+        wait_line(tr, "interactive: up to", lines)  # the workers now wait on stdin for a turn
+        kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == tr.pid]
+        assert len(kids) == 2, kids
+        tr.send_signal(signal.SIGKILL)
+        t0 = time.time()
+        while any(_alive(k) for k in kids) and time.time() - t0 < 20:
+            time.sleep(0.2)
+        assert not any(_alive(k) for k in kids), f"workers {kids} outlived their launcher by 20 s"
+    finally:
+        tr.kill()
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
