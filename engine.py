@@ -223,6 +223,7 @@ class Request:
     cached: int = 0  # prompt tokens reused from the slot's cache
     prefilled: int = 0  # prompt tokens in the cache so far
     t_first: float | None = None  # perf_counter of the first token
+    key: list = field(default_factory=list)  # the prompt as prefix reuse compares it (reuse_key)
 
     def embeds(self, model, a: int, b: int):
         """Input rows of prompt tokens a..b-1 [b - a, D] bf16 with the image features at their placeholders, or None
@@ -236,9 +237,22 @@ class Request:
         return model.input_embeds(torch.tensor(self.ids[a:b], device=dev), self.features[k0:k1] if k1 > k0 else None)
 
 
+def reuse_key(model, req: Request) -> list:
+    """The prompt as prefix reuse compares it: its ids, each image placeholder replaced by a fingerprint of its feature
+    row (a negative number), so a slot's cache is reused for the same image only: another image of the same size has
+    the same placeholder ids."""
+    if req.features is None:
+        return list(req.ids)
+    rows = req.features.contiguous().view(torch.int16).long()  # [n, D]: the bf16 bits
+    w = torch.randint(-(1 << 62), 1 << 62, (rows.shape[-1],), generator=torch.Generator().manual_seed(0))
+    fp = iter((rows * w.to(rows.device)).sum(-1).tolist())  # a host read: once per request
+    tok = model.vl.image_token_id
+    return [-1 - (next(fp) & ((1 << 62) - 1)) if t == tok else t for t in req.ids]
+
+
 @dataclass(eq=False)
 class Slot:
-    held: list = field(default_factory=list)  # the ids whose K/V this cache row holds, position by position
+    held: list = field(default_factory=list)  # reuse_key of the ids whose K/V this cache row holds, in position order
     owner: Request | None = None
     used: int = 0  # engine step of the last use (the least recently used free slot is taken first)
 
@@ -438,6 +452,7 @@ class Engine:
         if p:
             raise ValueError(p)
         req.rid = next(self.rids)
+        req.key = reuse_key(self.model, req)
         self.waiting.append(req)
         return req
 
@@ -465,7 +480,7 @@ class Engine:
         short of the prompt (its last token must be fed), at a DSA region boundary (the region in progress is
         recomputed), within the rings' spare slots. Speculative decoding also recomputes the rows its MTP layers read
         past the common prefix, and the ones a draft step reads (2K + 2 from the prompt's end)."""
-        n = min(common_prefix(req.ids, slot.held), len(req.ids) - 1)
+        n = min(common_prefix(req.key, slot.held), len(req.ids) - 1)
         if self.k:
             n = min(n - self.k - 2, len(req.ids) - 2 * self.k - 2)
         blk = self.model.cfg.sparse.block if self.model.cfg.sparse else 1
@@ -499,7 +514,7 @@ class Engine:
         s = self.slots[req.slot]
         s.owner, s.used = None, self.steps
         n = int(self.cache.lengths[req.slot])  # host read: once per request
-        s.held = (req.ids + req.out)[:n]
+        s.held = (req.key + req.out)[:n]
         if n + self.slack + 2 * self.k + 2 > self.cap:  # no room for a padding row's writes: forget the prefix
             s.held = []
             self.cache.lengths[req.slot] = 0
@@ -556,7 +571,7 @@ class Engine:
             logits = self.model.forward(ids, self.cache, lens, embeds, hook, rows=rows)
         for r, a, n in pieces:
             r.prefilled = a + n
-            self.slots[r.slot].held = r.ids[:r.prefilled]
+            self.slots[r.slot].held = r.key[:r.prefilled]
         first = [(r, lg) for (r, a, n), lg in zip(pieces, logits) if r.prefilled == len(r.ids)]
         if not first:
             return
