@@ -27,6 +27,7 @@ import json
 import math
 import os
 import queue
+import re
 import secrets
 import signal
 import socket
@@ -895,7 +896,8 @@ def main(**kw):
         try:
             return socket.create_server((o.host, o.port))
         except OSError as e:
-            raise G.UserError(f"--host {o.host} --port {o.port}: cannot listen there ({e.strerror})") from None
+            why = (e.strerror or str(e)).split(" (while")[0]  # create_server appends the address again
+            raise G.UserError(f"--host {o.host} --port {o.port}: cannot listen there ({why})") from None
     sock = G.phase(listen) if rank == 0 else G.agree(None)
     G.load(s, "(serving)")
     G.start_engine(s, a.max_batch, a.max_context)
@@ -913,15 +915,15 @@ def main(**kw):
         with torch.inference_mode():
             engine_loop(s, ctl, hub, signalled)
     except Exception as e:  # a rank died or hangs (the collectives fail or time out), or the engine stopped
-        if not isinstance(e, dist.DistError):  # not a lost peer: a bug or bad weights, worth its traceback
+        what, lost = failure(e)
+        if not lost:  # a bug or bad weights: worth its traceback
             traceback.print_exc()
-        msg = f"rank {rank}: the engine loop stopped: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}"
+        msg = f"rank {rank}: the engine loop stopped: {what}"
         if hub is not None:
             hub.end_all(Event([], error=f"the server stopped ({msg})", status=500))
             http.should_exit = True
             thread.join(SHUTDOWN_S)
-        print(f"error: {msg} (a failed or stuck rank ends every rank; see the other ranks' output)",
-              file=sys.stderr, flush=True)
+        print(f"error: {msg}; every rank stops (see the other ranks' output)", file=sys.stderr, flush=True)
         os._exit(EXIT_FAILED)
     if hub is not None:
         hub.end_all(Event([], finish="abort"))
@@ -931,6 +933,16 @@ def main(**kw):
     if ctl is not None:
         dist.barrier(group=ctl)
     dist.destroy_process_group()
+
+
+def failure(e: Exception) -> tuple[str, bool]:
+    """-> (what failed, in one line; whether another rank was lost). gloo raises plain RuntimeErrors whose first
+    line is '[file:line] what happened. Advice...'."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, dist.DistError) or "gloo" in text or "NCCL" in text:
+        said = re.sub(r"^\[[^]]*\] ", "", text).split(". ")[0]
+        return f"lost another rank ({said[:200]})", True
+    return f"{type(e).__name__}: {text[:300]}", False
 
 
 def start_http(s: G.Session, o: Options, a: G.Args, sock):

@@ -1,6 +1,6 @@
 """serve.py end to end: one TP=2 server on the tiny FP8 VL checkpoint (torchrun on gloo, CPU) for the module, driven by
-the official openai client (httpx where the raw HTTP matters: error bodies, headers, disconnects); a second server,
-each rank a process of its own, for SIGTERM.
+the official openai client (httpx where the raw HTTP matters: error bodies, headers, disconnects), stopped by SIGTERM
+at the end; a second server, each rank a process of its own, for speculative decoding and a dead rank.
 
 Token comparisons: a request's tokens alone and in a batch (or after a reused prefix) come from computations that
 differ in last bits (other GEMM row counts), so they are compared exactly and a difference is accepted only at a
@@ -52,9 +52,9 @@ class Server:
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
-    def post(self, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+    def post(self, path: str, body, key: str | None = KEY) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=60, **kw)
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=60)
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
@@ -275,7 +275,7 @@ def test_image_request_and_its_cache(server, tiny, tmp_path):
 
 
 def test_second_turn_reports_cached_tokens(server, tiny):
-    tok, cfg, _ = tiny
+    cfg = tiny[1]
     turn = [{"role": "user", "content": "Tell me how experts are placed on ranks, in two sentences."}]
     first = server.client().chat.completions.create(model="step5", messages=turn, max_tokens=NEW, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -530,19 +530,26 @@ def stream_lines(srv: Server, max_tokens: int = 500):
         yield from (line for line in r.iter_lines() if line)
 
 
-def test_a_dead_rank_ends_the_server_with_a_message(tp2, tmp_path):
-    """A rank killed mid-stream: rank 0 ends the stream with an error event and exits EXIT_FAILED within seconds,
-    naming what failed; never a hang."""
-    srv = start_ranks(tp2, tmp_path)
+def test_speculative_serving_and_a_dead_rank(converted, tmp_path):
+    """A speculative server (MTP shards, --speculative 2: the engine's step kind, nothing else in the server) answers
+    greedy and sampled requests; then a rank killed mid-stream: rank 0 ends the stream with an error event and exits
+    EXIT_FAILED within seconds, naming what failed; never a hang."""
+    srv = start_ranks(converted("bf16_text", 2, keep_mtp=True), tmp_path, "--speculative", 2)
     try:
+        assert "speculative 2" in open(srv.log).read()
+        for kw in ({}, {"temperature": 1.0, "seed": 5}):
+            c, u = complete(srv, ids_prompt(20, 9), **kw)
+            assert len(c.token_ids) == NEW and u.completion_tokens == NEW and c.finish_reason == "length"
         lines = stream_lines(srv)
         assert [next(lines) for _ in range(2)]
         srv.procs[1].kill()
         rest = list(lines)
         assert any('"error"' in line for line in rest), rest[-3:]
         assert srv.procs[0].wait(timeout=60) == serve.EXIT_FAILED
-        err = [line for line in open(srv.log).read().splitlines() if line.startswith("error:")]
-        assert len(err) == 1 and "rank 0: the engine loop stopped" in err[0], open(srv.log).read()[-3000:]
+        log = open(srv.log).read()
+        err = [line for line in log.splitlines() if line.startswith("error:")]
+        assert len(err) == 1 and "rank 0: the engine loop stopped: lost another rank" in err[0], log[-3000:]
+        assert "Traceback" not in log
     finally:
         for p in srv.procs:
             if p.poll() is None:
