@@ -12,8 +12,9 @@ verifies K drafts of the checkpoint's MTP layers per request. A request whose pr
 already holds (a conversation's next turn) prefills only the rest. The host reads a step's tokens after the next
 step is queued, so the device never waits for it.
 
-The decode step is one static-shape function of the slot of each row (padding rows of a batch bucket point at free
-slots, write only where their slot's next token would go and route to no expert), replayed as a CUDA graph on GPUs.
+The decode step is one static-shape function of the slot of each row (padding rows of a batch bucket point at slots
+that do not decode in the step, write only where their slot's next token would go and route to no expert), replayed
+as a CUDA graph on GPUs.
 """
 import itertools
 import math
@@ -223,6 +224,7 @@ class Request:
     cached: int = 0  # prompt tokens reused from the slot's cache
     prefilled: int = 0  # prompt tokens in the cache so far
     t_first: float | None = None  # perf_counter of the first token
+    key: list = field(default_factory=list)  # the prompt as prefix reuse compares it (reuse_key)
 
     def embeds(self, model, a: int, b: int):
         """Input rows of prompt tokens a..b-1 [b - a, D] bf16 with the image features at their placeholders, or None
@@ -236,11 +238,25 @@ class Request:
         return model.input_embeds(torch.tensor(self.ids[a:b], device=dev), self.features[k0:k1] if k1 > k0 else None)
 
 
+def reuse_key(model, req: Request) -> list:
+    """The prompt as prefix reuse compares it: its ids, each image placeholder replaced by a fingerprint of its feature
+    row (a negative number), so a slot's cache is reused for the same image only: another image of the same size has
+    the same placeholder ids."""
+    if req.features is None:
+        return list(req.ids)
+    rows = req.features.contiguous().view(torch.int16).long()  # [n, D]: the bf16 bits
+    w = torch.randint(-(1 << 62), 1 << 62, (rows.shape[-1],), generator=torch.Generator().manual_seed(0))
+    fp = iter((rows * w.to(rows.device)).sum(-1).tolist())  # a host read: once per request
+    tok = model.vl.image_token_id
+    return [-1 - (next(fp) & ((1 << 62) - 1)) if t == tok else t for t in req.ids]
+
+
 @dataclass(eq=False)
 class Slot:
-    held: list = field(default_factory=list)  # the ids whose K/V this cache row holds, position by position
+    held: list = field(default_factory=list)  # reuse_key of the ids whose K/V this cache row holds, in position order
     owner: Request | None = None
     used: int = 0  # engine step of the last use (the least recently used free slot is taken first)
+    stale: bool = False  # a speculative padding row wrote below its owner's length: forget the prefix at release
 
 
 def common_prefix(a: list, b: list) -> int:
@@ -438,6 +454,7 @@ class Engine:
         if p:
             raise ValueError(p)
         req.rid = next(self.rids)
+        req.key = reuse_key(self.model, req)
         self.waiting.append(req)
         return req
 
@@ -465,7 +482,7 @@ class Engine:
         short of the prompt (its last token must be fed), at a DSA region boundary (the region in progress is
         recomputed), within the rings' spare slots. Speculative decoding also recomputes the rows its MTP layers read
         past the common prefix, and the ones a draft step reads (2K + 2 from the prompt's end)."""
-        n = min(common_prefix(req.ids, slot.held), len(req.ids) - 1)
+        n = min(common_prefix(req.key, slot.held), len(req.ids) - 1)
         if self.k:
             n = min(n - self.k - 2, len(req.ids) - 2 * self.k - 2)
         blk = self.model.cfg.sparse.block if self.model.cfg.sparse else 1
@@ -499,7 +516,7 @@ class Engine:
         s = self.slots[req.slot]
         s.owner, s.used = None, self.steps
         n = int(self.cache.lengths[req.slot])  # host read: once per request
-        s.held = (req.ids + req.out)[:n]
+        s.held, s.stale = [] if s.stale else (req.key + req.out)[:n], False
         if n + self.slack + 2 * self.k + 2 > self.cap:  # no room for a padding row's writes: forget the prefix
             s.held = []
             self.cache.lengths[req.slot] = 0
@@ -556,7 +573,7 @@ class Engine:
             logits = self.model.forward(ids, self.cache, lens, embeds, hook, rows=rows)
         for r, a, n in pieces:
             r.prefilled = a + n
-            self.slots[r.slot].held = r.ids[:r.prefilled]
+            self.slots[r.slot].held = r.key[:r.prefilled]
         first = [(r, lg) for (r, a, n), lg in zip(pieces, logits) if r.prefilled == len(r.ids)]
         if not first:
             return
@@ -576,10 +593,22 @@ class Engine:
             return greedy(logits)
         return sample(logits, RowSampling.of([r.sampling for r in reqs], self.dev), self.count[slots])
 
-    def _inputs(self, g: Graph, reqs: list, b: int):
-        """A bucket graph's slot and live inputs for the requests, padded with free slots (pinned host copies)."""
+    def _pads(self, reqs: list) -> list:
+        """Slots a padding row of a decode step over `reqs` may point at, free ones first. A padding row writes only at
+        its slot's next position, which that slot's next real write covers, so a slot whose request does not decode
+        in this step pads too (all slots may be held while some requests prefill or end): one that prefills, or one
+        that has ended (its last token in flight, or max_new_tokens reached). A speculative step also writes MTP rows
+        and ring entries below that position, so it pads only with free and ended slots."""
+        mine = {r.slot for r in reqs}
+        free = [i for i, s in enumerate(self.slots) if s.owner is None]
+        held = [i for i, s in enumerate(self.slots) if s.owner is not None and i not in mine
+                and (not self.k or s.owner.prefilled == len(s.owner.ids))]
+        return free + held
+
+    def _inputs(self, g: Graph, reqs: list, b: int, pads: list | None = None):
+        """A bucket graph's slot and live inputs for the requests, padded (with _pads; pinned host copies)."""
         n = len(reqs)
-        pad = [i for i, s in enumerate(self.slots) if s.owner is None][:b - n]
+        pad = (self._pads(reqs) if pads is None else pads)[:b - n]
         slots = [r.slot for r in reqs] + pad
         pinned = self.dev.type == "cuda"
         g.inputs[0].copy_(torch.tensor(slots, pin_memory=pinned), non_blocking=pinned)
@@ -780,9 +809,15 @@ class Speculator:
         e, k = self.e, self.e.k
         n = len(reqs)
         b = next(x for x in e.graphs if x >= n)
+        pads = e._pads(reqs)  # before any turn is skipped: a request that waits a step never pads
+        if b - n > len(pads):  # prefilling slots cannot pad: decode a bucket without padding, in turns
+            r = e.steps % n
+            n = max(x for x in e.graphs if x <= n)
+            reqs, b = (reqs[r:] + reqs[:r])[:n], n
         g_verify, g_draft = e.graphs[b]
-        for i in e._inputs(g_verify, reqs, b):  # a padding row rewrites its slot's recent rows: forget the slot
+        for i in e._inputs(g_verify, reqs, b, pads):  # a padding row rewrites its slot's recent rows: forget the slot
             e.slots[i].held = []
+            e.slots[i].stale = e.slots[i].owner is not None
         slots, live = g_verify.inputs
         start = e.cache.lengths[slots]  # the positions of the pending tokens
         h, lg, main = g_verify()

@@ -167,11 +167,17 @@ def text_ids(tok, vl, text: str, images: list, where: str, raw: bool, messages: 
         except ValueError as e:  # image_processing: an unreadable file, or a tokenizer without the image tokens
             raise UserError(f"{where}: {e}") from None
         inputs = batch.model_inputs()
-    pieces = rendered.split(IMAGE_MARKER)
+    return Prompt(splice(tok, rendered, blocks, raw), inputs), blocks
+
+
+def splice(tok, rendered: str, blocks: list, raw: bool, marker: str = IMAGE_MARKER) -> list:
+    """Rendered text -> its ids, the k-th marker replaced by blocks[k] (an image's placeholder ids); the pieces between
+    markers are tokenized apart, so no token spans an image."""
+    pieces = rendered.split(marker)
     ids = tok(pieces[0], add_special_tokens=raw)["input_ids"]
     for block, piece in zip(blocks, pieces[1:]):
         ids += block + tok(piece, add_special_tokens=False)["input_ids"]
-    return Prompt(ids, inputs), blocks
+    return ids
 
 
 def prepare_requests(a: "Args", cfg: config.Step5Config, vl, tok) -> list:
@@ -945,10 +951,17 @@ def parser() -> Parser:
     return ap
 
 
-def run_cli(argv: list) -> int:
+def parse_cli(argv: list) -> dict:
+    a = vars(parser().parse_args(argv))
+    check_args(Args(**a))
+    return a
+
+
+def run_cli(argv: list, parse=parse_cli, run=main) -> int:
     """Parse, run, and end every rank alike: a bad flag or input prints one `error:` line on rank 0 (after every
     rank has agreed, so no rank can exit before it is printed) and every rank exits with EXIT_BAD_INPUT; Ctrl-C
-    prints one line and exits with EXIT_INTERRUPTED."""
+    prints one line and exits with EXIT_INTERRUPTED. parse(argv) -> run's keyword arguments (UserError on a bad
+    flag); serve.py passes its own pair."""
     rank = int(os.environ.get("RANK", "0"))
     if "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_launcher()
@@ -960,8 +973,7 @@ def run_cli(argv: list) -> int:
     signal.signal(signal.SIGINT, on_sigint)
     err = None
     try:
-        a = vars(parser().parse_args(argv))
-        check_args(Args(**a))
+        a = parse(argv)
     except UserError as e:
         err = str(e)
     if err is not None:
@@ -979,7 +991,7 @@ def run_cli(argv: list) -> int:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     try:
-        main(**a)
+        run(**a)
         return 0
     except UserError as e:
         if rank == 0:

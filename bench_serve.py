@@ -1,0 +1,104 @@
+"""Load a running serve.py with concurrent streaming clients: TTFT and decode speed as clients see them.
+
+    torchrun --standalone --nproc-per-node=8 serve.py --tp-dir /data/step5-shards/tp8 --max-batch 16 &
+    python bench_serve.py --url http://127.0.0.1:8000 --clients 1 4 16 --prompt-tokens 1024 8192 --max-tokens 256
+
+Each (clients, prompt length) cell runs `clients` streaming clients at once, each sending --requests requests one
+after the other: /v1/completions with a prompt of random token ids (a fresh prompt per request, so no prefix is reused),
+ignore_eos and max_tokens, so every request decodes exactly max_tokens tokens. Per cell: TTFT p50 / p99 (request
+sent -> first token), aggregate decode tok/s (every token after each request's first, over the cell's wall time), the
+median stream's decode tok/s, and inter-token gaps p50 / p99. One request first warms the server up.
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+
+import httpx
+
+
+def pct(xs: list, p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+async def one(client: httpx.AsyncClient, url: str, prompt: list, max_tokens: int) -> dict:
+    """A streaming request -> its token arrival times (seconds after it was sent)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}
+    t0 = time.perf_counter()
+    times = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"error: {r.status_code} {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            doc = json.loads(line[6:])
+            if "error" in doc:
+                raise SystemExit(f"error: {doc['error']['message']}")
+            n = len(doc["choices"][0].get("token_ids") or []) if doc["choices"] else 0
+            times += [time.perf_counter() - t0] * n
+    return {"times": times}
+
+
+async def cell(url: str, key: str | None, clients: int, n_prompt: int, requests: int, max_tokens: int,
+               lo: int, hi: int, rng: random.Random) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    limits = httpx.Limits(max_connections=clients + 1)
+    async with httpx.AsyncClient(headers=headers, timeout=None, limits=limits) as client:
+        async def worker():
+            out = []
+            for _ in range(requests):
+                out.append(await one(client, url, [rng.randrange(lo, hi) for _ in range(n_prompt)], max_tokens))
+            return out
+        t0 = time.perf_counter()
+        runs = [r for w in await asyncio.gather(*[worker() for _ in range(clients)]) for r in w]
+        wall = time.perf_counter() - t0
+    ttft = [r["times"][0] for r in runs if r["times"]]
+    decoded = sum(max(len(r["times"]) - 1, 0) for r in runs)
+    streams = [(len(r["times"]) - 1) / (r["times"][-1] - r["times"][0]) for r in runs if len(r["times"]) > 1
+               and r["times"][-1] > r["times"][0]]
+    gaps = [b - a for r in runs for a, b in zip(r["times"], r["times"][1:])]
+    return {"clients": clients, "prompt_tokens": n_prompt, "requests": len(runs), "wall_s": wall,
+            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99), "decode_tok_s": decoded / wall,
+            "stream_tok_s_p50": statistics.median(streams) if streams else float("nan"),
+            "gap_p50_ms": 1e3 * pct(gaps, 50), "gap_p99_ms": 1e3 * pct(gaps, 99)}
+
+
+def main(url: str, key: str | None, clients: list, prompt_tokens: list, requests: int, max_tokens: int, lo: int,
+         hi: int, seed: int, as_json: bool):
+    rng = random.Random(seed)
+    asyncio.run(cell(url, key, 1, 16, 1, 4, lo, hi, rng))  # warm-up
+    print(f"{'clients':>7} {'prompt':>7} {'reqs':>5} {'TTFT p50':>9} {'p99 ms':>8} {'decode tok/s':>13} "
+          f"{'stream tok/s':>13} {'gap p50':>8} {'p99 ms':>7}")
+    rows = []
+    for n in prompt_tokens:
+        for c in clients:
+            r = asyncio.run(cell(url, key, c, n, requests, max_tokens, lo, hi, rng))
+            rows.append(r)
+            print(f"{c:>7} {n:>7} {r['requests']:>5} {r['ttft_p50_ms']:>9.0f} {r['ttft_p99_ms']:>8.0f} "
+                  f"{r['decode_tok_s']:>13.1f} {r['stream_tok_s_p50']:>13.1f} {r['gap_p50_ms']:>8.1f} "
+                  f"{r['gap_p99_ms']:>7.1f}", flush=True)
+    if as_json:
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default=os.environ.get("STEP5_API_KEY"))
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--requests", type=int, default=4, help="requests per client, one after the other")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--ids", type=int, nargs=2, default=[1000, 100000], metavar=("LO", "HI"),
+                    help="prompt ids are drawn from [LO, HI): clear of special and image ids, inside the vocabulary "
+                    "(the tiny test checkpoint: 11 1000)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", dest="as_json", action="store_true", help="also print the rows as one JSON document")
+    a = ap.parse_args()
+    main(a.url, a.api_key, a.clients, a.prompt_tokens, a.requests, a.max_tokens, a.ids[0], a.ids[1], a.seed, a.as_json)

@@ -1,0 +1,570 @@
+"""serve.py end to end: one TP=2 server on the tiny FP8 VL checkpoint (torchrun on gloo, CPU) for the module, driven by
+the official openai client (httpx where the raw HTTP matters: error bodies, headers, disconnects), stopped by SIGTERM
+at the end; a second server, each rank a process of its own, for speculative decoding and a dead rank.
+
+Token comparisons: a request's tokens alone and in a batch (or after a reused prefix) come from computations that
+differ in last bits (other GEMM row counts), so they are compared exactly and a difference is accepted only at a
+near-tie measured teacher-forced on the TP=1 model of the same checkpoint (tests/invariants.py).
+"""
+import base64
+import io
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import torch
+
+import config
+import engine
+import generate
+import model as M
+import serve
+from invariants import NOISE, ROOT, TORCHRUN, tokens_agree_up_to_near_tie
+
+KEY = "serve-test-key"
+NEW = 4  # tokens per request: one decode step of the tiny TP=2 model takes ~0.1 s on 2 shared cores
+START_S = 120  # a server start (torchrun, load, engine start) is ~10 s here; a hang fails the test
+MAX_BATCH, MAX_QUEUE, CONTEXT = 8, 2, 1024
+ARGS = ["--port", 0, "--max-batch", MAX_BATCH, "--max-queue", MAX_QUEUE, "--max-context", CONTEXT]
+
+
+def ids_prompt(n: int, seed: int) -> list:
+    r = random.Random(seed)
+    return [r.randrange(11, 1024) for _ in range(n)]  # no special ids (0..10): no EOS, no image placeholder
+
+
+@dataclass
+class Server:
+    url: str
+    procs: list  # the launcher (torchrun), or each rank's process
+    log: str  # rank 0's stderr
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def post(self, path: str, body, key: str | None = KEY) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=60)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def idle(self, within: float = 10.0) -> bool:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < within:
+            if self.health()["in_flight"] == 0:
+                return True
+            time.sleep(0.05)
+        return False
+
+
+def wait_serving(procs: list, log: str) -> str:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < START_S:
+        m = re.search(r"serving .* on (http://[\d.]+:\d+)", open(log).read())
+        if m:
+            return m.group(1)
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.kill()
+    pytest.fail(f"the server did not start:\n{open(log).read()[-3000:]}")
+
+
+def env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def children(pid: int) -> list:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    for c in children(launcher):
+        with open(f"/proc/{c}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return c
+    raise AssertionError(f"no rank {rank} under {launcher}")
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+@pytest.fixture(scope="module")
+def tp2(converted):
+    return converted("fp8_vl", 2)
+
+
+@pytest.fixture(scope="module")
+def server(tp2, tmp_path_factory):
+    """One server for the module (torchrun). The file's last test stops it (SIGTERM); if it did not run, the
+    teardown does the same and checks the same exit."""
+    log = str(tmp_path_factory.mktemp("serve") / "rank0.err")
+    p = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "serve.py", "--tp-dir", tp2,
+                          "--api-key", KEY, *map(str, ARGS)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                         stderr=open(log, "w"))
+    try:
+        yield Server(wait_serving([p], log), [p], log)
+        if p.poll() is None:
+            stop(p, log)
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def stop(launcher: subprocess.Popen, log: str):
+    """SIGTERM to rank 0 alone (as a user may send it): every rank stops and exits 0, so torchrun exits 0."""
+    os.kill(rank_pid(launcher.pid, 0), signal.SIGTERM)
+    assert launcher.wait(timeout=60) == 0, open(log).read()[-3000:]
+    assert "stopped: every rank exits" in open(log).read() and "Traceback" not in open(log).read()
+
+
+@pytest.fixture(scope="module")
+def tiny(tp2):
+    """(tokenizer, text config, vision config) of the served checkpoint."""
+    cfg, vl, _ = config.load_config(os.path.join(tp2, "config-r0.json"))
+    return generate.load_tokenizer(os.path.join(tp2, "..", "tokenizer_files")), cfg, vl
+
+
+@pytest.fixture(scope="module")
+def tp1(tp1_models):
+    return tp1_models("fp8_vl")
+
+
+def complete(srv: Server, prompt, max_tokens: int = NEW, **kw):
+    """A greedy /v1/completions request (ignore_eos: exactly max_tokens) -> (its choice, its usage)."""
+    extra = {"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})}
+    r = srv.client().completions.create(model="step5", prompt=prompt, max_tokens=max_tokens,
+                                        temperature=kw.pop("temperature", 0), extra_body=extra, **kw)
+    return r.choices[0], r.usage
+
+
+def agree(model, prompt: list, got: list, want: list):
+    """got == want, or they part at a measured near-tie of the TP=1 model (teacher-forced on want)."""
+    return tokens_agree_up_to_near_tie(model, prompt, got, want, NOISE["fp8"])
+
+
+# ---------------------------------------------------------------------------------------------- endpoints
+def test_health_models_and_the_api_key(server):
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"  # no key needed
+    assert [m.id for m in server.client().models.list().data] == ["step5"]
+    for key in (None, "wrong"):
+        r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, key=key)
+        assert r.status_code == 401, r.text
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong").completions.create(model="step5", prompt="hi", max_tokens=1)
+    r = httpx.get(server.url + "/v1/nowhere", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_chat_streamed_and_whole_give_the_same_answer(server, tp1):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
+    kw = dict(model="step5", messages=msgs, max_tokens=NEW, temperature=0, user="someone",  # user: ignored
+              extra_body={"return_token_ids": True})
+    whole = server.client().chat.completions.create(**kw)
+    c = whole.choices[0]
+    prompt, ids = whole.prompt_token_ids, c.token_ids
+    assert whole.object == "chat.completion" and c.message.role == "assistant"
+    assert c.finish_reason in ("stop", "length") and 1 <= len(ids) <= NEW
+    assert whole.usage.prompt_tokens == len(prompt) and whole.usage.completion_tokens == len(ids)
+    assert whole.usage.total_tokens == len(prompt) + len(ids)
+    chunks = list(server.client().chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].prompt_token_ids == prompt
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(prompt)
+    s_ids = [t for ch in chunks if ch.choices for t in getattr(ch.choices[0], "token_ids", None) or []]
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    # the second request reuses the first one's cached prefix (a shorter prefill: other rounding)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    if agree(tp1, prompt, s_ids, ids) is None:
+        assert text == c.message.content and chunks[-2].choices[0].finish_reason == c.finish_reason
+        assert chunks[-1].usage.completion_tokens == len(ids)
+
+
+def test_completions_from_text_and_from_ids(server):
+    # 4 prompt tokens: below a DSA region (8), so no prefix is reused and every run computes alike
+    a, ua = complete(server, "The quick brown fox")
+    assert ua.prompt_tokens == 4 and ua.completion_tokens == NEW == len(a.token_ids) and a.finish_reason == "length"
+    stream = server.client().completions.create(model="step5", prompt="The quick brown fox", max_tokens=NEW,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(ch.choices[0].text for ch in stream) == a.text
+    tok_prompt = complete(server, "The quick brown fox", 1)[0]
+    b, ub = complete(server, [11, 12, 13])
+    assert ub.prompt_tokens == 3 and len(b.token_ids) == NEW
+    assert complete(server, [11, 12, 13])[0].token_ids == b.token_ids
+    assert tok_prompt.token_ids == a.token_ids[:1]
+
+
+def test_stop_strings_end_the_text_before_them(server):
+    base, _ = complete(server, "Sparse attention", 8)
+    text = base.text
+    at = next((i for i in range(2, len(text) - 1) if text[i:i + 2].strip() and text.find(text[i:i + 2]) == i), None)
+    assert at is not None, f"no usable stop string in {text!r}"
+    stop = text[at:at + 2]
+    c, u = complete(server, "Sparse attention", 8, stop=[stop, "never-there"])
+    assert c.text == text[:at] and c.finish_reason == "stop" and u.completion_tokens < 8, (stop, text, c.text)
+    stream = server.client().completions.create(model="step5", prompt="Sparse attention", max_tokens=8, temperature=0,
+                                                stop=stop, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].text for ch in chunks) == text[:at]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_max_tokens(server):
+    c, u = complete(server, [11, 12, 13], 1)
+    assert u.completion_tokens == 1 and c.finish_reason == "length"
+    r = server.client().chat.completions.create(model="step5", messages=[{"role": "user", "content": "hi"}],
+                                                max_completion_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2
+    r = server.post("/v1/completions", {"prompt": [11, 12], "max_tokens": CONTEXT})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    r = server.post("/v1/completions", {"prompt": [11] * CONTEXT})  # no max_tokens: no room left at all
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def png(seed: int, size=(60, 40), fmt="PNG") -> bytes:
+    from PIL import Image
+    g = torch.Generator().manual_seed(seed)
+    img = Image.fromarray((torch.rand(size[1], size[0], 3, generator=g) * 255).to(torch.uint8).numpy())
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return buf.getvalue()
+
+
+def image_chat(server: Server, data: bytes, mime: str = "image/png", max_tokens: int = 2):
+    url = f"data:{mime};base64," + base64.b64encode(data).decode()
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is in this picture?"}]}]
+    return server.client().chat.completions.create(model="step5", messages=msgs, max_tokens=max_tokens, temperature=0,
+                                                   extra_body={"return_token_ids": True, "ignore_eos": True})
+
+
+def test_image_request_and_its_cache(server, tiny, tmp_path):
+    """An image part gives the CLI's prompt ids for the same file (generate.text_ids); a slot's cache is reused past
+    the image only for the same image (another image of the same size has the same placeholder ids)."""
+    tok, cfg, vl = tiny
+    a = png(1)
+    (tmp_path / "a.png").write_bytes(a)
+    want = generate.text_ids(tok, vl, "What is in this picture?", [str(tmp_path / "a.png")], "t", False)[0].ids
+    r = image_chat(server, a)
+    assert r.prompt_token_ids == want and want.count(vl.image_token_id) == 169  # one 728x728 overview
+    assert r.usage.prompt_tokens == len(want) and len(r.choices[0].token_ids) == 2
+    first = want.index(vl.image_token_id)
+    other = image_chat(server, png(2))  # the same size: the same ids, other features
+    assert other.prompt_token_ids == want and other.usage.prompt_tokens_details.cached_tokens <= first
+    again = image_chat(server, png(1, fmt="JPEG"), "image/jpeg")  # JPEG: other pixels, other features
+    assert again.usage.prompt_tokens_details.cached_tokens <= first
+    same = image_chat(server, a)
+    assert same.usage.prompt_tokens_details.cached_tokens > len(want) - cfg.sparse.block - 1
+
+
+def test_second_turn_reports_cached_tokens(server, tiny):
+    cfg = tiny[1]
+    turn = [{"role": "user", "content": "Tell me how experts are placed on ranks, in two sentences."}]
+    first = server.client().chat.completions.create(model="step5", messages=turn, max_tokens=NEW, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    turn += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And the attention heads?"}]
+    second = server.client().chat.completions.create(model="step5", messages=turn, max_tokens=NEW, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    blk = cfg.sparse.block
+    assert first.usage.prompt_tokens // blk * blk <= cached < second.usage.prompt_tokens, (first.usage, second.usage)
+
+
+GIF = "data:image/gif;base64," + base64.b64encode(png(0, (4, 4), "GIF")).decode()
+BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
+    ("chat", {"n": 2}, "n"),
+    ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"temperature": -1}, "temperature"),
+    ("chat", {"temperature": 1, "top_p": 0}, "top_p"),
+    ("chat", {"temperature": 1, "top_k": 1.5}, "top_k"),
+    ("chat", {"max_tokens": 0}, "max_tokens"),
+    ("chat", {"seed": -3}, "seed"),
+    ("chat", {"stop": 5}, "stop"),
+    ("chat", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"role": "user", "content": "<im_patch> literally"}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[0].content[0].type"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "https://example.com/a.png"}}]}]}, "messages[0].content[0].image_url.url"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,@@@"}}]}]}, "messages[0].content[0].image_url.url"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": GIF}}]}]},
+     "messages[0].content[0].image_url.url"),
+    ("completions", {"prompt": [11, 1024]}, "prompt"),
+    ("completions", {"prompt": [11, 5]}, "prompt"),  # the image placeholder id
+    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize("endpoint,fields,param", BAD, ids=[f"{e}-{p}" for e, _, p in BAD])
+def test_bad_fields_are_refused_naming_the_field(server, endpoint, fields, param):
+    body = {"model": "step5", "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]}
+                                                  if endpoint == "chat" else {"prompt": "hi"}), **fields}
+    r = server.post("/v1/chat/completions" if endpoint == "chat" else "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], err
+
+
+def test_bad_bodies(server):
+    url = server.url + "/v1/completions"
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(url, content=b"{not json", headers=h)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert httpx.post(url, json=[1, 2], headers=h).status_code == 400
+    r = server.post("/v1/completions", {"model": "other", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = httpx.post(url, content=b" " * (serve.MAX_BODY + 1), headers=h)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+# ---------------------------------------------------------------------------------------------- batching
+def test_concurrent_greedy_requests_get_their_solo_tokens(server, tp1):
+    prompts = [ids_prompt(n, 200 + n) for n in (5, 9, 14, 20, 27, 33, 41, 50)]  # > 32: DSA layers prune
+    solo = [complete(server, p)[0].token_ids for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        together = list(ex.map(lambda p: complete(server, p)[0].token_ids, prompts))
+    for p, a, b in zip(prompts, together, solo):
+        assert len(a) == len(b) == NEW
+        agree(tp1, p, a, b)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_engine_decodes_while_every_slot_is_held(tp1_models, converted, k):
+    """Continuous batching's usual state: every slot held, one request prefilling (in chunks over several steps) while
+    the others decode in a bucket that needs a padding row. Padding then points at the prefilling slot (plain decode)
+    or the decode runs a smaller bucket in turns (speculative: its padding rows would write MTP rows below the
+    slot's length); the tokens are the batch's own (up to a measured near-tie)."""
+    if k:
+        d = converted("bf16_text", 1, keep_mtp=True)
+        cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
+        m = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg)
+    else:
+        m = tp1_models("fp8_vl")
+    prompts = [ids_prompt(n, 400 + n) for n in (5, 9, 14, 60)]
+    eng = engine.Engine(m, engine.EngineConfig(max_batch=4, max_context=128, prefill_chunk=8, speculative=k))
+    eng.start()
+    reqs = [engine.Request(p, NEW + 2) for p in prompts]
+    with torch.inference_mode():
+        eng.run(reqs)
+    want = engine.generate(m, prompts, NEW + 2, speculative=k)[0]
+    for p, r, w in zip(prompts, reqs, want):
+        tokens_agree_up_to_near_tie(m, p, r.out, w, NOISE["fp8"])
+
+
+def sampled_agree_up_to_near_tie(model, prompt: list, got: list, want: list, s: engine.Sampling):
+    """None when got == want. Otherwise at the first step where they differ the request's draw (the exponential race
+    of engine.draw, with its seed and counter) must be a near-tie of the TP=1 model teacher-forced on want: the two
+    tokens' race scores, in logit units, within the tolerance of a greedy near-tie."""
+    if got == want:
+        return None
+    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    ids = prompt + want[:i]
+    cache = model.new_cache(1, len(ids) + 1)
+    with torch.inference_mode():
+        logits = model.forward(torch.tensor(ids), cache, [len(ids)])[0].float()
+    e = -torch.log(engine.uniform(torch.tensor([s.seed]), torch.tensor([i * 4]), logits.shape[-1]))[0]
+    score = logits / s.temperature - torch.log(e)  # the race picks the argmax of p / E
+    gap = (score[want[i]] - score[got[i]]).abs().item() * s.temperature
+    assert gap <= NOISE["fp8"] * logits.std().item(), f"step {i}: race gap {gap:.3f} in logits: {got} vs {want}"
+    return i
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(server, tp1):
+    # temperature 5 on logits of std ~8: near-flat, so tokens really are drawn
+    prompts = [ids_prompt(n, 300 + n) for n in (6, 17, 30, 44)]
+    samplings = [engine.Sampling(5.0, seed=s) for s in (1, 2, 3, 1)]
+
+    def run(i):
+        return complete(server, prompts[i], temperature=5.0, seed=samplings[i].seed)[0].token_ids
+    solo = [run(i) for i in range(len(prompts))]
+    with ThreadPoolExecutor(len(prompts) + 2) as ex:  # with greedy requests in the batch too
+        greedy = [ex.submit(complete, server, ids_prompt(12, 7)), ex.submit(complete, server, ids_prompt(25, 8))]
+        together = list(ex.map(run, range(len(prompts))))
+        [g.result() for g in greedy]
+    for p, s, a, b in zip(prompts, samplings, together, solo):
+        sampled_agree_up_to_near_tie(tp1, p, a, b, s)
+    other = complete(server, prompts[0], temperature=5.0, seed=99)[0].token_ids
+    assert other != solo[0]  # the seed decides
+
+
+def test_disconnected_stream_frees_its_slot(server):
+    stream = server.client().completions.create(model="step5", prompt=[11, 12, 13], max_tokens=500, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+    got = [next(stream) for _ in range(2)]
+    assert server.health()["in_flight"] == 1 and got[0].choices
+    stream.close()  # ~50 s of decoding left: only a cancellation frees the slot within seconds
+    assert server.idle(10), server.health()
+
+
+def test_bounded_load(server):
+    """12 + 48 requests from 12 client threads (more than --max-batch + --max-queue: some are answered 503 with
+    Retry-After, and retried), mixed prompt lengths and max_tokens, streamed and not, one in six streams dropped
+    after its first chunk: every request ends with a complete answer or the drop; nothing hangs; the ranks' memory
+    after the 48 is what it was after the first 12."""
+    pids = [rank_pid(server.procs[0].pid, r) for r in (0, 1)]
+    rng = random.Random(0)
+    jobs = [(ids_prompt(rng.randrange(3, 60), i), rng.randrange(1, 5), rng.random() < 0.5, i % 6 == 0)
+            for i in range(60)]
+    results, busy = [None] * len(jobs), [0] * len(jobs)
+
+    def one(i):
+        for _ in range(100):
+            try:
+                return attempt(i)
+            except openai.APIStatusError as e:
+                assert e.status_code == 503 and e.response.headers["retry-after"] == "1", e
+                assert e.body["code"] == "server_busy"
+                busy[i] += 1
+                time.sleep(0.1)  # sooner than Retry-After asks: the test's time is short
+
+    def attempt(i):
+        prompt, n, stream, drop = jobs[i]
+        kw = dict(model="step5", prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+        if not (stream or drop):
+            r = server.client().completions.create(**kw)
+            assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "length"
+            results[i] = "ok"
+            return
+        s = server.client().completions.create(**kw, stream=True)
+        chunks = []
+        for ch in s:
+            chunks.append(ch)
+            if drop:
+                s.close()
+                results[i] = "dropped"
+                return
+        assert chunks[-1].choices[0].finish_reason == "length"
+        results[i] = "ok"
+
+    with ThreadPoolExecutor(12) as ex:
+        list(ex.map(one, range(12), timeout=300))
+        assert server.idle(10), server.health()
+        before = [rss_mib(p) for p in pids]
+        list(ex.map(one, range(12, len(jobs)), timeout=300))
+    assert all(r in ("ok", "dropped") for r in results), results
+    assert sum(busy) > 0  # the queue's bound was reached
+    assert server.idle(10), server.health()
+    after = [rss_mib(p) for p in pids]
+    print(f"load: {results.count('ok')} ok, {results.count('dropped')} dropped, {sum(busy)} 503s retried; "
+          f"RSS MiB {before} -> {after}")
+    assert all(a - b < 32 for a, b in zip(after, before)), (before, after)  # measured: +2-5 MiB
+
+
+# ---------------------------------------------------------------------------------------------- text
+def test_output_splits_reasoning_and_holds_back_stop_strings(tp2):
+    """Output alone (rank 0's text side): <think> ... </think> goes to reasoning_content; a stop string spread over
+    several tokens ends the content before it, and nothing of it was streamed before it was recognised."""
+    tok = generate.load_tokenizer(os.path.join(tp2, "..", "tokenizer_files"))  # its own: tokens are added
+    assert serve.think_ids(tok) is None  # the tiny tokenizer has none: no split
+    tok.add_tokens(list(serve.THINK), special_tokens=True)
+    think = serve.think_ids(tok)
+    assert think is not None
+    ans = tok("The quick brown fox jumps", add_special_tokens=False)["input_ids"]
+    reason = tok("Tensor parallelism", add_special_tokens=False)["input_ids"]
+    o = serve.Output(tok, frozenset({4}), [], think, True)  # the prompt left a <think> open
+    deltas = []
+    for t in reason + [think[1]] + ans + [4]:
+        deltas += o.push([t])[0]
+    deltas += o.close()
+    assert "".join(t for ch, t in deltas if ch == "reasoning") == "Tensor parallelism"
+    assert "".join(t for ch, t in deltas if ch == "content") == "The quick brown fox jumps"
+    o = serve.Output(tok, frozenset(), ["brown f"], None, False)
+    sent = ""
+    for t in ans:
+        sent += "".join(x for _, x in o.push([t])[0])
+        assert "brown" not in sent
+    assert sent + "".join(x for _, x in o.close()) == "The quick " and o.stopped
+
+
+# ---------------------------------------------------------------------------------------------- process life
+def start_ranks(tp_dir: str, tmp, *args) -> Server:
+    """A server whose ranks are processes of their own (the environment torchrun gives them), so each rank's exit
+    code and output can be checked."""
+    port = free_port()
+    procs, logs = [], [str(tmp / f"rank{r}.err") for r in (0, 1)]
+    for r in (0, 1):
+        e = dict(env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "serve.py", "--tp-dir", tp_dir, "--port", "0",
+                                       "--max-batch", "2", *map(str, args)], cwd=ROOT, env=e,
+                                      stdout=subprocess.DEVNULL, stderr=open(logs[r], "w")))
+    return Server(wait_serving(procs, logs[0]), procs, logs[0])
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_lines(srv: Server, max_tokens: int = 500):
+    """A streaming completion's SSE lines, as they come."""
+    body = {"model": "step5", "prompt": [11, 12, 13], "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    auth = {"Authorization": f"Bearer {KEY}"}  # the module's server needs it; the others ignore it
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=auth, timeout=60) as r:
+        assert r.status_code == 200
+        yield from (line for line in r.iter_lines() if line)
+
+
+def test_speculative_serving_and_a_dead_rank(converted, tmp_path):
+    """A speculative server (MTP shards, --speculative 2: the engine's step kind, nothing else in the server) answers
+    greedy and sampled requests; then a rank killed mid-stream: rank 0 ends the stream with an error event and exits
+    EXIT_FAILED within seconds, naming what failed; never a hang."""
+    srv = start_ranks(converted("bf16_text", 2, keep_mtp=True), tmp_path, "--speculative", 2)
+    try:
+        assert "speculative 2" in open(srv.log).read()
+        for kw in ({}, {"temperature": 1.0, "seed": 5}):
+            c, u = complete(srv, ids_prompt(20, 9), **kw)
+            assert len(c.token_ids) == NEW and u.completion_tokens == NEW and c.finish_reason == "length"
+        lines = stream_lines(srv)
+        assert [next(lines) for _ in range(2)]
+        srv.procs[1].kill()
+        rest = list(lines)
+        assert any('"error"' in line for line in rest), rest[-3:]
+        assert srv.procs[0].wait(timeout=60) == serve.EXIT_FAILED
+        log = open(srv.log).read()
+        err = [line for line in log.splitlines() if line.startswith("error:")]
+        assert len(err) == 1 and "rank 0: the engine loop stopped: lost another rank" in err[0], log[-3000:]
+        assert "Traceback" not in log
+    finally:
+        for p in srv.procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_sigterm_ends_streams_and_every_rank_exits_0(server):
+    """Last in the file: it stops the module's server. SIGTERM (here to rank 0 alone; torchrun forwards it to every
+    rank) while a stream runs: the stream ends with finish_reason abort and [DONE], and every rank exits 0."""
+    lines = stream_lines(server)
+    assert [next(lines) for _ in range(2)]
+    os.kill(rank_pid(server.procs[0].pid, 0), signal.SIGTERM)
+    rest = list(lines)
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "abort", rest[-3:]
+    assert server.procs[0].wait(timeout=60) == 0, open(server.log).read()[-3000:]
+    log = open(server.log).read()
+    assert "stopped: every rank exits" in log and "Traceback" not in log
