@@ -48,155 +48,36 @@ def _triton(x: torch.Tensor) -> bool:
     return _backend["triton"] and x.is_cuda
 
 
-# Launch choices (an argument passed to a launcher overrides them), each timed over a whole decode step on the H200
-# (bench_decode.py --whole-rank --candidates re-times the step with each set to its alternative), batch 1, 4k: the
-# first three with sparse_block_n 32 took the step from 8.06 to 7.11 ms; each reverted alone: pdl +6.2%, moe_swap
-# +4.2%, sliding_warps 4 +2.5% (again: +5.8, +3.7, +2.6).
-# pdl: programmatic dependent launch (sm90+): a launch may begin while its predecessor still runs (launch latency and
-#   CTA setup hidden); each kernel's first act is griddepcontrol.wait (the predecessor finished, its writes visible),
-#   then it lets its own successor launch, so every memory access stays ordered as without it (same bits).
-# moe_swap: moe_experts_decode_triton's routed tiles as fp8 wgmma with the weight rows as M (within tolerance).
-# sparse_block_n: the 64-slot sparse attention tile spills (~180 registers in the sm90 build), the 32-slot one ~15,
-#   yet 32 is no faster in decode (-0.3%, -0.5%, 0.0% over three whole steps) and slower at prefill (the sparse
-#   attention of an 8192-token chunk at 128k: 11.4 vs 9.05 ms): 64 stays.
-# sliding_warps: (fewer programs than SMs, more): warps of the sliding decode attention tile. 8 wins at batch 1 (16
-#   programs) and loses at batch 16 (256): on 2026-12-01 (4, 4) was +2.4 / +2.5% at batch 1 and (8, 8) +1.8% at
-#   batch 16 (4 warps there: -3.2% vs 8); with 8-row head tiles (third session) +0.6% and +2.8%.
-# moe_block_n: (gate/up, down) tile columns of moe_experts_decode_triton at T > 1 (at T = 1 the gate/up tile is 32
-#   columns: with 4 K blocks per iteration (64, 64) needs 288 KB of shared memory at 4 stages). moe_stages: its
-#   pipeline stages. Batch 16 (32k): (64, 64) -2.8% vs (32, 64), reverted +1.9%; 3 stages -3.3% vs 4, reverted +2.7%;
-#   (64, 128) -5.2% vs (64, 64) (fourth session: 13.08 -> 12.39 ms; half as many down programs per expert, each
-#   quantising the same rows of a); batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts
-#   at T = 1; (4, 4): +2.4% (twice).
-# Measured and removed on 2026-12-01 (whole step, batch 1 / 16): scales loaded one loop iteration ahead in the
-#   swapped expert tiles (their sm90 PTX had a scalar scale load round trip per K block): +0.6 / +2.2%; the sliding
-#   tile's ring loads issued before the q / k norms (to overlap them): +2.9 / +3.1%; launches fused through arrival
-#   counters (the sliding attention's last program merging the splits, the router's last logits program selecting):
-#   +13.6 / +3.0% and +1.5 / +26%. Fifth session (eager kernel sums per step, --profile; batch 1 / 16): the shared
-#   expert's SwiGLU in the gate/up kernel's epilogue (gate and up of half the columns per program): up +177 / -13 us,
-#   down -68 / -107 us; the down kernel's a quantised once in a launch between (T > 1): down -163 us, the launch +444.
-# banded: the sliding layers' prefill attention (banded_attention): "triton" (_banded_attn_kernel) or "math" (SDPA's
-#   math path, the reference). H200, 2026-12-01, bench_kernels.py sweep_banded, 8k / 32k tokens in 2048-query chunks:
-#   math 5.78 / 24.1 ms, SDPA's fused kernels on 4-D equal-head inputs 0.95 / 3.85 ms (removed), triton 0.21 / 0.83
-#   ms (all within 1 bf16 step of the math path); bench_prefill.py sliding layer at 8k: 9.7 / 5.7 / 5.1 ms.
-# Measured and not taken on 2026-12-02 (whole step, batch 1 / 16): weights asked of L2 before the PDL wait, so that
-#   they stream in while the previous kernel runs (one cp.async.bulk.prefetch.L2 per thread or row): the router logits
-#   kernel's rows -3.5 / -0.6% in one run, +1.9 / +2.0 / -0.2% in the next three; the skinny projections' rows (up to
-#   16 MB per launch) -1.3 / +0.3%; the MoE decode kernels' shared-expert rows (before the wait) and routed tiles'
-#   rows (after it) -2.0 / +10.5%; all of those, with each routed program also prefetching its share of its expert's
-#   w2 for the down launch, +5.6 / +16%. --candidates then timed each choice once after the defaults, and those later
-#   timings were ~2% faster whatever the choice; it now times the defaults just before and after each candidate.
-#   Again on 2026-12-03 (fourteenth session) with a per-thread prefetch.global.L2 of each 128-byte line (CCTL.E.PF2 in
-#   the sm90 build, 8-16 per thread; defaults: both prefetches on, 10.78 / 5.63 ms at batch 16 / 1): the skinny
-#   projections' whole weights (up to 32 MiB a launch) off -5.1 / -11.3%, up to 16 MiB -0.3 / -1.0%, lm_head's too
-#   +0.2 / +0.1%; each hit down program's w2 tile off -3.3 / -2.2%. Asking L2 ahead for what a kernel then reads
-#   anyway costs more than the latency it hides (the same step without either: 9.86-9.96 / 4.81 ms).
-# skinny_all: model.linear's few-row projections (sliding packed QKV, o_proj, lm_head, dense MLPs) through
-#   skinny_linear, not cuBLAS: -1.1% / -2.3% (batch 1 / 16, 2026-12-01). router_block_e: experts per router-logits
-#   program; 32 (88 programs at batch 1, each reading half of 64's bytes): -0.6% / -0.8%.
-# Measured and not taken on 2026-12-01 (batch 1 / 16): sliding split_len 16 / 64 / 128 (-0.5 / +0.9 / +5.7% and
-#   +2.0 / -0.4 / -0.2% vs 32); the router selection in 1 warp (shuffles only, no barriers): +1.2 / +0.2%; the
-#   swapped down tile at T = 1 loading and quantising its one row, broadcast to the MMA's 16 (its sm90 K loop
-#   254 -> 173 instructions): +3.5% at batch 1; the shared expert's gate/up in 16-column tiles: +0.1 / -0.8%.
-# Reads before the PDL wait (eighth session, 2026-12-02, whole step, batch 1 / 16, each against the defaults timed
-#   around it): a kernel's loads of data that its predecessor does not write overlap the predecessor's tail, which
-#   a latency-bound decode kernel otherwise pays after the wait. sliding_hoist: the sliding attention's cached keys and
-#   values of its split (Q = 1): -2.8 / -0.8%, and +3.1% when set back in the next run. router_hoist: the router
-#   logits' weight tile (one K step of 512 columns, 32 KB, in registers): -1.3 / -0.6%. Parameters (norm weights,
-#   biases) and the position's RoPE table rows are always read before the wait (_norm_params). Measured and not
-#   taken: the decode down projection's whole weight tile (T = 1, 32-column tiles, 48 KB in registers): +26.9% at
-#   batch 1 (200 KB of shared memory for the mma operands: one CTA per SM, so the shared expert's programs, first in
-#   launch order and waiting, held the SMs); skinny_linear's first K blocks in registers (8 warps), 64 / 128 KB per
-#   program: +47 / +91% at batch 1, +22 / +160% at 16.
-# skinny_stages: skinny_linear's pipeline stages for the packed projections and o_proj: 6 vs 4: -1.5 / -2.7%, and
-#   +1.5% when set back in the next run; 3: +0.9 / +0.5%. Also measured on 2026-12-02 and not taken: the T = 1 decode
-#   expert tiles (gate/up, down columns) (16, 64) / (32, 32) / (16, 32) vs (32, 64): +3.4 / +1.5 / +5.3%; moe_stages
-#   (6, 6): +8.6% at batch 16 (over the shared memory at batch 1); moe_unroll (4, 2): -0.5%, (8, 1) over the shared
-#   memory.
-# skinny_parts: skinny_linear's K cut into that many parts, each its own MMA chain (_skinny_tile). Ninth session
-#   (2026-12-02, whole step, batch 1 / 16): 4 parts took the step from 5.40 to 5.19-5.23 ms and from 11.65 to
-#   11.38-11.44 ms (runs of the same day); in one run against 4: 1 part +10.3 / +4.2%, 2 parts +2.3..2.7 / +0.8%, 8
-#   parts +2.8% (1 part as a 3-D dot of one batch is slower than the 2-D kernel it replaced: every warp computes the
-#   whole tile). shared_parts: (T = 1, T > 1), the same for the shared expert's gate/up tiles in the decode MoE up
-#   kernel (K = 4096): 4 vs 1 -2.6..3.2 / -0.5%; 8 vs 4 -1.1% at batch 1, +2.2% at 16 (255 registers, 8 spilled
-#   bytes). skinny_tiles ((columns, K block) for N >= 3200 and for smaller N; N >= 6400 keeps 64 x 128) and
-#   skinny_warps: candidates not yet timed with the parts (the device time ran out). Measured and removed the same
-#   day: the router's selection inside the decode expert kernels (each gate/up program choosing the experts from the
-#   logits partials after its PDL wait, each down program before it, one launch fewer per MoE layer): +8.5% at batch 1.
-#   Tenth session (2026-12-02, same method): skinny_tiles ((16, 512), (8, 256)) / ((32, 256), (8, 256)) +3.5 / +0.4%
-#   at batch 1, +3.0 / +1.2% at 16; skinny_warps 8 +2.9 / +1.1%: not taken.
-# router_parts: the router logits' hoisted K step (512 columns) in that many MMA chains (_sum_parts), as skinny_parts:
-#   4 vs 1: -1.1% at batch 1 (router logits 375 -> 323 us a step), +0.2% at 16 (tenth session).
-# moe_maxnreg: (gate/up, down) register caps of the decode expert kernels at T > 1 (0: none). The gate/up kernel at
-#   176 registers held 2 CTAs per SM, 168 (no spills in the sm90 build) holds 3, so its ~318 programs at batch 16 (13
-#   hit experts) run in one wave: (168, 0) -1.8% at batch 16 vs (0, 0), +2.1% when set back in the next run; (168,
-#   168) +0.8% (the down kernel's shared-expert branch spills 181 bytes there), and with down at 2 stages (3 CTAs per
-#   SM) -1.0% vs (0, 0). Measured and removed the same session (batch 16): down tiles of 256 columns (the scale row
-#   per 128-row block, 2 stages: 224 programs in one wave) +1.1%; _select_regions_kernel's threshold search 4 bits a
-#   step (a 16-bin histogram in 16-bit fields of four int64, one reduction: 28 CTA barriers instead of 52) +3.0%
-#   (bench_kernels.py bench_select, 16 rows of 4096: 13.5 vs 9.9 us); the router selection four slots per reduction
-#   (a sorted-list merge as the combine: 5 barriers instead of 23) -0.0 / -0.1% at batch 1 / 16. Select chunks of
-#   8192 (one program for the bench's 4100 regions) 17.7 vs 14.5 us in two launches of 4096 (16 rows). Also not
-#   taken: moe_maxnreg (128, 0) (4 CTAs per SM, 32 spilled bytes) +1.6% at batch 16; moe_stages (4, 3) +0.5 / +0.2%.
-# moe_tma: (gate/up, down) the smallest T (up to 16) at which moe_experts_decode_triton's swapped FP8 tiles load their
-#   weights through TMA descriptors (gate/up: W1 and W3 as the two planes of one 3-D descriptor, their distance its
-#   stride; x, every token a row, in 16-row boxes) instead of a pointer per 16 bytes; the same bits. Eleventh session
-#   (2026-12-02, whole step against the defaults timed around it): at batch 16 TMA on both -3.6% (10.65 vs 11.03 ms),
-#   gate/up alone -2.6%, down alone -1.0%; at batch 1 both +2.8% (the T = 1 tiles are latency-bound chains, and the
-#   TMA loop waits on an mbarrier per K block), the down kernel alone -0.5% (in two runs). bench_kernels.py (44
-#   experts, routed + shared): T = 1 / 4 / 16 pointers 18.4 / 45.1 / 120.4 us, TMA 24.2 / 42.5 / 113.8 us.
-#   Measured and removed the same session: the T = 1 gate/up kernel in Gluon with asynchronous wgmma (four K blocks'
-#   MMAs issued into separate register tiles and waited for together, then scaled in K order: the same bits as the
-#   Triton tiles on the H200; the shared expert as bf16 wgmma accumulating over K): bench_kernels.py's T = 1 case
-#   24.5 us with the TMA copies issued by the math warps, 21.0-22.6 with a TMA warp (warp_specialize; 4 to 16 stages
-#   alike), against 18.4 us; whole step +15.5% / +16.1%. The serialised wgmma waits are not what bounds T = 1.
-# shared_down_t: (T = 1, T > 1) the shared expert's down tile (SwiGLU on load) with wd's rows as the MMA's M side
-#   (_swiglu_tile_t: a bf16 wgmma accumulating over K, 64-column K steps) instead of an mma.sync tile holding wd's
-#   128 x 128 block in registers; its own order inside the sums. The down kernel at T = 16: 248 -> 136 registers,
-#   86 -> 59 KB of shared memory (sm90 build), so 3 CTAs per SM instead of 2. Eleventh session (whole step against
-#   the defaults timed around it): -2.9% at batch 16 (10.33 vs 10.63 ms), -0.8% at batch 1.
-# norm_rope_jobs: a DSA layer's four norm + RoPE problems (q, k, the indexer's q and k) in one launch
-#   (_norm_rope_jobs_kernel) instead of four. Twelfth session (2026-12-02, whole step against the defaults timed
-#   around it): -2.4% at batch 1 (4.910 vs 5.027 ms), -2.1% at batch 16 (10.049 vs 10.263 ms); 69 launches fewer.
-#   Measured and removed the same session: the sliding merge inside the o_proj projection at batch 1 (each
-#   skinny_linear program merging the 16 splits of its K chunks' heads, the same bits as merge + projection): the
-#   step 5.71 / 5.39 / 5.67 ms with 32 / 64 / 32 columns per program (4 / 4 / 8 warps) against 5.05 unfused: every
-#   program repeats the whole merge (the sm90 loop 1071 instructions per K step against the projection's 159). Not
-#   taken: the merges in 1 / 2 warps (+0.1 / -0.0% at batch 1, -0.4 / -0.3% at 16); region selection chunks of 2048
-#   (16 rows of 4100: 14.4 vs 14.8 us); moe_maxnreg (0, 0) / (168, 168) / (128, 0) at batch 16: +3.1 / +0.1 / +2.4%.
-#   Thirteenth session (2026-12-02, whole step against the defaults timed around it, batch 16 / 1), measured and
-#   removed: the decode combine inside the down kernel (each program counting itself in per D tile with an acq_rel
-#   atomic, the tile's last one writing every token's combine with the combine launch's bits, one launch fewer per
-#   MoE layer): +0.4% / -0.2%, i.e. the atomic and the last program's serial tail cost what the launch did; the
-#   indexer scores computed before their PDL wait (stored after it; the decode step's cache write touches no summary
-#   a kept score reads): +-0.2%. Not taken: moe_stages (3, 2) (the down kernel at 124 registers and 39 KB: 4 CTAs per
-#   SM, all ~460 programs of batch 16 in one wave) +1.4% / +5.1%, (4, 4) +2.6 / +1.4%, (6, 6) +16.5%, (4, 3) -0.4 /
-#   +1.5%; moe_block_n (32, 64) / (64, 64) / (32, 128) +14.4 / +10.1 / +4.1% at batch 16; sparse_attention_triton's
-#   num_stages 3 / 4 (see there) -0.1..-0.2 / +0.3%.
-# indexer_q8: the decode and prefill indexer scores read q as e4m3 values that norm_rope_jobs stored (e4m3=(2,)) and
-#   skip rounding it (the same bits by construction; CPU and GPU tests bit-equal; the sm90 build drops from 3752 to
-#   2384 instructions per thread at batch 16). Fourteenth session (2026-12-03, H200, whole step against the defaults
-#   timed around it): off +0.9% at batch 16 (9.975 vs 9.884 ms) and +0.9% at batch 1 (4.910 vs 4.866); the scores
-#   kernel (bench_kernels.py sweep_indexer, 16-row tiles) 14.7 -> 11.0 us at 16 x 4100 regions (128-region tiles)
-#   and 5.7 -> 2.9 us at 1 x 4100 (64-region tiles), the same bits.
-# moe_early_down: (T = 1, T > 1) whether each decode down program awaits only its own expert's gate/up tiles (an
-#   arrival counter per expert, _arrive / _await; the combine launch zeroes them) instead of the whole gate/up grid
-#   (the PDL wait): a hit expert's down tiles start while other experts' gate/up tiles still run. Fourteenth session
-#   (2026-12-03, H200, whole step against the defaults timed around it): -0.5% at batch 16 (9.947 vs 9.997 ms),
-#   +0.6% at batch 1 (4.920 vs 4.891; one expert hit: nothing to overlap, and the counters cost). A second run at
-#   batch 16: (False, False) +0.5% (9.995 vs 9.943), (True, True) -0.0% (9.956 vs 9.960).
-# moe_stages_batch: moe_stages at T > 1 (moe_stages: at T = 1). With moe_early_down, gate/up at 4 stages: -1.8% at
-#   batch 16 in the fourteenth session (9.782 vs 9.958 ms; the thirteenth session's -0.4% without it; (4, 4) +1.5%,
-#   (3, 2) +1.3%, (6, 6) +14.6% in the same run), where it cost +1.5% at batch 1.
-TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
-          "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
-          "skinny_all": True, "router_block_e": 32, "banded": "triton", "sliding_hoist": True, "skinny_stages": 6,
-          "router_hoist": True, "skinny_parts": 4, "shared_parts": (8, 4),
-          "skinny_tiles": ((32, 256), (16, 512)), "skinny_warps": 4,
-          "router_parts": 4, "moe_maxnreg": (168, 0), "moe_tma": (2, 1),
-          "shared_down_t": (True, True), "norm_rope_jobs": True,
-          "indexer_q8": True, "moe_early_down": (False, True),
-          "moe_stages_batch": (4, 3)}
+# Launch choices, each the winner of whole decode steps timed on the H200 (bench_decode.py --whole-rank --candidates
+# re-times the step with each other value); an argument passed to a launcher overrides them. The figures behind
+# every value: PERF_LOG.md, "kernel.TUNING, key by key".
+TUNING = {
+    "pdl": True,  # programmatic dependent launch (sm90)
+    "moe_swap": True,  # decode FP8 expert tiles with the weight rows as the MMA's M side
+    "sliding_warps": (8, 4),  # sliding decode attention warps, (grid < SMs, grid >= SMs)
+    "sparse_block_n": 64,  # sparse attention key slots per tile
+    "moe_block_n": (64, 128),  # decode expert tile columns at T > 1, (gate/up, down)
+    "moe_stages": (3, 3),  # decode expert pipeline stages at T = 1, (gate/up, down)
+    "moe_unroll": (4, 1),  # decode FP8 expert K blocks per loop iteration at T = 1, (gate/up, down)
+    "skinny_all": True,  # model.linear's few-row projections through skinny_linear
+    "router_block_e": 32,  # experts per router-logits program
+    "banded": "triton",  # sliding prefill attention: "triton" or "math" (SDPA, the reference)
+    "sliding_hoist": True,  # sliding decode: the split's cached keys and values read before the PDL wait
+    "skinny_stages": 6,  # skinny_linear pipeline stages below 6400 columns
+    "router_hoist": True,  # router logits: the weight tile read before the PDL wait
+    "skinny_parts": 4,  # skinny_linear: MMA chains over K
+    "shared_parts": (8, 4),  # the shared expert's gate/up MMA chains over K, (T = 1, T > 1)
+    "skinny_tiles": ((32, 256), (16, 512)),  # skinny_linear (columns, K block), (N >= 3200, N < 3200)
+    "skinny_warps": 4,  # skinny_linear warps
+    "router_parts": 4,  # router logits: MMA chains over the hoisted K step
+    "moe_maxnreg": (168, 0),  # decode expert register caps at T > 1 (0: none), (gate/up, down)
+    "moe_tma": (2, 1),  # smallest T (<= 16) whose swapped FP8 tiles load by TMA, (gate/up, down)
+    "shared_down_t": (True, True),  # the shared expert's down tile with wd's rows as the MMA's M side, (T = 1, T > 1)
+    "norm_rope_jobs": True,  # a DSA layer's four norm + RoPE problems in one launch
+    "indexer_q8": True,  # indexer scores read q as stored e4m3 values
+    "moe_early_down": (False, True),  # down programs await their own expert's gate/up tiles, (T = 1, T > 1)
+    "moe_stages_batch": (4, 3),  # decode expert pipeline stages at T > 1, (gate/up, down)
+}
 
 
 def set_tuning(items) -> None:
