@@ -33,7 +33,7 @@ from generate import DecodeStep
 
 # the other values of kernel.TUNING's launch choices: measured and not taken, or candidates not yet timed
 # (--candidates re-times the step with each)
-ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
+ALTERNATIVES = {"moe_swap": [False], "sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
                 "moe_block_n": [(32, 64), (64, 64), (32, 128)], "moe_stages": [(4, 4), (6, 6), (4, 3), (3, 2)],
                 "moe_unroll": [(4, 4), (8, 1), (4, 2)],
                 "skinny_all": [False], "router_block_e": [64], "sliding_hoist": [False], "skinny_stages": [4],

@@ -52,7 +52,6 @@ def _triton(x: torch.Tensor) -> bool:
 # re-times the step with each other value); an argument passed to a launcher overrides them. The figures behind
 # every value: PERF_LOG.md, "kernel.TUNING, key by key".
 TUNING = {
-    "pdl": True,  # programmatic dependent launch (sm90)
     "moe_swap": True,  # decode FP8 expert tiles with the weight rows as the MMA's M side
     "sliding_warps": (8, 4),  # sliding decode attention warps, (grid < SMs, grid >= SMs)
     "sparse_block_n": 64,  # sparse attention key slots per tile
@@ -106,7 +105,9 @@ def _sms() -> int:
 
 
 def _pdl() -> dict:
-    return {"PDL": True, "launch_pdl": True} if TUNING["pdl"] and not _INTERPRET and _sm90() else {"PDL": False}
+    """Programmatic dependent launch wherever it exists (sm90 GPUs): a launch may begin while its predecessor still
+    runs, hiding launch latency and CTA setup (the decode step 6% faster); _pdl_enter keeps every access ordered."""
+    return {"PDL": True, "launch_pdl": True} if not _INTERPRET and _sm90() else {"PDL": False}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ _GPU_LAUNCH = not _INTERPRET
 
 @triton.jit
 def _pdl_enter(PDL: tl.constexpr):
-    """Every kernel's first statement (see TUNING["pdl"]): wait for the predecessor grid, then release the successor."""
+    """Every kernel's first statement (_pdl): wait for the predecessor grid, then release the successor."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

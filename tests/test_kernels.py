@@ -448,7 +448,7 @@ for pdl in (True, False):
 
 
 def test_pdl_prologue_compiles_for_sm90():
-    """kernel.TUNING["pdl"]'s prologue compiled ahead of time for an H200 (no GPU needed; in a fresh process, as the
+    """kernel._pdl's prologue compiled ahead of time for an H200 (no GPU needed; in a fresh process, as the
     interpreter's kernels cannot be compiled): griddepcontrol.wait, then launch_dependents, before the kernel's
     first load; neither with PDL off."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -653,8 +653,8 @@ def test_set_tuning_parses_values_and_names_bad_ones(monkeypatch):
     """--tune KEY=VALUE (bench_decode.py, bench_prefill.py, sass.py): literals for typed choices, bare words for the
     string ones; an unknown key or a malformed value is named."""
     monkeypatch.setattr(K, "TUNING", dict(K.TUNING))
-    K.set_tuning(["banded=triton", "moe_block_n=(32, 64)", "pdl=False"])
-    assert (K.TUNING["banded"], K.TUNING["moe_block_n"], K.TUNING["pdl"]) == ("triton", (32, 64), False)
+    K.set_tuning(["banded=triton", "moe_block_n=(32, 64)", "router_parts=1"])
+    assert (K.TUNING["banded"], K.TUNING["moe_block_n"], K.TUNING["router_parts"]) == ("triton", (32, 64), 1)
     with pytest.raises(ValueError, match="nokey"):
         K.set_tuning(["nokey=1"])
     with pytest.raises(ValueError, match="moe_block_n"):
