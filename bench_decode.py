@@ -33,14 +33,14 @@ from generate import DecodeStep
 
 # the other values of kernel.TUNING's launch choices: measured and not taken, or candidates not yet timed
 # (--candidates re-times the step with each)
-ALTERNATIVES = {"moe_swap": [False], "sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
+ALTERNATIVES = {"sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
                 "moe_block_n": [(32, 64), (64, 64), (32, 128)], "moe_stages": [(4, 4), (6, 6), (4, 3), (3, 2)],
                 "moe_unroll": [(4, 4), (8, 1), (4, 2)],
                 "skinny_all": [False], "router_block_e": [64], "sliding_hoist": [False], "skinny_stages": [4],
                 "router_hoist": [False], "skinny_parts": [1, 2, 8], "shared_parts": [(4, 4), (8, 8)],
                 "skinny_tiles": [((16, 512), (8, 256)), ((32, 256), (8, 256))], "skinny_warps": [8],
                 "router_parts": [1], "moe_maxnreg": [(0, 0), (168, 168), (128, 0)],
-                "moe_tma": [(17, 17), (2, 2), (1, 1)], "shared_down_t": [(False, False)],
+                "moe_tma": [(17, 17), (2, 2), (1, 1)],
                 "norm_rope_jobs": [False], "indexer_q8": [False],
                 "moe_early_down": [(False, False), (True, True)], "moe_stages_batch": [(3, 3), (4, 4)]}
 # candidates of several keys at once: name -> the TUNING entries they set together

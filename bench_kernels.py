@@ -524,16 +524,12 @@ def sweep_moe_decode(T, E=44):
     # measured on the H200 (T = 1 / 16): (32, 64) w4 st4 32.4 / 160 us; w8 42.9 / 293; (64, 64) w8 36.7 / 236;
     # (64, 128) w8 37.1 / 175; (16, 32) w4 st6 39.5 / 302; (32, 32) w8 st6 45.8 / 420; (128, 128) w8 st3 43.0 / 153
     # k_unroll (K blocks per loop iteration, same bits), T = 1 / 16: 1 32.2 / 162, 2 31.9 / 163, 4 30.0 / 238 us;
-    # the block dots on the CUDA cores instead of MMAs (removed): 132-351 / 994-1269 us
-    # swap: the weight rows as the MMA's M side (fp8 wgmma at 64 rows; other bits), a candidate
-    for bn, nw, st, ku, swap in (((32, 64), 4, 4, 1, False), ((32, 64), 4, 4, 2, False), ((32, 64), 4, 4, 4, False),
-                                 ((32, 64), 4, 2, 4, False), ((64, 128), 8, 3, 4, False), ((128, 128), 8, 3, 1, False),
-                                 ((32, 64), 4, 4, 1, True), ((32, 64), 4, 4, 2, True), ((32, 64), 4, 3, 4, True),
-                                 ((32, 64), 4, 6, 1, True), ((32, 64), 4, 8, 1, True), ((32, 64), 4, 6, 2, True),
-                                 ((64, 64), 4, 4, 1, True), ((32, 128), 4, 4, 1, True)):
-        kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku), swap=swap)
-        res.append(choice(f"BN={bn} w{nw} st={st} k_unroll={ku}" + (" swap" if swap else ""), lambda: run(**kw),
-                          want))
+    # the block dots on the CUDA cores instead of MMAs (removed): 132-351 / 994-1269 us (all before the FP8 tiles
+    # had the weight rows as the MMA's M side)
+    for bn, nw, st, ku in (((32, 64), 4, 4, 1), ((32, 64), 4, 4, 2), ((32, 64), 4, 3, 4), ((32, 64), 4, 6, 1),
+                           ((32, 64), 4, 8, 1), ((32, 64), 4, 6, 2), ((64, 64), 4, 4, 1), ((32, 128), 4, 4, 1)):
+        kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku))
+        res.append(choice(f"BN={bn} w{nw} st={st} k_unroll={ku}", lambda: run(**kw), want))
     for tma in (False, True):  # the tuned tiles, weights (and x at T <= 16) by TMA or by pointers
         res.append(choice(f"defaults tma={tma}", lambda: run(tma=tma), want))
     print(f"  sweep moe decode T={T}: " + "; ".join(res), flush=True)

@@ -52,7 +52,6 @@ def _triton(x: torch.Tensor) -> bool:
 # re-times the step with each other value); an argument passed to a launcher overrides them. The figures behind
 # every value: PERF_LOG.md, "kernel.TUNING, key by key".
 TUNING = {
-    "moe_swap": True,  # decode FP8 expert tiles with the weight rows as the MMA's M side
     "sliding_warps": (8, 4),  # sliding decode attention warps, (grid < SMs, grid >= SMs)
     "sparse_block_n": 64,  # sparse attention key slots per tile
     "moe_block_n": (64, 128),  # decode expert tile columns at T > 1, (gate/up, down)
@@ -71,7 +70,6 @@ TUNING = {
     "router_parts": 4,  # router logits: MMA chains over the hoisted K step
     "moe_maxnreg": (168, 0),  # decode expert register caps at T > 1 (0: none), (gate/up, down)
     "moe_tma": (2, 1),  # smallest T (<= 16) whose swapped FP8 tiles load by TMA, (gate/up, down)
-    "shared_down_t": (True, True),  # the shared expert's down tile with wd's rows as the MMA's M side, (T = 1, T > 1)
     "norm_rope_jobs": True,  # a DSA layer's four norm + RoPE problems in one launch
     "indexer_q8": True,  # indexer scores read q as stored e4m3 values
     "moe_early_down": (False, True),  # down programs await their own expert's gate/up tiles, (T = 1, T > 1)
@@ -2566,19 +2564,13 @@ def _quant_rows(x):
 
 
 @triton.jit
-def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, sw_ptr, sw3_ptr, cols, col_ok, K,
-                 limit, kb0, kb1, FP8: tl.constexpr, XQ: tl.constexpr, GATED: tl.constexpr,
-                 X_SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, K_UNROLL: tl.constexpr,
-                 ZERO_GUARD: tl.constexpr = False):
-    """acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T over the K blocks kb0 .. kb1-1,
-    with _grouped_gemm_kernel's arithmetic per 128-wide K block. w_ptr/w3_ptr point at the expert's [N, K] weight,
-    sw_ptr/sw3_ptr at its scale row of these columns. FP8: X is quantised per 1x128 block on load (act_quant_ref), or
-    XQ: X is already e4m3 with scales sx_ptr [row, kb] (act_quant_triton). X_SWIGLU: X is swiglu(G, U) of the bf16 G
-    at x_ptr and U at x_ptr + u_off (the shared expert's down input). K_UNROLL: K blocks per loop iteration, written
-    out (a candidate for more loads in flight per program; it must divide kb1 - kb0; the blocks are still added one
-    by one in K order, so every K_UNROLL gives the same bits). ZERO_GUARD: _swiglu_math's (X_SWIGLU)."""
+def _decode_tile(x_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, cols, col_ok, K, kb0, kb1, GATED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 K_UNROLL: tl.constexpr):
+    """BF16 experts: acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T over the K blocks
+    kb0 .. kb1-1 (bf16 products, fp32 accumulation), w_ptr/w3_ptr at the expert's [N, K] weights. K_UNROLL: K blocks
+    per loop iteration, written out (it must divide kb1 - kb0; the blocks are still added one by one in K order, so
+    every K_UNROLL gives the same bits)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride
@@ -2590,29 +2582,13 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
             ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
             x_ok = row_ok[:, None] & k_ok[None, :]
-            a = tl.load(x_base + ks[None, :], mask=x_ok, other=0.0)
-            if not XQ:
-                a = a.to(tl.float32)
-            if X_SWIGLU:
-                u = tl.load(x_base + u_off + ks[None, :], mask=x_ok, other=0.0)
-                a = _swiglu_math(a, u.to(tl.float32), limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
+            a = tl.load(x_base + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
             b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if FP8:
-                if XQ:
-                    aq = a
-                    sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
-                else:
-                    aq, sa = _quant_rows(a)
-                acc = acc + tl.dot(aq, tl.trans(b)) * sa[:, None] * tl.load(sw_ptr + kb)
-                if GATED:
-                    b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                    acc3 = acc3 + tl.dot(aq, tl.trans(b3)) * sa[:, None] * tl.load(sw3_ptr + kb)
-            else:
-                a = a.to(DOT_DTYPE)
-                acc = tl.dot(a, tl.trans(b.to(tl.float32).to(DOT_DTYPE)), acc)
-                if GATED:
-                    b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                    acc3 = tl.dot(a, tl.trans(b3.to(tl.float32).to(DOT_DTYPE)), acc3)
+            a = a.to(DOT_DTYPE)
+            acc = tl.dot(a, tl.trans(b.to(tl.float32).to(DOT_DTYPE)), acc)
+            if GATED:
+                b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                acc3 = tl.dot(a, tl.trans(b3.to(tl.float32).to(DOT_DTYPE)), acc3)
     return acc, acc3
 
 
@@ -2621,12 +2597,13 @@ def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_pt
                    XQ: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr, w_desc=None, w_row0=0, x_desc=None,
                    W_TMA: tl.constexpr = False, X_TMA: tl.constexpr = False):
-    """_decode_tile's FP8 path (columns c0 .. c0+BLOCK_N-1) with the MMA's operands swapped: the weight rows are its
-    M side, [R, 128] per K block with R = BLOCK_N, or 2 * BLOCK_N when GATED (these columns' gate rows, then their up
+    """FP8 experts: X[x_rows] . W[c0 .. c0+BLOCK_N-1]^T with the MMA's operands swapped: the weight rows are its M
+    side, [R, 128] per K block with R = BLOCK_N, or 2 * BLOCK_N when GATED (these columns' gate rows, then their up
     rows), and the few token rows its N side. At R = 64 that is one fp8 wgmma (sm90) with both operands in shared
     memory, where the plain tile (16 token rows as M) is an mma.sync whose e4m3 operands are first converted to f16 in
-    registers. Same products and the same per-block scaling; the order inside a block's dot is the MMA's, as in
-    _grouped_gemm_kernel. Returns (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED).
+    registers. Per 128-wide K block acc + (fp32 dot) * sx * sw, as _grouped_gemm_kernel rounds it; XQ: X is e4m3
+    already with scales sx_ptr [row, kb] (act_quant_triton), else it is quantised per 1x128 block on load
+    (act_quant_ref's arithmetic). Returns (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED).
     W_TMA: the weight block is one box of w_desc ([2 or 1, rows, K]: the two planes are W and W3) at row w_row0;
     rows past N are the next expert's (stored nowhere). X_TMA: x_desc's box at row 0 (zeros past the last token)."""
     R: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
@@ -2668,10 +2645,10 @@ def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_pt
 def _swiglu_tile_t(gu_ptr, tok, tok_ok, u_off, K, w_ptr, cols, col_ok, limit, HAS_LIMIT: tl.constexpr,
                    PRECISE: tl.constexpr, ZERO_GUARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """_decode_tile's X_SWIGLU bf16 tile with the MMA's operands swapped: acc [BLOCK_M, BLOCK_N] fp32 =
-    swiglu(G[tok], U[tok]) . W[cols]^T over K, G at gu_ptr ([*, K] rows), U u_off further; the weight rows are the
-    MMA's M side (a bf16 wgmma at >= 64 rows, both operands in shared memory, accumulating over K in the MMA), where
-    the plain tile holds W's block in registers for an mma.sync. Other order inside the sums: within tolerance."""
+    """The shared expert's down tile: acc [BLOCK_M, BLOCK_N] fp32 = swiglu(G[tok], U[tok]) . W[cols]^T over K, G at
+    gu_ptr ([*, K] rows), U u_off further (SwiGLU on load; ZERO_GUARD: _swiglu_math's), with the MMA's operands
+    swapped: the weight rows are its M side (a bf16 wgmma at >= 64 rows, both operands in shared memory, accumulating
+    over K in the MMA; an mma.sync tile holding W's block in registers needed 248 registers, this 136)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     g_base = gu_ptr + tok.to(tl.int64)[:, None] * K
     w_base = w_ptr + cols.to(tl.int64)[:, None] * K
@@ -2768,7 +2745,7 @@ def _moe_decode_up_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
+    K_UNROLL: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
     SHARED_PARTS: tl.constexpr, TMA: tl.constexpr, UP_FIRST: tl.constexpr, TOPK_P2: tl.constexpr,
     EARLY: tl.constexpr = False,
 ):
@@ -2820,16 +2797,15 @@ def _moe_decode_up_kernel(
             else:
                 for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                     slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
-                    if SWAP and FP8:
+                    if FP8:
                         g, up = _decode_tile_t(x_ptr, sx_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
                                                w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off,
                                                pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), True, True, BLOCK_M,
                                                BLOCK_N, BLOCK_K, K_UNROLL)
                     else:
-                        g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
-                                             w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok,
-                                             D, limit, 0, tl.cdiv(D, BLOCK_K), FP8, FP8, True, False, False, BLOCK_M,
-                                             BLOCK_N, BLOCK_K, DOT_DTYPE, PRECISE, K_UNROLL)
+                        g, up = _decode_tile(x_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
+                                             w3_ptr + e64 * w_stride_e, cols, col_ok, D, 0, tl.cdiv(D, BLOCK_K), True,
+                                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, K_UNROLL)
                     _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
             if EARLY:
                 _arrive(cnt_ptr + u)
@@ -2842,13 +2818,13 @@ def _moe_decode_down_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
-    SHARED_T: tl.constexpr, EARLY: tl.constexpr = False, UP_N: tl.constexpr = 64,
+    K_UNROLL: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
+    EARLY: tl.constexpr = False, UP_N: tl.constexpr = 64,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
     load (FP8).
-    Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load (SHARED_T:
-    through _swiglu_tile_t).
+    Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load
+    (_swiglu_tile_t).
     A routed program finds its expert before the PDL wait: ids were written by the router, which completed before
     the gate/up kernel (the predecessor, which writes only a) got past its own wait.
     EARLY: instead of the PDL wait (for the whole gate/up grid), a program awaits the gate/up tiles (UP_N columns
@@ -2863,13 +2839,8 @@ def _moe_decode_down_kernel(
         _enter_down(cnt_ptr + u, 2 * tl.cdiv(FS, UP_N), True, EARLY, PDL)
         for m0 in range(0, T, BLOCK_M):
             tok = m0 + tl.arange(0, BLOCK_M)
-            if SHARED_T:
-                acc = _swiglu_tile_t(gu_ptr, tok, tok < T, T * FS, FS, wd_ptr, cols, col_ok, limit_s, HAS_LIMIT_S,
-                                     PRECISE, ZERO_GUARD, BLOCK_M, BLOCK_N, 64, DOT_DTYPE)
-            else:
-                acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr,
-                                      cols, col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), False, False, False, True,
-                                      HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, PRECISE, 1, ZERO_GUARD)
+            acc = _swiglu_tile_t(gu_ptr, tok, tok < T, T * FS, FS, wd_ptr, cols, col_ok, limit_s, HAS_LIMIT_S,
+                                 PRECISE, ZERO_GUARD, BLOCK_M, BLOCK_N, 64, DOT_DTYPE)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -2880,16 +2851,15 @@ def _moe_decode_down_kernel(
             sw = s2_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
-                if SWAP and FP8:
+                if FP8:
                     acc, _ = _decode_tile_t(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw,
                                             sw, pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), False, False,
                                             BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL, w_desc, e * D + pid_n * BLOCK_N,
                                             None, TMA)
                 else:
-                    acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr,
-                                          sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), FP8,
-                                          False, False, False, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                          DOT_DTYPE, PRECISE, K_UNROLL)
+                    acc, _ = _decode_tile(a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, cols, col_ok,
+                                          F, 0, tl.cdiv(F, BLOCK_K), False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                                          K_UNROLL)
                 tl.store(y_ptr + slot.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
 
@@ -2960,8 +2930,7 @@ def _decode_descs(xq, w1, w3, w2, bn):
 
 
 def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=None, xq=None,
-                              tma=None):
+                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, xq=None, tma=None):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
     0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
@@ -2973,10 +2942,9 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
     block_n / num_warps / num_stages / k_unroll: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py
     sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up (same bits).
-    swap (FP8 experts; default TUNING["moe_swap"]): the routed tiles through
-    _decode_tile_t, the weight rows as the MMA's M side (fp8 wgmma at 64 rows: gate/up tiles of 32 columns, down
-    tiles of 64), within tolerance. tma (swapped tiles, T <= 16; default TUNING["moe_tma"]): their weights (and the
-    gate/up's x, all tokens as rows) through TMA descriptors (_decode_descs); the same bits.
+    FP8 routed tiles go through _decode_tile_t, the weight rows as the MMA's M side (fp8 wgmma at 64 rows). tma
+    (FP8, T <= 16; default TUNING["moe_tma"]): their weights (and the gate/up's x, all tokens as rows) through TMA
+    descriptors (_decode_descs); the same bits.
     (Measured on the H200 and removed: a split-K gate/up, 2-8 programs per tile with fp32 partials, 2-4x slower at T=1
     and T=16, and again on the swapped tiles (2 / 4 programs per tile, the partials added with SwiGLU on the down
     kernel's load) on 2026-12-01: whole step 7.19 -> 9.65 / 10.63 ms; each block's dot on the CUDA cores instead of
@@ -3003,7 +2971,6 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     bn = ((32, 64) if T == 1 else TUNING["moe_block_n"]) if gpu else (64, 64)
     nw, ns = (4, 4), TUNING["moe_stages_batch" if T > 1 else "moe_stages"] if gpu else (1, 1)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
-    swap = TUNING["moe_swap"] if swap is None else swap
     # k_unroll (same bits) 4 on gate/up, H200: 12.5 vs 14.0 us at T = 1 in the whole-rank step (down: 12.9 vs 11.8);
     # at T = 4 / 16 gate/up + down 86 / 229 vs 60 / 161 us. FP8 only: BF16 experts' 4 stages of 4 K blocks need 240 KB
     # of shared memory (the H200 has 227).
@@ -3016,13 +2983,13 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     ranks = min(T * k, E)  # distinct local experts the slots can hit
     regs = [{"maxnreg": r} if r and gpu and T > 1 else {} for r in TUNING["moe_maxnreg"]]
     dummy = y
-    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, SWAP=bool(swap), ZERO_GUARD=T == 1,
+    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, ZERO_GUARD=T == 1,
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
                   DOT_DTYPE=_DOT, PRECISE=_PRECISE)
     grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
     xqt, sxt = _x_quant(x, xq) if fp8 else (x, dummy)
     first_t = TUNING["moe_tma"] if tma is None else ((1, 1) if tma else (17, 17))
-    tma = [fp8 and bool(swap) and t0 <= T <= 16 for t0 in first_t]
+    tma = [fp8 and t0 <= T <= 16 for t0 in first_t]
     descs, up_first = (None, None, None), False
     if any(tma):
         descs, up_first = _decode_descs(xqt, w1, w3, w2, bn)
@@ -3041,7 +3008,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
         float(limit_s) if limit_s is not None else 0.0, w2.stride(0), s2.stride(0) if fp8 else 0,
         s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None, K_UNROLL=ku[1],
-        BLOCK_N=bn[1], TMA=tma[1], SHARED_T=TUNING["shared_down_t"][T > 1], EARLY=early, UP_N=bn[0],
+        BLOCK_N=bn[1], TMA=tma[1], EARLY=early, UP_N=bn[0],
         num_warps=nw[1], num_stages=ns[1], **common, **regs[1], **_pdl())
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
     _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](
