@@ -36,7 +36,7 @@ from generate import DecodeStep
 ALTERNATIVES = {"sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
                 "moe_block_n": [(32, 64), (64, 64), (32, 128)], "moe_stages": [(4, 4), (6, 6), (4, 3), (3, 2)],
                 "moe_unroll": [(4, 4), (8, 1), (4, 2)],
-                "skinny_all": [False], "router_block_e": [64], "sliding_hoist": [False], "skinny_stages": [4],
+                "router_block_e": [64], "sliding_hoist": [False], "skinny_stages": [4],
                 "router_hoist": [False], "skinny_parts": [1, 2, 8], "shared_parts": [(4, 4), (8, 8)],
                 "skinny_tiles": [((16, 512), (8, 256)), ((32, 256), (8, 256))], "skinny_warps": [8],
                 "router_parts": [1], "moe_maxnreg": [(0, 0), (168, 168), (128, 0)],

@@ -57,7 +57,6 @@ TUNING = {
     "moe_block_n": (64, 128),  # decode expert tile columns at T > 1, (gate/up, down)
     "moe_stages": (3, 3),  # decode expert pipeline stages at T = 1, (gate/up, down)
     "moe_unroll": (4, 1),  # decode FP8 expert K blocks per loop iteration at T = 1, (gate/up, down)
-    "skinny_all": True,  # model.linear's few-row projections through skinny_linear
     "router_block_e": 32,  # experts per router-logits program
     "banded": "triton",  # sliding prefill attention: "triton" or "math" (SDPA, the reference)
     "sliding_hoist": True,  # sliding decode: the split's cached keys and values read before the PDL wait
@@ -3191,10 +3190,8 @@ def skinny_linear_triton(x, w, block_n=None, block_k=None, num_stages=None, num_
 
 
 def skinny_linear(x, w):
-    """x . w^T at <= 16 rows through the Triton kernel, else F.linear: the DSA layers' packed projection (w [3468,
-    4096] at TP=8: ~3.2 TB/s where cuBLAS's GEMV reaches ~1.7, H200, bench_kernels.py --only gemm) and, through
-    model.linear (TUNING["skinny_all"]), every other decode projection (alone each measured no faster than cuBLAS;
-    the whole step -1.1% / -2.3% at batch 1 / 16; cuBLAS ran o_proj as split-K plus a reduce launch)."""
+    """x . w^T at <= 16 rows through the Triton kernel, else F.linear: every decode projection (model.linear; the
+    whole step -1.1% / -2.3% at batch 1 / 16 against cuBLAS, PERF_LOG 2026-12-01)."""
     if _triton(x) and x.shape[0] <= 16:
         return skinny_linear_triton(x, w)
     return skinny_linear_ref(x, w)

@@ -12,7 +12,6 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import kernel
 from config import LAYOUT_VERSION, Step5Config, Step5VLConfig, group_window
@@ -116,11 +115,9 @@ class Norm(nn.Module):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """bf16 GEMM (fp32 accumulation, bf16 result): kernel.skinny_linear at <= 16 rows on the Triton path (unless
-    kernel.TUNING["skinny_all"] is off), else F.linear."""
-    if kernel.TUNING["skinny_all"]:
-        return kernel.skinny_linear(x, w)
-    return F.linear(x, w)
+    """bf16 GEMM (fp32 accumulation, bf16 result): kernel.skinny_linear (its Triton kernel at <= 16 rows on the
+    Triton path, else F.linear)."""
+    return kernel.skinny_linear(x, w)
 
 
 def _lin(out_f: int, in_f: int, dtype=torch.bfloat16) -> nn.Linear:
