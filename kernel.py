@@ -59,9 +59,7 @@ TUNING = {
     "moe_unroll": (4, 1),  # decode FP8 expert K blocks per loop iteration at T = 1, (gate/up, down)
     "router_block_e": 32,  # experts per router-logits program
     "banded": "triton",  # sliding prefill attention: "triton" or "math" (SDPA, the reference)
-    "sliding_hoist": True,  # sliding decode: the split's cached keys and values read before the PDL wait
     "skinny_stages": 6,  # skinny_linear pipeline stages below 6400 columns
-    "router_hoist": True,  # router logits: the weight tile read before the PDL wait
     "skinny_parts": 4,  # skinny_linear: MMA chains over K
     "shared_parts": (8, 4),  # the shared expert's gate/up MMA chains over K, (T = 1, T > 1)
     "skinny_tiles": ((32, 256), (16, 512)),  # skinny_linear (columns, K block), (N >= 3200, N < 3200)
@@ -984,7 +982,7 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
         qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
         float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
         BLOCK_H=_heads_block(HG), BLOCK_N=block_n,
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, HOIST=TUNING["sliding_hoist"] and Q == 1 and split_len <= block_n,
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, HOIST=Q == 1 and split_len <= block_n,
         **dict(blocks, num_warps=num_warps or warps), **_pdl())
     _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
                                        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
@@ -3331,9 +3329,10 @@ def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
     tl.store(wts_ptr + t * TOPK + slots, wts * scale, mask=ok)
 
 
-def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
+def route_triton(x, w, bias, k, scale, renorm=True, quant=False, hoist=None):
     """Triton route_ref; quant: also act_quant_ref(x) -> (ids, weights, (e4m3 [T, D], fp32 [T, D/128])), written by
-    the logits kernel (the routed FP8 experts' input: one launch less per MoE layer)."""
+    the logits kernel (the routed FP8 experts' input: one launch less per MoE layer). hoist: the logits kernel's HOIST
+    (default: wherever its K split is one power-of-two step whose weight tile fits in registers; False: the K loop)."""
     _check_tensor("x", x, torch.bfloat16, ndim=2)
     _check_tensor("w", w, torch.bfloat16, ndim=2)
     _check_tensor("bias", bias, torch.float32, ndim=1)
@@ -3356,8 +3355,8 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
     k_splits = triton.cdiv(D, split_len)
     part = torch.empty(k_splits, T, E, dtype=torch.float32, device=x.device)
     # one K step of split_len columns, its weight tile (<= 32 KB on a GPU) held in registers across the wait
-    hoist = (TUNING["router_hoist"] and split_len == triton.next_power_of_2(split_len)
-             and (split_len * BLOCK_E <= 16384 or not _GPU_LAUNCH))
+    if hoist is None:
+        hoist = split_len == triton.next_power_of_2(split_len) and (split_len * BLOCK_E <= 16384 or not _GPU_LAUNCH)
     _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
         x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
         BLOCK_K=split_len if hoist else BLOCK_K, QUANT=bool(quant), QUANT_T=min(BLOCK_T, triton.next_power_of_2(T)),

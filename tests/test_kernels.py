@@ -582,8 +582,7 @@ def _check_sliding(args, H, hd, label, max_ulps, **kw):
 @pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("R", [8, 11])
 @pytest.mark.parametrize("B,pos", [(1, [3]), (2, [7, 8]), (3, [0, 29, 53])])
-@pytest.mark.parametrize("hoist", [False, True], ids=["", "hoisted"])
-def test_sliding_decode(B, pos, R, G, hd, half, hoist, monkeypatch):
+def test_sliding_decode(B, pos, R, G, hd, half):
     """Positions below the window, at it, and wrapped several times; a ring without (R = W) and with spare slots;
     one split (default) and 3 splits merged by log-sum-exp (split_len=4).
 
@@ -592,9 +591,7 @@ def test_sliding_decode(B, pos, R, G, hd, half, hoist, monkeypatch):
     (logit 30) out is SDPA's o: within 1 step. A gate g < 1 carries that step into out = bf(o * g), whose magnitude
     can sit a binade lower: within 2 steps of out's magnitude. (Measured over 60 random cases: 1.0 and 2.0.)
     Rotary span: part of the head (the DSA layers' 64 of 192) or all of it (the sliding layers': no rest columns),
-    with padded column blocks (12 of 16, 24 of 32). hoisted: TUNING["sliding_hoist"] (the cached keys and values
-    loaded before the PDL wait)."""
-    monkeypatch.setitem(K.TUNING, "sliding_hoist", hoist)
+    with padded column blocks (12 of 16, 24 of 32)."""
     H, W = 4, 8
     args = _sliding_case(B, H, G, hd, half, W, R, pos, seed=B * 10 + R + G)
     for split_len in (32, 4):
@@ -860,10 +857,9 @@ def test_route(T, D, E, k, parts, monkeypatch):
     want_q, want_s = K.act_quant_triton(x)
     assert torch.equal(qids, ids) and torch.equal(qwts, wts)
     assert bytes_equal(xq, want_q) and torch.equal(sx, want_s)
-    # the other choice of TUNING["router_hoist"] (the weight tile read before the PDL wait, one K step): same bits
-    # in one MMA chain (parts apply to the hoisted step only)
-    monkeypatch.setitem(K.TUNING, "router_hoist", not K.TUNING["router_hoist"])
-    hids, hwts, (hxq, hsx) = K.route_triton(x, w, bias, k, 3.0, quant=True)
+    # the K loop instead of the one K step read before the PDL wait (prefill's shapes): same bits in one MMA chain
+    # (parts apply to the one-step form only)
+    hids, hwts, (hxq, hsx) = K.route_triton(x, w, bias, k, 3.0, quant=True, hoist=False)
     assert torch.equal(hids, ids) and bytes_equal(hxq, xq) and torch.equal(hsx, sx)
     assert torch.equal(hwts, wts) if parts == 1 else (hwts - rwts).abs().max() <= 1e-6 * 3
     with pytest.raises(ValueError, match="xq must be"):
@@ -1001,9 +997,6 @@ def test_gpu_sliding_decode_real_shape(B, R, p, Q, span):
                          seed=B + R + p + Q, tables=tables, Q=Q)
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span}", 2.0)
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} 4 warps", 2.0, num_warps=4)
-    with pytest.MonkeyPatch.context() as mp:  # the other choice of TUNING["sliding_hoist"]
-        mp.setitem(K.TUNING, "sliding_hoist", not K.TUNING["sliding_hoist"])
-        _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} hoist", 2.0)
     args[0] = args[0].clone()
     args[0][:, -H:] = 30.0
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} gate 1", 1.0)
