@@ -41,7 +41,6 @@ ALTERNATIVES = {"sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
                 "skinny_tiles": [((16, 512), (8, 256)), ((32, 256), (8, 256))], "skinny_warps": [8],
                 "router_parts": [1], "moe_maxnreg": [(0, 0), (168, 168), (128, 0)],
                 "moe_tma": [(17, 17), (2, 2), (1, 1)],
-                "norm_rope_jobs": [False], "indexer_q8": [False],
                 "moe_early_down": [(False, False), (True, True)], "moe_stages_batch": [(3, 3), (4, 4)]}
 # candidates of several keys at once: name -> the TUNING entries they set together
 TOGETHER = {"moe_down_3cta": {"moe_maxnreg": (168, 168), "moe_stages_batch": (3, 2)}}

@@ -67,8 +67,6 @@ TUNING = {
     "router_parts": 4,  # router logits: MMA chains over the hoisted K step
     "moe_maxnreg": (168, 0),  # decode expert register caps at T > 1 (0: none), (gate/up, down)
     "moe_tma": (2, 1),  # smallest T (<= 16) whose swapped FP8 tiles load by TMA, (gate/up, down)
-    "norm_rope_jobs": True,  # a DSA layer's four norm + RoPE problems in one launch
-    "indexer_q8": True,  # indexer scores read q as stored e4m3 values
     "moe_early_down": (False, True),  # down programs await their own expert's gate/up tiles, (T = 1, T > 1)
     "moe_stages_batch": (4, 3),  # decode expert pipeline stages at T > 1, (gate/up, down)
 }
@@ -255,15 +253,6 @@ def norm_rope_ref(x, weight, cos, sin, eps, bias=None, pos=None):
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, ROWS, NH, stride_xt, eps,
-                      D: tl.constexpr, HALF: tl.constexpr, LAYERNORM: tl.constexpr, GATHER: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                      BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
-    _norm_rope_rows(tl.program_id(0), x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, ROWS, NH, stride_xt,
-                    eps, D, HALF, LAYERNORM, GATHER, BLOCK_R, BLOCK_D, BLOCK_HALF, BLOCK_REST, PDL)
-
-
-@triton.jit
 def _norm_rope_jobs_kernel(pos_ptr, eps, e0, e1, e2,
                            x0, w0, b0, c0, s0, o0, rows0, nh0, sx0, x1, w1, b1, c1, s1, o1, rows1, nh1, sx1,
                            x2, w2, b2, c2, s2, o2, rows2, nh2, sx2, x3, w3, b3, c3, s3, o3, rows3, nh3, sx3,
@@ -276,9 +265,9 @@ def _norm_rope_jobs_kernel(pos_ptr, eps, e0, e1, e2,
                            JOBS: tl.constexpr, GATHER: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
                            E0: tl.constexpr = False, E1: tl.constexpr = False, E2: tl.constexpr = False,
                            E3: tl.constexpr = False):
-    """Up to 4 norm_rope problems in one launch (norm_rope_jobs): job i takes programs e(i-1) .. e(i)-1, with
-    _norm_rope_kernel's arithmetic and its own shapes (D, HALF, LAYERNORM, BLOCK_D, BLOCK_HALF, BLOCK_REST) and Ei
-    (its outputs rounded on to e4m3 values: _norm_rope_rows' E4M3)."""
+    """Up to 4 norm_rope_ref problems in one launch (norm_rope_jobs): job i takes programs e(i-1) .. e(i)-1, with its
+    own shapes (D, HALF, LAYERNORM, BLOCK_D, BLOCK_HALF, BLOCK_REST) and Ei (its outputs rounded on to e4m3 values:
+    _norm_rope_rows' E4M3); every job has the bits it has alone. GATHER: the table rows are pos[t]'s."""
     pid = tl.program_id(0)
     if pid < e0:
         _norm_rope_rows(pid, x0, w0, b0, c0, s0, pos_ptr, o0, rows0, nh0, sx0, eps, D0, H0, L0, GATHER, BLOCK_R,
@@ -387,7 +376,7 @@ def _norm_slice(x_ptr, base, cols, r_ok, D: tl.constexpr, mu, r, wb, LAYERNORM: 
 
 
 def _norm_rope_launch(x, weight, cos, sin, bias, pos):
-    """norm_rope_triton's checks -> (its job's arguments, out the sixth; its shapes' constexprs)."""
+    """A norm_rope job's checks -> (its arguments, out the sixth; its shapes' constexprs)."""
     _check_tensor("x", x, torch.bfloat16, ndim=3, contiguous=False)
     T, NH, D = x.shape
     _check(x.stride(2) == 1 and x.stride(1) == D, lambda: f"x must have contiguous heads (strides {x.stride()})")
@@ -416,19 +405,15 @@ _NORM_ROPE_ROWS = 16  # head rows per program
 
 
 def norm_rope_triton(x, weight, cos, sin, eps, bias=None, pos=None):
-    (x, w, b, cos, sin, out, rows, NH, sx), sh = _norm_rope_launch(x, weight, cos, sin, bias, pos)
-    if rows:
-        _norm_rope_kernel[(triton.cdiv(rows, _NORM_ROPE_ROWS),)](
-            x, w, b, cos, sin, pos if pos is not None else out, out, rows, NH, sx, float(eps), D=sh[0], HALF=sh[1],
-            LAYERNORM=sh[2], GATHER=pos is not None, BLOCK_R=_NORM_ROPE_ROWS, BLOCK_D=sh[3], BLOCK_HALF=sh[4],
-            BLOCK_REST=sh[5], num_warps=4, **_NO_FMA, **_pdl())
-    return out
+    """Triton norm_rope_ref (a launch of one job)."""
+    return norm_rope_jobs_triton([(x, weight, cos, sin, bias)], eps, pos)[0]
 
 
 def norm_rope_jobs_triton(jobs, eps, pos, e4m3=()):
-    """norm_rope_jobs in one launch (_norm_rope_jobs_kernel)."""
+    """norm_rope_jobs in one launch (_norm_rope_jobs_kernel); pos None: cos and sin are the tokens' rows."""
     _check(1 <= len(jobs) <= 4, lambda: f"norm_rope_jobs takes 1 to 4 jobs, got {len(jobs)}")
-    _check_tensor("pos", pos, torch.int64, ndim=1)
+    if pos is not None:
+        _check_tensor("pos", pos, torch.int64, ndim=1)
     launches = [_norm_rope_launch(x, w, c, s_, b, pos) for x, w, c, s_, b in jobs]
     ends, args, shapes = [], [], []
     for a, sh in launches:
@@ -441,29 +426,24 @@ def norm_rope_jobs_triton(jobs, eps, pos, e4m3=()):
     ends += [ends[-1]] * pad
     const = {f"{k}{i}": v for i in range(4) for k, v in zip(("D", "H", "L", "BD", "BH", "BR"), shapes[6 * i:6 * i + 6])}
     if ends[-1]:
-        _norm_rope_jobs_kernel[(ends[-1],)](pos, float(eps), *ends[:3], *args, **const, JOBS=len(jobs), GATHER=True,
+        _norm_rope_jobs_kernel[(ends[-1],)](pos if pos is not None else args[5], float(eps), *ends[:3], *args, **const,
+                                            JOBS=len(jobs), GATHER=pos is not None,
                                             BLOCK_R=_NORM_ROPE_ROWS, **{f"E{i}": i in e4m3 for i in range(4)},
                                             num_warps=4, **_NO_FMA, **_pdl())
     return [a[5] for a, _ in launches]
 
 
 def norm_rope_jobs(jobs, eps, pos, e4m3=()):
-    """[norm_rope(x, weight, cos, sin, eps, bias, pos) for (x, weight, cos, sin, bias) in jobs] (1 to 4 of them, all
-    at the positions pos): one launch on the Triton path (a DSA layer's q, k, indexer q and indexer k: four launches
-    of ~2 us each in the decode step before), unless TUNING["norm_rope_jobs"] is off. e4m3: the indices of jobs whose
-    outputs are then rounded to their e4m3 values (as to_e4m3; kept in bf16, which holds them exactly): the indexer's
-    q, which the scores read only so (indexer_scores' q_e4m3)."""
+    """[norm_rope_ref(x, weight, cos, sin, eps, bias, pos) for (x, weight, cos, sin, bias) in jobs] (1 to 4 of them,
+    all at the positions pos): one launch on the Triton path (a DSA layer's q, k, indexer q and indexer k; the step
+    -2.4% against four launches, PERF_LOG 2026-12-02). e4m3: the indices of jobs whose outputs are then rounded to
+    their e4m3 values (as to_e4m3; kept in bf16, which holds them exactly): the indexer's q, which the scores read
+    only so (indexer_scores' q_e4m3)."""
     _check(1 <= len(jobs) <= 4, lambda: f"norm_rope_jobs takes 1 to 4 jobs, got {len(jobs)}")
-    if _triton(jobs[0][0]) and TUNING["norm_rope_jobs"]:
+    if _triton(jobs[0][0]):
         return norm_rope_jobs_triton(jobs, eps, pos, e4m3)
-    out = [norm_rope(x, w, c, s_, eps, b, pos) for x, w, c, s_, b in jobs]
+    out = [norm_rope_ref(x, w, c, s_, eps, b, pos) for x, w, c, s_, b in jobs]
     return [to_e4m3(o).to(o.dtype) if i in e4m3 else o for i, o in enumerate(out)]
-
-
-def norm_rope(x, weight, cos, sin, eps, bias=None, pos=None):
-    if _triton(x):
-        return norm_rope_triton(x, weight, cos, sin, eps, bias, pos)
-    return norm_rope_ref(x, weight, cos, sin, eps, bias, pos)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -659,7 +639,7 @@ def _head_params(w_ptr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.cons
 @triton.jit
 def _head_norm_rope(x_ptr, base, r_ok, cs, wts, eps, D: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
-    """RMS-norm + NEOX RoPE of head rows at x_ptr + base ([BLOCK_R, 1] offsets) with _norm_rope_kernel's arithmetic
+    """RMS-norm + NEOX RoPE of head rows at x_ptr + base ([BLOCK_R, 1] offsets) with _norm_rope_rows' arithmetic
     (same rounding points, so the cached k matches norm_rope's): returns fp32 holding bf16 values, as three column
     pieces: first [BLOCK_R, BLOCK_HALF] (dims j < HALF), second (dims HALF + j), rest (dims 2*HALF + c < D);
     padding columns are 0. cs: the position's (cos, sin) (_rope_row), wts: the weight (_head_params)."""
@@ -734,7 +714,7 @@ def _sliding_write_kernel(qkvg_ptr, pos_ptr, k_ptr, v_ptr, kw_ptr, cos_ptr, sin_
                           BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
     """A step of Q > 1 tokens per ring row: token t's k (norm + RoPE) and v of group g into slot pos[t] % R of ring
     row (t // Q, g), before any query of the step reads the ring (R >= W + Q - 1: no query's window loses a key).
-    The position, its table rows and the norm weight are read before the PDL wait (as _norm_rope_kernel)."""
+    The position, its table rows and the norm weight are read before the PDL wait (as _norm_rope_rows)."""
     t = tl.program_id(0) // G
     g = tl.program_id(0) % G
     p = tl.load(pos_ptr + t)
@@ -769,7 +749,7 @@ def _sliding_attn_kernel(
     P.V takes the fp32 probabilities (SDPA's math): on GPUs as two bf16 MMAs, P = hi + lo with hi = bf(P),
     lo = bf(P - hi) (16 of P's 24 bits; the dropped part is < 2^-16 P), on the interpreter as one fp32 dot.
     Writes the unnormalised acc, the running max m and sum l for _sliding_merge_kernel.
-    The position, its table rows and the norm weights are read before the PDL wait (as _norm_rope_kernel). HOIST
+    The position, its table rows and the norm weights are read before the PDL wait (as _norm_rope_rows). HOIST
     (NEW_IN_REGS, one BLOCK_N chunk per split): so are the split's cached keys and values, while the packed
     projection (the predecessor, which writes only qkvg) still runs: no slot but pm was written by a kernel that
     may be running.
@@ -1457,7 +1437,7 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
                                      w.stride(0), w.stride(1), summ.stride(0), HG=HG, BLOCK_T=BLOCK_T,
                                      BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P),
                                      BLOCK_PC=block_pc or triton.next_power_of_2(P),
-                                     DOT_DTYPE=_DOT, Q_E4M3=q_e4m3 and TUNING["indexer_q8"], num_warps=num_warps,
+                                     DOT_DTYPE=_DOT, Q_E4M3=q_e4m3, num_warps=num_warps,
                                      **_NO_FMA, **_pdl())
     return out
 

@@ -499,11 +499,11 @@ def test_norm_rope_token_strided_input():
 
 
 @pytest.mark.parametrize("jobs", [4, 3, 1])
-def test_norm_rope_jobs(jobs, monkeypatch):
+def test_norm_rope_jobs(jobs):
     """A DSA layer's four norms in one launch (norm_rope_jobs): q [T, 4, 192] and k [T, 1, 192] (span 64, column
     slices of one packed projection), the indexer's q [T, 2, 48] (RMS, span 16, 17 rows: two programs) and k
-    [T, 1, 48] (LayerNorm with bias) on a second table: each output has the bits of its own norm_rope launch, on the
-    Triton path and (TUNING["norm_rope_jobs"] off) through the separate launches; the first 1 or 3 jobs alone too."""
+    [T, 1, 48] (LayerNorm with bias) on a second table: each output has the bits of its own norm_rope launch, through
+    the Triton launch and through the dispatcher (the references on a CPU); the first 1 or 3 jobs alone too."""
     T, P = 17, 48
     packed = randn(T, 6 * 192 + 3 * P, seed=11, scale=2.0)
     tabs = []
@@ -518,15 +518,14 @@ def test_norm_rope_jobs(jobs, monkeypatch):
             (packed[:, 1152 + 2 * P:][:, None], w[3], *tabs[1], b)][:jobs]
     pos = torch.randperm(40, generator=_gen(14))[:T].to(DEV)
     want = [K.norm_rope_triton(x, w_, c, s_, 1e-5, b_, pos=pos) for x, w_, c, s_, b_ in spec]
-    for fused in (True, False):
-        monkeypatch.setitem(K.TUNING, "norm_rope_jobs", fused)
-        got = K.norm_rope_jobs(spec, 1e-5, pos)
+    for run in (K.norm_rope_jobs_triton, K.norm_rope_jobs):
+        got = run(spec, 1e-5, pos)
         assert len(got) == jobs and all(bytes_equal(g, w_) for g, w_ in zip(got, want))
         # e4m3: the chosen jobs' outputs rounded on to their e4m3 values, kept as bf16 (weights of 300: some values
         # saturate at 448)
         big = [(x, torch.full_like(w_, 300.0), c, s_, b_) for x, w_, c, s_, b_ in spec]
-        plain = K.norm_rope_jobs(big, 1e-5, pos)
-        got = K.norm_rope_jobs(big, 1e-5, pos, e4m3=(0, jobs - 1))
+        plain = run(big, 1e-5, pos)
+        got = run(big, 1e-5, pos, e4m3=(0, jobs - 1))
         assert all(bytes_equal(g, K.to_e4m3(p).to(p.dtype) if i in (0, jobs - 1) else p)
                    for i, (g, p) in enumerate(zip(got, plain)))
         assert plain[0].abs().max() > 448
