@@ -388,17 +388,21 @@ def sweep_gemm_wgmma(rows_per_expert, E=44, choices=((128, 4), (256, 3), (256, 4
 
 def sweep_banded(T=8192, chunks=(512, 2048, 8192)):
     """A sliding layer's prefill attention (one TP=8 rank: 8 query heads, 1 KV group, head_dim 192, window 512) over
-    T tokens in prefill chunks: kernel.banded_attention's "math" and "triton" (the default): time and the largest
-    difference in bf16 steps of the math path's row magnitude."""
+    T tokens in prefill chunks: kernel.banded_attention's reference ("math": SDPA's math path) and Triton kernel:
+    time and the largest difference in bf16 steps of the math path's row magnitude."""
     H, hd, W = 8, 192, 512
     q, k, v = (torch.randn(h, T, hd, device=DEV).bfloat16() for h in (H, 1, 1))
 
     def run(chunk, how):
-        out = torch.empty_like(q)
-        for c0 in range(0, T, chunk):
-            c1, k0 = min(T, c0 + chunk), max(0, c0 - W + 1)
-            out[:, c0:c1] = K.banded_attention(q[:, c0:c1], k[:, k0:c1], v[:, k0:c1], c0 - k0, W, hd ** -0.5, how)
-        return out
+        K.set_backend(how == "triton")
+        try:
+            out = torch.empty_like(q)
+            for c0 in range(0, T, chunk):
+                c1, k0 = min(T, c0 + chunk), max(0, c0 - W + 1)
+                out[:, c0:c1] = K.banded_attention(q[:, c0:c1], k[:, k0:c1], v[:, k0:c1], c0 - k0, W, hd ** -0.5)
+            return out
+        finally:
+            K.set_backend(True)
     ref = run(T, "math")
     mag = ref.float().abs().amax(-1, keepdim=True).clamp_min(2 ** -126)
     ulp = torch.ldexp(torch.ones_like(mag), torch.frexp(mag).exponent - 8)

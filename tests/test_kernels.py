@@ -640,17 +640,15 @@ def test_banded_attention_matches_reference(H, G, hd, off, n, W):
 
 
 def test_set_tuning_parses_values_and_names_bad_ones(monkeypatch):
-    """--tune KEY=VALUE (bench_decode.py, bench_prefill.py, sass.py): literals for typed choices, bare words for the
-    string ones; an unknown key or a malformed value is named."""
+    """--tune KEY=VALUE (bench_decode.py, bench_prefill.py, sass.py): Python literals converted to the default's type;
+    an unknown key or a malformed value is named."""
     monkeypatch.setattr(K, "TUNING", dict(K.TUNING))
-    K.set_tuning(["banded=triton", "moe_block_n=(32, 64)", "router_parts=1"])
-    assert (K.TUNING["banded"], K.TUNING["moe_block_n"], K.TUNING["router_parts"]) == ("triton", (32, 64), 1)
+    K.set_tuning(["moe_block_n=(32, 64)", "router_parts=1"])
+    assert (K.TUNING["moe_block_n"], K.TUNING["router_parts"]) == ((32, 64), 1)
     with pytest.raises(ValueError, match="nokey"):
         K.set_tuning(["nokey=1"])
     with pytest.raises(ValueError, match="moe_block_n"):
         K.set_tuning(["moe_block_n=wide"])
-    with pytest.raises(ValueError, match="'wide' is not math or triton"):
-        K.banded_attention(*(torch.zeros(1, 1, 8).bfloat16() for _ in range(3)), 0, 1, 1.0, "wide")
 
 
 def test_candidates_are_timed_between_two_timings_of_the_defaults():
@@ -940,7 +938,7 @@ def test_gpu_banded_attention_real_shape():
     512, 2048 queries after 511 cached keys): the Triton kernel against the math path."""
     H, hd, W, n, m = 8, 192, 512, 2048, 511
     q, k, v = randn(H, n, hd, seed=1), randn(1, m + n, hd, seed=2), randn(1, m + n, hd, seed=3)
-    out = K.banded_attention(q, k, v, m, W, hd ** -0.5, "triton")
+    out = K.banded_attention(q, k, v, m, W, hd ** -0.5)  # the Triton kernel on a GPU
     ref = K.banded_attention_ref(q, k, v, m, W, hd ** -0.5)
     ulps = ((out.float() - ref.float()).abs() / bf16_ulp(ref.float().abs().amax(-1, keepdim=True))).max().item()
     print(f"GPU banded attention: max {ulps:.2f} bf16 steps of the row's magnitude")
