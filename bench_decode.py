@@ -12,10 +12,10 @@ Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the r
 row against a 1-token step. --candidates [KEY ...] (with --whole-rank): the step with each of kernel.TUNING's launch
 choices (or only the KEYs) set to each of its alternatives (ALTERNATIVES; TOGETHER: several keys at once), against
 the defaults timed just before and after it; --tune KEY=VALUE changes a default for the whole run (e.g. --tune
-moe_stages=3,3).
+"moe_stages=((3, 3), (3, 3))").
 
     python bench_decode.py [--batch 1] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
-    python bench_decode.py --whole-rank --tune moe_stages=4,4 --tune moe_unroll=4,4
+    python bench_decode.py --whole-rank --tune "moe_stages=((4, 4), (4, 3))" --tune "moe_unroll=((4, 4), (1, 1))"
     python bench_decode.py [--whole-rank] --tokens-per-row 4    # a speculative verify step (3 drafts)
     torchrun --nproc-per-node=2 bench_decode.py --whole-rank [--one-shot]
 """
@@ -31,19 +31,21 @@ import config
 import model as M
 from generate import DecodeStep
 
-# the other values of kernel.TUNING's launch choices: measured and not taken, or candidates not yet timed
-# (--candidates re-times the step with each)
-ALTERNATIVES = {"sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
-                "moe_block_n": [(32, 64), (64, 64), (32, 128)], "moe_stages": [(4, 4), (6, 6), (4, 3), (3, 2)],
-                "moe_unroll": [(4, 4), (8, 1), (4, 2)],
-                "router_block_e": [64], "skinny_stages": [4],
-                "skinny_parts": [1, 2, 8], "shared_parts": [(4, 4), (8, 8)],
-                "skinny_tiles": [((16, 512), (8, 256)), ((32, 256), (8, 256))], "skinny_warps": [8],
-                "router_parts": [1], "moe_maxnreg": [(0, 0), (168, 168), (128, 0)],
-                "moe_tma": [(17, 17), (2, 2), (1, 1)],
-                "moe_early_down": [(False, False), (True, True)], "moe_stages_batch": [(3, 3), (4, 4)]}
-# candidates of several keys at once: name -> the TUNING entries they set together
-TOGETHER = {"moe_down_3cta": {"moe_maxnreg": (168, 168), "moe_stages_batch": (3, 2)}}
+# the other values of kernel.TUNING's launch choices, each measured and not taken (PERF_LOG.md: "kernel.TUNING, key
+# by key"); --candidates re-times the step with each
+ALTERNATIVES = {"sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32], "router_block_e": [64], "router_parts": [1],
+                "moe_block_n": [((32, 64), (32, 64)), ((32, 64), (64, 64)), ((32, 64), (32, 128))],
+                "moe_stages": [((4, 4), (4, 3)), ((6, 6), (4, 3)), ((4, 3), (4, 3)), ((3, 2), (4, 3)),
+                               ((3, 3), (3, 3)), ((3, 3), (4, 4))],
+                "moe_unroll": [((4, 4), (1, 1)), ((8, 1), (1, 1)), ((4, 2), (1, 1))],
+                "moe_maxnreg": [((0, 0), (0, 0)), ((0, 0), (168, 168)), ((0, 0), (128, 0))],
+                "moe_tma": [((False, False), (False, False)), ((False, False), (True, True)),
+                            ((True, True), (True, True))],
+                "moe_early_down": [(False, False), (True, True)], "shared_parts": [(4, 4), (8, 8)],
+                "skinny_tiles": [((16, 512), (8, 256)), ((32, 256), (8, 256))], "skinny_stages": [4],
+                "skinny_parts": [1, 2, 8], "skinny_warps": [8]}
+# several keys at once: name -> the TUNING entries they set together
+TOGETHER = {"moe_down_3cta": {"moe_maxnreg": ((0, 0), (168, 168)), "moe_stages": ((3, 3), (3, 2))}}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 

@@ -49,25 +49,25 @@ def _triton(x: torch.Tensor) -> bool:
 
 
 # Launch choices, each the winner of whole decode steps timed on the H200 (bench_decode.py --whole-rank --candidates
-# re-times the step with each other value); an argument passed to a launcher overrides them. The figures behind
-# every value: PERF_LOG.md, "kernel.TUNING, key by key".
+# re-times the step with the other values); an argument passed to a launcher overrides them. The numbers behind each
+# value: PERF_LOG.md, "kernel.TUNING, key by key". A tuple's axis is named on its line; the decode experts' entries
+# are (T == 1, T > 1) of the decode step's T tokens, each a (gate/up kernel, down kernel) pair where both have one.
 TUNING = {
-    "sliding_warps": (8, 4),  # sliding decode attention warps, (grid < SMs, grid >= SMs)
-    "sparse_block_n": 64,  # sparse attention key slots per tile
-    "moe_block_n": (64, 128),  # decode expert tile columns at T > 1, (gate/up, down)
-    "moe_stages": (3, 3),  # decode expert pipeline stages at T = 1, (gate/up, down)
-    "moe_unroll": (4, 1),  # decode FP8 expert K blocks per loop iteration at T = 1, (gate/up, down)
+    "sliding_warps": (8, 4),  # warps of the sliding decode attention, (grid < SMs, grid >= SMs)
+    "sparse_block_n": 64,  # key slots per sparse attention tile
     "router_block_e": 32,  # experts per router-logits program
-    "skinny_stages": 6,  # skinny_linear pipeline stages below 6400 columns
-    "skinny_parts": 4,  # skinny_linear: MMA chains over K
-    "shared_parts": (8, 4),  # the shared expert's gate/up MMA chains over K, (T = 1, T > 1)
-    "skinny_tiles": ((32, 256), (16, 512)),  # skinny_linear (columns, K block), (N >= 3200, N < 3200)
+    "router_parts": 4,  # MMA chains over the router logits' one K step
+    "moe_block_n": ((32, 64), (64, 128)),  # decode expert tile columns, (T == 1, T > 1) of (gate/up, down)
+    "moe_stages": ((3, 3), (4, 3)),  # decode expert pipeline stages, (T == 1, T > 1) of (gate/up, down)
+    "moe_unroll": ((4, 1), (1, 1)),  # FP8 decode expert K blocks per iteration, (T == 1, T > 1) of (gate/up, down)
+    "moe_maxnreg": ((0, 0), (168, 0)),  # decode expert register caps (0: none), (T == 1, T > 1) of (gate/up, down)
+    "moe_tma": ((False, True), (True, True)),  # FP8 decode tiles by TMA (T <= 16), (T == 1, T > 1) of (gate/up, down)
+    "moe_early_down": (False, True),  # down programs await only their expert's gate/up tiles, (T == 1, T > 1)
+    "shared_parts": (8, 4),  # MMA chains over K of the shared expert's gate/up, (T == 1, T > 1)
+    "skinny_tiles": ((32, 256), (16, 512)),  # skinny_linear (columns, K block), (3200 <= N < 6400, N < 3200)
+    "skinny_stages": 6,  # skinny_linear pipeline stages at N < 6400
+    "skinny_parts": 4,  # skinny_linear MMA chains over K
     "skinny_warps": 4,  # skinny_linear warps
-    "router_parts": 4,  # router logits: MMA chains over the hoisted K step
-    "moe_maxnreg": (168, 0),  # decode expert register caps at T > 1 (0: none), (gate/up, down)
-    "moe_tma": (2, 1),  # smallest T (<= 16) whose swapped FP8 tiles load by TMA, (gate/up, down)
-    "moe_early_down": (False, True),  # down programs await their own expert's gate/up tiles, (T = 1, T > 1)
-    "moe_stages_batch": (4, 3),  # decode expert pipeline stages at T > 1, (gate/up, down)
 }
 
 
@@ -2942,40 +2942,39 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         limit_s = None
     # H200 sweeps (bench_kernels.py sweep_moe_decode), routed + shared: 32-34 us at T=1 (best of 19 tile / warp /
     # stage choices), 160-164 us at T=16 (best 153, (128, 128) w8)
-    gpu = _GPU_LAUNCH
-    bn = ((32, 64) if T == 1 else TUNING["moe_block_n"]) if gpu else (64, 64)
-    nw, ns = (4, 4), TUNING["moe_stages_batch" if T > 1 else "moe_stages"] if gpu else (1, 1)
+    gpu, many = _GPU_LAUNCH, T > 1  # TUNING's MoE entries are (T == 1, T > 1)
+    bn = TUNING["moe_block_n"][many] if gpu else (64, 64)
+    nw, ns = (4, 4), TUNING["moe_stages"][many] if gpu else (1, 1)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     # k_unroll (same bits) 4 on gate/up, H200: 12.5 vs 14.0 us at T = 1 in the whole-rank step (down: 12.9 vs 11.8);
     # at T = 4 / 16 gate/up + down 86 / 229 vs 60 / 161 us. FP8 only: BF16 experts' 4 stages of 4 K blocks need 240 KB
     # of shared memory (the H200 has 227).
     nkb, nkf = triton.cdiv(D, QBLOCK), triton.cdiv(F, QBLOCK)
-    tuned = TUNING["moe_unroll"] if fp8 and T == 1 and gpu else (1, 1)
+    tuned = TUNING["moe_unroll"][many] if fp8 and gpu else (1, 1)
     ku = k_unroll or tuple(u if n % u == 0 else 1 for u, n in zip(tuned, (nkb, nkf)))
     _check(nkb % ku[0] == 0 and nkf % ku[1] == 0,
            lambda: f"k_unroll {ku} must divide the K blocks of gate/up ({nkb}) and down ({nkf})")
     sh = int(shared is not None)
     ranks = min(T * k, E)  # distinct local experts the slots can hit
-    regs = [{"maxnreg": r} if r and gpu and T > 1 else {} for r in TUNING["moe_maxnreg"]]
+    regs = [{"maxnreg": r} if r and gpu else {} for r in TUNING["moe_maxnreg"][many]]
     dummy = y
     common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, ZERO_GUARD=T == 1,
                   BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
                   DOT_DTYPE=_DOT, PRECISE=_PRECISE)
     grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
     xqt, sxt = _x_quant(x, xq) if fp8 else (x, dummy)
-    first_t = TUNING["moe_tma"] if tma is None else ((1, 1) if tma else (17, 17))
-    tma = [fp8 and t0 <= T <= 16 for t0 in first_t]
+    tma = [fp8 and bool(u) and T <= 16 for u in (TUNING["moe_tma"][many] if tma is None else (tma, tma))]
     descs, up_first = (None, None, None), False
     if any(tma):
         descs, up_first = _decode_descs(xqt, w1, w3, w2, bn)
         tma = [tma[0] and descs[0] is not None, tma[1] and descs[2] is not None]
-    early = TUNING["moe_early_down"][T > 1]
+    early = TUNING["moe_early_down"][many]
     cnt = _arrival_counters(x.device, ranks + sh) if early else dummy
     _moe_decode_up_kernel[grid1](
         xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu, descs[0], descs[1], cnt,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
         s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, K_UNROLL=ku[0],
-        BLOCK_N=bn[0], SHARED_PARTS=TUNING["shared_parts"][T > 1], TMA=tma[0], UP_FIRST=up_first,
+        BLOCK_N=bn[0], SHARED_PARTS=TUNING["shared_parts"][many], TMA=tma[0], UP_FIRST=up_first,
         TOPK_P2=triton.next_power_of_2(k), EARLY=early, num_warps=nw[0], num_stages=ns[0], **common, **regs[0],
         **_pdl())
     _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](

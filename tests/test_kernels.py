@@ -926,7 +926,8 @@ def test_gpu_moe_decode_real_shape(T, monkeypatch):
     for ku in ((1, 1), (4, 4)):
         assert torch.equal(K.moe_experts_decode_triton(*args, k_unroll=ku, num_stages=(3, 3)), out)
     # a register cap (T > 1) changes no arithmetic
-    monkeypatch.setitem(K.TUNING, "moe_maxnreg", (0, 0) if K.TUNING["moe_maxnreg"] != (0, 0) else (168, 168))
+    nocap = ((0, 0), (0, 0))
+    monkeypatch.setitem(K.TUNING, "moe_maxnreg", nocap if K.TUNING["moe_maxnreg"] != nocap else ((0, 0), (168, 168)))
     assert torch.equal(K.moe_experts_decode_triton(*args), out)
     # TMA tiles or pointers: the same bits
     assert torch.equal(K.moe_experts_decode_triton(*args, tma=True), K.moe_experts_decode_triton(*args, tma=False))
