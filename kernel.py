@@ -153,8 +153,7 @@ def _check_tensor(name, t, dtype, ndim=None, contiguous=True):
 @triton.jit
 def _bf16_round(x):
     """fp32 -> nearest-even bf16 value, returned as fp32 (a later .to(bf16) is then exact on every backend). GPUs:
-    the convert (cvt.rn: one instruction per two values), where the integer form took ~5 per value (~30% of the
-    sliding attention tile's instructions, ncu on the H200)."""
+    the convert (cvt.rn, one instruction per two values; the integer form below is ~5 per value)."""
     if _HW_CONVERT:
         return x.to(tl.bfloat16).to(tl.float32)
     b = x.to(tl.int32, bitcast=True)
@@ -188,11 +187,9 @@ def _e4m3_bits(x):
 
 @triton.jit
 def _to_e4m3(x):
-    """fp32 -> float8_e4m3fn with torch's saturating round-to-nearest-even cast. GPUs: the convert, which
-    saturates itself (cvt.rn.satfinite: |x| >= 464 would round to 480, not finite in e4m3fn, and becomes 448, as
-    after a clamp; a clamp before it cost 2 instructions per value, ~11% of the batch-1 down tile's K loop in its sm90
-    build); equal to _e4m3_bits (tests/test_kernels.py checks both); with the integer helper the decode indexer
-    kernel took 114 us per call on the H200, with the convert under 7; the interpreter needs the helper."""
+    """fp32 -> float8_e4m3fn with torch's saturating round-to-nearest-even cast (to_e4m3). GPUs: the convert, which
+    saturates itself (cvt.rn.satfinite: what would round past 448 becomes 448, as after a clamp, so no clamp is
+    spent); the interpreter: _e4m3_bits (tests/test_kernels.py checks both against torch)."""
     if _HW_CONVERT:
         return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     else:
@@ -233,8 +230,8 @@ def rms_norm_ref(x, w, eps, out_dtype=None):
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, x_stride, out_stride, eps, OUT_BF16: tl.constexpr,
                      BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """One row per program: y = x * (1 / sqrt(sum(x^2) / D + eps)) * (w + 1), rounded once to the output dtype.
-    Replaces the ~7 elementwise/reduction launches of the PyTorch form in every decode layer (twice per layer)."""
+    """One row per program: y = x * (1 / sqrt(sum(x^2) / D + eps)) * (w + 1), rounded once to the output dtype (one
+    launch where the PyTorch form takes ~7)."""
     _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -306,8 +303,7 @@ def norm_rope_ref(x, weight, cos, sin, eps, bias=None, pos=None):
 @triton.jit
 def _rotate(a, b, c, s):
     """NEOX rotation of bf16-valued fp32 pairs (norm_rope_ref): products of bf16 values are exact in fp32, so
-    a*c - b*s and a*s + b*c are each rounded once, = the spec's fma(a, s, b*c) in plain fp32 (this replaced an
-    fp64 emulation: 163 fp64 conversions per thread in the sm90 build of the sliding attention tile)."""
+    a*c - b*s and a*s + b*c are each rounded once, = the spec's fma(a, s, b*c) in plain fp32."""
     return a * c - b * s, a * s + b * c
 
 
@@ -579,10 +575,9 @@ def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, L, off, W, scale, sq_h, s
 
 
 def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4):
-    """Triton banded_attention_ref (_banded_attn_kernel): within 2 bf16 steps of it (online softmax; CPU tests). The
-    sm90 build at one TP=8 rank's shapes (8 heads per group: 64-row tiles, head_dim 128 + 64): 32-key blocks at 4
-    warps take 204 registers and no spills (64-key blocks: 255 and 25 spilled, also at 8 warps). GPU: block_n and
-    head_dim's pieces of at least 16 (tl.dot's smallest)."""
+    """Triton banded_attention_ref (_banded_attn_kernel): within 2 bf16 steps of it (online softmax; CPU tests).
+    block_n 32: the sm90 build at one TP=8 rank's shapes (64-row tiles, head_dim 128 + 64) keeps 204 registers
+    without spills (64-key blocks spill). GPU: block_n and head_dim's pieces of at least 16 (tl.dot's smallest)."""
     _check_tensor("q", q, torch.bfloat16, ndim=3, contiguous=False)
     _check_tensor("k", k, torch.bfloat16, ndim=3, contiguous=False)
     _check_tensor("v", v, torch.bfloat16, ndim=3, contiguous=False)
@@ -910,9 +905,8 @@ def _lse_merge(po, m, l, C: tl.constexpr, S: tl.constexpr, PRECISE: tl.constexpr
     """The log-sum-exp merge of a head's S splits (both decode attentions' merge kernels): po [C, S] (C of the head's
     dims: each split's unnormalised fp32 output), m, l [S] (its running max and sum of exps) -> [C] bf16 values
     o = bf(sum c po / sum c l) (SDPA's bf16 result), c = exp(m - max m) (0 for an empty split; a head without keys
-    gives 0). Twelfth session (whole step, H200, against the defaults timed around it): -0.5% at batch 1 and -0.7%
-    at batch 16 vs the [S, C] tile summed by tl.sum over S, with tl.exp in the sparse merge (its order was the
-    layout's; this one depends on S alone)."""
+    gives 0). Each column's splits sit in one thread and add in a fixed order (_split_sum): the result depends on S
+    alone, not on a layout's reduction order."""
     c = tl.where(m == float("-inf"), 0.0, _exp(m - tl.max(m, axis=0), PRECISE))
     num = _split_sum(po * c[None, :], C, S)
     den = _split_sum((l * c)[None, :], 1, S)
@@ -956,15 +950,8 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
                           n_groups, split_len=32, num_warps=None):
     """Triton sliding_decode_ref: 2 launches (3 for Q > 1 tokens per row: the keys are written first). split_len:
     ring slots per program; it depends only on R (never on the batch or Q), so a token's reduction order and result
-    do not depend on the batch size. 32 on the H200 (one TP=8 layer, R = 512): 13.5 us at B = 1 and 15.5 at B = 16,
-    against 12.6 / 22.8 (16), 16.6 / 17.5 (64) and 22.5 / 23.3 (128); whole steps on 2026-12-01, third session: 16 /
-    64 / 128 were -0.5 / +0.9 / +5.7% at batch 1 and +2.0 / -0.4 / -0.2% at 16. num_warps of the attention launch
-    (default: TUNING["sliding_warps"]): with 16-row head tiles and the integer bf16 rounding, the 4-warp sm90 build
-    spilled ~75 registers and the 8-warp one fewer; with 8 rows and the convert neither spills. At batch 1 the 16
-    programs are issue-bound chains (ncu, H200 at base clock, 16 head rows: 17-18 us, 255 registers, 1.5 instructions
-    issued per active cycle, ~3770 per warp; ~2180 in the sm90 build since); measured and removed on 2026-12-01:
-    programs of 1 or 2 heads instead of all 8 (8x / 4x the programs), 14.3 / 14.2 vs 14.0 us at B = 1 and 171 / 89
-    vs 28 us at B = 16."""
+    do not depend on the batch size (32: 16 / 64 / 128 were slower at batch 1 or 16, PERF_LOG 2026-12-01).
+    num_warps of the attention launch: default TUNING["sliding_warps"]."""
     H, G = n_heads, n_groups
     _check(H > 0 and G > 0 and H % G == 0, lambda: f"n_heads={H} must be a positive multiple of n_groups={G}")
     for name, t_ in (("ring_k", ring_k), ("ring_v", ring_v)):
@@ -1223,10 +1210,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
     reduced-precision accumulator of Hopper's fp8 MMA. BLOCK_PC < BLOCK_P: each head's dot as BLOCK_P / BLOCK_PC
     chained dots over P slices (smaller operand tiles in registers: the whole-P prefill tiles spill in the sm90
     build), the slices re-read per head. Q_E4M3: q holds e4m3 values already (norm_rope_jobs' e4m3), so its
-    rounding is skipped (the same bits; rounding and widening the whole q in every warp was ~1280 of the decode
-    tile's ~3500 sm90 instructions per thread: the decode scores are issue-bound, and 2-4 region tiles per program,
-    measured on 2026-12-02, took 20-30 us where one took 14.7).
-    """
+    rounding is skipped (the same bits; the decode scores are issue-bound, and the rounding was about a third of
+    their instructions)."""
     _pdl_enter(PDL)
     s = tl.program_id(0) // G
     g = tl.program_id(0) % G
@@ -1266,8 +1251,9 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
                           q_e4m3=False):
     """Triton indexer_scores_ref. block_t / block_r / num_warps: tile overrides (bench_kernels.py sweep_indexer; each
     score is one dot over P and a sum over heads in order whatever the tile; the sweep shows whether the GPU's MMA
-    for another tile shape gives the same bits). block_pc: P slice of the chained dots (a candidate, not yet timed:
-    at 64 with 64 x 128 tiles and 8 warps the sm90 build no longer spills)."""
+    for another tile shape gives the same bits). block_pc: P slices of the chained dots (default: all of P in one
+    dot; 64, with 64 x 128 tiles at 8 warps, builds for sm90 without spills, and no timing has chosen it).
+    q_e4m3: q holds e4m3 values (_indexer_scores_kernel's Q_E4M3)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     _check_tensor("w", w, w.dtype, ndim=4, contiguous=False)
     _check(w.dtype in (torch.bfloat16, torch.float32) and w.stride(3) == 1 and w.stride(2) == w.shape[3],
@@ -1282,9 +1268,8 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
            lambda: f"summ must be [S={S}, R, P={P}], got {tuple(summ.shape)}")
     out = torch.empty(S, G, T, R, dtype=torch.float32, device=q.device)
     BLOCK_T = block_t or (16 if T <= 16 else 64)
-    # H200, 256 queries x 131072 regions (a 1M-token prefill chunk): 64 x 128 248 us, 64 x 64 414 us (best of 6)
-    # decode (T <= 16): 64-region tiles, or 128 once those would be over two programs per SM (an inferred bound):
-    # H200, 16 requests x 4100 regions 20.0 -> 14.8 us (1 request x 516: 4.9 at 64, 5.6 at 128); same bits
+    # prefill 64 x 128 tiles (a 1M-token chunk: 248 us, 414 at 64 x 64); decode 64-region tiles, or 128 once those
+    # would be more than two programs per SM (16 requests x 4100 regions: 14.8 us against 20.0); the same bits
     many = S * G * triton.cdiv(R, 64) > 2 * _sms()
     BLOCK_R = block_r or ((128 if many else 64) if T <= 16 and _GPU_LAUNCH else 128)
     if out.numel():
@@ -1442,10 +1427,8 @@ def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096):
     chunk = max(chunk, 4 * triton.next_power_of_2(K))  # chunks of >= 2K entries: each level halves the pairs
     src, src_id, n = scores, scores, R
     while True:
-        # measured (H200, topk 512, CUDA graph): one row of R = 16384 takes 16 us in chunks of 4096 (19 us of 2048,
-        # 21 us of 8192; 36 us as one program, before the early stop), R = 131072 29 us; a 256-row prefill chunk
-        # (R = 16384) 70 us as whole rows, 84-111 us chunked: with a row per SM already, splitting only adds work.
-        # Rows longer than 16384 are always split (registers).
+        # few rows (decode): chunks of 4096 (a row of 16384: 16 us, 19 / 21 in chunks of 2048 / 8192, 36 whole); a row
+        # per SM already (prefill): whole rows, as splitting only adds work; rows past 16384 always split (registers)
         C = triton.cdiv(n, chunk) if n > chunk and (rows < 128 or n > 16384) else 1
         BLOCK = triton.next_power_of_2(triton.cdiv(n, C))
         final = C == 1
@@ -1470,8 +1453,7 @@ def select_regions(scores, n_hist, topk, blk=1):
 def dsa_query_chunk(x, groups, regions):
     """Queries per launch of a DSA prefill's scores, selection and sparse attention (model._dsa): 256 for the
     references (sparse_attention_ref gathers every query's selected keys), else as many (a multiple of 256) as keep
-    the fp32 scores [groups, queries, regions] within 128 MiB: at 256, each launch's host time exceeded its GPU time
-    (H200, 32k context: 32 launches of each per 8k chunk)."""
+    the fp32 scores [groups, queries, regions] within 128 MiB: at 256, each launch's host time exceeded its GPU time."""
     if not _triton(x):
         return 256
     return max(256, (1 << 27) // (4 * groups * max(regions, 1)) // 256 * 256)
@@ -1629,11 +1611,8 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
                             num_stages=2):
     """Triton sparse_attention_ref for decode (T = 1) and prefill (T queries). `splits` (default: enough programs
     to fill the GPU) divides each query's key slots over programs merged by log-sum-exp (which applies the gate,
-    else torch does: gate_heads). block_n: key slots per tile (default TUNING["sparse_block_n"]); at 64 (hd 192)
-    the sm90 build spills ~180 registers to local memory, at 32 ~15, yet 32 measured no faster (see TUNING; other
-    split boundaries: tolerance-level differences). num_stages (GPU launches): 3 and 4 took bench_kernels.py's
-    16 x 32k decode case from 26.8 to 24.1 us (1 x 4k: 8.9 -> 9.5) and moved the whole step by -0.2 / +0.3% at
-    batch 16 / 1 (thirteenth session, 2026-12-02): not taken."""
+    else torch does: gate_heads); other split boundaries give tolerance-level differences. block_n: key slots per
+    tile (default TUNING["sparse_block_n"]). num_stages: of the GPU launches (3 or 4: within 0.3% of the step)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     S, T, G, HG, hd = q.shape
     for name, t_ in (("k", k), ("v", v)):
@@ -1660,8 +1639,8 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
     rows = S * T * G
     if rows == 0:
         return out
-    if splits is None:  # about two programs per SM (132 on an H200), down to one tile per split (H200 sweep:
-        # batch 1 at 4104 keys 18.6 us with 17 splits, 9.7 us with 65; batch 8 best at 33)
+    if splits is None:  # about two programs per SM, down to one tile per split (batch 1, 4104 keys: 9.7 us at 65
+        # splits, 18.6 at 17)
         splits = max(1, min(triton.cdiv(264, rows), triton.cdiv(J, BLOCK_N)))
     split_len = triton.cdiv(triton.cdiv(J, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(J, split_len)
@@ -1766,7 +1745,7 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPL
     out = part_ptr + (tl.program_id(2) * T + ts[:, None]).to(tl.int64) * E + es[None, :]
     tl.store(out, acc, mask=(ts[:, None] < T) & (es[None, :] < E))
     # after the GEMM loop, x's slice again (cache hits): inside it, the branch kept the loop from being pipelined
-    # (H200, per layer: 8.7 us for logits + quantisation that way, 6.6 us this way, 3.6 + 2.35 in two launches)
+    # (6.6 against 8.7 us a layer)
     # QUANT_T = BLOCK_T, or next_pow2(T) when T < BLOCK_T (one tile): the tile's first QUANT_T rows hold all of its
     # tokens, so at T = 1 one row is quantised, not 16 (16x fewer instructions)
     if QUANT:
@@ -1788,9 +1767,8 @@ def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
                           K_SPLITS: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     """One token: z = sum of the K-split partials in order; sc = sigmoid(z) + b; take the TOPK largest (ties to the
-    lower id, slot 0 first); w = sc[id] - b[id], renormalised by (sum + 1e-20), times scale. One reduction per slot
-    (it took three, and a store, when first written: 4.3 us at TOPK = 8 on the H200). The bias (a parameter) is read
-    before the PDL wait."""
+    lower id, slot 0 first); w = sc[id] - b[id], renormalised by (sum + 1e-20), times scale. One reduction per slot.
+    The bias (a parameter) is read before the PDL wait."""
     t = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, BLOCK_E)
     e_ok = es < E
@@ -1884,8 +1862,8 @@ def swiglu_ref(g, u, limit):
 def _swiglu_math(g, u, limit, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr, ZERO_GUARD: tl.constexpr = False):
     """bf16-valued fp32 g, u -> bf( min(silu(g), L) * clamp(u, -L, L) ) as fp32; silu(g) = g / (1 + exp(-g)).
     ZERO_GUARD: a zero g divides a 1 instead and keeps its own signed zero (g / 2's value): a zero dividend sends the
-    sm90 division to its slow path, which every padded row of a decode tile took (ncu: the shared expert's down
-    kernel). H200, 2026-12-01, the guard in every decode kernel: batch-1 step -2.1%, batch-16 +4%: on at T = 1 only."""
+    sm90 division to its slow path, which every padded row of a decode tile took. On at T = 1 only (the batch-1 step
+    -2.1%, batch 16 +4%: PERF_LOG 2026-12-01)."""
     if ZERO_GUARD:
         zero = g == 0.0
         a = tl.where(zero, g, tl.math.div_rn(tl.where(zero, 1.0, g), 1.0 + _exp(-g, PRECISE)))
@@ -2037,7 +2015,7 @@ def _grouped_gemm_kernel(
     x_stride, sx_stride, w_stride_e, w_stride_n, sw_stride_e, sw_stride_n, out_stride,
     FP8: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile of one expert of a grouped GEMM, Y[rows of e] = X[rows of e] . W[e]^T.
 
@@ -2049,25 +2027,15 @@ def _grouped_gemm_kernel(
     FP8: X and W e4m3 with scales sx [row, kb] and sw [e, nb, kb]; per K block of 128,
          acc = acc + (fp32 dot) * sx * sw (act_quant_ref / fp8_gemm_ref); else bf16 operands, fp32 accumulation.
     GATED: also runs W3 on the same rows and stores swiglu(bf(X.W^T), bf(X.W3^T)) instead of bf(X.W^T).
-    N_FASTEST: a 1-D grid whose consecutive programs are the N tiles of one M tile, so the programs in flight hold a
-    few experts' rows and weights (L2-sized), where the 2-D grid (M tiles fastest) runs one N tile of every expert
-    at once and reads each row block from HBM once per N tile. Same tiles, same bits.
+    The 1-D grid's consecutive programs are the N tiles of one M tile, so the programs in flight share a few experts'
+    rows and weights in L2 (a 2-D grid, M tiles fastest, read each row block from HBM once per N tile: -15%).
     TMA: the weight tiles (and X's, when not GATHER) come through tensor descriptors (w_desc over W as [E*N, K],
     x_desc over X [M, K]): one copy instruction per tile instead of a pointer per 16 bytes. A tile that runs past its
     expert's last row or column reads the next expert's (or the zeros past the tensor's end); those outputs are
-    never stored. Same products, same order: same bits.
-    In the sm90 SASS (Triton 3.7's build on the CPU) every FP8 K block issues its 4 wgmmas, waits for them, then
-    scales (128 FMUL/FFMA per thread at 128 x 128, 8 warps) with the tensor cores idle. Measured and removed on
-    2026-12-01: the scaled add one iteration late (the scaling between the next block's wgmmas, 64 register moves
-    per block): H200, down shape, 128 / 512 / 1024 rows per expert: 539 / 619 / 631 -> 466 / 502 / 508 TFLOP/s.
-    """
+    never stored. Same products, same order: same bits."""
     _pdl_enter(PDL)
-    if N_FASTEST:
-        pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
-        pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
-    else:
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+    pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
+    pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
     experts = tl.arange(0, BLOCK_E)
     r0 = tl.load(row_off_ptr + experts, mask=experts < E, other=0)
     r1 = tl.load(row_off_ptr + 1 + experts, mask=experts < E, other=0)
@@ -2136,20 +2104,16 @@ def _gemm_block_m(rows_per_expert: float) -> int:
 
 
 def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, block_m=None,
-                        block_n=None, num_stages=None, num_warps=None, n_fastest=True, tma=None, wgmma=None):
+                        block_n=None, num_stages=None, num_warps=None, tma=None, wgmma=None):
     """Grouped expert GEMM over rows sorted by expert; one launch for all experts.
 
     x [Mx, K] (e4m3 with sx [Mx, ceil(K/128)] fp32, or bf16 with sx None); row_off [E+1] int32 on the device
     (expert e owns output rows row_off[e] .. row_off[e+1]-1); row_idx [M] int32 (output row r reads x[row_idx[r]])
     or None (M = Mx, identity); w [E, N, K] e4m3 with sw [E, ceil(N/128), ceil(K/128)] fp32, or bf16 with sw None.
     Returns [M, N] bf16: rows past row_off[E] are left unwritten. With w3 (and sw3): swiglu(X.W^T, X.W3^T, limit).
-    n_fastest: _grouped_gemm_kernel's N_FASTEST program order (same bits); H200, 44 experts x 1024 rows
-    (bench_kernels.py sweep_prefill): gate 580 -> 684 TFLOP/s, gate+up 549 -> 631, down 520 -> 589 (128 rows: gate
-    566 -> 608).
     tma: _grouped_gemm_kernel's TMA (same bits) where the strides allow it; None: FP8 on sm90 GPUs.
     wgmma: grouped_gemm_wgmma instead (same bits; TMA-able FP8 on sm90 only); None: at 128-row tiles and no tile
-    arguments, where it measured faster (its docstring).
-    """
+    arguments, where it is faster (PERF_LOG, the prefill expert GEMM)."""
     fp8 = sw is not None
     E, N, K = w.shape
     _check_tensor("w", w, FP8 if fp8 else torch.bfloat16, ndim=3)
@@ -2186,16 +2150,12 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     if tma and wgmma and _wgmma_misfit(N, K, row_idx) is None:
         return grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx, w3, sw3, limit)
     if tma and BLOCK_M == 128 and block_m is None:
-        # H200, bench_kernels.py sweep_prefill, 44 experts x 128 / 512 / 1024 rows, TFLOP/s, pointer loads -> TMA:
-        # down 534 / 613 / 618 (128 x 128 tiles, 8 warps, 4 stages) -> 590 / 708 / 727 (64 x 128, 4 warps, 3 stages:
-        # 159 registers and 72 KB, so 3 CTAs share an SM and one's scaling overlaps another's wgmmas); gate+up with
-        # gathered rows 538 / 592 / 596 (128 x 64, 8 warps, 4 stages) -> 577 / 654 / 661 (128 x 64, 4 warps, 3
-        # stages); gate+up with sorted rows 128 x 64 at 4 warps only 525 at 512 rows, 64 x 64 661
+        # 4 warps, 3 stages: 3 CTAs share an SM, so one's scaling overlaps another's wgmmas (+10-18% over the 128 x 128
+        # tiles of pointer loads, PERF_LOG 2026-12-01)
         BLOCK_M, bn = (128 if row_idx is not None else 64, 64) if w3 is not None else (64, 128)
         block_n, num_warps, num_stages = block_n or bn, num_warps or 4, num_stages or 3
-    # Measured on the H200 (bench_kernels.py sweep): the ungated GEMM is fastest with 128-wide N tiles, except when
-    # so few tiles have rows (at most min(M, E) experts are active) that 128-wide tiles leave SMs idle: then 32.
-    # The gated kernel keeps two fp32 accumulators and was validated at 64, like BLOCK_M = 64 (other pairs untested).
+    # the ungated GEMM: 128-wide N tiles, or 32 when so few tiles have rows (at most min(M, E) experts are active)
+    # that 128-wide ones leave SMs idle; the gated kernel (two fp32 accumulators) and 64-row tiles: 64
     if block_n is None and _GPU_LAUNCH:
         if w3 is not None or BLOCK_M == 64:
             block_n = 64
@@ -2204,9 +2164,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     BLOCK_N = block_n or 64
     BLOCK_K = QBLOCK  # one FP8 scale block per K step
     # worst case over any split of M rows into E experts (no host sync: the true tile count stays on the device)
-    grid = (min(triton.cdiv(M, BLOCK_M) + E, M), triton.cdiv(N, BLOCK_N))
-    if n_fastest:
-        grid = (grid[0] * grid[1],)
+    grid = (min(triton.cdiv(M, BLOCK_M) + E, M) * triton.cdiv(N, BLOCK_N),)
     descs = [None] * 3  # x, w, w3: TMA copies whole tiles (zeros past the tensor's end) into shared memory
     if tma:
         descs = [None if row_idx is not None else TensorDescriptor.from_tensor(x, [BLOCK_M, QBLOCK])] + [
@@ -2221,7 +2179,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
         sw.stride(0) if fp8 else 0, sw.stride(1) if fp8 else 0, out.stride(0),
         FP8=fp8, GATED=w3 is not None, GATHER=row_idx is not None, HAS_LIMIT=limit is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E),
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, N_FASTEST=bool(n_fastest), TMA=bool(tma),
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, TMA=bool(tma),
         num_warps=num_warps or (8 if BLOCK_M >= 128 else 4),  # bf16 tiles: twice the shared memory of e4m3
         num_stages=(num_stages or (4 if fp8 else 2)) if _GPU_LAUNCH else 1, **_pdl())
     return out
@@ -2229,15 +2187,9 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
 
 # The grouped FP8 GEMM again, in Gluon (explicit TMA, mbarriers, wgmma and warp specialisation; sm90 only, never under
 # the interpreter: the CPU runs grouped_gemm_triton). Triton's sm90 build of _grouped_gemm_kernel keeps every warpgroup
-# of a CTA in lockstep (CTA barriers around each stage), so a CTA's tensor cores idle while it scales; 64 x 128 tiles at
-# 3 CTAs per SM overlap CTAs instead, but read 1.5x the bytes per FLOP of a 128 x 128 tile from L2 (ncu, down shape,
-# 1024 rows per expert: L2 throughput 79%, tensor pipe 51%). Here a 128 x 256 tile (or 128 x 128) is split between two
-# math warpgroups (64 rows each) that never wait for each other, fed by a loader (one TMA warp; for gathered rows a
-# warpgroup adding x's rows by cp.async) through `stages` ready / empty mbarrier pairs. ncu of this kernel (2026-12-02,
-# 44 experts x 1024 rows, 256-wide B tiles, gate+up / down): L2 throughput 42 / 37%, tensor pipe ~51%, 45% of the stall
-# cycles at CTA barriers (each math K block has two warpgroup barriers: before the ready wait, and before the one-thread
-# arrive on empty), 192k local memory requests (the gated variant's spills around the tile setup): not bound by L2, so
-# TMA multicast alone would not lift it.
+# of a CTA in lockstep, so a CTA's tensor cores idle while it scales. Here a 128 x 256 tile (or 128 x 128) is split
+# between two math warpgroups (64 rows each) that never wait for each other, fed by a loader (one TMA warp; for
+# gathered rows a warpgroup adding x's rows by cp.async) through `stages` ready / empty mbarrier pairs.
 
 
 @gluon.jit
@@ -2370,7 +2322,7 @@ def _wg_math(half, a_s, b_s, ready, empty, c_s, out_desc, sx_ptr, row_idx_ptr, s
                 acc1 = acc1 + d * sa * g1
                 i += 1
             # the output through c_s (64-column chunks) and TMA stores, which the warpgroup does not wait for: the
-            # next tile's K loop starts at once (H200: down +11%, gate+up +1%; grouped_gemm_wgmma's docstring); a
+            # next tile's K loop starts at once (down +11%, gate+up +1%: PERF_LOG 2026-12-03); a
             # warpgroup whose rows reach past the expert's (TMA would write the next expert's) stores them masked
             gtma.store_wait(0)  # the last tile's stores have read c_s
             if GATED:
@@ -2443,37 +2395,10 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
     row_idx: x's rows row_idx[r] are read by the loader warpgroup's cp.async (TMA on sm90 reads whole row blocks only;
     the rows of no expert, past row_off[E], are never read). Persistent: one CTA per SM walks the tiles (N fastest, so
     the CTAs in flight share an M tile's rows and an expert's weights in L2) while the loader keeps `stages` K blocks in
-    flight across tile boundaries. block_n: B tile rows (128 or 256; gated: half W's, half W3's). H200, 44 experts,
-    TFLOP/s at 256 / 1024 rows per expert (bench_kernels.py sweep_gemm_wgmma, 2026-12-02): gathered gate+up (the gather,
-    a torch index then, 40 / 133 us of it) 622 / 670 at 128 columns, 699 / 768 at 256 (3 stages; 4: within 1%);
-    grouped_gemm_triton 609 / 670. Down 635 / 694, 687 / 754, grouped_gemm_triton 669 / 726. (The 128-column tile
-    without the scaling, a probe with wrong results, reached only 766 / 889 on the down shape: its feed, not the
-    scaling, capped it.) Measured and removed (thirteenth session): the B tile as four 64-column quarters, each
-    warpgroup keeping one quarter's wgmma in flight while it scales the previous one (6 of 8 scalings per K block
-    overlapped, the same bits): gate+up 691 / 705 TFLOP/s at 512 / 1024 rows against 754-758 / 760-771, down 696 / 728
-    against 719 / 750. Nor is taking turns (fifteenth session: an mbarrier pair made the two math warpgroups issue their
-    wgmmas alternately, so that one's run while the other scales; the same bits): gate+up 749 / 774 / 787 TFLOP/s at 256
-    / 512 / 1024 rows against 759 / 784 / 796 in the same run, down 730 / 761 / 783 against 720 / 756 / 780 (4 stages:
-    within 0.5%; removed). Nor is x's block read into registers once per K block for both boxes' wgmmas (A from
-    registers: 16 KB less shared-memory traffic per K block and one warpgroup barrier fewer in the K loop; the same
-    bits): gate+up 721 / 758 / 766 TFLOP/s against 733 / 752 / 774 in the same run, down 686 / 720 / 754 against 694 /
-    734 / 767 (removed; with the four quarters it spilled the accumulators inside the K loop, 508 / 628 bytes). Nor is
-    L2 the cap: bench_kernels.py bench_read reads 8.5 TB/s from L2 and the 256-wide tiles draw ~4.4 TB/s at 768 TFLOP/s.
-    ncu (gate+up, 512 rows, at 1.34 GHz): tensor pipe 50.8% active, shared memory (L1/TEX) 51%, L2 47%, issue slots 42%;
-    the math warps wait at their wgmma waits (19% of all warp samples), for loaded stages ~2%, and the TMA warp for free
-    stages 6%: no feed or bandwidth bound, but each warpgroup's chain wgmma -> wait -> scale (an FMUL and an FFMA per
-    element: the spec's (sum * sx) * Sw) with two warpgroups to interleave; more of them do not fit the registers at 256
-    columns.
-
-    Sixteenth session (2026-12-03; PERF_LOG.md has the figures): the output stored by TMA (down +11%, gate+up +1%) and
-    the rows gathered by the loader (gathered gate+up +2.5%) were taken; a 64 x 128 wgmma per warpgroup with the next K
-    block's in flight while the last is scaled, and a third, epilogue warpgroup, were slower.
-
-    Seventeenth session: held at the 700 W cap, cuBLAS's block-scaled GEMM (bench_kernels.blockwise_scaled_mm) on one
-    dense weight of the same FLOPs runs 1.24x this kernel's rate on that problem, so the cap alone is not what holds
-    it; at ncu's fixed clock it is 1.42x as fast with 0.69x the instructions, the difference being the spec's FMUL:
-    folding sx * Sw into one FFMA as cuBLAS does (other bits) gives +9-12% here. Three math warpgroups (192 x 128 tiles,
-    one n128 wgmma each per K block) and two on 128 x 128 tiles were slower."""
+    flight across tile boundaries. block_n: B tile rows (128 or 256; gated: half W's, half W3's); 256 halves the
+    shared-memory bytes per FLOP (768 against 670 TFLOP/s at 1024 rows per expert, PERF_LOG 2026-12-02). What holds it
+    near 60% of the FP8 peak is each warpgroup's chain wgmma -> wait -> scale (the spec's (sum * sx) * Sw is an FMUL
+    and an FFMA per element) with two warpgroups to interleave: PERF_LOG has the measurements and the variants tried."""
     E, N, K = w.shape
     _check(sw is not None and w.dtype == FP8 and x.dtype == FP8, "grouped_gemm_wgmma is for e4m3 x and w")
     misfit = _wgmma_misfit(N, K, row_idx)
@@ -2506,8 +2431,7 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
 # Grid axis 1 = rank u of a hit local expert (ascending id; at most min(T*k, E) of them, programs of ranks past the
 # number hit exit at once) plus, first, the shared expert; axis 0 = N tiles of BLOCK_N columns, so one hit expert's
 # weights are streamed by cdiv(N, BLOCK_N) programs (~50-100 at F = 1536, D = 4096) and read once for all its rows.
-# moe_experts_triton sends it every batch of up to DECODE_SLOTS slots: on the H200 (routed FP8 + shared expert, CUDA
-# graph, x quantised once) it took 32 / 59 / 160 us at T = 1 / 4 / 16 against the sorted path's 95 / 128 / 175.
+# moe_experts_triton sends it every batch of up to DECODE_SLOTS slots (160 us at T = 16 where the sorted path took 175).
 DECODE_SLOTS = 128
 
 
@@ -2555,11 +2479,11 @@ def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_pt
                    W_TMA: tl.constexpr = False, X_TMA: tl.constexpr = False):
     """FP8 experts: X[x_rows] . W[c0 .. c0+BLOCK_N-1]^T with the MMA's operands swapped: the weight rows are its M
     side, [R, 128] per K block with R = BLOCK_N, or 2 * BLOCK_N when GATED (these columns' gate rows, then their up
-    rows), and the few token rows its N side. At R = 64 that is one fp8 wgmma (sm90) with both operands in shared
-    memory, where the plain tile (16 token rows as M) is an mma.sync whose e4m3 operands are first converted to f16 in
-    registers. Per 128-wide K block acc + (fp32 dot) * sx * sw, as _grouped_gemm_kernel rounds it; XQ: X is e4m3
-    already with scales sx_ptr [row, kb] (act_quant_triton), else it is quantised per 1x128 block on load
-    (act_quant_ref's arithmetic). Returns (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED).
+    rows), and the few token rows its N side: at R = 64 one fp8 wgmma (sm90) with both operands in shared memory,
+    where 16 token rows as M would be an mma.sync with its e4m3 operands converted to f16 in registers. Per 128-wide
+    K block acc + (fp32 dot) * sx * sw, as _grouped_gemm_kernel rounds it; XQ: X is e4m3 already with scales sx_ptr
+    [row, kb] (act_quant_triton), else it is quantised per 1x128 block on load (act_quant_ref's arithmetic). Returns
+    (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED).
     W_TMA: the weight block is one box of w_desc ([2 or 1, rows, K]: the two planes are W and W3) at row w_row0;
     rows past N are the next expert's (stored nowhere). X_TMA: x_desc's box at row 0 (zeros past the last token)."""
     R: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
@@ -2604,7 +2528,7 @@ def _swiglu_tile_t(gu_ptr, tok, tok_ok, u_off, K, w_ptr, cols, col_ok, limit, HA
     """The shared expert's down tile: acc [BLOCK_M, BLOCK_N] fp32 = swiglu(G[tok], U[tok]) . W[cols]^T over K, G at
     gu_ptr ([*, K] rows), U u_off further (SwiGLU on load; ZERO_GUARD: _swiglu_math's), with the MMA's operands
     swapped: the weight rows are its M side (a bf16 wgmma at >= 64 rows, both operands in shared memory, accumulating
-    over K in the MMA; an mma.sync tile holding W's block in registers needed 248 registers, this 136)."""
+    over K in the MMA), so the down kernel holds no weight block in registers (3 CTAs per SM at batch 16)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     g_base = gu_ptr + tok.to(tl.int64)[:, None] * K
     w_base = w_ptr + cols.to(tl.int64)[:, None] * K
@@ -2992,8 +2916,8 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
                               block_n=None, num_warps=None, num_stages=None, k_unroll=None, xq=None, tma=None):
     """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
 
-    0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
-       slower on the H200).
+    0. FP8: x quantised once (act_quant_triton, or the router's xq; quantising in every gate/up program's K loop was
+       15-30% slower).
     1. gate/up: one program per (hit expert, F tile) computes all rows routed to that expert, SwiGLU epilogue,
        a[slot] bf16 [T*k, F]; the shared expert's gate and up tiles run in the same launch.
     2. down: per (hit expert, D tile): y[slot] bf16 [T*k, D] (a quantised on load); the shared expert's down too.
@@ -3003,12 +2927,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up (same bits).
     FP8 routed tiles go through _decode_tile_t, the weight rows as the MMA's M side (fp8 wgmma at 64 rows). tma
     (FP8, T <= 16; default TUNING["moe_tma"]): their weights (and the gate/up's x, all tokens as rows) through TMA
-    descriptors (_decode_descs); the same bits.
-    (Measured on the H200 and removed: a split-K gate/up, 2-8 programs per tile with fp32 partials, 2-4x slower at T=1
-    and T=16, and again on the swapped tiles (2 / 4 programs per tile, the partials added with SwiGLU on the down
-    kernel's load) on 2026-12-01: whole step 7.19 -> 9.65 / 10.63 ms; each block's dot on the CUDA cores instead of
-    an MMA, 4-10x slower.)
-    """
+    descriptors (_decode_descs); the same bits."""
     T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
     Fs = _check_shared(shared, D) if shared is not None else 0
     _check(T * k <= DECODE_SLOTS, lambda: f"the decode path takes T*k <= {DECODE_SLOTS} slots, got {T}*{k}")
@@ -3024,15 +2943,11 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     else:
         wg = wu = wd = gu = ys = y  # never read: SHARED is off
         limit_s = None
-    # H200 sweeps (bench_kernels.py sweep_moe_decode), routed + shared: 32-34 us at T=1 (best of 19 tile / warp /
-    # stage choices), 160-164 us at T=16 (best 153, (128, 128) w8)
     gpu, many = _GPU_LAUNCH, T > 1  # TUNING's MoE entries are (T == 1, T > 1)
     bn = TUNING["moe_block_n"][many] if gpu else (64, 64)
     nw, ns = (4, 4), TUNING["moe_stages"][many] if gpu else (1, 1)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
-    # k_unroll (same bits) 4 on gate/up, H200: 12.5 vs 14.0 us at T = 1 in the whole-rank step (down: 12.9 vs 11.8);
-    # at T = 4 / 16 gate/up + down 86 / 229 vs 60 / 161 us. FP8 only: BF16 experts' 4 stages of 4 K blocks need 240 KB
-    # of shared memory (the H200 has 227).
+    # k_unroll: FP8 only (BF16 tiles' 4 stages of 4 K blocks need 240 KB of shared memory; an H200 block has 227)
     nkb, nkf = triton.cdiv(D, QBLOCK), triton.cdiv(F, QBLOCK)
     tuned = TUNING["moe_unroll"][many] if fp8 and gpu else (1, 1)
     ku = k_unroll or tuple(u if n % u == 0 else 1 for u, n in zip(tuned, (nkb, nkf)))
@@ -3119,10 +3034,9 @@ def skinny_linear_ref(x, w):
 def _skinny_tile(x_ptr, x_stride, rows, row_ok, w_ptr, cols, col_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PARTS: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 = x[rows] . w[cols]^T for bf16 x [*, K] (row stride x_stride) and w [*, K]. K is cut
-    into PARTS (1, 2, 4 or 8) contiguous parts of KP = cdiv(K, 16 * PARTS) * 16 columns, each summed in order by its own
-    MMA chain (a batch of the 3-D dot: one warp each at 4 warps), and added pairwise: (p0 + p1) + (p2 + p3). One chain
-    over K (sm90 SASS: one accumulator register per warp) was 256 dependent mma.sync for K = 4096, ~4.3 us if each
-    takes ~33 cycles (an estimate, not measured). The order depends on K alone (not on M, N or the tiles).
+    into PARTS (1, 2, 4 or 8) contiguous parts of KP = cdiv(K, 16 * PARTS) * 16 columns, each summed in order by its
+    own MMA chain (a batch of the 3-D dot: one warp each at 4 warps), and added pairwise: (p0 + p1) + (p2 + p3), where
+    one chain over K is 256 dependent mma.sync at K = 4096. The order depends on K alone (not on M, N or the tiles).
     BLOCK_K: columns per loop step, all parts together."""
     tl.static_assert((PARTS == 1) | (PARTS == 2) | (PARTS == 4) | (PARTS == 8))
     KP = tl.cdiv(K, 16 * PARTS) * 16
@@ -3174,11 +3088,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, out_stride,
 
 def skinny_linear_triton(x, w, block_n=None, block_k=None, num_stages=None, num_warps=None):
     """Triton skinny_linear_ref for M <= 16 rows. Tiles: the widest of 64 / 32 / 16 columns that still gives >= 100
-    programs (TUNING["skinny_tiles"]). H200, weights from HBM, with one MMA chain over K (before the parts;
-    bench_kernels.py sweep_skinny, M = 1; M = 16 within 0.5 us): packed QKV 1928 columns 9.1 -> 7.7 us (16 x 512 vs
-    32 x 256), lm_head 16112: 38.9 -> 32.6 us (64 x 128, 6 stages; cuBLAS 32.4), o_proj 4096: 5.3 (32 x 256, the best
-    of 10), packed DSA 3468: 9.9 (32 x 256; 9.5 at 6 stages). Every tile and warp count gives the same bits: each
-    part of K is summed in 16-wide MMA steps in order whatever the tile."""
+    programs (TUNING["skinny_tiles"]; 64 x 128 at 6 stages from 6400 columns: lm_head at cuBLAS's speed). Every tile
+    and warp count gives the same bits: each part of K is summed in 16-wide MMA steps in order whatever the tile."""
     _check_tensor("x", x, torch.bfloat16, ndim=2, contiguous=False)
     _check(x.stride(1) == 1, lambda: f"x must have contiguous rows, got strides {x.stride()}")
     _check_tensor("w", w, torch.bfloat16, ndim=2)
@@ -3332,10 +3243,11 @@ def _peer_add_norm_kernel(res_ptr, bufs_ptr, pads_ptr, w_ptr, res_out_ptr, h_ptr
 
 def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0, flag_off=0):
     """add_norm_ref(res, [every rank's partial row], w, eps), the partials read from the W ranks' symmetric-memory
-    buffers: the candidate one-shot TP reduction (model.OneShotReduce, opt-in; bench_reduce.py times and checks it).
-    bufs, pads: int64 [W] device tensors of every rank's buffer and int32 signal-pad addresses (a
-    torch.distributed._symmetric_memory handle's buffer_ptrs / signal_pad_ptrs); rank r's row t of this call is
-    at element slot_off + t * D of its buffer, in parts_dtype; the flags at flag_off .. flag_off + T * W - 1."""
+    buffers: the one-shot TP reduction, an opt-in path (model.OneShotReduce; bench_reduce.py checks and times it,
+    bench_decode.py --one-shot times the step with it). bufs, pads: int64 [W] device tensors of every rank's buffer
+    and int32 signal-pad addresses (a torch.distributed._symmetric_memory handle's buffer_ptrs / signal_pad_ptrs);
+    rank r's row t of this call is at element slot_off + t * D of its buffer, in parts_dtype; the flags at flag_off ..
+    flag_off + T * W - 1."""
     _check_tensor("res", res, torch.float32, ndim=2)
     T, D = res.shape
     for name, t_ in (("bufs", bufs), ("pads", pads)):

@@ -146,9 +146,6 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
                      for e in range(E)])
     d = report("grouped fp8 gemm", out, ref)
     assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
-    # the N tiles of an M tile as consecutive programs: the same tiles (block_n 64: 4 N tiles, the last partial)
-    assert torch.equal(K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64, n_fastest=False),
-                       K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64))
     # tiles through tensor descriptors (TMA): the same bits, also where a tile runs into the next expert's rows (the
     # 1-row expert's 16-row tile) or columns (N = 200: the last 64-wide tile); gated with gathered rows: weights only
     w3, sw3 = fp8_weights(E, N, Kd, seed=6)

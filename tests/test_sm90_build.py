@@ -61,7 +61,7 @@ def test_every_launched_kernel_compiles_for_sm90(tp1_models, monkeypatch, tmp_pa
                                      kernel.to_e4m3(wb), kernel.to_e4m3(wd), sb, sb, sd, 7.0)
     kernel.moe_experts_sorted_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0)  # prefill's path
     xq, sx = kernel.act_quant_triton(x)
-    kernel.grouped_gemm_triton(xq, sx, w1, s1, torch.tensor([0, 1, 1, 3], dtype=torch.int32), n_fastest=False)
+    kernel.grouped_gemm_triton(xq, sx, w1, s1, torch.tensor([0, 1, 1, 3], dtype=torch.int32))
     names = {r["name"] for r in seen.values()}
     assert {"_sliding_attn_kernel", "_moe_decode_up_kernel", "_router_logits_kernel", "_select_regions_kernel",
             "_grouped_gemm_kernel", "_add_norm_kernel", "_banded_attn_kernel"} <= names, names
