@@ -338,9 +338,9 @@ def _round_out(x, E4M3: tl.constexpr):
 
 @triton.jit
 def _norm_rope_rows(pid, x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, ROWS, NH, stride_xt, eps,
-                    D: tl.constexpr, HALF: tl.constexpr, LAYERNORM: tl.constexpr, GATHER: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                    BLOCK_REST: tl.constexpr, PDL: tl.constexpr, E4M3: tl.constexpr = False):
+                    D: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, LAYERNORM: tl.constexpr, GATHER: tl.constexpr,
+                    PDL: tl.constexpr, E4M3: tl.constexpr = False):
     """BLOCK_R head rows (token t = row // NH) of program pid: norm, round to bf16, NEOX-rotate the first 2*HALF dims;
     E4M3: each output then rounded on to its e4m3 value (exact in bf16; the indexer's scores read q so: norm_rope_jobs).
 
@@ -360,11 +360,11 @@ def _norm_rope_rows(pid, x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr
     trow = tl.load(pos_ptr + tok, mask=r_ok, other=0) if GATHER else tok  # the table row of each token
     c = tl.load(cos_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
-    wb_a = _norm_params(w_ptr, b_ptr, j, D, LAYERNORM)
-    wb_b = _norm_params(w_ptr, b_ptr, HALF + j, D, LAYERNORM)
+    wb_a = _norm_params(w_ptr, b_ptr, j, D, LAYERNORM=LAYERNORM)
+    wb_b = _norm_params(w_ptr, b_ptr, HALF + j, D, LAYERNORM=LAYERNORM)
     if BLOCK_REST > 0:
         cols = 2 * HALF + tl.arange(0, BLOCK_REST)
-        wb_r = _norm_params(w_ptr, b_ptr, cols, D, LAYERNORM)
+        wb_r = _norm_params(w_ptr, b_ptr, cols, D, LAYERNORM=LAYERNORM)
     _pdl_enter(PDL)
     # x rows may be strided per token (q/k are column slices of the packed QKV output); out is contiguous
     xbase = tok.to(tl.int64)[:, None] * stride_xt + (rows % NH).to(tl.int64)[:, None] * D
@@ -379,13 +379,13 @@ def _norm_rope_rows(pid, x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr
     else:
         mu = tl.zeros((BLOCK_R,), dtype=tl.float32)
         r = tl.math.div_rn(one, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
-    a = _norm_slice(x_ptr, xbase, j, r_ok, D, mu, r, wb_a, LAYERNORM)
-    b = _norm_slice(x_ptr, xbase, HALF + j, r_ok, D, mu, r, wb_b, LAYERNORM)
+    a = _norm_slice(x_ptr, xbase, j, r_ok, D, mu, r, wb_a, LAYERNORM=LAYERNORM)
+    b = _norm_slice(x_ptr, xbase, HALF + j, r_ok, D, mu, r, wb_b, LAYERNORM=LAYERNORM)
     first, second = _rotate(a, b, c, s)
     tl.store(out_ptr + base + j[None, :], _round_out(first, E4M3), mask=j_ok)
     tl.store(out_ptr + base + HALF + j[None, :], _round_out(second, E4M3), mask=j_ok)
     if BLOCK_REST > 0:  # dims past the rotary span keep the norm value
-        n = _norm_slice(x_ptr, xbase, cols, r_ok, D, mu, r, wb_r, LAYERNORM)
+        n = _norm_slice(x_ptr, xbase, cols, r_ok, D, mu, r, wb_r, LAYERNORM=LAYERNORM)
         tl.store(out_ptr + base + cols[None, :], _round_out(n, E4M3), mask=r_ok[:, None] & (cols[None, :] < D))
 
 
@@ -407,19 +407,19 @@ def _norm_rope_jobs_kernel(pos_ptr, eps, e0, e1, e2,
     _norm_rope_rows' E4M3); every job has the bits it has alone. GATHER: the table rows are pos[t]'s."""
     pid = tl.program_id(0)
     if pid < e0:
-        _norm_rope_rows(pid, x0, w0, b0, c0, s0, pos_ptr, o0, rows0, nh0, sx0, eps, D0, H0, L0, GATHER, BLOCK_R,
-                        BD0, BH0, BR0, PDL, E0)
+        _norm_rope_rows(pid, x0, w0, b0, c0, s0, pos_ptr, o0, rows0, nh0, sx0, eps, D0, H0, BLOCK_R, BD0, BH0, BR0,
+                        LAYERNORM=L0, GATHER=GATHER, PDL=PDL, E4M3=E0)
     elif JOBS > 1:
         if pid < e1:
-            _norm_rope_rows(pid - e0, x1, w1, b1, c1, s1, pos_ptr, o1, rows1, nh1, sx1, eps, D1, H1, L1, GATHER,
-                            BLOCK_R, BD1, BH1, BR1, PDL, E1)
+            _norm_rope_rows(pid - e0, x1, w1, b1, c1, s1, pos_ptr, o1, rows1, nh1, sx1, eps, D1, H1, BLOCK_R, BD1, BH1,
+                            BR1, LAYERNORM=L1, GATHER=GATHER, PDL=PDL, E4M3=E1)
         elif JOBS > 2:
             if pid < e2:
-                _norm_rope_rows(pid - e1, x2, w2, b2, c2, s2, pos_ptr, o2, rows2, nh2, sx2, eps, D2, H2, L2, GATHER,
-                                BLOCK_R, BD2, BH2, BR2, PDL, E2)
+                _norm_rope_rows(pid - e1, x2, w2, b2, c2, s2, pos_ptr, o2, rows2, nh2, sx2, eps, D2, H2, BLOCK_R, BD2,
+                                BH2, BR2, LAYERNORM=L2, GATHER=GATHER, PDL=PDL, E4M3=E2)
             elif JOBS > 3:
-                _norm_rope_rows(pid - e2, x3, w3, b3, c3, s3, pos_ptr, o3, rows3, nh3, sx3, eps, D3, H3, L3,
-                                GATHER, BLOCK_R, BD3, BH3, BR3, PDL, E3)
+                _norm_rope_rows(pid - e2, x3, w3, b3, c3, s3, pos_ptr, o3, rows3, nh3, sx3, eps, D3, H3, BLOCK_R, BD3,
+                                BH3, BR3, LAYERNORM=L3, GATHER=GATHER, PDL=PDL, E4M3=E3)
 
 
 def _norm_rope_launch(x, weight, cos, sin, bias, pos):
@@ -675,9 +675,10 @@ def _rope_row(cos_row, sin_row, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
 def _head_params(w_ptr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
     """_head_norm_rope's RMS-norm weight pieces (first, second, rest; _norm_params)."""
     j = tl.arange(0, BLOCK_HALF)
-    first = _norm_params(w_ptr, w_ptr, j, D, False)
-    second = _norm_params(w_ptr, w_ptr, HALF + j, D, False)
-    rest = _norm_params(w_ptr, w_ptr, 2 * HALF + tl.arange(0, BLOCK_REST), D, False) if BLOCK_REST > 0 else first
+    first = _norm_params(w_ptr, w_ptr, j, D, LAYERNORM=False)
+    second = _norm_params(w_ptr, w_ptr, HALF + j, D, LAYERNORM=False)
+    rest = (_norm_params(w_ptr, w_ptr, 2 * HALF + tl.arange(0, BLOCK_REST), D, LAYERNORM=False) if BLOCK_REST > 0
+            else first)
     return first, second, rest
 
 
@@ -693,12 +694,12 @@ def _head_norm_rope(x_ptr, base, r_ok, cs, wts, eps, D: tl.constexpr, HALF: tl.c
     r = tl.math.div_rn(tl.full((x.shape[0],), 1.0, tl.float32), tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
     mu = tl.zeros(r.shape, dtype=tl.float32)
     j = tl.arange(0, BLOCK_HALF)
-    a = _norm_slice(x_ptr, base, j, r_ok, D, mu, r, wts[0], False)
-    b = _norm_slice(x_ptr, base, HALF + j, r_ok, D, mu, r, wts[1], False)
+    a = _norm_slice(x_ptr, base, j, r_ok, D, mu, r, wts[0], LAYERNORM=False)
+    b = _norm_slice(x_ptr, base, HALF + j, r_ok, D, mu, r, wts[1], LAYERNORM=False)
     first, second = _rotate(a, b, cs[0], cs[1])
     first, second = _bf16_round(first), _bf16_round(second)
     if BLOCK_REST > 0:
-        rest = _norm_slice(x_ptr, base, 2 * HALF + tl.arange(0, BLOCK_REST), r_ok, D, mu, r, wts[2], False)
+        rest = _norm_slice(x_ptr, base, 2 * HALF + tl.arange(0, BLOCK_REST), r_ok, D, mu, r, wts[2], LAYERNORM=False)
     else:
         rest = first  # unused
     return first, second, rest
@@ -732,8 +733,8 @@ def _store_kv(k_ptr, v_ptr, new, kf, ks, kr, vn, D: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
-def _ring_tile(k_ptr, v_ptr, ring, slot, pm, p, R, W, s_end, NEW_IN_REGS: tl.constexpr, D: tl.constexpr,
-               HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+def _ring_tile(k_ptr, v_ptr, ring, slot, pm, p, R, W, s_end, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, NEW_IN_REGS: tl.constexpr):
     """Ring slots `slot` [BLOCK_N] of the (b, g) row at element offset ring: (ok [BLOCK_N]: slot in the query's
     window, the keys' three column pieces (first, second, rest; as _head_norm_rope's) and the values, raw bf16, 0
     where not ok). NEW_IN_REGS: slot pm is not read (the new token comes from registers)."""
@@ -816,8 +817,8 @@ def _sliding_attn_kernel(
     s_end = tl.minimum(split * SPLIT_LEN + SPLIT_LEN, R)
     if HOIST:
         tl.static_assert(NEW_IN_REGS and SPLIT_LEN <= BLOCK_N)
-        pre = _ring_tile(k_ptr, v_ptr, ring, split * SPLIT_LEN + tl.arange(0, BLOCK_N), pm, p, R, W, s_end,
-                         NEW_IN_REGS, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
+        pre = _ring_tile(k_ptr, v_ptr, ring, split * SPLIT_LEN + tl.arange(0, BLOCK_N), pm, p, R, W, s_end, D, HALF,
+                         BLOCK_D, BLOCK_HALF, BLOCK_REST, NEW_IN_REGS=NEW_IN_REGS)
     _pdl_enter(PDL)
     xrow = t.to(tl.int64) * stride_t
     heads = tl.arange(0, BLOCK_H)
@@ -838,8 +839,8 @@ def _sliding_attn_kernel(
         if HOIST:
             ok, k1, k2, k3, vt = pre
         else:
-            ok, k1, k2, k3, vt = _ring_tile(k_ptr, v_ptr, ring, slot, pm, p, R, W, s_end, NEW_IN_REGS, D, HALF,
-                                            BLOCK_D, BLOCK_HALF, BLOCK_REST)
+            ok, k1, k2, k3, vt = _ring_tile(k_ptr, v_ptr, ring, slot, pm, p, R, W, s_end, D, HALF, BLOCK_D, BLOCK_HALF,
+                                            BLOCK_REST, NEW_IN_REGS=NEW_IN_REGS)
         is_new = (slot == pm)[:, None]
         kt = k1.to(tl.float32)
         if NEW_IN_REGS:
@@ -935,7 +936,7 @@ def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
     gate = _gate_bf16(logit, PRECISE)
     po = tl.load(po_ptr + (part[None, :] * HG + h) * D + dims[:, None], mask=d_ok[:, None] & sp_ok[None, :],
                  other=0.0)  # [BLOCK_D, BLOCK_S]
-    o = _lse_merge(po, m, l, BLOCK_D, BLOCK_S, PRECISE)
+    o = _lse_merge(po, m, l, BLOCK_D, BLOCK_S, PRECISE=PRECISE)
     tl.store(out_ptr + t.to(tl.int64) * (G * HG * D) + head * D + dims, _bf16_round(o * gate).to(tl.bfloat16),
              mask=d_ok)
 
@@ -1069,7 +1070,7 @@ def _region_summary_kernel(k_ptr, z_ptr, out_ptr, P, row_stride,
     for i in tl.static_range(BLK):  # token order, one fp32 accumulator each, as the reference sums
         z = tl.load(z_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
         kv = tl.load(k_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
-        num, den = _summary_add(num, den, z, kv, m, PRECISE)
+        num, den = _summary_add(num, den, z, kv, m, PRECISE=PRECISE)
     tl.store(out_ptr + n * P + d, _summary_bytes(num, den), mask=d_ok)
 
 
@@ -1145,7 +1146,7 @@ def _dsa_cache_write_kernel(k_ptr, v_ptr, ki_ptr, zi_ptr, pos_ptr, ck_ptr, cv_pt
             else:
                 z = tl.load(pz_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
                 kv = tl.load(pk_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
-            num, den = _summary_add(num, den, z, kv, m, PRECISE)
+            num, den = _summary_add(num, den, z, kv, m, PRECISE=PRECISE)
         tl.store(summ_ptr + (b * R + p // BLK) * P + d, _summary_bytes(num, den), mask=d_ok)
 
 
@@ -1600,7 +1601,7 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, gate_ptr, T, G, HG,
     d_ok = dims < HEAD_DIM
     po = tl.load(po_ptr + (part[None, :] * BLOCK_H + h) * HEAD_DIM + dims[:, None],
                  mask=d_ok[:, None] & sp_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_S]
-    o = _lse_merge(po, m, l, BLOCK_D, BLOCK_S, PRECISE)
+    o = _lse_merge(po, m, l, BLOCK_D, BLOCK_S, PRECISE=PRECISE)
     if GATE:
         o = _bf16_round(o * _gate_bf16(logit, PRECISE))
     tl.store(out_ptr + s * q_stride_s + t * q_stride_t + g * q_stride_g + h * q_stride_h + dims,
@@ -1884,7 +1885,7 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, HAS_LIMIT: tl.constexpr, BLO
     m = offs < n
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, _swiglu_math(g, u, limit, HAS_LIMIT, PRECISE).to(tl.bfloat16), mask=m)
+    tl.store(out_ptr + offs, _swiglu_math(g, u, limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE).to(tl.bfloat16), mask=m)
 
 
 def swiglu_triton(g, u, limit):
@@ -2091,7 +2092,7 @@ def _grouped_gemm_kernel(
                 b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 acc3 = tl.dot(a, tl.trans(b3.to(DOT_DTYPE)), acc3)
     if GATED:
-        y = _swiglu_math(_bf16_round(acc), _bf16_round(acc3), limit, HAS_LIMIT, PRECISE)
+        y = _swiglu_math(_bf16_round(acc), _bf16_round(acc3), limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE)
     else:
         y = _bf16_round(acc)
     tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(tl.bfloat16),
@@ -2326,8 +2327,8 @@ def _wg_math(half, a_s, b_s, ready, empty, c_s, out_desc, sx_ptr, row_idx_ptr, s
             # warpgroup whose rows reach past the expert's (TMA would write the next expert's) stores them masked
             gtma.store_wait(0)  # the last tile's stores have read c_s
             if GATED:
-                _store_chunks(c_s, half * NC, _swiglu_math(_bf16_round(acc0), _bf16_round(acc1), limit, HAS_LIMIT,
-                                                           PRECISE).to(gl.bfloat16), OUT_N, 64)
+                y = _swiglu_math(_bf16_round(acc0), _bf16_round(acc1), limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE)
+                _store_chunks(c_s, half * NC, y.to(gl.bfloat16), OUT_N, 64)
             else:
                 _store_chunks(c_s, half * NC, _bf16_round(acc0).to(gl.bfloat16), H2, 64)
                 _store_chunks(c_s, half * NC + H2 // 64, _bf16_round(acc1).to(gl.bfloat16), H2, 64)
@@ -2444,9 +2445,9 @@ def _quant_rows(x):
 
 
 @triton.jit
-def _decode_tile(x_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, cols, col_ok, K, kb0, kb1, GATED: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 K_UNROLL: tl.constexpr):
+def _decode_tile(x_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, cols, col_ok, K, kb0, kb1, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, K_UNROLL: tl.constexpr,
+                 GATED: tl.constexpr):
     """BF16 experts: acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T over the K blocks
     kb0 .. kb1-1 (bf16 products, fp32 accumulation), w_ptr/w3_ptr at the expert's [N, K] weights. K_UNROLL: K blocks
     per loop iteration, written out (it must divide kb1 - kb0; the blocks are still added one by one in K order, so
@@ -2474,8 +2475,8 @@ def _decode_tile(x_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, cols, col_ok, K
 
 @triton.jit
 def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_ptr, sw3_ptr, c0, N, K, kb0, kb1,
-                   XQ: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr, w_desc=None, w_row0=0, x_desc=None,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr,
+                   XQ: tl.constexpr, GATED: tl.constexpr, w_desc=None, w_row0=0, x_desc=None,
                    W_TMA: tl.constexpr = False, X_TMA: tl.constexpr = False):
     """FP8 experts: X[x_rows] . W[c0 .. c0+BLOCK_N-1]^T with the MMA's operands swapped: the weight rows are its M
     side, [R, 128] per K block with R = BLOCK_N, or 2 * BLOCK_N when GATED (these columns' gate rows, then their up
@@ -2522,9 +2523,9 @@ def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_pt
 
 
 @triton.jit
-def _swiglu_tile_t(gu_ptr, tok, tok_ok, u_off, K, w_ptr, cols, col_ok, limit, HAS_LIMIT: tl.constexpr,
-                   PRECISE: tl.constexpr, ZERO_GUARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _swiglu_tile_t(gu_ptr, tok, tok_ok, u_off, K, w_ptr, cols, col_ok, limit, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                   PRECISE: tl.constexpr, ZERO_GUARD: tl.constexpr):
     """The shared expert's down tile: acc [BLOCK_M, BLOCK_N] fp32 = swiglu(G[tok], U[tok]) . W[cols]^T over K, G at
     gu_ptr ([*, K] rows), U u_off further (SwiGLU on load; ZERO_GUARD: _swiglu_math's), with the MMA's operands
     swapped: the weight rows are its M side (a bf16 wgmma at >= 64 rows, both operands in shared memory, accumulating
@@ -2538,7 +2539,7 @@ def _swiglu_tile_t(gu_ptr, tok, tok_ok, u_off, K, w_ptr, cols, col_ok, limit, HA
         x_ok = tok_ok[:, None] & k_ok[None, :]
         g = tl.load(g_base + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
         u = tl.load(g_base + u_off + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
-        a = _swiglu_math(g, u, limit, HAS_LIMIT, PRECISE, ZERO_GUARD).to(DOT_DTYPE)
+        a = _swiglu_math(g, u, limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE, ZERO_GUARD=ZERO_GUARD).to(DOT_DTYPE)
         b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(b.to(tl.float32).to(DOT_DTYPE), tl.trans(a), acc)
     return tl.trans(acc)
@@ -2583,7 +2584,8 @@ def _token_slots(ids_ptr, T, e, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, TOPK_
 def _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr,
                  ZERO_GUARD: tl.constexpr):
     """a[slot, cols] = swiglu(bf(g), bf(up)) as bf16 for the rows that exist (MLP's rounding points)."""
-    y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
+    y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE,
+                     ZERO_GUARD=ZERO_GUARD)
     tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -2669,24 +2671,27 @@ def _moe_decode_up_kernel(
                 if UP_FIRST:  # the descriptor's first plane is W3 (the lower address)
                     s_first, s_second = s_second, s_first
                 g, up = _decode_tile_t(x_ptr, sx_ptr, tok, tok < T, D, w1_ptr, w3_ptr, s_first, s_second,
-                                       pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), True, True, BLOCK_M, BLOCK_N,
-                                       BLOCK_K, K_UNROLL, w_desc, e * F + pid_n * BLOCK_N, x_desc, True, True)
+                                       pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K,
+                                       K_UNROLL, XQ=True, GATED=True, w_desc=w_desc, w_row0=e * F + pid_n * BLOCK_N,
+                                       x_desc=x_desc, W_TMA=True, X_TMA=True)
                 if UP_FIRST:
                     g, up = up, g
-                _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
+                _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE,
+                             ZERO_GUARD=ZERO_GUARD)
             else:
                 for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                     slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
                     if FP8:
                         g, up = _decode_tile_t(x_ptr, sx_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
                                                w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off,
-                                               pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), True, True, BLOCK_M,
-                                               BLOCK_N, BLOCK_K, K_UNROLL)
+                                               pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K,
+                                               K_UNROLL, XQ=True, GATED=True)
                     else:
                         g, up = _decode_tile(x_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
-                                             w3_ptr + e64 * w_stride_e, cols, col_ok, D, 0, tl.cdiv(D, BLOCK_K), True,
-                                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, K_UNROLL)
-                    _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
+                                             w3_ptr + e64 * w_stride_e, cols, col_ok, D, 0, tl.cdiv(D, BLOCK_K),
+                                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, K_UNROLL, GATED=True)
+                    _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT=HAS_LIMIT,
+                                 PRECISE=PRECISE, ZERO_GUARD=ZERO_GUARD)
             if EARLY:
                 _arrive(cnt_ptr + u)
 
@@ -2716,30 +2721,30 @@ def _moe_decode_down_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < D
     if u < SHARED:
-        _enter_down(cnt_ptr + u, 2 * tl.cdiv(FS, UP_N), True, EARLY, PDL)
+        _enter_down(cnt_ptr + u, 2 * tl.cdiv(FS, UP_N), True, EARLY=EARLY, PDL=PDL)
         for m0 in range(0, T, BLOCK_M):
             tok = m0 + tl.arange(0, BLOCK_M)
-            acc = _swiglu_tile_t(gu_ptr, tok, tok < T, T * FS, FS, wd_ptr, cols, col_ok, limit_s, HAS_LIMIT_S,
-                                 PRECISE, ZERO_GUARD, BLOCK_M, BLOCK_N, 64, DOT_DTYPE)
+            acc = _swiglu_tile_t(gu_ptr, tok, tok < T, T * FS, FS, wd_ptr, cols, col_ok, limit_s, BLOCK_M, BLOCK_N, 64,
+                                 DOT_DTYPE, HAS_LIMIT=HAS_LIMIT_S, PRECISE=PRECISE, ZERO_GUARD=ZERO_GUARD)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
         found, e, hit, before = _decode_expert(ids_ptr, u - SHARED, first_expert, E, T * TOPK, BLOCK_TK, BLOCK_E)
         e64 = e.to(tl.int64)
-        _enter_down(cnt_ptr + u, tl.cdiv(F, UP_N), found, EARLY, PDL)
+        _enter_down(cnt_ptr + u, tl.cdiv(F, UP_N), found, EARLY=EARLY, PDL=PDL)
         if found:
             sw = s2_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
                 if FP8:
-                    acc, _ = _decode_tile_t(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw,
-                                            sw, pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), False, False,
-                                            BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL, w_desc, e * D + pid_n * BLOCK_N,
-                                            None, TMA)
+                    acc, _ = _decode_tile_t(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw, sw,
+                                            pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K,
+                                            K_UNROLL, XQ=False, GATED=False, w_desc=w_desc,
+                                            w_row0=e * D + pid_n * BLOCK_N, x_desc=None, W_TMA=TMA)
                 else:
-                    acc, _ = _decode_tile(a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, cols, col_ok,
-                                          F, 0, tl.cdiv(F, BLOCK_K), False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE,
-                                          K_UNROLL)
+                    acc, _ = _decode_tile(a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, cols, col_ok, F, 0,
+                                          tl.cdiv(F, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, K_UNROLL,
+                                          GATED=False)
                 tl.store(y_ptr + slot.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
 
@@ -2770,7 +2775,7 @@ def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, D, y_
         r = tl.load(inv_ptr + t * TOPK + j).to(tl.int64)
         y = tl.load(y_ptr + r * y_stride + cols, mask=col_ok & local, other=0.0).to(tl.float32)
         acc = acc + y * tl.load(wts_ptr + t * TOPK + j)
-    _combine_store(acc, ys_ptr + t.to(tl.int64) * D, out_ptr + t * out_stride, cols, col_ok, SHARED)
+    _combine_store(acc, ys_ptr + t.to(tl.int64) * D, out_ptr + t * out_stride, cols, col_ok, SHARED=SHARED)
 
 
 @triton.jit
@@ -2794,7 +2799,7 @@ def _moe_decode_combine_kernel(y_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, cnt_ptr
         local = (loc >= 0) & (loc < E)
         y = tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * D + cols, mask=col_ok & local, other=0.0).to(tl.float32)
         acc = acc + y * tl.load(wts_ptr + t * TOPK + j)
-    _combine_store(acc, ys_ptr + t.to(tl.int64) * D, out_ptr + t.to(tl.int64) * D, cols, col_ok, SHARED)
+    _combine_store(acc, ys_ptr + t.to(tl.int64) * D, out_ptr + t.to(tl.int64) * D, cols, col_ok, SHARED=SHARED)
 
 
 def _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2):
@@ -3135,14 +3140,14 @@ def add_norm_ref(res, parts, w, eps):
 
 
 @triton.jit
-def _norm_weight(w_ptr, D, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _norm_weight(w_ptr, D, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
     return tl.load(w_ptr + d, mask=d < D, other=0.0) if NORM else tl.zeros((BLOCK_D,), tl.float32)
 
 
 @triton.jit
-def _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row, D, eps, PARTS_BF16: tl.constexpr,
-                   NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row, D, eps, BLOCK_D: tl.constexpr, PARTS_BF16: tl.constexpr,
+                   NORM: tl.constexpr):
     """The tail of both add_norm kernels: the rank-ordered sum acc [BLOCK_D] fp32 of row `row` (int64), rounded to
     the partials' dtype, added to the fp32 residual; then _rms_norm_kernel's arithmetic on the new residual. w: the
     norm weight [BLOCK_D], loaded by the kernel before its PDL wait (a parameter: no kernel writes it)."""
@@ -3167,12 +3172,12 @@ def _add_norm_kernel(res_ptr, parts_ptr, w_ptr, res_out_ptr, h_ptr, W, T, D, eps
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
-    w = _norm_weight(w_ptr, D, NORM, BLOCK_D)
+    w = _norm_weight(w_ptr, D, BLOCK_D, NORM=NORM)
     _pdl_enter(PDL)
     acc = tl.load(parts_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)
     for r in range(1, W):
         acc = acc + tl.load(parts_ptr + (r * T + row) * D + d, mask=ok, other=0.0).to(tl.float32)
-    _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row, D, eps, PARTS_BF16, NORM, BLOCK_D)
+    _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row, D, eps, BLOCK_D, PARTS_BF16=PARTS_BF16, NORM=NORM)
 
 
 def _add_norm_outputs(res, w):
@@ -3219,7 +3224,7 @@ def _peer_add_norm_kernel(res_ptr, bufs_ptr, pads_ptr, w_ptr, res_out_ptr, h_ptr
     previous call is still set), then takes every rank's flag from its own pad (1 -> 0, acquire), then reads the W
     rows in rank order. A rank's next write into the same slot waits for every rank's next flag, i.e. for every
     rank having finished this call: callers alternate two slots (slot_off) between consecutive calls."""
-    w = _norm_weight(w_ptr, D, NORM, BLOCK_D)
+    w = _norm_weight(w_ptr, D, BLOCK_D, NORM=NORM)
     _pdl_enter(PDL)
     row = tl.program_id(0)
     for r in tl.static_range(W):
@@ -3238,7 +3243,8 @@ def _peer_add_norm_kernel(res_ptr, bufs_ptr, pads_ptr, w_ptr, res_out_ptr, h_ptr
     for r in tl.static_range(1, W):  # rank order, one fp32 accumulator, as _add_norm_kernel adds
         base = tl.load(bufs_ptr + r).to(part_t)
         acc = acc + tl.load(base + at, mask=ok, other=0.0, volatile=True).to(tl.float32)
-    _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row.to(tl.int64), D, eps, PARTS_BF16, NORM, BLOCK_D)
+    _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row.to(tl.int64), D, eps, BLOCK_D, PARTS_BF16=PARTS_BF16,
+                   NORM=NORM)
 
 
 def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0, flag_off=0):
