@@ -38,10 +38,10 @@ QBLOCK = 128  # FP8 block: activations 1x128 along K, weights 128x128
 _backend = {"triton": True}
 
 
-def set_backend(triton: bool):
+def set_backend(use_triton: bool):
     """Triton kernels (True, the default) or the `*_ref` references (False) for CUDA tensors; CPU tensors always
     take the references."""
-    _backend["triton"] = bool(triton)
+    _backend["triton"] = bool(use_triton)
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -2474,10 +2474,10 @@ def _decode_tile(x_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, cols, col_ok, K
 
 
 @triton.jit
-def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_ptr, sw3_ptr, c0, N, K, kb0, kb1,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr,
-                   XQ: tl.constexpr, GATED: tl.constexpr, w_desc=None, w_row0=0, x_desc=None,
-                   W_TMA: tl.constexpr = False, X_TMA: tl.constexpr = False):
+def _decode_tile_swapped(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_ptr, sw3_ptr, c0, N, K, kb0, kb1,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr,
+                         XQ: tl.constexpr, GATED: tl.constexpr, w_desc=None, w_row0=0, x_desc=None,
+                         W_TMA: tl.constexpr = False, X_TMA: tl.constexpr = False):
     """FP8 experts: X[x_rows] . W[c0 .. c0+BLOCK_N-1]^T with the MMA's operands swapped: the weight rows are its M
     side, [R, 128] per K block with R = BLOCK_N, or 2 * BLOCK_N when GATED (these columns' gate rows, then their up
     rows), and the few token rows its N side: at R = 64 one fp8 wgmma (sm90) with both operands in shared memory,
@@ -2523,9 +2523,9 @@ def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_pt
 
 
 @triton.jit
-def _swiglu_tile_t(gu_ptr, tok, tok_ok, u_off, K, w_ptr, cols, col_ok, limit, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                   PRECISE: tl.constexpr, ZERO_GUARD: tl.constexpr):
+def _swiglu_tile_swapped(gu_ptr, tok, tok_ok, u_off, K, w_ptr, cols, col_ok, limit, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                         PRECISE: tl.constexpr, ZERO_GUARD: tl.constexpr):
     """The shared expert's down tile: acc [BLOCK_M, BLOCK_N] fp32 = swiglu(G[tok], U[tok]) . W[cols]^T over K, G at
     gu_ptr ([*, K] rows), U u_off further (SwiGLU on load; ZERO_GUARD: _swiglu_math's), with the MMA's operands
     swapped: the weight rows are its M side (a bf16 wgmma at >= 64 rows, both operands in shared memory, accumulating
@@ -2670,10 +2670,10 @@ def _moe_decode_up_kernel(
                 s_first, s_second = s1_ptr + sw_off, s3_ptr + sw_off
                 if UP_FIRST:  # the descriptor's first plane is W3 (the lower address)
                     s_first, s_second = s_second, s_first
-                g, up = _decode_tile_t(x_ptr, sx_ptr, tok, tok < T, D, w1_ptr, w3_ptr, s_first, s_second,
-                                       pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K,
-                                       K_UNROLL, XQ=True, GATED=True, w_desc=w_desc, w_row0=e * F + pid_n * BLOCK_N,
-                                       x_desc=x_desc, W_TMA=True, X_TMA=True)
+                g, up = _decode_tile_swapped(x_ptr, sx_ptr, tok, tok < T, D, w1_ptr, w3_ptr, s_first, s_second,
+                                             pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K,
+                                             K_UNROLL, XQ=True, GATED=True, w_desc=w_desc,
+                                             w_row0=e * F + pid_n * BLOCK_N, x_desc=x_desc, W_TMA=True, X_TMA=True)
                 if UP_FIRST:
                     g, up = up, g
                 _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE,
@@ -2682,10 +2682,10 @@ def _moe_decode_up_kernel(
                 for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                     slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
                     if FP8:
-                        g, up = _decode_tile_t(x_ptr, sx_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
-                                               w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off,
-                                               pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K,
-                                               K_UNROLL, XQ=True, GATED=True)
+                        g, up = _decode_tile_swapped(x_ptr, sx_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
+                                                     w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off,
+                                                     pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), BLOCK_M, BLOCK_N,
+                                                     BLOCK_K, K_UNROLL, XQ=True, GATED=True)
                     else:
                         g, up = _decode_tile(x_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
                                              w3_ptr + e64 * w_stride_e, cols, col_ok, D, 0, tl.cdiv(D, BLOCK_K),
@@ -2709,7 +2709,7 @@ def _moe_decode_down_kernel(
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
     load (FP8).
     Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load
-    (_swiglu_tile_t).
+    (_swiglu_tile_swapped).
     A routed program finds its expert before the PDL wait: ids were written by the router, which completed before
     the gate/up kernel (the predecessor, which writes only a) got past its own wait.
     EARLY: instead of the PDL wait (for the whole gate/up grid), a program awaits the gate/up tiles (UP_N columns
@@ -2724,8 +2724,9 @@ def _moe_decode_down_kernel(
         _enter_down(cnt_ptr + u, 2 * tl.cdiv(FS, UP_N), True, EARLY=EARLY, PDL=PDL)
         for m0 in range(0, T, BLOCK_M):
             tok = m0 + tl.arange(0, BLOCK_M)
-            acc = _swiglu_tile_t(gu_ptr, tok, tok < T, T * FS, FS, wd_ptr, cols, col_ok, limit_s, BLOCK_M, BLOCK_N, 64,
-                                 DOT_DTYPE, HAS_LIMIT=HAS_LIMIT_S, PRECISE=PRECISE, ZERO_GUARD=ZERO_GUARD)
+            acc = _swiglu_tile_swapped(gu_ptr, tok, tok < T, T * FS, FS, wd_ptr, cols, col_ok, limit_s, BLOCK_M,
+                                       BLOCK_N, 64, DOT_DTYPE, HAS_LIMIT=HAS_LIMIT_S, PRECISE=PRECISE,
+                                       ZERO_GUARD=ZERO_GUARD)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
@@ -2737,10 +2738,10 @@ def _moe_decode_down_kernel(
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
                 if FP8:
-                    acc, _ = _decode_tile_t(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw, sw,
-                                            pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K,
-                                            K_UNROLL, XQ=False, GATED=False, w_desc=w_desc,
-                                            w_row0=e * D + pid_n * BLOCK_N, x_desc=None, W_TMA=TMA)
+                    acc, _ = _decode_tile_swapped(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw,
+                                                  sw, pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), BLOCK_M, BLOCK_N,
+                                                  BLOCK_K, K_UNROLL, XQ=False, GATED=False, w_desc=w_desc,
+                                                  w_row0=e * D + pid_n * BLOCK_N, x_desc=None, W_TMA=TMA)
                 else:
                     acc, _ = _decode_tile(a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, cols, col_ok, F, 0,
                                           tl.cdiv(F, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, K_UNROLL,
@@ -2930,7 +2931,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
     block_n / num_warps / num_stages / k_unroll: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py
     sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up (same bits).
-    FP8 routed tiles go through _decode_tile_t, the weight rows as the MMA's M side (fp8 wgmma at 64 rows). tma
+    FP8 routed tiles go through _decode_tile_swapped, the weight rows as the MMA's M side (fp8 wgmma at 64 rows). tma
     (FP8, T <= 16; default TUNING["moe_tma"]): their weights (and the gate/up's x, all tokens as rows) through TMA
     descriptors (_decode_descs); the same bits."""
     T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
