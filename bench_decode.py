@@ -8,7 +8,7 @@ decode step replayed as a CUDA graph and measured, not projected. Both print the
 bytes one step must read. --profile: the device time of each kernel of one eager step, and with --whole-rank also
 each kernel's share of the replayed graph (replay_table: how far each kernel moved the end of the work done).
 Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP reductions between W GPUs
-(--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both modes): a step of Q tokens per
+(--one-shot: also with the opt-in model.OneShotReduce). --tokens-per-row Q (both modes): a step of Q tokens per
 row against a 1-token step. --candidates [KEY ...] (with --whole-rank): the step with each of kernel.TUNING's launch
 choices (or only the KEYs) set to each of its alternatives (ALTERNATIVES; TOGETHER: several keys at once), against
 the defaults timed just before and after it; --tune KEY=VALUE changes a default for the whole run (e.g. --tune
@@ -323,7 +323,7 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
         say(f"with the TP reductions between {world} GPUs (2 per layer + the logits gather): {with_tp * 1e3:7.3f} ms; "
             f"reductions {(with_tp - graph_t) * 1e3:.3f} ms = {(with_tp - graph_t) / with_tp:.1%} of the step, "
             f"{(with_tp - graph_t) / (2 * cfg.num_hidden_layers + 1) * 1e6:.1f} us per reduction")
-        if one_shot:  # the candidate: M.OneShotReduce for the layers' reductions (the logits still gather)
+        if one_shot:  # the opt-in M.OneShotReduce for the layers' reductions (the logits still gather)
             M.set_one_shot(batch * q, cfg.hidden_size, torch.device("cuda", rank))
             t_os = timed_graph(world)
             M.set_one_shot(0)
@@ -365,7 +365,7 @@ if __name__ == "__main__":
                     help="decode steps of this many tokens per row (a speculative verify step with K drafts has "
                          "K + 1), compared with one token per row (layer and whole-rank modes)")
     ap.add_argument("--one-shot", action="store_true",
-                    help="under torchrun with --whole-rank: also time the step with model.OneShotReduce (candidate)")
+                    help="under torchrun with --whole-rank: also time the step with model.OneShotReduce (opt-in)")
     ap.add_argument("--candidates", nargs="*", metavar="KEY",
                     help="with --whole-rank: also time the step with each of kernel.TUNING's choices (or only these "
                          "KEYs) set to each of its ALTERNATIVES")

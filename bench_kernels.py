@@ -540,8 +540,8 @@ def sweep_moe_decode(T, E=44):
 
 
 def bench_skinny_linear(M, N, Kd, what):
-    """A decode projection at one TP=8 rank's shape: cuBLAS (F.linear) against the few-row Triton GEMM (candidate
-    for model.linear), weight GB/s of each, graph-replayed, and the largest difference."""
+    """A decode projection at one TP=8 rank's shape: cuBLAS (F.linear) against the few-row Triton GEMM (model.linear's
+    path), weight GB/s of each, graph-replayed, and the largest difference."""
     x = torch.randn(M, Kd, device=DEV).bfloat16()
     w = (torch.randn(N, Kd, device=DEV) * Kd ** -0.5).bfloat16()
     wbytes = N * Kd * 2

@@ -64,8 +64,8 @@ def tp_reduce_add(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None = N
 
 
 class OneShotReduce:
-    """A candidate tp_reduce_add for CUDA decode batches (not the default until measured: bench_decode.py
-    --one-shot turns it on): the partial is copied into this rank's symmetric-memory buffer, then ONE kernel
+    """An opt-in tp_reduce_add for CUDA decode batches (set_one_shot; bench_reduce.py and bench_decode.py --one-shot
+    time it against the gather path): the partial is copied into this rank's symmetric-memory buffer, then ONE kernel
     (kernel.peer_add_norm_triton) waits for every rank's copy and adds them in rank order with the residual and the
     norm, in the gather path's order (bench_reduce.py checks the bits). Consecutive calls alternate two buffer
     slots, so a rank's write for call i+2 cannot overtake a peer still reading call i (it has waited for every rank's

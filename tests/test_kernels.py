@@ -453,7 +453,7 @@ def test_pdl_prologue_compiles_for_sm90():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_peer_add_norm_protocol_and_sum(dtype):
-    """The one-shot candidate with W = 3 "ranks" in one process (this is rank 1; the others' buffers and signal pads
+    """The one-shot reduction (opt-in) with W = 3 "ranks" in one process (this is rank 1; the others' buffers and signal pads
     are plain tensors whose flags for this call are already set): the same bits as add_norm_ref over the rows of
     slot 1, this rank's flags set in every pad (its own one taken back), every flag for it consumed."""
     W, rank, T, D = 3, 1, 2, 48
@@ -814,7 +814,7 @@ def _attn_case(S, T, G, Hg, hd, blk, topk, L, seed=0):
 def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
     args = _attn_case(S, T, G, Hg, hd, blk, topk, L)
     ref = K.sparse_attention_ref(*args)
-    for block_n in (64, 32):  # 32: the candidate tile (64 spills registers on sm90)
+    for block_n in (64, 32):  # 32: the tile that spills fewer registers on sm90 (measured no faster)
         out = K.sparse_attention_triton(*args, splits=splits, block_n=block_n)
         d = report(f"sparse attention block_n={block_n}", out, ref)
         # online softmax rounds exp(s - running max) to bf16 where the reference uses the global max
