@@ -6,7 +6,8 @@ contract: they round to bf16 / e4m3 exactly where the deployed kernels do (those
 through DSA region selection and greedy argmax, eventually the tokens), and every kernel is tested against them
 (tests/test_kernels.py; speed and real-shape checks: bench_kernels.py).
 Each Triton kernel `_name_kernel` sits beside its reference with a `name_triton` launcher that checks shapes,
-dtypes and contiguity, allocates, builds the grid and launches. Region selection is exact too: a counting radix
+dtypes and contiguity, allocates, builds the grid and launches; the sections follow the model (norms and RoPE,
+sliding-window attention, DSA, router and MoE, GEMMs, the TP reduction). Region selection is exact too: a counting radix
 select of the K-th largest key plus one prefix-sum compaction, bit-identical to the reference's sorts. Decode
 launches many small kernels: capture the decode step in a CUDA graph to see the kernel times rather than Triton's
 Python launch overhead (~50-100 us per launcher call on the H200 machine).
@@ -1963,6 +1964,10 @@ def act_quant_triton(x, end=None):
                                                          q.stride(0), s.stride(0), BLOCK_M=BLOCK_M, QBLOCK=QBLOCK,
                                                          HAS_END=end is not None, num_warps=4, **_pdl())
     return q.view(FP8), s
+
+
+# The routed experts (and the shared one): the reference, then prefill's grouped GEMMs over rows sorted by expert,
+# the sort-free decode kernels, the combines and the launchers.
 
 
 def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):
