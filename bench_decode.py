@@ -8,14 +8,14 @@ decode step replayed as a CUDA graph and measured, not projected. Both print the
 bytes one step must read. --profile: the device time of each kernel of one eager step, and with --whole-rank also
 each kernel's share of the replayed graph (replay_table: how far each kernel moved the end of the work done).
 Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP reductions between W GPUs
-(--one-shot: also with the candidate model.OneShotReduce). --tokens-per-row Q (both modes): a step of Q tokens per
+(--one-shot: also with the opt-in model.OneShotReduce). --tokens-per-row Q (both modes): a step of Q tokens per
 row against a 1-token step. --candidates [KEY ...] (with --whole-rank): the step with each of kernel.TUNING's launch
 choices (or only the KEYs) set to each of its alternatives (ALTERNATIVES; TOGETHER: several keys at once), against
 the defaults timed just before and after it; --tune KEY=VALUE changes a default for the whole run (e.g. --tune
-moe_stages=3,3).
+"moe_stages=((3, 3), (3, 3))").
 
     python bench_decode.py [--batch 1] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
-    python bench_decode.py --whole-rank --tune moe_stages=4,4 --tune moe_unroll=4,4
+    python bench_decode.py --whole-rank --tune "moe_stages=((4, 4), (4, 3))" --tune "moe_unroll=((4, 4), (1, 1))"
     python bench_decode.py [--whole-rank] --tokens-per-row 4    # a speculative verify step (3 drafts)
     torchrun --nproc-per-node=2 bench_decode.py --whole-rank [--one-shot]
 """
@@ -31,20 +31,21 @@ import config
 import model as M
 from generate import DecodeStep
 
-# the other values of kernel.TUNING's launch choices: measured and not taken, or candidates not yet timed
-# (--candidates re-times the step with each)
-ALTERNATIVES = {"pdl": [False], "moe_swap": [False], "sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32],
-                "moe_block_n": [(32, 64), (64, 64), (32, 128)], "moe_stages": [(4, 4), (6, 6), (4, 3), (3, 2)],
-                "moe_unroll": [(4, 4), (8, 1), (4, 2)],
-                "skinny_all": [False], "router_block_e": [64], "sliding_hoist": [False], "skinny_stages": [4],
-                "router_hoist": [False], "skinny_parts": [1, 2, 8], "shared_parts": [(4, 4), (8, 8)],
-                "skinny_tiles": [((16, 512), (8, 256)), ((32, 256), (8, 256))], "skinny_warps": [8],
-                "router_parts": [1], "moe_maxnreg": [(0, 0), (168, 168), (128, 0)],
-                "moe_tma": [(17, 17), (2, 2), (1, 1)], "shared_down_t": [(False, False)],
-                "norm_rope_jobs": [False], "indexer_q8": [False],
-                "moe_early_down": [(False, False), (True, True)], "moe_stages_batch": [(3, 3), (4, 4)]}
-# candidates of several keys at once: name -> the TUNING entries they set together
-TOGETHER = {"moe_down_3cta": {"moe_maxnreg": (168, 168), "moe_stages_batch": (3, 2)}}
+# the other values of kernel.TUNING's launch choices, each measured and not taken (PERF_LOG.md: "kernel.TUNING, key
+# by key"); --candidates re-times the step with each
+ALTERNATIVES = {"sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32], "router_block_e": [64], "router_parts": [1],
+                "moe_block_n": [((32, 64), (32, 64)), ((32, 64), (64, 64)), ((32, 64), (32, 128))],
+                "moe_stages": [((4, 4), (4, 3)), ((6, 6), (4, 3)), ((4, 3), (4, 3)), ((3, 2), (4, 3)),
+                               ((3, 3), (3, 3)), ((3, 3), (4, 4))],
+                "moe_unroll": [((4, 4), (1, 1)), ((8, 1), (1, 1)), ((4, 2), (1, 1))],
+                "moe_maxnreg": [((0, 0), (0, 0)), ((0, 0), (168, 168)), ((0, 0), (128, 0))],
+                "moe_tma": [((False, False), (False, False)), ((False, False), (True, True)),
+                            ((True, True), (True, True))],
+                "moe_early_down": [(False, False), (True, True)], "shared_parts": [(4, 4), (8, 8)],
+                "skinny_tiles": [((16, 512), (8, 256)), ((32, 256), (8, 256))], "skinny_stages": [4],
+                "skinny_parts": [1, 2, 8], "skinny_warps": [8]}
+# several keys at once: name -> the TUNING entries they set together
+TOGETHER = {"moe_down_3cta": {"moe_maxnreg": ((0, 0), (168, 168)), "moe_stages": ((3, 3), (3, 2))}}
 HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
 
 
@@ -322,7 +323,7 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
         say(f"with the TP reductions between {world} GPUs (2 per layer + the logits gather): {with_tp * 1e3:7.3f} ms; "
             f"reductions {(with_tp - graph_t) * 1e3:.3f} ms = {(with_tp - graph_t) / with_tp:.1%} of the step, "
             f"{(with_tp - graph_t) / (2 * cfg.num_hidden_layers + 1) * 1e6:.1f} us per reduction")
-        if one_shot:  # the candidate: M.OneShotReduce for the layers' reductions (the logits still gather)
+        if one_shot:  # the opt-in M.OneShotReduce for the layers' reductions (the logits still gather)
             M.set_one_shot(batch * q, cfg.hidden_size, torch.device("cuda", rank))
             t_os = timed_graph(world)
             M.set_one_shot(0)
@@ -364,7 +365,7 @@ if __name__ == "__main__":
                     help="decode steps of this many tokens per row (a speculative verify step with K drafts has "
                          "K + 1), compared with one token per row (layer and whole-rank modes)")
     ap.add_argument("--one-shot", action="store_true",
-                    help="under torchrun with --whole-rank: also time the step with model.OneShotReduce (candidate)")
+                    help="under torchrun with --whole-rank: also time the step with model.OneShotReduce (opt-in)")
     ap.add_argument("--candidates", nargs="*", metavar="KEY",
                     help="with --whole-rank: also time the step with each of kernel.TUNING's choices (or only these "
                          "KEYs) set to each of its ALTERNATIVES")

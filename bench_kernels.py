@@ -388,17 +388,21 @@ def sweep_gemm_wgmma(rows_per_expert, E=44, choices=((128, 4), (256, 3), (256, 4
 
 def sweep_banded(T=8192, chunks=(512, 2048, 8192)):
     """A sliding layer's prefill attention (one TP=8 rank: 8 query heads, 1 KV group, head_dim 192, window 512) over
-    T tokens in prefill chunks: kernel.banded_attention's "math" and "triton" (the default): time and the largest
-    difference in bf16 steps of the math path's row magnitude."""
+    T tokens in prefill chunks: kernel.banded_attention's reference ("math": SDPA's math path) and Triton kernel:
+    time and the largest difference in bf16 steps of the math path's row magnitude."""
     H, hd, W = 8, 192, 512
     q, k, v = (torch.randn(h, T, hd, device=DEV).bfloat16() for h in (H, 1, 1))
 
     def run(chunk, how):
-        out = torch.empty_like(q)
-        for c0 in range(0, T, chunk):
-            c1, k0 = min(T, c0 + chunk), max(0, c0 - W + 1)
-            out[:, c0:c1] = K.banded_attention(q[:, c0:c1], k[:, k0:c1], v[:, k0:c1], c0 - k0, W, hd ** -0.5, how)
-        return out
+        K.set_backend(how == "triton")
+        try:
+            out = torch.empty_like(q)
+            for c0 in range(0, T, chunk):
+                c1, k0 = min(T, c0 + chunk), max(0, c0 - W + 1)
+                out[:, c0:c1] = K.banded_attention(q[:, c0:c1], k[:, k0:c1], v[:, k0:c1], c0 - k0, W, hd ** -0.5)
+            return out
+        finally:
+            K.set_backend(True)
     ref = run(T, "math")
     mag = ref.float().abs().amax(-1, keepdim=True).clamp_min(2 ** -126)
     ulp = torch.ldexp(torch.ones_like(mag), torch.frexp(mag).exponent - 8)
@@ -524,24 +528,20 @@ def sweep_moe_decode(T, E=44):
     # measured on the H200 (T = 1 / 16): (32, 64) w4 st4 32.4 / 160 us; w8 42.9 / 293; (64, 64) w8 36.7 / 236;
     # (64, 128) w8 37.1 / 175; (16, 32) w4 st6 39.5 / 302; (32, 32) w8 st6 45.8 / 420; (128, 128) w8 st3 43.0 / 153
     # k_unroll (K blocks per loop iteration, same bits), T = 1 / 16: 1 32.2 / 162, 2 31.9 / 163, 4 30.0 / 238 us;
-    # the block dots on the CUDA cores instead of MMAs (removed): 132-351 / 994-1269 us
-    # swap: the weight rows as the MMA's M side (fp8 wgmma at 64 rows; other bits), a candidate
-    for bn, nw, st, ku, swap in (((32, 64), 4, 4, 1, False), ((32, 64), 4, 4, 2, False), ((32, 64), 4, 4, 4, False),
-                                 ((32, 64), 4, 2, 4, False), ((64, 128), 8, 3, 4, False), ((128, 128), 8, 3, 1, False),
-                                 ((32, 64), 4, 4, 1, True), ((32, 64), 4, 4, 2, True), ((32, 64), 4, 3, 4, True),
-                                 ((32, 64), 4, 6, 1, True), ((32, 64), 4, 8, 1, True), ((32, 64), 4, 6, 2, True),
-                                 ((64, 64), 4, 4, 1, True), ((32, 128), 4, 4, 1, True)):
-        kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku), swap=swap)
-        res.append(choice(f"BN={bn} w{nw} st={st} k_unroll={ku}" + (" swap" if swap else ""), lambda: run(**kw),
-                          want))
+    # the block dots on the CUDA cores instead of MMAs (removed): 132-351 / 994-1269 us (all before the FP8 tiles
+    # had the weight rows as the MMA's M side)
+    for bn, nw, st, ku in (((32, 64), 4, 4, 1), ((32, 64), 4, 4, 2), ((32, 64), 4, 3, 4), ((32, 64), 4, 6, 1),
+                           ((32, 64), 4, 8, 1), ((32, 64), 4, 6, 2), ((64, 64), 4, 4, 1), ((32, 128), 4, 4, 1)):
+        kw = dict(block_n=bn, num_warps=(nw, nw), num_stages=(st, st), k_unroll=(ku, ku))
+        res.append(choice(f"BN={bn} w{nw} st={st} k_unroll={ku}", lambda: run(**kw), want))
     for tma in (False, True):  # the tuned tiles, weights (and x at T <= 16) by TMA or by pointers
         res.append(choice(f"defaults tma={tma}", lambda: run(tma=tma), want))
     print(f"  sweep moe decode T={T}: " + "; ".join(res), flush=True)
 
 
 def bench_skinny_linear(M, N, Kd, what):
-    """A decode projection at one TP=8 rank's shape: cuBLAS (F.linear) against the few-row Triton GEMM (candidate
-    for model.linear), weight GB/s of each, graph-replayed, and the largest difference."""
+    """A decode projection at one TP=8 rank's shape: cuBLAS (F.linear) against the few-row Triton GEMM (model.linear's
+    path), weight GB/s of each, graph-replayed, and the largest difference."""
     x = torch.randn(M, Kd, device=DEV).bfloat16()
     w = (torch.randn(N, Kd, device=DEV) * Kd ** -0.5).bfloat16()
     wbytes = N * Kd * 2

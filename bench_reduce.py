@@ -7,7 +7,7 @@ CUDA graph of 2 x 92 chained reductions (a whole step's worth), per call:
   oneshot  torch's symmetric-memory one-shot all-reduce of the partial widened to fp32 (each rank reads every peer's
            buffer and adds them in rank order), then the same add_norm kernel on the [1, B, D] sum (rounded to bf16
            first for bf16 partials, as the model rounds); its results are checked bit-identical to `gather`.
-  fused    model.OneShotReduce (candidate, opt-in in the model): the partial copied into this rank's symmetric
+  fused    model.OneShotReduce (opt-in in the model): the partial copied into this rank's symmetric
            buffer (two alternating slots), then ONE kernel (kernel.peer_add_norm_triton) that signals every rank,
            waits for every rank's signal and adds the W rows read over NVLink in rank order, with the residual and
            the norm; checked bit-identical to `gather` too.
@@ -53,7 +53,7 @@ def timed(fn, graph: bool, iters: int = 10) -> float:
 
 
 def fused_line(res, x, w, want, world) -> str:
-    """Time and check the fused one-shot candidate (model.OneShotReduce: the partial, in its own dtype, copied into a
+    """Time and check the fused one-shot reduction (model.OneShotReduce: the partial, in its own dtype, copied into a
     symmetric-memory slot, then kernel.peer_add_norm_triton)."""
     one_shot = M.OneShotReduce(x.shape[0], D, x.device)
     got = one_shot(res, x, w, 1e-5)

@@ -6,7 +6,8 @@ contract: they round to bf16 / e4m3 exactly where the deployed kernels do (those
 through DSA region selection and greedy argmax, eventually the tokens), and every kernel is tested against them
 (tests/test_kernels.py; speed and real-shape checks: bench_kernels.py).
 Each Triton kernel `_name_kernel` sits beside its reference with a `name_triton` launcher that checks shapes,
-dtypes and contiguity, allocates, builds the grid and launches. Region selection is exact too: a counting radix
+dtypes and contiguity, allocates, builds the grid and launches; the sections follow the model (norms and RoPE,
+sliding-window attention, DSA, router and MoE, GEMMs, the TP reduction). Region selection is exact too: a counting radix
 select of the K-th largest key plus one prefix-sum compaction, bit-identical to the reference's sorts. Decode
 launches many small kernels: capture the decode step in a CUDA graph to see the kernel times rather than Triton's
 Python launch overhead (~50-100 us per launcher call on the H200 machine).
@@ -38,198 +39,56 @@ QBLOCK = 128  # FP8 block: activations 1x128 along K, weights 128x128
 _backend = {"triton": True}
 
 
-def set_backend(triton: bool):
+def set_backend(use_triton: bool):
     """Triton kernels (True, the default) or the `*_ref` references (False) for CUDA tensors; CPU tensors always
     take the references."""
-    _backend["triton"] = bool(triton)
+    _backend["triton"] = bool(use_triton)
 
 
 def _triton(x: torch.Tensor) -> bool:
     return _backend["triton"] and x.is_cuda
 
 
-# Launch choices (an argument passed to a launcher overrides them), each timed over a whole decode step on the H200
-# (bench_decode.py --whole-rank --candidates re-times the step with each set to its alternative), batch 1, 4k: the
-# first three with sparse_block_n 32 took the step from 8.06 to 7.11 ms; each reverted alone: pdl +6.2%, moe_swap
-# +4.2%, sliding_warps 4 +2.5% (again: +5.8, +3.7, +2.6).
-# pdl: programmatic dependent launch (sm90+): a launch may begin while its predecessor still runs (launch latency and
-#   CTA setup hidden); each kernel's first act is griddepcontrol.wait (the predecessor finished, its writes visible),
-#   then it lets its own successor launch, so every memory access stays ordered as without it (same bits).
-# moe_swap: moe_experts_decode_triton's routed tiles as fp8 wgmma with the weight rows as M (within tolerance).
-# sparse_block_n: the 64-slot sparse attention tile spills (~180 registers in the sm90 build), the 32-slot one ~15,
-#   yet 32 is no faster in decode (-0.3%, -0.5%, 0.0% over three whole steps) and slower at prefill (the sparse
-#   attention of an 8192-token chunk at 128k: 11.4 vs 9.05 ms): 64 stays.
-# sliding_warps: (fewer programs than SMs, more): warps of the sliding decode attention tile. 8 wins at batch 1 (16
-#   programs) and loses at batch 16 (256): on 2026-12-01 (4, 4) was +2.4 / +2.5% at batch 1 and (8, 8) +1.8% at
-#   batch 16 (4 warps there: -3.2% vs 8); with 8-row head tiles (third session) +0.6% and +2.8%.
-# moe_block_n: (gate/up, down) tile columns of moe_experts_decode_triton at T > 1 (at T = 1 the gate/up tile is 32
-#   columns: with 4 K blocks per iteration (64, 64) needs 288 KB of shared memory at 4 stages). moe_stages: its
-#   pipeline stages. Batch 16 (32k): (64, 64) -2.8% vs (32, 64), reverted +1.9%; 3 stages -3.3% vs 4, reverted +2.7%;
-#   (64, 128) -5.2% vs (64, 64) (fourth session: 13.08 -> 12.39 ms; half as many down programs per expert, each
-#   quantising the same rows of a); batch 1: within +-0.4%. moe_unroll: K blocks per loop iteration of FP8 experts
-#   at T = 1; (4, 4): +2.4% (twice).
-# Measured and removed on 2026-12-01 (whole step, batch 1 / 16): scales loaded one loop iteration ahead in the
-#   swapped expert tiles (their sm90 PTX had a scalar scale load round trip per K block): +0.6 / +2.2%; the sliding
-#   tile's ring loads issued before the q / k norms (to overlap them): +2.9 / +3.1%; launches fused through arrival
-#   counters (the sliding attention's last program merging the splits, the router's last logits program selecting):
-#   +13.6 / +3.0% and +1.5 / +26%. Fifth session (eager kernel sums per step, --profile; batch 1 / 16): the shared
-#   expert's SwiGLU in the gate/up kernel's epilogue (gate and up of half the columns per program): up +177 / -13 us,
-#   down -68 / -107 us; the down kernel's a quantised once in a launch between (T > 1): down -163 us, the launch +444.
-# banded: the sliding layers' prefill attention (banded_attention): "triton" (_banded_attn_kernel) or "math" (SDPA's
-#   math path, the reference). H200, 2026-12-01, bench_kernels.py sweep_banded, 8k / 32k tokens in 2048-query chunks:
-#   math 5.78 / 24.1 ms, SDPA's fused kernels on 4-D equal-head inputs 0.95 / 3.85 ms (removed), triton 0.21 / 0.83
-#   ms (all within 1 bf16 step of the math path); bench_prefill.py sliding layer at 8k: 9.7 / 5.7 / 5.1 ms.
-# Measured and not taken on 2026-12-02 (whole step, batch 1 / 16): weights asked of L2 before the PDL wait, so that
-#   they stream in while the previous kernel runs (one cp.async.bulk.prefetch.L2 per thread or row): the router logits
-#   kernel's rows -3.5 / -0.6% in one run, +1.9 / +2.0 / -0.2% in the next three; the skinny projections' rows (up to
-#   16 MB per launch) -1.3 / +0.3%; the MoE decode kernels' shared-expert rows (before the wait) and routed tiles'
-#   rows (after it) -2.0 / +10.5%; all of those, with each routed program also prefetching its share of its expert's
-#   w2 for the down launch, +5.6 / +16%. --candidates then timed each choice once after the defaults, and those later
-#   timings were ~2% faster whatever the choice; it now times the defaults just before and after each candidate.
-#   Again on 2026-12-03 (fourteenth session) with a per-thread prefetch.global.L2 of each 128-byte line (CCTL.E.PF2 in
-#   the sm90 build, 8-16 per thread; defaults: both prefetches on, 10.78 / 5.63 ms at batch 16 / 1): the skinny
-#   projections' whole weights (up to 32 MiB a launch) off -5.1 / -11.3%, up to 16 MiB -0.3 / -1.0%, lm_head's too
-#   +0.2 / +0.1%; each hit down program's w2 tile off -3.3 / -2.2%. Asking L2 ahead for what a kernel then reads
-#   anyway costs more than the latency it hides (the same step without either: 9.86-9.96 / 4.81 ms).
-# skinny_all: model.linear's few-row projections (sliding packed QKV, o_proj, lm_head, dense MLPs) through
-#   skinny_linear, not cuBLAS: -1.1% / -2.3% (batch 1 / 16, 2026-12-01). router_block_e: experts per router-logits
-#   program; 32 (88 programs at batch 1, each reading half of 64's bytes): -0.6% / -0.8%.
-# Measured and not taken on 2026-12-01 (batch 1 / 16): sliding split_len 16 / 64 / 128 (-0.5 / +0.9 / +5.7% and
-#   +2.0 / -0.4 / -0.2% vs 32); the router selection in 1 warp (shuffles only, no barriers): +1.2 / +0.2%; the
-#   swapped down tile at T = 1 loading and quantising its one row, broadcast to the MMA's 16 (its sm90 K loop
-#   254 -> 173 instructions): +3.5% at batch 1; the shared expert's gate/up in 16-column tiles: +0.1 / -0.8%.
-# Reads before the PDL wait (eighth session, 2026-12-02, whole step, batch 1 / 16, each against the defaults timed
-#   around it): a kernel's loads of data that its predecessor does not write overlap the predecessor's tail, which
-#   a latency-bound decode kernel otherwise pays after the wait. sliding_hoist: the sliding attention's cached keys and
-#   values of its split (Q = 1): -2.8 / -0.8%, and +3.1% when set back in the next run. router_hoist: the router
-#   logits' weight tile (one K step of 512 columns, 32 KB, in registers): -1.3 / -0.6%. Parameters (norm weights,
-#   biases) and the position's RoPE table rows are always read before the wait (_norm_params). Measured and not
-#   taken: the decode down projection's whole weight tile (T = 1, 32-column tiles, 48 KB in registers): +26.9% at
-#   batch 1 (200 KB of shared memory for the mma operands: one CTA per SM, so the shared expert's programs, first in
-#   launch order and waiting, held the SMs); skinny_linear's first K blocks in registers (8 warps), 64 / 128 KB per
-#   program: +47 / +91% at batch 1, +22 / +160% at 16.
-# skinny_stages: skinny_linear's pipeline stages for the packed projections and o_proj: 6 vs 4: -1.5 / -2.7%, and
-#   +1.5% when set back in the next run; 3: +0.9 / +0.5%. Also measured on 2026-12-02 and not taken: the T = 1 decode
-#   expert tiles (gate/up, down columns) (16, 64) / (32, 32) / (16, 32) vs (32, 64): +3.4 / +1.5 / +5.3%; moe_stages
-#   (6, 6): +8.6% at batch 16 (over the shared memory at batch 1); moe_unroll (4, 2): -0.5%, (8, 1) over the shared
-#   memory.
-# skinny_parts: skinny_linear's K cut into that many parts, each its own MMA chain (_skinny_tile). Ninth session
-#   (2026-12-02, whole step, batch 1 / 16): 4 parts took the step from 5.40 to 5.19-5.23 ms and from 11.65 to
-#   11.38-11.44 ms (runs of the same day); in one run against 4: 1 part +10.3 / +4.2%, 2 parts +2.3..2.7 / +0.8%, 8
-#   parts +2.8% (1 part as a 3-D dot of one batch is slower than the 2-D kernel it replaced: every warp computes the
-#   whole tile). shared_parts: (T = 1, T > 1), the same for the shared expert's gate/up tiles in the decode MoE up
-#   kernel (K = 4096): 4 vs 1 -2.6..3.2 / -0.5%; 8 vs 4 -1.1% at batch 1, +2.2% at 16 (255 registers, 8 spilled
-#   bytes). skinny_tiles ((columns, K block) for N >= 3200 and for smaller N; N >= 6400 keeps 64 x 128) and
-#   skinny_warps: candidates not yet timed with the parts (the device time ran out). Measured and removed the same
-#   day: the router's selection inside the decode expert kernels (each gate/up program choosing the experts from the
-#   logits partials after its PDL wait, each down program before it, one launch fewer per MoE layer): +8.5% at batch 1.
-#   Tenth session (2026-12-02, same method): skinny_tiles ((16, 512), (8, 256)) / ((32, 256), (8, 256)) +3.5 / +0.4%
-#   at batch 1, +3.0 / +1.2% at 16; skinny_warps 8 +2.9 / +1.1%: not taken.
-# router_parts: the router logits' hoisted K step (512 columns) in that many MMA chains (_sum_parts), as skinny_parts:
-#   4 vs 1: -1.1% at batch 1 (router logits 375 -> 323 us a step), +0.2% at 16 (tenth session).
-# moe_maxnreg: (gate/up, down) register caps of the decode expert kernels at T > 1 (0: none). The gate/up kernel at
-#   176 registers held 2 CTAs per SM, 168 (no spills in the sm90 build) holds 3, so its ~318 programs at batch 16 (13
-#   hit experts) run in one wave: (168, 0) -1.8% at batch 16 vs (0, 0), +2.1% when set back in the next run; (168,
-#   168) +0.8% (the down kernel's shared-expert branch spills 181 bytes there), and with down at 2 stages (3 CTAs per
-#   SM) -1.0% vs (0, 0). Measured and removed the same session (batch 16): down tiles of 256 columns (the scale row
-#   per 128-row block, 2 stages: 224 programs in one wave) +1.1%; _select_regions_kernel's threshold search 4 bits a
-#   step (a 16-bin histogram in 16-bit fields of four int64, one reduction: 28 CTA barriers instead of 52) +3.0%
-#   (bench_kernels.py bench_select, 16 rows of 4096: 13.5 vs 9.9 us); the router selection four slots per reduction
-#   (a sorted-list merge as the combine: 5 barriers instead of 23) -0.0 / -0.1% at batch 1 / 16. Select chunks of
-#   8192 (one program for the bench's 4100 regions) 17.7 vs 14.5 us in two launches of 4096 (16 rows). Also not
-#   taken: moe_maxnreg (128, 0) (4 CTAs per SM, 32 spilled bytes) +1.6% at batch 16; moe_stages (4, 3) +0.5 / +0.2%.
-# moe_tma: (gate/up, down) the smallest T (up to 16) at which moe_experts_decode_triton's swapped FP8 tiles load their
-#   weights through TMA descriptors (gate/up: W1 and W3 as the two planes of one 3-D descriptor, their distance its
-#   stride; x, every token a row, in 16-row boxes) instead of a pointer per 16 bytes; the same bits. Eleventh session
-#   (2026-12-02, whole step against the defaults timed around it): at batch 16 TMA on both -3.6% (10.65 vs 11.03 ms),
-#   gate/up alone -2.6%, down alone -1.0%; at batch 1 both +2.8% (the T = 1 tiles are latency-bound chains, and the
-#   TMA loop waits on an mbarrier per K block), the down kernel alone -0.5% (in two runs). bench_kernels.py (44
-#   experts, routed + shared): T = 1 / 4 / 16 pointers 18.4 / 45.1 / 120.4 us, TMA 24.2 / 42.5 / 113.8 us.
-#   Measured and removed the same session: the T = 1 gate/up kernel in Gluon with asynchronous wgmma (four K blocks'
-#   MMAs issued into separate register tiles and waited for together, then scaled in K order: the same bits as the
-#   Triton tiles on the H200; the shared expert as bf16 wgmma accumulating over K): bench_kernels.py's T = 1 case
-#   24.5 us with the TMA copies issued by the math warps, 21.0-22.6 with a TMA warp (warp_specialize; 4 to 16 stages
-#   alike), against 18.4 us; whole step +15.5% / +16.1%. The serialised wgmma waits are not what bounds T = 1.
-# shared_down_t: (T = 1, T > 1) the shared expert's down tile (SwiGLU on load) with wd's rows as the MMA's M side
-#   (_swiglu_tile_t: a bf16 wgmma accumulating over K, 64-column K steps) instead of an mma.sync tile holding wd's
-#   128 x 128 block in registers; its own order inside the sums. The down kernel at T = 16: 248 -> 136 registers,
-#   86 -> 59 KB of shared memory (sm90 build), so 3 CTAs per SM instead of 2. Eleventh session (whole step against
-#   the defaults timed around it): -2.9% at batch 16 (10.33 vs 10.63 ms), -0.8% at batch 1.
-# norm_rope_jobs: a DSA layer's four norm + RoPE problems (q, k, the indexer's q and k) in one launch
-#   (_norm_rope_jobs_kernel) instead of four. Twelfth session (2026-12-02, whole step against the defaults timed
-#   around it): -2.4% at batch 1 (4.910 vs 5.027 ms), -2.1% at batch 16 (10.049 vs 10.263 ms); 69 launches fewer.
-#   Measured and removed the same session: the sliding merge inside the o_proj projection at batch 1 (each
-#   skinny_linear program merging the 16 splits of its K chunks' heads, the same bits as merge + projection): the
-#   step 5.71 / 5.39 / 5.67 ms with 32 / 64 / 32 columns per program (4 / 4 / 8 warps) against 5.05 unfused: every
-#   program repeats the whole merge (the sm90 loop 1071 instructions per K step against the projection's 159). Not
-#   taken: the merges in 1 / 2 warps (+0.1 / -0.0% at batch 1, -0.4 / -0.3% at 16); region selection chunks of 2048
-#   (16 rows of 4100: 14.4 vs 14.8 us); moe_maxnreg (0, 0) / (168, 168) / (128, 0) at batch 16: +3.1 / +0.1 / +2.4%.
-#   Thirteenth session (2026-12-02, whole step against the defaults timed around it, batch 16 / 1), measured and
-#   removed: the decode combine inside the down kernel (each program counting itself in per D tile with an acq_rel
-#   atomic, the tile's last one writing every token's combine with the combine launch's bits, one launch fewer per
-#   MoE layer): +0.4% / -0.2%, i.e. the atomic and the last program's serial tail cost what the launch did; the
-#   indexer scores computed before their PDL wait (stored after it; the decode step's cache write touches no summary
-#   a kept score reads): +-0.2%. Not taken: moe_stages (3, 2) (the down kernel at 124 registers and 39 KB: 4 CTAs per
-#   SM, all ~460 programs of batch 16 in one wave) +1.4% / +5.1%, (4, 4) +2.6 / +1.4%, (6, 6) +16.5%, (4, 3) -0.4 /
-#   +1.5%; moe_block_n (32, 64) / (64, 64) / (32, 128) +14.4 / +10.1 / +4.1% at batch 16; sparse_attention_triton's
-#   num_stages 3 / 4 (see there) -0.1..-0.2 / +0.3%.
-# indexer_q8: the decode and prefill indexer scores read q as e4m3 values that norm_rope_jobs stored (e4m3=(2,)) and
-#   skip rounding it (the same bits by construction; CPU and GPU tests bit-equal; the sm90 build drops from 3752 to
-#   2384 instructions per thread at batch 16). Fourteenth session (2026-12-03, H200, whole step against the defaults
-#   timed around it): off +0.9% at batch 16 (9.975 vs 9.884 ms) and +0.9% at batch 1 (4.910 vs 4.866); the scores
-#   kernel (bench_kernels.py sweep_indexer, 16-row tiles) 14.7 -> 11.0 us at 16 x 4100 regions (128-region tiles)
-#   and 5.7 -> 2.9 us at 1 x 4100 (64-region tiles), the same bits.
-# moe_early_down: (T = 1, T > 1) whether each decode down program awaits only its own expert's gate/up tiles (an
-#   arrival counter per expert, _arrive / _await; the combine launch zeroes them) instead of the whole gate/up grid
-#   (the PDL wait): a hit expert's down tiles start while other experts' gate/up tiles still run. Fourteenth session
-#   (2026-12-03, H200, whole step against the defaults timed around it): -0.5% at batch 16 (9.947 vs 9.997 ms),
-#   +0.6% at batch 1 (4.920 vs 4.891; one expert hit: nothing to overlap, and the counters cost). A second run at
-#   batch 16: (False, False) +0.5% (9.995 vs 9.943), (True, True) -0.0% (9.956 vs 9.960).
-# moe_stages_batch: moe_stages at T > 1 (moe_stages: at T = 1). With moe_early_down, gate/up at 4 stages: -1.8% at
-#   batch 16 in the fourteenth session (9.782 vs 9.958 ms; the thirteenth session's -0.4% without it; (4, 4) +1.5%,
-#   (3, 2) +1.3%, (6, 6) +14.6% in the same run), where it cost +1.5% at batch 1.
-TUNING = {"pdl": True, "moe_swap": True, "sliding_warps": (8, 4), "sparse_block_n": 64,
-          "moe_block_n": (64, 128), "moe_stages": (3, 3), "moe_unroll": (4, 1),
-          "skinny_all": True, "router_block_e": 32, "banded": "triton", "sliding_hoist": True, "skinny_stages": 6,
-          "router_hoist": True, "skinny_parts": 4, "shared_parts": (8, 4),
-          "skinny_tiles": ((32, 256), (16, 512)), "skinny_warps": 4,
-          "router_parts": 4, "moe_maxnreg": (168, 0), "moe_tma": (2, 1),
-          "shared_down_t": (True, True), "norm_rope_jobs": True,
-          "indexer_q8": True, "moe_early_down": (False, True),
-          "moe_stages_batch": (4, 3)}
+# Launch choices, each the winner of whole decode steps timed on the H200 (bench_decode.py --whole-rank --candidates
+# re-times the step with the other values); an argument passed to a launcher overrides them. The numbers behind each
+# value: PERF_LOG.md, "kernel.TUNING, key by key". A tuple's axis is named on its line; the decode experts' entries
+# are (T == 1, T > 1) of the decode step's T tokens, each a (gate/up kernel, down kernel) pair where both have one.
+TUNING = {
+    "sliding_warps": (8, 4),  # warps of the sliding decode attention, (grid < SMs, grid >= SMs)
+    "sparse_block_n": 64,  # key slots per sparse attention tile
+    "router_block_e": 32,  # experts per router-logits program
+    "router_parts": 4,  # MMA chains over the router logits' one K step
+    "moe_block_n": ((32, 64), (64, 128)),  # decode expert tile columns, (T == 1, T > 1) of (gate/up, down)
+    "moe_stages": ((3, 3), (4, 3)),  # decode expert pipeline stages, (T == 1, T > 1) of (gate/up, down)
+    "moe_unroll": ((4, 1), (1, 1)),  # FP8 decode expert K blocks per iteration, (T == 1, T > 1) of (gate/up, down)
+    "moe_maxnreg": ((0, 0), (168, 0)),  # decode expert register caps (0: none), (T == 1, T > 1) of (gate/up, down)
+    "moe_tma": ((False, True), (True, True)),  # FP8 decode tiles by TMA (T <= 16), (T == 1, T > 1) of (gate/up, down)
+    "moe_early_down": (False, True),  # down programs await only their expert's gate/up tiles, (T == 1, T > 1)
+    "shared_parts": (8, 4),  # MMA chains over K of the shared expert's gate/up, (T == 1, T > 1)
+    "skinny_tiles": ((32, 256), (16, 512)),  # skinny_linear (columns, K block), (3200 <= N < 6400, N < 3200)
+    "skinny_stages": 6,  # skinny_linear pipeline stages at N < 6400
+    "skinny_parts": 4,  # skinny_linear MMA chains over K
+    "skinny_warps": 4,  # skinny_linear warps
+}
 
 
 def set_tuning(items) -> None:
     """Applies "KEY=VALUE" strings (a Python literal, converted to the default's type) to TUNING; ValueError names a
-    bad key or value. bench_decode.py's and sass.py's --tune."""
+    bad key or value. bench_decode.py's, bench_prefill.py's and sass.py's --tune."""
     for item in items:
         key, _, value = item.partition("=")
         if key not in TUNING:
             raise ValueError(f"--tune {item}: no such choice; kernel.TUNING has {', '.join(TUNING)}")
         try:
-            TUNING[key] = value if isinstance(TUNING[key], str) else type(TUNING[key])(ast.literal_eval(value))
+            TUNING[key] = type(TUNING[key])(ast.literal_eval(value))
         except (ValueError, SyntaxError, TypeError) as e:
             raise ValueError(f"--tune {item}: {value!r} is not a {type(TUNING[key]).__name__} ({e})") from None
 
 
-@functools.cache
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-
-
-@functools.cache
-def _sms() -> int:
-    if not torch.cuda.is_available():
-        return 1
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-
-
-def _pdl() -> dict:
-    return {"PDL": True, "launch_pdl": True} if TUNING["pdl"] and not _INTERPRET and _sm90() else {"PDL": False}
-
-
 # --------------------------------------------------------------------------------------------------
-# Triton plumbing shared by every kernel.
+# Triton plumbing shared by every kernel
+
+
 #
 # Under TRITON_INTERPRET=1 (the CPU tests) the triton 3.7 interpreter multiplies raw bits in bf16 arithmetic and
 # bf16 tl.dot, truncates fp32->bf16 casts, mis-rounds fp32->fp8 casts and cannot call libdevice
@@ -249,9 +108,27 @@ _NO_FMA = {} if _INTERPRET else {"enable_fp_fusion": False}
 _GPU_LAUNCH = not _INTERPRET
 
 
+@functools.cache
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@functools.cache
+def _sms() -> int:
+    if not torch.cuda.is_available():
+        return 1
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def _pdl() -> dict:
+    """Programmatic dependent launch wherever it exists (sm90 GPUs): a launch may begin while its predecessor still
+    runs, hiding launch latency and CTA setup (the decode step 6% faster); _pdl_enter keeps every access ordered."""
+    return {"PDL": True, "launch_pdl": True} if not _INTERPRET and _sm90() else {"PDL": False}
+
+
 @triton.jit
 def _pdl_enter(PDL: tl.constexpr):
-    """Every kernel's first statement (see TUNING["pdl"]): wait for the predecessor grid, then release the successor."""
+    """Every kernel's first statement (_pdl): wait for the predecessor grid, then release the successor."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -277,8 +154,7 @@ def _check_tensor(name, t, dtype, ndim=None, contiguous=True):
 @triton.jit
 def _bf16_round(x):
     """fp32 -> nearest-even bf16 value, returned as fp32 (a later .to(bf16) is then exact on every backend). GPUs:
-    the convert (cvt.rn: one instruction per two values), where the integer form took ~5 per value (~30% of the
-    sliding attention tile's instructions, ncu on the H200)."""
+    the convert (cvt.rn, one instruction per two values; the integer form below is ~5 per value)."""
     if _HW_CONVERT:
         return x.to(tl.bfloat16).to(tl.float32)
     b = x.to(tl.int32, bitcast=True)
@@ -312,23 +188,13 @@ def _e4m3_bits(x):
 
 @triton.jit
 def _to_e4m3(x):
-    """fp32 -> float8_e4m3fn with torch's saturating round-to-nearest-even cast. GPUs: the convert, which
-    saturates itself (cvt.rn.satfinite: |x| >= 464 would round to 480, not finite in e4m3fn, and becomes 448, as
-    after a clamp; a clamp before it cost 2 instructions per value, ~11% of the batch-1 down tile's K loop in its sm90
-    build); equal to _e4m3_bits (tests/test_kernels.py checks both); with the integer helper the decode indexer
-    kernel took 114 us per call on the H200, with the convert under 7; the interpreter needs the helper."""
+    """fp32 -> float8_e4m3fn with torch's saturating round-to-nearest-even cast (to_e4m3). GPUs: the convert, which
+    saturates itself (cvt.rn.satfinite: what would round past 448 becomes 448, as after a clamp, so no clamp is
+    spent); the interpreter: _e4m3_bits (tests/test_kernels.py checks both against torch)."""
     if _HW_CONVERT:
         return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     else:
         return _e4m3_bits(x).to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -342,8 +208,66 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
 # --------------------------------------------------------------------------------------------------
-# 1. per-head norm + partial NEOX RoPE
+# Norms and RoPE: RMSNorm; per-head norm + partial NEOX RoPE
+
+
+def rms_norm_ref(x, w, eps, out_dtype=None):
+    """Zero-centred RMSNorm over the last dim in fp32: x * rsqrt(mean(x^2) + eps) * (1 + w), one rounding to
+    out_dtype (default: x's dtype). x [T, D] fp32 residual or bf16; w [D] fp32."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (w + 1.0)
+    return y.to(out_dtype or x.dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, x_stride, out_stride, eps, OUT_BF16: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """One row per program: y = x * (1 / sqrt(sum(x^2) / D + eps)) * (w + 1), rounded once to the output dtype (one
+    launch where the PyTorch form takes ~7)."""
+    _pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    x = tl.load(x_ptr + row * x_stride + d, mask=ok, other=0.0).to(tl.float32)
+    r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
+    w = tl.load(w_ptr + d, mask=ok, other=0.0)
+    y = x * r * (w + 1.0)
+    if OUT_BF16:
+        tl.store(out_ptr + row * out_stride + d, _bf16_round(y).to(tl.bfloat16), mask=ok)
+    else:
+        tl.store(out_ptr + row * out_stride + d, y, mask=ok)
+
+
+def rms_norm_triton(x, w, eps, out_dtype=None):
+    _check_tensor("x", x, x.dtype, ndim=2, contiguous=False)
+    _check(x.dtype in (torch.float32, torch.bfloat16) and x.stride(1) == 1,
+           lambda: f"x must be fp32/bf16 with contiguous rows, got {x.dtype} strides {x.stride()}")
+    T, D = x.shape
+    _check_tensor("w", w, torch.float32, ndim=1)
+    _check(w.numel() == D, lambda: f"w must be [{D}], got {tuple(w.shape)}")
+    out_dtype = out_dtype or x.dtype
+    _check(out_dtype in (torch.float32, torch.bfloat16), lambda: f"out_dtype must be fp32 or bf16, got {out_dtype}")
+    out = torch.empty((T, D), dtype=out_dtype, device=x.device)
+    if T:
+        _rms_norm_kernel[(T,)](x, w, out, D, x.stride(0), out.stride(0), float(eps),
+                               OUT_BF16=out_dtype == torch.bfloat16, BLOCK_D=triton.next_power_of_2(D),
+                               num_warps=8 if D >= 2048 else 4, **_pdl())
+    return out
+
+
+def rms_norm(x, w, eps, out_dtype=None):
+    if _triton(x):
+        return rms_norm_triton(x, w, eps, out_dtype)
+    return rms_norm_ref(x, w, eps, out_dtype)
 
 
 def norm_rope_ref(x, weight, cos, sin, eps, bias=None, pos=None):
@@ -378,114 +302,9 @@ def norm_rope_ref(x, weight, cos, sin, eps, bias=None, pos=None):
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, ROWS, NH, stride_xt, eps,
-                      D: tl.constexpr, HALF: tl.constexpr, LAYERNORM: tl.constexpr, GATHER: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                      BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
-    _norm_rope_rows(tl.program_id(0), x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, ROWS, NH, stride_xt,
-                    eps, D, HALF, LAYERNORM, GATHER, BLOCK_R, BLOCK_D, BLOCK_HALF, BLOCK_REST, PDL)
-
-
-@triton.jit
-def _norm_rope_jobs_kernel(pos_ptr, eps, e0, e1, e2,
-                           x0, w0, b0, c0, s0, o0, rows0, nh0, sx0, x1, w1, b1, c1, s1, o1, rows1, nh1, sx1,
-                           x2, w2, b2, c2, s2, o2, rows2, nh2, sx2, x3, w3, b3, c3, s3, o3, rows3, nh3, sx3,
-                           D0: tl.constexpr, H0: tl.constexpr, L0: tl.constexpr, BD0: tl.constexpr,
-                           BH0: tl.constexpr, BR0: tl.constexpr, D1: tl.constexpr, H1: tl.constexpr,
-                           L1: tl.constexpr, BD1: tl.constexpr, BH1: tl.constexpr, BR1: tl.constexpr,
-                           D2: tl.constexpr, H2: tl.constexpr, L2: tl.constexpr, BD2: tl.constexpr,
-                           BH2: tl.constexpr, BR2: tl.constexpr, D3: tl.constexpr, H3: tl.constexpr,
-                           L3: tl.constexpr, BD3: tl.constexpr, BH3: tl.constexpr, BR3: tl.constexpr,
-                           JOBS: tl.constexpr, GATHER: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
-                           E0: tl.constexpr = False, E1: tl.constexpr = False, E2: tl.constexpr = False,
-                           E3: tl.constexpr = False):
-    """Up to 4 norm_rope problems in one launch (norm_rope_jobs): job i takes programs e(i-1) .. e(i)-1, with
-    _norm_rope_kernel's arithmetic and its own shapes (D, HALF, LAYERNORM, BLOCK_D, BLOCK_HALF, BLOCK_REST) and Ei
-    (its outputs rounded on to e4m3 values: _norm_rope_rows' E4M3)."""
-    pid = tl.program_id(0)
-    if pid < e0:
-        _norm_rope_rows(pid, x0, w0, b0, c0, s0, pos_ptr, o0, rows0, nh0, sx0, eps, D0, H0, L0, GATHER, BLOCK_R,
-                        BD0, BH0, BR0, PDL, E0)
-    elif JOBS > 1:
-        if pid < e1:
-            _norm_rope_rows(pid - e0, x1, w1, b1, c1, s1, pos_ptr, o1, rows1, nh1, sx1, eps, D1, H1, L1, GATHER,
-                            BLOCK_R, BD1, BH1, BR1, PDL, E1)
-        elif JOBS > 2:
-            if pid < e2:
-                _norm_rope_rows(pid - e1, x2, w2, b2, c2, s2, pos_ptr, o2, rows2, nh2, sx2, eps, D2, H2, L2, GATHER,
-                                BLOCK_R, BD2, BH2, BR2, PDL, E2)
-            elif JOBS > 3:
-                _norm_rope_rows(pid - e2, x3, w3, b3, c3, s3, pos_ptr, o3, rows3, nh3, sx3, eps, D3, H3, L3,
-                                GATHER, BLOCK_R, BD3, BH3, BR3, PDL, E3)
-
-
-@triton.jit
-def _norm_rope_rows(pid, x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, ROWS, NH, stride_xt, eps,
-                    D: tl.constexpr, HALF: tl.constexpr, LAYERNORM: tl.constexpr, GATHER: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                    BLOCK_REST: tl.constexpr, PDL: tl.constexpr, E4M3: tl.constexpr = False):
-    """BLOCK_R head rows (token t = row // NH) of program pid: norm, round to bf16, NEOX-rotate the first 2*HALF dims;
-    E4M3: each output then rounded on to its e4m3 value (exact in bf16; the indexer's scores read q so: norm_rope_jobs).
-
-    RMS: n = bf((x * r) * (w + 1)), r = 1/sqrt(mean(x^2) + eps); LayerNorm: n = bf(((x - mu) * r) * w + b),
-    r = 1/sqrt(E[x^2] - mu^2 + eps). Rotation on the bf16 values a = n[j], b = n[j + HALF]:
-    first = bf(a*c - b*s) (products rounded separately: compiled without FMA contraction),
-    second = bf(fma(a, s, b*c)) (_rotate: exact products, so plain fp32 adds, as the reference).
-    Each norm value is elementwise, so recomputing it per slice equals storing and re-reading the bf16 row.
-    The weights, bias, positions and table rows are read before the PDL wait: the positions are written before any
-    layer's kernels (by torch ops, which trigger no early launch), never by the predecessor, which writes x.
-    """
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = rows < ROWS
-    tok = rows // NH
-    j = tl.arange(0, BLOCK_HALF)
-    j_ok = r_ok[:, None] & (j[None, :] < HALF)
-    trow = tl.load(pos_ptr + tok, mask=r_ok, other=0) if GATHER else tok  # the table row of each token
-    c = tl.load(cos_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
-    wb_a = _norm_params(w_ptr, b_ptr, j, D, LAYERNORM)
-    wb_b = _norm_params(w_ptr, b_ptr, HALF + j, D, LAYERNORM)
-    if BLOCK_REST > 0:
-        cols = 2 * HALF + tl.arange(0, BLOCK_REST)
-        wb_r = _norm_params(w_ptr, b_ptr, cols, D, LAYERNORM)
-    _pdl_enter(PDL)
-    # x rows may be strided per token (q/k are column slices of the packed QKV output); out is contiguous
-    xbase = tok.to(tl.int64)[:, None] * stride_xt + (rows % NH).to(tl.int64)[:, None] * D
-    base = rows.to(tl.int64)[:, None] * D
-    d = tl.arange(0, BLOCK_D)
-    x = tl.load(x_ptr + xbase + d[None, :], mask=r_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
-    one = tl.full((BLOCK_R,), 1.0, tl.float32)
-    if LAYERNORM:
-        mu = tl.sum(x, axis=1) / D
-        var = tl.sum(x * x, axis=1) / D - mu * mu
-        r = tl.math.div_rn(one, tl.sqrt_rn(var + eps))
-    else:
-        mu = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        r = tl.math.div_rn(one, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
-    a = _norm_slice(x_ptr, xbase, j, r_ok, D, mu, r, wb_a, LAYERNORM)
-    b = _norm_slice(x_ptr, xbase, HALF + j, r_ok, D, mu, r, wb_b, LAYERNORM)
-    first, second = _rotate(a, b, c, s)
-    tl.store(out_ptr + base + j[None, :], _round_out(first, E4M3), mask=j_ok)
-    tl.store(out_ptr + base + HALF + j[None, :], _round_out(second, E4M3), mask=j_ok)
-    if BLOCK_REST > 0:  # dims past the rotary span keep the norm value
-        n = _norm_slice(x_ptr, xbase, cols, r_ok, D, mu, r, wb_r, LAYERNORM)
-        tl.store(out_ptr + base + cols[None, :], _round_out(n, E4M3), mask=r_ok[:, None] & (cols[None, :] < D))
-
-
-@triton.jit
-def _round_out(x, E4M3: tl.constexpr):
-    """bf(x) as bf16; E4M3: rounded on to e4m3 (torch's saturating cast of the bf16 value), kept as bf16 (exact)."""
-    y = _bf16_round(x)
-    if E4M3:
-        y = _to_e4m3(y).to(tl.float32)
-    return y.to(tl.bfloat16)
-
-
-@triton.jit
 def _rotate(a, b, c, s):
     """NEOX rotation of bf16-valued fp32 pairs (norm_rope_ref): products of bf16 values are exact in fp32, so
-    a*c - b*s and a*s + b*c are each rounded once, = the spec's fma(a, s, b*c) in plain fp32 (this replaced an
-    fp64 emulation: 163 fp64 conversions per thread in the sm90 build of the sliding attention tile)."""
+    a*c - b*s and a*s + b*c are each rounded once, = the spec's fma(a, s, b*c) in plain fp32."""
     return a * c - b * s, a * s + b * c
 
 
@@ -509,8 +328,103 @@ def _norm_slice(x_ptr, base, cols, r_ok, D: tl.constexpr, mu, r, wb, LAYERNORM: 
     return _bf16_round(n)
 
 
+@triton.jit
+def _round_out(x, E4M3: tl.constexpr):
+    """bf(x) as bf16; E4M3: rounded on to e4m3 (torch's saturating cast of the bf16 value), kept as bf16 (exact)."""
+    y = _bf16_round(x)
+    if E4M3:
+        y = _to_e4m3(y).to(tl.float32)
+    return y.to(tl.bfloat16)
+
+
+@triton.jit
+def _norm_rope_rows(pid, x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, ROWS, NH, stride_xt, eps,
+                    D: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, LAYERNORM: tl.constexpr, GATHER: tl.constexpr,
+                    PDL: tl.constexpr, E4M3: tl.constexpr = False):
+    """BLOCK_R head rows (token t = row // NH) of program pid: norm, round to bf16, NEOX-rotate the first 2*HALF dims;
+    E4M3: each output then rounded on to its e4m3 value (exact in bf16; the indexer's scores read q so: norm_rope_jobs).
+
+    RMS: n = bf((x * r) * (w + 1)), r = 1/sqrt(mean(x^2) + eps); LayerNorm: n = bf(((x - mu) * r) * w + b),
+    r = 1/sqrt(E[x^2] - mu^2 + eps). Rotation on the bf16 values a = n[j], b = n[j + HALF]:
+    first = bf(a*c - b*s) (products rounded separately: compiled without FMA contraction),
+    second = bf(fma(a, s, b*c)) (_rotate: exact products, so plain fp32 adds, as the reference).
+    Each norm value is elementwise, so recomputing it per slice equals storing and re-reading the bf16 row.
+    The weights, bias, positions and table rows are read before the PDL wait: the positions are written before any
+    layer's kernels (by torch ops, which trigger no early launch), never by the predecessor, which writes x.
+    """
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < ROWS
+    tok = rows // NH
+    j = tl.arange(0, BLOCK_HALF)
+    j_ok = r_ok[:, None] & (j[None, :] < HALF)
+    trow = tl.load(pos_ptr + tok, mask=r_ok, other=0) if GATHER else tok  # the table row of each token
+    c = tl.load(cos_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + trow[:, None] * HALF + j[None, :], mask=j_ok, other=0.0).to(tl.float32)
+    wb_a = _norm_params(w_ptr, b_ptr, j, D, LAYERNORM=LAYERNORM)
+    wb_b = _norm_params(w_ptr, b_ptr, HALF + j, D, LAYERNORM=LAYERNORM)
+    if BLOCK_REST > 0:
+        cols = 2 * HALF + tl.arange(0, BLOCK_REST)
+        wb_r = _norm_params(w_ptr, b_ptr, cols, D, LAYERNORM=LAYERNORM)
+    _pdl_enter(PDL)
+    # x rows may be strided per token (q/k are column slices of the packed QKV output); out is contiguous
+    xbase = tok.to(tl.int64)[:, None] * stride_xt + (rows % NH).to(tl.int64)[:, None] * D
+    base = rows.to(tl.int64)[:, None] * D
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(x_ptr + xbase + d[None, :], mask=r_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    one = tl.full((BLOCK_R,), 1.0, tl.float32)
+    if LAYERNORM:
+        mu = tl.sum(x, axis=1) / D
+        var = tl.sum(x * x, axis=1) / D - mu * mu
+        r = tl.math.div_rn(one, tl.sqrt_rn(var + eps))
+    else:
+        mu = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        r = tl.math.div_rn(one, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
+    a = _norm_slice(x_ptr, xbase, j, r_ok, D, mu, r, wb_a, LAYERNORM=LAYERNORM)
+    b = _norm_slice(x_ptr, xbase, HALF + j, r_ok, D, mu, r, wb_b, LAYERNORM=LAYERNORM)
+    first, second = _rotate(a, b, c, s)
+    tl.store(out_ptr + base + j[None, :], _round_out(first, E4M3), mask=j_ok)
+    tl.store(out_ptr + base + HALF + j[None, :], _round_out(second, E4M3), mask=j_ok)
+    if BLOCK_REST > 0:  # dims past the rotary span keep the norm value
+        n = _norm_slice(x_ptr, xbase, cols, r_ok, D, mu, r, wb_r, LAYERNORM=LAYERNORM)
+        tl.store(out_ptr + base + cols[None, :], _round_out(n, E4M3), mask=r_ok[:, None] & (cols[None, :] < D))
+
+
+@triton.jit
+def _norm_rope_jobs_kernel(pos_ptr, eps, e0, e1, e2,
+                           x0, w0, b0, c0, s0, o0, rows0, nh0, sx0, x1, w1, b1, c1, s1, o1, rows1, nh1, sx1,
+                           x2, w2, b2, c2, s2, o2, rows2, nh2, sx2, x3, w3, b3, c3, s3, o3, rows3, nh3, sx3,
+                           D0: tl.constexpr, H0: tl.constexpr, L0: tl.constexpr, BD0: tl.constexpr,
+                           BH0: tl.constexpr, BR0: tl.constexpr, D1: tl.constexpr, H1: tl.constexpr,
+                           L1: tl.constexpr, BD1: tl.constexpr, BH1: tl.constexpr, BR1: tl.constexpr,
+                           D2: tl.constexpr, H2: tl.constexpr, L2: tl.constexpr, BD2: tl.constexpr,
+                           BH2: tl.constexpr, BR2: tl.constexpr, D3: tl.constexpr, H3: tl.constexpr,
+                           L3: tl.constexpr, BD3: tl.constexpr, BH3: tl.constexpr, BR3: tl.constexpr,
+                           JOBS: tl.constexpr, GATHER: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+                           E0: tl.constexpr = False, E1: tl.constexpr = False, E2: tl.constexpr = False,
+                           E3: tl.constexpr = False):
+    """Up to 4 norm_rope_ref problems in one launch (norm_rope_jobs): job i takes programs e(i-1) .. e(i)-1, with its
+    own shapes (D, HALF, LAYERNORM, BLOCK_D, BLOCK_HALF, BLOCK_REST) and Ei (its outputs rounded on to e4m3 values:
+    _norm_rope_rows' E4M3); every job has the bits it has alone. GATHER: the table rows are pos[t]'s."""
+    pid = tl.program_id(0)
+    if pid < e0:
+        _norm_rope_rows(pid, x0, w0, b0, c0, s0, pos_ptr, o0, rows0, nh0, sx0, eps, D0, H0, BLOCK_R, BD0, BH0, BR0,
+                        LAYERNORM=L0, GATHER=GATHER, PDL=PDL, E4M3=E0)
+    elif JOBS > 1:
+        if pid < e1:
+            _norm_rope_rows(pid - e0, x1, w1, b1, c1, s1, pos_ptr, o1, rows1, nh1, sx1, eps, D1, H1, BLOCK_R, BD1, BH1,
+                            BR1, LAYERNORM=L1, GATHER=GATHER, PDL=PDL, E4M3=E1)
+        elif JOBS > 2:
+            if pid < e2:
+                _norm_rope_rows(pid - e1, x2, w2, b2, c2, s2, pos_ptr, o2, rows2, nh2, sx2, eps, D2, H2, BLOCK_R, BD2,
+                                BH2, BR2, LAYERNORM=L2, GATHER=GATHER, PDL=PDL, E4M3=E2)
+            elif JOBS > 3:
+                _norm_rope_rows(pid - e2, x3, w3, b3, c3, s3, pos_ptr, o3, rows3, nh3, sx3, eps, D3, H3, BLOCK_R, BD3,
+                                BH3, BR3, LAYERNORM=L3, GATHER=GATHER, PDL=PDL, E4M3=E3)
+
+
 def _norm_rope_launch(x, weight, cos, sin, bias, pos):
-    """norm_rope_triton's checks -> (its job's arguments, out the sixth; its shapes' constexprs)."""
+    """A norm_rope job's checks -> (its arguments, out the sixth; its shapes' constexprs)."""
     _check_tensor("x", x, torch.bfloat16, ndim=3, contiguous=False)
     T, NH, D = x.shape
     _check(x.stride(2) == 1 and x.stride(1) == D, lambda: f"x must have contiguous heads (strides {x.stride()})")
@@ -539,19 +453,15 @@ _NORM_ROPE_ROWS = 16  # head rows per program
 
 
 def norm_rope_triton(x, weight, cos, sin, eps, bias=None, pos=None):
-    (x, w, b, cos, sin, out, rows, NH, sx), sh = _norm_rope_launch(x, weight, cos, sin, bias, pos)
-    if rows:
-        _norm_rope_kernel[(triton.cdiv(rows, _NORM_ROPE_ROWS),)](
-            x, w, b, cos, sin, pos if pos is not None else out, out, rows, NH, sx, float(eps), D=sh[0], HALF=sh[1],
-            LAYERNORM=sh[2], GATHER=pos is not None, BLOCK_R=_NORM_ROPE_ROWS, BLOCK_D=sh[3], BLOCK_HALF=sh[4],
-            BLOCK_REST=sh[5], num_warps=4, **_NO_FMA, **_pdl())
-    return out
+    """Triton norm_rope_ref (a launch of one job)."""
+    return norm_rope_jobs_triton([(x, weight, cos, sin, bias)], eps, pos)[0]
 
 
 def norm_rope_jobs_triton(jobs, eps, pos, e4m3=()):
-    """norm_rope_jobs in one launch (_norm_rope_jobs_kernel)."""
+    """norm_rope_jobs in one launch (_norm_rope_jobs_kernel); pos None: cos and sin are the tokens' rows."""
     _check(1 <= len(jobs) <= 4, lambda: f"norm_rope_jobs takes 1 to 4 jobs, got {len(jobs)}")
-    _check_tensor("pos", pos, torch.int64, ndim=1)
+    if pos is not None:
+        _check_tensor("pos", pos, torch.int64, ndim=1)
     launches = [_norm_rope_launch(x, w, c, s_, b, pos) for x, w, c, s_, b in jobs]
     ends, args, shapes = [], [], []
     for a, sh in launches:
@@ -564,33 +474,28 @@ def norm_rope_jobs_triton(jobs, eps, pos, e4m3=()):
     ends += [ends[-1]] * pad
     const = {f"{k}{i}": v for i in range(4) for k, v in zip(("D", "H", "L", "BD", "BH", "BR"), shapes[6 * i:6 * i + 6])}
     if ends[-1]:
-        _norm_rope_jobs_kernel[(ends[-1],)](pos, float(eps), *ends[:3], *args, **const, JOBS=len(jobs), GATHER=True,
+        _norm_rope_jobs_kernel[(ends[-1],)](pos if pos is not None else args[5], float(eps), *ends[:3], *args, **const,
+                                            JOBS=len(jobs), GATHER=pos is not None,
                                             BLOCK_R=_NORM_ROPE_ROWS, **{f"E{i}": i in e4m3 for i in range(4)},
                                             num_warps=4, **_NO_FMA, **_pdl())
     return [a[5] for a, _ in launches]
 
 
 def norm_rope_jobs(jobs, eps, pos, e4m3=()):
-    """[norm_rope(x, weight, cos, sin, eps, bias, pos) for (x, weight, cos, sin, bias) in jobs] (1 to 4 of them, all
-    at the positions pos): one launch on the Triton path (a DSA layer's q, k, indexer q and indexer k: four launches
-    of ~2 us each in the decode step before), unless TUNING["norm_rope_jobs"] is off. e4m3: the indices of jobs whose
-    outputs are then rounded to their e4m3 values (as to_e4m3; kept in bf16, which holds them exactly): the indexer's
-    q, which the scores read only so (indexer_scores' q_e4m3)."""
+    """[norm_rope_ref(x, weight, cos, sin, eps, bias, pos) for (x, weight, cos, sin, bias) in jobs] (1 to 4 of them,
+    all at the positions pos): one launch on the Triton path (a DSA layer's q, k, indexer q and indexer k; the step
+    -2.4% against four launches, PERF_LOG 2026-12-02). e4m3: the indices of jobs whose outputs are then rounded to
+    their e4m3 values (as to_e4m3; kept in bf16, which holds them exactly): the indexer's q, which the scores read
+    only so (indexer_scores' q_e4m3)."""
     _check(1 <= len(jobs) <= 4, lambda: f"norm_rope_jobs takes 1 to 4 jobs, got {len(jobs)}")
-    if _triton(jobs[0][0]) and TUNING["norm_rope_jobs"]:
+    if _triton(jobs[0][0]):
         return norm_rope_jobs_triton(jobs, eps, pos, e4m3)
-    out = [norm_rope(x, w, c, s_, eps, b, pos) for x, w, c, s_, b in jobs]
+    out = [norm_rope_ref(x, w, c, s_, eps, b, pos) for x, w, c, s_, b in jobs]
     return [to_e4m3(o).to(o.dtype) if i in e4m3 else o for i, o in enumerate(out)]
 
 
-def norm_rope(x, weight, cos, sin, eps, bias=None, pos=None):
-    if _triton(x):
-        return norm_rope_triton(x, weight, cos, sin, eps, bias, pos)
-    return norm_rope_ref(x, weight, cos, sin, eps, bias, pos)
-
-
 # --------------------------------------------------------------------------------------------------
-# 1b. fused sliding-window decode
+# Sliding-window attention: the prefill chunk (banded) and the fused decode step
 
 
 def banded_attention_ref(q, k, v, off, window, scale):
@@ -671,10 +576,9 @@ def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, L, off, W, scale, sq_h, s
 
 
 def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4):
-    """Triton banded_attention_ref (_banded_attn_kernel): within 2 bf16 steps of it (online softmax; CPU tests). The
-    sm90 build at one TP=8 rank's shapes (8 heads per group: 64-row tiles, head_dim 128 + 64): 32-key blocks at 4
-    warps take 204 registers and no spills (64-key blocks: 255 and 25 spilled, also at 8 warps). GPU: block_n and
-    head_dim's pieces of at least 16 (tl.dot's smallest)."""
+    """Triton banded_attention_ref (_banded_attn_kernel): within 2 bf16 steps of it (online softmax; CPU tests).
+    block_n 32: the sm90 build at one TP=8 rank's shapes (64-row tiles, head_dim 128 + 64) keeps 204 registers
+    without spills (64-key blocks spill). GPU: block_n and head_dim's pieces of at least 16 (tl.dot's smallest)."""
     _check_tensor("q", q, torch.bfloat16, ndim=3, contiguous=False)
     _check_tensor("k", k, torch.bfloat16, ndim=3, contiguous=False)
     _check_tensor("v", v, torch.bfloat16, ndim=3, contiguous=False)
@@ -699,12 +603,11 @@ def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4
     return out
 
 
-def banded_attention(q, k, v, off, window, scale, how=None):
-    """banded_attention_ref, or on CUDA with how (default TUNING["banded"]) "triton": banded_attention_triton. The
-    reference runs in chunks of 2048 queries so that its [queries, keys] mask and logits stay small."""
-    how = TUNING["banded"] if how is None else how
-    _check(how in ("math", "triton"), lambda: f"banded attention: {how!r} is not math or triton")
-    if how == "triton" and _triton(q):
+def banded_attention(q, k, v, off, window, scale):
+    """banded_attention_triton on the Triton path (8k tokens 0.21 ms against SDPA's math path's 5.78, PERF_LOG
+    2026-12-01), else banded_attention_ref in chunks of 2048 queries, so that its [queries, keys] mask and logits stay
+    small."""
+    if _triton(q):
         return banded_attention_triton(q, k, v, off, window, scale)
     out = torch.empty_like(q)
     for c0 in range(0, q.shape[1], 2048):  # query c0 + i sees keys (off + c0 + i - window, off + c0 + i]
@@ -775,16 +678,17 @@ def _rope_row(cos_row, sin_row, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
 def _head_params(w_ptr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
     """_head_norm_rope's RMS-norm weight pieces (first, second, rest; _norm_params)."""
     j = tl.arange(0, BLOCK_HALF)
-    first = _norm_params(w_ptr, w_ptr, j, D, False)
-    second = _norm_params(w_ptr, w_ptr, HALF + j, D, False)
-    rest = _norm_params(w_ptr, w_ptr, 2 * HALF + tl.arange(0, BLOCK_REST), D, False) if BLOCK_REST > 0 else first
+    first = _norm_params(w_ptr, w_ptr, j, D, LAYERNORM=False)
+    second = _norm_params(w_ptr, w_ptr, HALF + j, D, LAYERNORM=False)
+    rest = (_norm_params(w_ptr, w_ptr, 2 * HALF + tl.arange(0, BLOCK_REST), D, LAYERNORM=False) if BLOCK_REST > 0
+            else first)
     return first, second, rest
 
 
 @triton.jit
 def _head_norm_rope(x_ptr, base, r_ok, cs, wts, eps, D: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
-    """RMS-norm + NEOX RoPE of head rows at x_ptr + base ([BLOCK_R, 1] offsets) with _norm_rope_kernel's arithmetic
+    """RMS-norm + NEOX RoPE of head rows at x_ptr + base ([BLOCK_R, 1] offsets) with _norm_rope_rows' arithmetic
     (same rounding points, so the cached k matches norm_rope's): returns fp32 holding bf16 values, as three column
     pieces: first [BLOCK_R, BLOCK_HALF] (dims j < HALF), second (dims HALF + j), rest (dims 2*HALF + c < D);
     padding columns are 0. cs: the position's (cos, sin) (_rope_row), wts: the weight (_head_params)."""
@@ -793,12 +697,12 @@ def _head_norm_rope(x_ptr, base, r_ok, cs, wts, eps, D: tl.constexpr, HALF: tl.c
     r = tl.math.div_rn(tl.full((x.shape[0],), 1.0, tl.float32), tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
     mu = tl.zeros(r.shape, dtype=tl.float32)
     j = tl.arange(0, BLOCK_HALF)
-    a = _norm_slice(x_ptr, base, j, r_ok, D, mu, r, wts[0], False)
-    b = _norm_slice(x_ptr, base, HALF + j, r_ok, D, mu, r, wts[1], False)
+    a = _norm_slice(x_ptr, base, j, r_ok, D, mu, r, wts[0], LAYERNORM=False)
+    b = _norm_slice(x_ptr, base, HALF + j, r_ok, D, mu, r, wts[1], LAYERNORM=False)
     first, second = _rotate(a, b, cs[0], cs[1])
     first, second = _bf16_round(first), _bf16_round(second)
     if BLOCK_REST > 0:
-        rest = _norm_slice(x_ptr, base, 2 * HALF + tl.arange(0, BLOCK_REST), r_ok, D, mu, r, wts[2], False)
+        rest = _norm_slice(x_ptr, base, 2 * HALF + tl.arange(0, BLOCK_REST), r_ok, D, mu, r, wts[2], LAYERNORM=False)
     else:
         rest = first  # unused
     return first, second, rest
@@ -832,8 +736,8 @@ def _store_kv(k_ptr, v_ptr, new, kf, ks, kr, vn, D: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
-def _ring_tile(k_ptr, v_ptr, ring, slot, pm, p, R, W, s_end, NEW_IN_REGS: tl.constexpr, D: tl.constexpr,
-               HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+def _ring_tile(k_ptr, v_ptr, ring, slot, pm, p, R, W, s_end, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, NEW_IN_REGS: tl.constexpr):
     """Ring slots `slot` [BLOCK_N] of the (b, g) row at element offset ring: (ok [BLOCK_N]: slot in the query's
     window, the keys' three column pieces (first, second, rest; as _head_norm_rope's) and the values, raw bf16, 0
     where not ok). NEW_IN_REGS: slot pm is not read (the new token comes from registers)."""
@@ -859,7 +763,7 @@ def _sliding_write_kernel(qkvg_ptr, pos_ptr, k_ptr, v_ptr, kw_ptr, cos_ptr, sin_
                           BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
     """A step of Q > 1 tokens per ring row: token t's k (norm + RoPE) and v of group g into slot pos[t] % R of ring
     row (t // Q, g), before any query of the step reads the ring (R >= W + Q - 1: no query's window loses a key).
-    The position, its table rows and the norm weight are read before the PDL wait (as _norm_rope_kernel)."""
+    The position, its table rows and the norm weight are read before the PDL wait (as _norm_rope_rows)."""
     t = tl.program_id(0) // G
     g = tl.program_id(0) % G
     p = tl.load(pos_ptr + t)
@@ -894,7 +798,7 @@ def _sliding_attn_kernel(
     P.V takes the fp32 probabilities (SDPA's math): on GPUs as two bf16 MMAs, P = hi + lo with hi = bf(P),
     lo = bf(P - hi) (16 of P's 24 bits; the dropped part is < 2^-16 P), on the interpreter as one fp32 dot.
     Writes the unnormalised acc, the running max m and sum l for _sliding_merge_kernel.
-    The position, its table rows and the norm weights are read before the PDL wait (as _norm_rope_kernel). HOIST
+    The position, its table rows and the norm weights are read before the PDL wait (as _norm_rope_rows). HOIST
     (NEW_IN_REGS, one BLOCK_N chunk per split): so are the split's cached keys and values, while the packed
     projection (the predecessor, which writes only qkvg) still runs: no slot but pm was written by a kernel that
     may be running.
@@ -916,8 +820,8 @@ def _sliding_attn_kernel(
     s_end = tl.minimum(split * SPLIT_LEN + SPLIT_LEN, R)
     if HOIST:
         tl.static_assert(NEW_IN_REGS and SPLIT_LEN <= BLOCK_N)
-        pre = _ring_tile(k_ptr, v_ptr, ring, split * SPLIT_LEN + tl.arange(0, BLOCK_N), pm, p, R, W, s_end,
-                         NEW_IN_REGS, D, HALF, BLOCK_D, BLOCK_HALF, BLOCK_REST)
+        pre = _ring_tile(k_ptr, v_ptr, ring, split * SPLIT_LEN + tl.arange(0, BLOCK_N), pm, p, R, W, s_end, D, HALF,
+                         BLOCK_D, BLOCK_HALF, BLOCK_REST, NEW_IN_REGS=NEW_IN_REGS)
     _pdl_enter(PDL)
     xrow = t.to(tl.int64) * stride_t
     heads = tl.arange(0, BLOCK_H)
@@ -938,8 +842,8 @@ def _sliding_attn_kernel(
         if HOIST:
             ok, k1, k2, k3, vt = pre
         else:
-            ok, k1, k2, k3, vt = _ring_tile(k_ptr, v_ptr, ring, slot, pm, p, R, W, s_end, NEW_IN_REGS, D, HALF,
-                                            BLOCK_D, BLOCK_HALF, BLOCK_REST)
+            ok, k1, k2, k3, vt = _ring_tile(k_ptr, v_ptr, ring, slot, pm, p, R, W, s_end, D, HALF, BLOCK_D, BLOCK_HALF,
+                                            BLOCK_REST, NEW_IN_REGS=NEW_IN_REGS)
         is_new = (slot == pm)[:, None]
         kt = k1.to(tl.float32)
         if NEW_IN_REGS:
@@ -1005,9 +909,8 @@ def _lse_merge(po, m, l, C: tl.constexpr, S: tl.constexpr, PRECISE: tl.constexpr
     """The log-sum-exp merge of a head's S splits (both decode attentions' merge kernels): po [C, S] (C of the head's
     dims: each split's unnormalised fp32 output), m, l [S] (its running max and sum of exps) -> [C] bf16 values
     o = bf(sum c po / sum c l) (SDPA's bf16 result), c = exp(m - max m) (0 for an empty split; a head without keys
-    gives 0). Twelfth session (whole step, H200, against the defaults timed around it): -0.5% at batch 1 and -0.7%
-    at batch 16 vs the [S, C] tile summed by tl.sum over S, with tl.exp in the sparse merge (its order was the
-    layout's; this one depends on S alone)."""
+    gives 0). Each column's splits sit in one thread and add in a fixed order (_split_sum): the result depends on S
+    alone, not on a layout's reduction order."""
     c = tl.where(m == float("-inf"), 0.0, _exp(m - tl.max(m, axis=0), PRECISE))
     num = _split_sum(po * c[None, :], C, S)
     den = _split_sum((l * c)[None, :], 1, S)
@@ -1036,7 +939,7 @@ def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
     gate = _gate_bf16(logit, PRECISE)
     po = tl.load(po_ptr + (part[None, :] * HG + h) * D + dims[:, None], mask=d_ok[:, None] & sp_ok[None, :],
                  other=0.0)  # [BLOCK_D, BLOCK_S]
-    o = _lse_merge(po, m, l, BLOCK_D, BLOCK_S, PRECISE)
+    o = _lse_merge(po, m, l, BLOCK_D, BLOCK_S, PRECISE=PRECISE)
     tl.store(out_ptr + t.to(tl.int64) * (G * HG * D) + head * D + dims, _bf16_round(o * gate).to(tl.bfloat16),
              mask=d_ok)
 
@@ -1051,15 +954,8 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
                           n_groups, split_len=32, num_warps=None):
     """Triton sliding_decode_ref: 2 launches (3 for Q > 1 tokens per row: the keys are written first). split_len:
     ring slots per program; it depends only on R (never on the batch or Q), so a token's reduction order and result
-    do not depend on the batch size. 32 on the H200 (one TP=8 layer, R = 512): 13.5 us at B = 1 and 15.5 at B = 16,
-    against 12.6 / 22.8 (16), 16.6 / 17.5 (64) and 22.5 / 23.3 (128); whole steps on 2026-12-01, third session: 16 /
-    64 / 128 were -0.5 / +0.9 / +5.7% at batch 1 and +2.0 / -0.4 / -0.2% at 16. num_warps of the attention launch
-    (default: TUNING["sliding_warps"]): with 16-row head tiles and the integer bf16 rounding, the 4-warp sm90 build
-    spilled ~75 registers and the 8-warp one fewer; with 8 rows and the convert neither spills. At batch 1 the 16
-    programs are issue-bound chains (ncu, H200 at base clock, 16 head rows: 17-18 us, 255 registers, 1.5 instructions
-    issued per active cycle, ~3770 per warp; ~2180 in the sm90 build since); measured and removed on 2026-12-01:
-    programs of 1 or 2 heads instead of all 8 (8x / 4x the programs), 14.3 / 14.2 vs 14.0 us at B = 1 and 171 / 89
-    vs 28 us at B = 16."""
+    do not depend on the batch size (32: 16 / 64 / 128 were slower at batch 1 or 16, PERF_LOG 2026-12-01).
+    num_warps of the attention launch: default TUNING["sliding_warps"]."""
     H, G = n_heads, n_groups
     _check(H > 0 and G > 0 and H % G == 0, lambda: f"n_heads={H} must be a positive multiple of n_groups={G}")
     for name, t_ in (("ring_k", ring_k), ("ring_v", ring_v)):
@@ -1107,7 +1003,7 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
         qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
         float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
         BLOCK_H=_heads_block(HG), BLOCK_N=block_n,
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, HOIST=TUNING["sliding_hoist"] and Q == 1 and split_len <= block_n,
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, HOIST=Q == 1 and split_len <= block_n,
         **dict(blocks, num_warps=num_warps or warps), **_pdl())
     _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
                                        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
@@ -1124,201 +1020,8 @@ def sliding_decode(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps,
                               n_heads, n_groups, rows)
 
 
-def rms_norm_ref(x, w, eps, out_dtype=None):
-    """Zero-centred RMSNorm over the last dim in fp32: x * rsqrt(mean(x^2) + eps) * (1 + w), one rounding to
-    out_dtype (default: x's dtype). x [T, D] fp32 residual or bf16; w [D] fp32."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (w + 1.0)
-    return y.to(out_dtype or x.dtype)
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, x_stride, out_stride, eps, OUT_BF16: tl.constexpr,
-                     BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """One row per program: y = x * (1 / sqrt(sum(x^2) / D + eps)) * (w + 1), rounded once to the output dtype.
-    Replaces the ~7 elementwise/reduction launches of the PyTorch form in every decode layer (twice per layer)."""
-    _pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    ok = d < D
-    x = tl.load(x_ptr + row * x_stride + d, mask=ok, other=0.0).to(tl.float32)
-    r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
-    w = tl.load(w_ptr + d, mask=ok, other=0.0)
-    y = x * r * (w + 1.0)
-    if OUT_BF16:
-        tl.store(out_ptr + row * out_stride + d, _bf16_round(y).to(tl.bfloat16), mask=ok)
-    else:
-        tl.store(out_ptr + row * out_stride + d, y, mask=ok)
-
-
-def rms_norm_triton(x, w, eps, out_dtype=None):
-    _check_tensor("x", x, x.dtype, ndim=2, contiguous=False)
-    _check(x.dtype in (torch.float32, torch.bfloat16) and x.stride(1) == 1,
-           lambda: f"x must be fp32/bf16 with contiguous rows, got {x.dtype} strides {x.stride()}")
-    T, D = x.shape
-    _check_tensor("w", w, torch.float32, ndim=1)
-    _check(w.numel() == D, lambda: f"w must be [{D}], got {tuple(w.shape)}")
-    out_dtype = out_dtype or x.dtype
-    _check(out_dtype in (torch.float32, torch.bfloat16), lambda: f"out_dtype must be fp32 or bf16, got {out_dtype}")
-    out = torch.empty((T, D), dtype=out_dtype, device=x.device)
-    if T:
-        _rms_norm_kernel[(T,)](x, w, out, D, x.stride(0), out.stride(0), float(eps),
-                               OUT_BF16=out_dtype == torch.bfloat16, BLOCK_D=triton.next_power_of_2(D),
-                               num_warps=8 if D >= 2048 else 4, **_pdl())
-    return out
-
-
-def rms_norm(x, w, eps, out_dtype=None):
-    if _triton(x):
-        return rms_norm_triton(x, w, eps, out_dtype)
-    return rms_norm_ref(x, w, eps, out_dtype)
-
-
-def add_norm_ref(res, parts, w, eps):
-    """The residual update of a layer, with the next norm: y = bf( rank-ordered fp32 sum of parts ) (the TP sum,
-    rounded once to the partials' dtype), res' = res + f32(y), h = rms_norm_ref(res', w) in bf16.
-
-    res [T, D] fp32; parts [W, T, D] bf16 or fp32 (this rank's and the other ranks' partials, rank order); w [D]
-    fp32 or None (no norm). Returns (res' [T, D] fp32, h [T, D] bf16 or None)."""
-    acc = parts[0].float()
-    for r in range(1, parts.shape[0]):
-        acc = acc + parts[r].float()
-    res = res + acc.to(parts.dtype).float()
-    return res, None if w is None else rms_norm_ref(res, w, eps, torch.bfloat16)
-
-
-@triton.jit
-def _norm_weight(w_ptr, D, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
-    d = tl.arange(0, BLOCK_D)
-    return tl.load(w_ptr + d, mask=d < D, other=0.0) if NORM else tl.zeros((BLOCK_D,), tl.float32)
-
-
-@triton.jit
-def _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row, D, eps, PARTS_BF16: tl.constexpr,
-                   NORM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The tail of both add_norm kernels: the rank-ordered sum acc [BLOCK_D] fp32 of row `row` (int64), rounded to
-    the partials' dtype, added to the fp32 residual; then _rms_norm_kernel's arithmetic on the new residual. w: the
-    norm weight [BLOCK_D], loaded by the kernel before its PDL wait (a parameter: no kernel writes it)."""
-    d = tl.arange(0, BLOCK_D)
-    ok = d < D
-    if PARTS_BF16:
-        acc = _bf16_round(acc)
-    x = tl.load(res_ptr + row * D + d, mask=ok, other=0.0) + acc
-    tl.store(res_out_ptr + row * D + d, x, mask=ok)
-    if NORM:
-        r_ = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
-        y = x * r_ * (w + 1.0)
-        tl.store(h_ptr + row * D + d, _bf16_round(y).to(tl.bfloat16), mask=ok)
-
-
-@triton.jit
-def _add_norm_kernel(res_ptr, parts_ptr, w_ptr, res_out_ptr, h_ptr, W, T, D, eps,
-                     PARTS_BF16: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """One row per program: the rank-ordered fp32 sum of the W partials, rounded to their dtype, added to the fp32
-    residual; then _rms_norm_kernel's arithmetic on the new residual. Replaces the cast, add and norm launches
-    (and, at W > 1, the elementwise rank-order sum) between two GEMMs of a decode layer."""
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    ok = d < D
-    w = _norm_weight(w_ptr, D, NORM, BLOCK_D)
-    _pdl_enter(PDL)
-    acc = tl.load(parts_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)
-    for r in range(1, W):
-        acc = acc + tl.load(parts_ptr + (r * T + row) * D + d, mask=ok, other=0.0).to(tl.float32)
-    _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row, D, eps, PARTS_BF16, NORM, BLOCK_D)
-
-
-def _add_norm_outputs(res, w):
-    """The add_norm launchers' norm weight check and outputs: (res' like res [T, D] fp32, h [T, D] bf16 or None)."""
-    T, D = res.shape
-    if w is not None:
-        _check_tensor("w", w, torch.float32, ndim=1)
-        _check(w.numel() == D, lambda: f"w must be [{D}], got {tuple(w.shape)}")
-    return torch.empty_like(res), (torch.empty(T, D, dtype=torch.bfloat16, device=res.device) if w is not None
-                                   else None)
-
-
-def add_norm_triton(res, parts, w, eps):
-    _check_tensor("res", res, torch.float32, ndim=2)
-    T, D = res.shape
-    _check_tensor("parts", parts, parts.dtype, ndim=3)
-    _check(parts.dtype in (torch.bfloat16, torch.float32) and tuple(parts.shape[1:]) == (T, D),
-           lambda: f"parts must be bf16/fp32 [W, T={T}, D={D}], got {parts.dtype} {tuple(parts.shape)}")
-    out, h = _add_norm_outputs(res, w)
-    if T:
-        _add_norm_kernel[(T,)](res, parts, w if w is not None else res, out, h if h is not None else out,
-                               parts.shape[0], T, D, float(eps), PARTS_BF16=parts.dtype == torch.bfloat16,
-                               NORM=w is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4,
-                               **_pdl())
-    return out, h
-
-
-@triton.jit
-def _peer_add_norm_kernel(res_ptr, bufs_ptr, pads_ptr, w_ptr, res_out_ptr, h_ptr, rank, D, slot_off, flag_off, eps,
-                          W: tl.constexpr, PARTS_BF16: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr,
-                          PDL: tl.constexpr):
-    """_add_norm_kernel over partials that stay in the W ranks' symmetric buffers (peer memory over NVLink): a
-    one-shot TP reduction fused with the residual add and the next norm, one row per program.
-
-    bufs_ptr [W] int64: rank r's buffer base address (its row `row` at element slot_off + row * D); pads_ptr [W]
-    int64: rank r's int32 signal pad. The program first tells every rank that this rank's row is in place (flag
-    flag_off + row * W + rank of that rank's pad, 0 -> 1, release, system scope; it spins while the flag of the
-    previous call is still set), then takes every rank's flag from its own pad (1 -> 0, acquire), then reads the W
-    rows in rank order. A rank's next write into the same slot waits for every rank's next flag, i.e. for every
-    rank having finished this call: callers alternate two slots (slot_off) between consecutive calls."""
-    w = _norm_weight(w_ptr, D, NORM, BLOCK_D)
-    _pdl_enter(PDL)
-    row = tl.program_id(0)
-    for r in tl.static_range(W):
-        pad = tl.load(pads_ptr + r).to(tl.pointer_type(tl.int32))
-        while tl.atomic_cas(pad + flag_off + row * W + rank, 0, 1, sem="release", scope="sys") != 0:
-            pass
-    own = tl.load(pads_ptr + rank).to(tl.pointer_type(tl.int32))
-    for r in tl.static_range(W):
-        while tl.atomic_cas(own + flag_off + row * W + r, 1, 0, sem="acquire", scope="sys") != 1:
-            pass
-    d = tl.arange(0, BLOCK_D)
-    ok = d < D
-    part_t = tl.pointer_type(tl.bfloat16) if PARTS_BF16 else tl.pointer_type(tl.float32)
-    at = slot_off + row.to(tl.int64) * D + d
-    acc = tl.load(tl.load(bufs_ptr).to(part_t) + at, mask=ok, other=0.0, volatile=True).to(tl.float32)
-    for r in tl.static_range(1, W):  # rank order, one fp32 accumulator, as _add_norm_kernel adds
-        base = tl.load(bufs_ptr + r).to(part_t)
-        acc = acc + tl.load(base + at, mask=ok, other=0.0, volatile=True).to(tl.float32)
-    _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row.to(tl.int64), D, eps, PARTS_BF16, NORM, BLOCK_D)
-
-
-def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0, flag_off=0):
-    """add_norm_ref(res, [every rank's partial row], w, eps), the partials read from the W ranks' symmetric-memory
-    buffers: the candidate one-shot TP reduction (model.OneShotReduce, opt-in; bench_reduce.py times and checks it).
-    bufs, pads: int64 [W] device tensors of every rank's buffer and int32 signal-pad addresses (a
-    torch.distributed._symmetric_memory handle's buffer_ptrs / signal_pad_ptrs); rank r's row t of this call is
-    at element slot_off + t * D of its buffer, in parts_dtype; the flags at flag_off .. flag_off + T * W - 1."""
-    _check_tensor("res", res, torch.float32, ndim=2)
-    T, D = res.shape
-    for name, t_ in (("bufs", bufs), ("pads", pads)):
-        _check_tensor(name, t_, torch.int64, ndim=1)
-    W = bufs.numel()
-    _check(pads.numel() == W and 0 <= rank < W and parts_dtype in (torch.bfloat16, torch.float32),
-           lambda: f"bufs, pads must both hold W={W} addresses, 0 <= rank={rank} < W, parts bf16/fp32 "
-           f"(got {parts_dtype})")
-    out, h = _add_norm_outputs(res, w)
-    if T:
-        _peer_add_norm_kernel[(T,)](res, bufs, pads, w if w is not None else res, out, h if h is not None else out,
-                                    rank, D, slot_off, flag_off, float(eps), W=W,
-                                    PARTS_BF16=parts_dtype == torch.bfloat16, NORM=w is not None,
-                                    BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4, **_pdl())
-    return out, h
-
-
-def add_norm(res, parts, w, eps):
-    if _triton(res):
-        return add_norm_triton(res, parts, w, eps)
-    return add_norm_ref(res, parts, w, eps)
-
-
 # --------------------------------------------------------------------------------------------------
-# 2. DSA: region summaries, indexer scores, exact top-k, sparse attention
+# DSA: region summaries, cache writes, indexer scores, exact top-k region selection, sparse attention
 
 
 def region_summary_ref(k, z):
@@ -1335,6 +1038,20 @@ def region_summary_ref(k, z):
     num = (e * k.float()).sum(1)
     s = torch.where(den > 0, num / den.clamp_min(1e-20), torch.zeros_like(num))
     return to_e4m3(s.to(torch.bfloat16))
+
+
+@triton.jit
+def _summary_add(num, den, z, kv, m, PRECISE: tl.constexpr):
+    """One token of a region summary: e = exp(z - m); num += e * k; den += e (callers compile without FMA)."""
+    e = _exp(z - m, PRECISE)
+    return num + e * kv, den + e
+
+
+@triton.jit
+def _summary_bytes(num, den):
+    """S = num / max(den, 1e-20) (0 where den is 0) as e4m3 bytes: fp32 -> bf16 -> e4m3, both RNE."""
+    s = tl.where(den > 0, tl.math.div_rn(num, tl.maximum(den, 1e-20)), 0.0)
+    return _to_e4m3(_bf16_round(s)).to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -1357,22 +1074,8 @@ def _region_summary_kernel(k_ptr, z_ptr, out_ptr, P, row_stride,
     for i in tl.static_range(BLK):  # token order, one fp32 accumulator each, as the reference sums
         z = tl.load(z_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
         kv = tl.load(k_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
-        num, den = _summary_add(num, den, z, kv, m, PRECISE)
+        num, den = _summary_add(num, den, z, kv, m, PRECISE=PRECISE)
     tl.store(out_ptr + n * P + d, _summary_bytes(num, den), mask=d_ok)
-
-
-@triton.jit
-def _summary_add(num, den, z, kv, m, PRECISE: tl.constexpr):
-    """One token of a region summary: e = exp(z - m); num += e * k; den += e (callers compile without FMA)."""
-    e = _exp(z - m, PRECISE)
-    return num + e * kv, den + e
-
-
-@triton.jit
-def _summary_bytes(num, den):
-    """S = num / max(den, 1e-20) (0 where den is 0) as e4m3 bytes: fp32 -> bf16 -> e4m3, both RNE."""
-    s = tl.where(den > 0, tl.math.div_rn(num, tl.maximum(den, 1e-20)), 0.0)
-    return _to_e4m3(_bf16_round(s)).to(tl.uint8, bitcast=True)
 
 
 def region_summary_triton(k, z):
@@ -1448,7 +1151,7 @@ def _dsa_cache_write_kernel(k_ptr, v_ptr, ki_ptr, zi_ptr, pos_ptr, ck_ptr, cv_pt
             else:
                 z = tl.load(pz_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
                 kv = tl.load(pk_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
-            num, den = _summary_add(num, den, z, kv, m, PRECISE)
+            num, den = _summary_add(num, den, z, kv, m, PRECISE=PRECISE)
         tl.store(summ_ptr + (b * R + p // BLK) * P + d, _summary_bytes(num, den), mask=d_ok)
 
 
@@ -1515,10 +1218,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
     reduced-precision accumulator of Hopper's fp8 MMA. BLOCK_PC < BLOCK_P: each head's dot as BLOCK_P / BLOCK_PC
     chained dots over P slices (smaller operand tiles in registers: the whole-P prefill tiles spill in the sm90
     build), the slices re-read per head. Q_E4M3: q holds e4m3 values already (norm_rope_jobs' e4m3), so its
-    rounding is skipped (the same bits; rounding and widening the whole q in every warp was ~1280 of the decode
-    tile's ~3500 sm90 instructions per thread: the decode scores are issue-bound, and 2-4 region tiles per program,
-    measured on 2026-12-02, took 20-30 us where one took 14.7).
-    """
+    rounding is skipped (the same bits; the decode scores are issue-bound, and the rounding was about a third of
+    their instructions)."""
     _pdl_enter(PDL)
     s = tl.program_id(0) // G
     g = tl.program_id(0) % G
@@ -1558,8 +1259,9 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
                           q_e4m3=False):
     """Triton indexer_scores_ref. block_t / block_r / num_warps: tile overrides (bench_kernels.py sweep_indexer; each
     score is one dot over P and a sum over heads in order whatever the tile; the sweep shows whether the GPU's MMA
-    for another tile shape gives the same bits). block_pc: P slice of the chained dots (a candidate, not yet timed:
-    at 64 with 64 x 128 tiles and 8 warps the sm90 build no longer spills)."""
+    for another tile shape gives the same bits). block_pc: P slices of the chained dots (default: all of P in one
+    dot; 64, with 64 x 128 tiles at 8 warps, builds for sm90 without spills, and no timing has chosen it).
+    q_e4m3: q holds e4m3 values (_indexer_scores_kernel's Q_E4M3)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     _check_tensor("w", w, w.dtype, ndim=4, contiguous=False)
     _check(w.dtype in (torch.bfloat16, torch.float32) and w.stride(3) == 1 and w.stride(2) == w.shape[3],
@@ -1574,9 +1276,8 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
            lambda: f"summ must be [S={S}, R, P={P}], got {tuple(summ.shape)}")
     out = torch.empty(S, G, T, R, dtype=torch.float32, device=q.device)
     BLOCK_T = block_t or (16 if T <= 16 else 64)
-    # H200, 256 queries x 131072 regions (a 1M-token prefill chunk): 64 x 128 248 us, 64 x 64 414 us (best of 6)
-    # decode (T <= 16): 64-region tiles, or 128 once those would be over two programs per SM (an inferred bound):
-    # H200, 16 requests x 4100 regions 20.0 -> 14.8 us (1 request x 516: 4.9 at 64, 5.6 at 128); same bits
+    # prefill 64 x 128 tiles (a 1M-token chunk: 248 us, 414 at 64 x 64); decode 64-region tiles, or 128 once those
+    # would be more than two programs per SM (16 requests x 4100 regions: 14.8 us against 20.0); the same bits
     many = S * G * triton.cdiv(R, 64) > 2 * _sms()
     BLOCK_R = block_r or ((128 if many else 64) if T <= 16 and _GPU_LAUNCH else 128)
     if out.numel():
@@ -1586,7 +1287,7 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
                                      w.stride(0), w.stride(1), summ.stride(0), HG=HG, BLOCK_T=BLOCK_T,
                                      BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P),
                                      BLOCK_PC=block_pc or triton.next_power_of_2(P),
-                                     DOT_DTYPE=_DOT, Q_E4M3=q_e4m3 and TUNING["indexer_q8"], num_warps=num_warps,
+                                     DOT_DTYPE=_DOT, Q_E4M3=q_e4m3, num_warps=num_warps,
                                      **_NO_FMA, **_pdl())
     return out
 
@@ -1736,10 +1437,8 @@ def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096):
     chunk = max(chunk, 4 * triton.next_power_of_2(K))  # chunks of >= 2K entries: each level halves the pairs
     src, src_id, n = scores, scores, R
     while True:
-        # measured (H200, topk 512, CUDA graph): one row of R = 16384 takes 16 us in chunks of 4096 (19 us of 2048,
-        # 21 us of 8192; 36 us as one program, before the early stop), R = 131072 29 us; a 256-row prefill chunk
-        # (R = 16384) 70 us as whole rows, 84-111 us chunked: with a row per SM already, splitting only adds work.
-        # Rows longer than 16384 are always split (registers).
+        # few rows (decode): chunks of 4096 (a row of 16384: 16 us, 19 / 21 in chunks of 2048 / 8192, 36 whole); a row
+        # per SM already (prefill): whole rows, as splitting only adds work; rows past 16384 always split (registers)
         C = triton.cdiv(n, chunk) if n > chunk and (rows < 128 or n > 16384) else 1
         BLOCK = triton.next_power_of_2(triton.cdiv(n, C))
         final = C == 1
@@ -1764,8 +1463,7 @@ def select_regions(scores, n_hist, topk, blk=1):
 def dsa_query_chunk(x, groups, regions):
     """Queries per launch of a DSA prefill's scores, selection and sparse attention (model._dsa): 256 for the
     references (sparse_attention_ref gathers every query's selected keys), else as many (a multiple of 256) as keep
-    the fp32 scores [groups, queries, regions] within 128 MiB: at 256, each launch's host time exceeded its GPU time
-    (H200, 32k context: 32 launches of each per 8k chunk)."""
+    the fp32 scores [groups, queries, regions] within 128 MiB: at 256, each launch's host time exceeded its GPU time."""
     if not _triton(x):
         return 256
     return max(256, (1 << 27) // (4 * groups * max(regions, 1)) // 256 * 256)
@@ -1913,7 +1611,7 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, gate_ptr, T, G, HG,
     d_ok = dims < HEAD_DIM
     po = tl.load(po_ptr + (part[None, :] * BLOCK_H + h) * HEAD_DIM + dims[:, None],
                  mask=d_ok[:, None] & sp_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_S]
-    o = _lse_merge(po, m, l, BLOCK_D, BLOCK_S, PRECISE)
+    o = _lse_merge(po, m, l, BLOCK_D, BLOCK_S, PRECISE=PRECISE)
     if GATE:
         o = _bf16_round(o * _gate_bf16(logit, PRECISE))
     tl.store(out_ptr + s * q_stride_s + t * q_stride_t + g * q_stride_g + h * q_stride_h + dims,
@@ -1924,11 +1622,8 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
                             num_stages=2):
     """Triton sparse_attention_ref for decode (T = 1) and prefill (T queries). `splits` (default: enough programs
     to fill the GPU) divides each query's key slots over programs merged by log-sum-exp (which applies the gate,
-    else torch does: gate_heads). block_n: key slots per tile (default TUNING["sparse_block_n"]); at 64 (hd 192)
-    the sm90 build spills ~180 registers to local memory, at 32 ~15, yet 32 measured no faster (see TUNING; other
-    split boundaries: tolerance-level differences). num_stages (GPU launches): 3 and 4 took bench_kernels.py's
-    16 x 32k decode case from 26.8 to 24.1 us (1 x 4k: 8.9 -> 9.5) and moved the whole step by -0.2 / +0.3% at
-    batch 16 / 1 (thirteenth session, 2026-12-02): not taken."""
+    else torch does: gate_heads); other split boundaries give tolerance-level differences. block_n: key slots per
+    tile (default TUNING["sparse_block_n"]). num_stages: of the GPU launches (3 or 4: within 0.3% of the step)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     S, T, G, HG, hd = q.shape
     for name, t_ in (("k", k), ("v", v)):
@@ -1955,8 +1650,8 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
     rows = S * T * G
     if rows == 0:
         return out
-    if splits is None:  # about two programs per SM (132 on an H200), down to one tile per split (H200 sweep:
-        # batch 1 at 4104 keys 18.6 us with 17 splits, 9.7 us with 65; batch 8 best at 33)
+    if splits is None:  # about two programs per SM, down to one tile per split (batch 1, 4104 keys: 9.7 us at 65
+        # splits, 18.6 at 17)
         splits = max(1, min(triton.cdiv(264, rows), triton.cdiv(J, BLOCK_N)))
     split_len = triton.cdiv(triton.cdiv(J, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(J, split_len)
@@ -1990,7 +1685,237 @@ def sparse_attention(q, k, v, ids, valid, pos, blk, scale, gate=None, rows=None)
 
 
 # --------------------------------------------------------------------------------------------------
-# 3. FP8 block-scaled GEMM and the routed experts
+# Router and MoE: routing, SwiGLU, activation quantisation, prefill expert GEMMs, decode experts, combine
+
+
+def route_ref(x, w, bias, k, scale, renorm=True, ids=None):
+    """Sigmoid router with a selection-only bias. x [T, D] bf16, w [E, D] bf16, bias [E] fp32 -> ids [T, k] int64
+    (slot 0 = highest biased score), weights [T, k] fp32 = ((sigmoid + b) - b)[ids], renormalised (+1e-20), * scale.
+    Given `ids` [T, k] (a pinned choice, see model.Pins), only the weights of those experts are computed."""
+    # fp64 evaluation, rounded once to fp32: a row's routing must not depend on its batch or position (an fp32 BLAS
+    # GEMM blocks its reduction by batch shape, and the CPU's vectorised fp32 sigmoid differs from its scalar path
+    # in the last bit); fp64 then one rounding gives the correctly rounded fp32 value on any path
+    z = (x.double() @ w.double().t()).float()
+    sc = torch.sigmoid(z.double()).float() + bias
+    if ids is None:
+        top, ids = torch.topk(sc, k, dim=-1)
+    else:
+        top = sc.gather(-1, ids)
+    wts = top - bias[ids]
+    if renorm:
+        wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
+    return ids, wts * scale
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPLIT_LEN,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+                          QUANT_T: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
+                          HOIST: tl.constexpr = False, PARTS: tl.constexpr = 1):
+    """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
+    bf16 MMA with fp32 accumulation computes route_ref's fp32 GEMM (bf16 x and w widened to fp32); K is split so
+    decode fills the GPU. QUANT: the programs of the first E tile also write act_quant_ref(x) of the rows and K
+    slice they read (xq e4m3 bits [T, D], sx [T, D/128]; _act_quant_kernel's arithmetic) for the FP8 experts, so
+    that quantisation costs no launch of its own. BLOCK_K is a multiple of 128.
+    HOIST (BLOCK_K == K_SPLIT_LEN: one K step): the weight tile is loaded before the PDL wait, while the kernel that
+    writes x still runs (the MMA adds K in the same order at any BLOCK_K: same bits). PARTS (HOIST only): the step's
+    K cut into PARTS parts, each its own MMA chain, added pairwise (as _skinny_tile; the order depends on
+    K_SPLIT_LEN alone): one chain of 32 dependent mma.sync per warp at 512 columns (sm90 SASS) becomes 4 of 8."""
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    ks0 = tl.program_id(2) * K_SPLIT_LEN
+    SPLIT: tl.constexpr = HOIST and PARTS > 1
+    if SPLIT:
+        BKP: tl.constexpr = BLOCK_K // PARTS
+        kw = (ks0 + tl.arange(0, PARTS)[:, None] * BKP + tl.arange(0, BKP)[None, :])[:, None, :]  # [PARTS, 1, BKP]
+        w_pre = tl.load(w_ptr + es[None, :, None].to(tl.int64) * D + kw, mask=(es[None, :, None] < E) & (kw < D),
+                        other=0.0)  # [PARTS, BLOCK_E, BKP]
+    elif HOIST:
+        kw = ks0 + tl.arange(0, BLOCK_K)
+        w_pre = tl.load(w_ptr + es[:, None].to(tl.int64) * D + kw[None, :], mask=(es[:, None] < E) & (kw < D)[None, :],
+                        other=0.0)
+    _pdl_enter(PDL)
+    if SPLIT:  # one K step
+        x3 = tl.load(x_ptr + ts[None, :, None].to(tl.int64) * D + kw, mask=(ts[None, :, None] < T) & (kw < D),
+                     other=0.0).to(tl.float32)
+        acc3 = tl.dot(x3.to(DOT_DTYPE), tl.permute(w_pre.to(tl.float32).to(DOT_DTYPE), (0, 2, 1)))
+        acc = _sum_parts(tl.permute(acc3, (1, 2, 0)), BLOCK_T, BLOCK_E, PARTS)
+    else:
+        acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+        for k0 in range(ks0, tl.minimum(ks0 + K_SPLIT_LEN, D), BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < D
+            x_ok = (ts[:, None] < T) & k_ok[None, :]
+            xt = tl.load(x_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
+            if HOIST:
+                wt = w_pre.to(tl.float32).to(DOT_DTYPE)
+            else:
+                wt = tl.load(w_ptr + es[:, None].to(tl.int64) * D + ks[None, :],
+                             mask=(es[:, None] < E) & k_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
+            acc = tl.dot(xt.to(DOT_DTYPE), tl.trans(wt), acc)
+    out = part_ptr + (tl.program_id(2) * T + ts[:, None]).to(tl.int64) * E + es[None, :]
+    tl.store(out, acc, mask=(ts[:, None] < T) & (es[None, :] < E))
+    # after the GEMM loop, x's slice again (cache hits): inside it, the branch kept the loop from being pipelined
+    # (6.6 against 8.7 us a layer)
+    # QUANT_T = BLOCK_T, or next_pow2(T) when T < BLOCK_T (one tile): the tile's first QUANT_T rows hold all of its
+    # tokens, so at T = 1 one row is quantised, not 16 (16x fewer instructions)
+    if QUANT:
+        if tl.program_id(1) == 0:
+            QB: tl.constexpr = 128  # the FP8 block (QBLOCK; a plain global is not a constexpr to the compiler)
+            tq = tl.program_id(0) * BLOCK_T + tl.arange(0, QUANT_T)
+            for k0 in range(ks0, tl.minimum(ks0 + K_SPLIT_LEN, D), QB):
+                ks = k0 + tl.arange(0, QB)
+                x_ok = (tq[:, None] < T) & (ks[None, :] < D)
+                xt = tl.load(x_ptr + tq[:, None].to(tl.int64) * D + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
+                sx, inv = _block_scale(xt)
+                tl.store(xq_ptr + tq[:, None].to(tl.int64) * D + ks[None, :],
+                         _to_e4m3(xt * inv[:, None]).to(tl.uint8, bitcast=True), mask=x_ok)
+                tl.store(sx_ptr + tq.to(tl.int64) * tl.cdiv(D, QB) + k0 // QB, sx, mask=tq < T)
+
+
+@triton.jit
+def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
+                          K_SPLITS: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    """One token: z = sum of the K-split partials in order; sc = sigmoid(z) + b; take the TOPK largest (ties to the
+    lower id, slot 0 first); w = sc[id] - b[id], renormalised by (sum + 1e-20), times scale. One reduction per slot.
+    The bias (a parameter) is read before the PDL wait."""
+    t = tl.program_id(0).to(tl.int64)
+    es = tl.arange(0, BLOCK_E)
+    e_ok = es < E
+    bias = tl.load(bias_ptr + es, mask=e_ok, other=0.0)
+    _pdl_enter(PDL)
+    z = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for i in tl.static_range(K_SPLITS):
+        z = z + tl.load(part_ptr + (i * T + t) * E + es, mask=e_ok, other=0.0)
+    sig = tl.math.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + _exp(-z, PRECISE))
+    sc = tl.where(e_ok, sig + bias + 0.0, float("-inf"))  # + 0.0: a -0 would order below +0 in the key
+    # one int64 max per slot: the score's bits made monotone (negatives' magnitude bits flipped) above the inverted
+    # id, so the maximum is the largest score and, among equal scores, the lowest id
+    b = sc.to(tl.int32, bitcast=True)
+    key = (tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64) << 32) | (BLOCK_E - 1 - es).to(tl.int64)
+    slots = tl.arange(0, BLOCK_TOPK)
+    ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int64)
+    top = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)  # the chosen scores' monotone bits
+    for j in tl.static_range(TOPK):
+        best = tl.max(key, axis=0)
+        ids = tl.where(slots == j, BLOCK_E - 1 - (best & 0xFFFFFFFF), ids)
+        top = tl.where(slots == j, (best >> 32).to(tl.int32), top)
+        key = tl.where(key == best, -(2 ** 63), key)
+    ok = slots < TOPK
+    top = tl.where(top >= 0, top, top ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    wts = tl.where(ok, top - tl.load(bias_ptr + ids, mask=ok, other=0.0), 0.0)
+    if RENORM:
+        wts = tl.math.div_rn(wts, tl.full(wts.shape, 1.0, tl.float32) * (tl.sum(wts, axis=0) + 1e-20))
+    tl.store(ids_ptr + t * TOPK + slots, ids, mask=ok)
+    tl.store(wts_ptr + t * TOPK + slots, wts * scale, mask=ok)
+
+
+def route_triton(x, w, bias, k, scale, renorm=True, quant=False, hoist=None):
+    """Triton route_ref; quant: also act_quant_ref(x) -> (ids, weights, (e4m3 [T, D], fp32 [T, D/128])), written by
+    the logits kernel (the routed FP8 experts' input: one launch less per MoE layer). hoist: the logits kernel's HOIST
+    (default: wherever its K split is one power-of-two step whose weight tile fits in registers; False: the K loop)."""
+    _check_tensor("x", x, torch.bfloat16, ndim=2)
+    _check_tensor("w", w, torch.bfloat16, ndim=2)
+    _check_tensor("bias", bias, torch.float32, ndim=1)
+    T, D = x.shape
+    E = w.shape[0]
+    _check(w.shape[1] == D and bias.numel() == E and 0 < k <= E,
+           lambda: f"router shapes: x [T, {D}], w {tuple(w.shape)}, bias {tuple(bias.shape)}, k={k}")
+    ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
+    wts = torch.empty(T, k, dtype=torch.float32, device=x.device)
+    xq = torch.empty(T, D, dtype=torch.uint8, device=x.device) if quant else ids
+    sx = torch.empty(T, triton.cdiv(D, QBLOCK), dtype=torch.float32, device=x.device) if quant else wts
+    done = (ids, wts, (xq.view(FP8), sx)) if quant else (ids, wts)
+    if T == 0:
+        return done
+    BLOCK_T, BLOCK_E, BLOCK_K = 16, (TUNING["router_block_e"] if _GPU_LAUNCH else 128), (128 if _GPU_LAUNCH else 256)
+    # split K until the GEMM has ~2 programs per SM; partial sums are added in a fixed order (deterministic)
+    tiles = triton.cdiv(T, BLOCK_T) * triton.cdiv(E, BLOCK_E)
+    k_splits = max(1, min(triton.cdiv(264, tiles), triton.cdiv(D, 4 * BLOCK_K), 16))
+    split_len = triton.cdiv(triton.cdiv(D, k_splits), BLOCK_K) * BLOCK_K
+    k_splits = triton.cdiv(D, split_len)
+    part = torch.empty(k_splits, T, E, dtype=torch.float32, device=x.device)
+    # one K step of split_len columns, its weight tile (<= 32 KB on a GPU) held in registers across the wait
+    if hoist is None:
+        hoist = split_len == triton.next_power_of_2(split_len) and (split_len * BLOCK_E <= 16384 or not _GPU_LAUNCH)
+    _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
+        x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
+        BLOCK_K=split_len if hoist else BLOCK_K, QUANT=bool(quant), QUANT_T=min(BLOCK_T, triton.next_power_of_2(T)),
+        DOT_DTYPE=_DOT, HOIST=hoist, PARTS=TUNING["router_parts"] if hoist else 1, num_warps=4,
+        num_stages=3 if _GPU_LAUNCH else 1, **_pdl())
+    _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
+                                BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
+                                PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **_pdl())
+    return done
+
+
+def route(x, w, bias, k, scale, renorm=True, quant=False):
+    """-> (ids, weights, xq): xq = act_quant_ref(x) when quant on the Triton path, else None (moe_experts then
+    quantises x itself)."""
+    if not _triton(x):
+        return (*route_ref(x, w, bias, k, scale, renorm), None)
+    if quant:
+        return route_triton(x, w, bias, k, scale, renorm, quant=True)
+    return (*route_triton(x, w, bias, k, scale, renorm), None)
+
+
+def swiglu_ref(g, u, limit):
+    """Clamped SwiGLU: bf( min(silu(g), L) * clamp(u, -L, L) ) in fp32 with one rounding; limit None = no clamp."""
+    gf, uf = g.float(), u.float()
+    a = torch.nn.functional.silu(gf)
+    if limit is not None:
+        a, uf = a.clamp(max=limit), uf.clamp(-limit, limit)
+    return (a * uf).to(torch.bfloat16)
+
+
+@triton.jit
+def _swiglu_math(g, u, limit, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr, ZERO_GUARD: tl.constexpr = False):
+    """bf16-valued fp32 g, u -> bf( min(silu(g), L) * clamp(u, -L, L) ) as fp32; silu(g) = g / (1 + exp(-g)).
+    ZERO_GUARD: a zero g divides a 1 instead and keeps its own signed zero (g / 2's value): a zero dividend sends the
+    sm90 division to its slow path, which every padded row of a decode tile took. On at T = 1 only (the batch-1 step
+    -2.1%, batch 16 +4%: PERF_LOG 2026-12-01)."""
+    if ZERO_GUARD:
+        zero = g == 0.0
+        a = tl.where(zero, g, tl.math.div_rn(tl.where(zero, 1.0, g), 1.0 + _exp(-g, PRECISE)))
+    else:
+        a = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE))
+    if HAS_LIMIT:
+        a = tl.minimum(a, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return _bf16_round(a * u)
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
+                   PRECISE: tl.constexpr, PDL: tl.constexpr):
+    """out = bf( min(silu(g), L) * clamp(u, -L, L) ), fp32 math, one rounding (swiglu_ref)."""
+    _pdl_enter(PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, _swiglu_math(g, u, limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE).to(tl.bfloat16), mask=m)
+
+
+def swiglu_triton(g, u, limit):
+    _check_tensor("g", g, torch.bfloat16)
+    _check_tensor("u", u, torch.bfloat16)
+    _check(g.shape == u.shape, lambda: f"g {tuple(g.shape)} and u {tuple(u.shape)} must have the same shape")
+    out = torch.empty_like(g)
+    n = g.numel()
+    BLOCK = 2048
+    if n:
+        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g, u, out, n, float(limit) if limit is not None else 0.0,
+                                                 HAS_LIMIT=limit is not None, BLOCK=BLOCK, PRECISE=_PRECISE,
+                                                 num_warps=4, **_pdl())
+    return out
+
+
+def swiglu(g, u, limit):
+    if _triton(g):
+        return swiglu_triton(g, u, limit)
+    return swiglu_ref(g, u, limit)
 
 
 def act_quant_ref(x):
@@ -2005,80 +1930,6 @@ def act_quant_ref(x):
     sx = amax * (1.0 / FP8_MAX)
     q = (xf * (1.0 / sx)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.flatten(-2)[..., :K], sx
-
-
-def fp8_gemm_ref(x, w, sw):
-    """Block-scaled FP8 GEMM, batched over a leading expert dim.
-
-    x [E, M, K] bf16 (activations, quantised here), w [E, N, K] e4m3, sw [E, ceil(N/128), ceil(K/128)] fp32
-    -> [E, M, N] bf16. acc = sum over K blocks, in block order, of (fp32 dot of the e4m3 block) * sx * sw.
-    """
-    E, M, K = x.shape
-    N = w.shape[1]
-    xq, sx = act_quant_ref(x)  # [E, M, K], [E, M, kb]
-    swn = sw.repeat_interleave(QBLOCK, dim=1)[:, :N]  # [E, N, kb]
-    acc = torch.zeros(E, M, N, dtype=torch.float32, device=x.device)
-    for b in range(sx.shape[-1]):
-        ks = slice(b * QBLOCK, min(K, (b + 1) * QBLOCK))
-        dot = torch.bmm(xq[..., ks].float(), w[..., ks].float().transpose(1, 2))  # [E, M, N]
-        acc = acc + dot * sx[..., b:b + 1] * swn[:, None, :, b]
-    return acc.to(torch.bfloat16)
-
-
-def swiglu_ref(g, u, limit):
-    """Clamped SwiGLU: bf( min(silu(g), L) * clamp(u, -L, L) ) in fp32 with one rounding; limit None = no clamp."""
-    gf, uf = g.float(), u.float()
-    a = torch.nn.functional.silu(gf)
-    if limit is not None:
-        a, uf = a.clamp(max=limit), uf.clamp(-limit, limit)
-    return (a * uf).to(torch.bfloat16)
-
-
-def _expert_linear_ref(x, w, s):
-    """x [E, M, K] bf16 through each expert's weight w [E, N, K] (e4m3 with scales s, or bf16 when s is None)."""
-    if s is not None:
-        return fp8_gemm_ref(x, w, s)
-    return torch.bmm(x, w.transpose(1, 2))  # bf16 operands, fp32 accumulation, one bf16 rounding
-
-
-def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):
-    """One rank's routed experts and their weighted combine, optionally plus the shared expert.
-
-    x [T, D] bf16; ids [T, k] int64 expert ids: slot (t, j) is local iff first_expert <= ids[t, j] < first_expert + E
-    (E = w1.shape[0]) and then runs local expert ids - first_expert (global ids with this rank's first expert, or
-    local ids with -1 for remote and first_expert 0); weights [T, k] fp32;
-    w1 (gate), w3 (up) [E, F, D], w2 (down) [E, D, F] (e4m3 with scale grids s*, or bf16 with s* None).
-    Returns [T, D] bf16 = bf( sum over local slots 0..k-1 in order, one fp32 accumulator, of f32(expert_out) * w ).
-    shared = (wg, wu, wd, limit_s), bf16 wg, wu [Fs, D], wd [D, Fs]: the shared expert s = model.MLP's
-    bf(bf(swiglu(bf(x.wg^T), bf(x.wu^T))) . wd^T), and the result is fp32 [T, D] = f32(routed) + f32(s) (what
-    model.Block adds before its fp32 TP reduction).
-    Reference formulation: every local expert runs every token as one batched GEMM (static shapes, no host sync,
-    no per-expert Python branching); the kernel computes only the routed rows.
-    """
-    E = w1.shape[0]
-    xe = x.unsqueeze(0).expand(E, *x.shape)  # [E, T, D]
-    a = swiglu_ref(_expert_linear_ref(xe, w1, s1), _expert_linear_ref(xe, w3, s3), limit)  # [E, T, F]
-    y = _expert_linear_ref(a, w2, s2)  # [E, T, D]
-    T = x.shape[0]
-    loc = ids - first_expert
-    local = (loc >= 0) & (loc < E)
-    rows = y[loc.clamp(0, E - 1), torch.arange(T, device=x.device)[:, None]]  # [T, k, D]
-    contrib = torch.where(local[..., None], rows.float(), 0.0)
-    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for j in range(ids.shape[1]):  # slot order, sequential fp32 accumulation
-        acc = acc + contrib[:, j] * weights[:, j, None]
-    out = acc.to(torch.bfloat16)
-    return out if shared is None else out.float() + _shared_expert(x, shared, swiglu_ref).float()
-
-
-def _shared_expert(x, shared, act):
-    """model.MLP's shared expert with torch GEMMs: bf(bf(act(bf(x.wg^T), bf(x.wu^T))) . wd^T); act: a swiglu."""
-    wg, wu, wd, limit_s = shared
-    lin = torch.nn.functional.linear
-    return lin(act(lin(x, wg), lin(x, wu), limit_s), wd)
-
-
-# Triton: activation quantisation, grouped expert GEMM (FP8 block-scaled or BF16), routed-expert pipeline.
 
 
 @triton.jit
@@ -2124,21 +1975,52 @@ def act_quant_triton(x, end=None):
     return q.view(FP8), s
 
 
-@triton.jit
-def _swiglu_math(g, u, limit, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr, ZERO_GUARD: tl.constexpr = False):
-    """bf16-valued fp32 g, u -> bf( min(silu(g), L) * clamp(u, -L, L) ) as fp32; silu(g) = g / (1 + exp(-g)).
-    ZERO_GUARD: a zero g divides a 1 instead and keeps its own signed zero (g / 2's value): a zero dividend sends the
-    sm90 division to its slow path, which every padded row of a decode tile took (ncu: the shared expert's down
-    kernel). H200, 2026-12-01, the guard in every decode kernel: batch-1 step -2.1%, batch-16 +4%: on at T = 1 only."""
-    if ZERO_GUARD:
-        zero = g == 0.0
-        a = tl.where(zero, g, tl.math.div_rn(tl.where(zero, 1.0, g), 1.0 + _exp(-g, PRECISE)))
-    else:
-        a = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE))
-    if HAS_LIMIT:
-        a = tl.minimum(a, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    return _bf16_round(a * u)
+# The routed experts (and the shared one): the reference, then prefill's grouped GEMMs over rows sorted by expert,
+# the sort-free decode kernels, the combines and the launchers.
+
+
+def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None):
+    """One rank's routed experts and their weighted combine, optionally plus the shared expert.
+
+    x [T, D] bf16; ids [T, k] int64 expert ids: slot (t, j) is local iff first_expert <= ids[t, j] < first_expert + E
+    (E = w1.shape[0]) and then runs local expert ids - first_expert (global ids with this rank's first expert, or
+    local ids with -1 for remote and first_expert 0); weights [T, k] fp32;
+    w1 (gate), w3 (up) [E, F, D], w2 (down) [E, D, F] (e4m3 with scale grids s*, or bf16 with s* None).
+    Returns [T, D] bf16 = bf( sum over local slots 0..k-1 in order, one fp32 accumulator, of f32(expert_out) * w ).
+    shared = (wg, wu, wd, limit_s), bf16 wg, wu [Fs, D], wd [D, Fs]: the shared expert s = model.MLP's
+    bf(bf(swiglu(bf(x.wg^T), bf(x.wu^T))) . wd^T), and the result is fp32 [T, D] = f32(routed) + f32(s) (what
+    model.Block adds before its fp32 TP reduction).
+    Reference formulation: every local expert runs every token as one batched GEMM (static shapes, no host sync,
+    no per-expert Python branching); the kernel computes only the routed rows.
+    """
+    E = w1.shape[0]
+    xe = x.unsqueeze(0).expand(E, *x.shape)  # [E, T, D]
+    a = swiglu_ref(_expert_linear_ref(xe, w1, s1), _expert_linear_ref(xe, w3, s3), limit)  # [E, T, F]
+    y = _expert_linear_ref(a, w2, s2)  # [E, T, D]
+    T = x.shape[0]
+    loc = ids - first_expert
+    local = (loc >= 0) & (loc < E)
+    rows = y[loc.clamp(0, E - 1), torch.arange(T, device=x.device)[:, None]]  # [T, k, D]
+    contrib = torch.where(local[..., None], rows.float(), 0.0)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(ids.shape[1]):  # slot order, sequential fp32 accumulation
+        acc = acc + contrib[:, j] * weights[:, j, None]
+    out = acc.to(torch.bfloat16)
+    return out if shared is None else out.float() + _shared_expert(x, shared, swiglu_ref).float()
+
+
+def _expert_linear_ref(x, w, s):
+    """x [E, M, K] bf16 through each expert's weight w [E, N, K] (e4m3 with scales s, or bf16 when s is None)."""
+    if s is not None:
+        return fp8_gemm_ref(x, w, s)
+    return torch.bmm(x, w.transpose(1, 2))  # bf16 operands, fp32 accumulation, one bf16 rounding
+
+
+def _shared_expert(x, shared, act):
+    """model.MLP's shared expert with torch GEMMs: bf(bf(act(bf(x.wg^T), bf(x.wu^T))) . wd^T); act: a swiglu."""
+    wg, wu, wd, limit_s = shared
+    lin = torch.nn.functional.linear
+    return lin(act(lin(x, wg), lin(x, wu), limit_s), wd)
 
 
 @triton.jit
@@ -2148,7 +2030,7 @@ def _grouped_gemm_kernel(
     x_stride, sx_stride, w_stride_e, w_stride_n, sw_stride_e, sw_stride_n, out_stride,
     FP8: tl.constexpr, GATED: tl.constexpr, GATHER: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, N_FASTEST: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile of one expert of a grouped GEMM, Y[rows of e] = X[rows of e] . W[e]^T.
 
@@ -2160,25 +2042,15 @@ def _grouped_gemm_kernel(
     FP8: X and W e4m3 with scales sx [row, kb] and sw [e, nb, kb]; per K block of 128,
          acc = acc + (fp32 dot) * sx * sw (act_quant_ref / fp8_gemm_ref); else bf16 operands, fp32 accumulation.
     GATED: also runs W3 on the same rows and stores swiglu(bf(X.W^T), bf(X.W3^T)) instead of bf(X.W^T).
-    N_FASTEST: a 1-D grid whose consecutive programs are the N tiles of one M tile, so the programs in flight hold a
-    few experts' rows and weights (L2-sized), where the 2-D grid (M tiles fastest) runs one N tile of every expert
-    at once and reads each row block from HBM once per N tile. Same tiles, same bits.
+    The 1-D grid's consecutive programs are the N tiles of one M tile, so the programs in flight share a few experts'
+    rows and weights in L2 (a 2-D grid, M tiles fastest, read each row block from HBM once per N tile: -15%).
     TMA: the weight tiles (and X's, when not GATHER) come through tensor descriptors (w_desc over W as [E*N, K],
     x_desc over X [M, K]): one copy instruction per tile instead of a pointer per 16 bytes. A tile that runs past its
     expert's last row or column reads the next expert's (or the zeros past the tensor's end); those outputs are
-    never stored. Same products, same order: same bits.
-    In the sm90 SASS (Triton 3.7's build on the CPU) every FP8 K block issues its 4 wgmmas, waits for them, then
-    scales (128 FMUL/FFMA per thread at 128 x 128, 8 warps) with the tensor cores idle. Measured and removed on
-    2026-12-01: the scaled add one iteration late (the scaling between the next block's wgmmas, 64 register moves
-    per block): H200, down shape, 128 / 512 / 1024 rows per expert: 539 / 619 / 631 -> 466 / 502 / 508 TFLOP/s.
-    """
+    never stored. Same products, same order: same bits."""
     _pdl_enter(PDL)
-    if N_FASTEST:
-        pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
-        pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
-    else:
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+    pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
+    pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
     experts = tl.arange(0, BLOCK_E)
     r0 = tl.load(row_off_ptr + experts, mask=experts < E, other=0)
     r1 = tl.load(row_off_ptr + 1 + experts, mask=experts < E, other=0)
@@ -2234,7 +2106,7 @@ def _grouped_gemm_kernel(
                 b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 acc3 = tl.dot(a, tl.trans(b3.to(DOT_DTYPE)), acc3)
     if GATED:
-        y = _swiglu_math(_bf16_round(acc), _bf16_round(acc3), limit, HAS_LIMIT, PRECISE)
+        y = _swiglu_math(_bf16_round(acc), _bf16_round(acc3), limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE)
     else:
         y = _bf16_round(acc)
     tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(tl.bfloat16),
@@ -2247,20 +2119,16 @@ def _gemm_block_m(rows_per_expert: float) -> int:
 
 
 def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, block_m=None,
-                        block_n=None, num_stages=None, num_warps=None, n_fastest=True, tma=None, wgmma=None):
+                        block_n=None, num_stages=None, num_warps=None, tma=None, wgmma=None):
     """Grouped expert GEMM over rows sorted by expert; one launch for all experts.
 
     x [Mx, K] (e4m3 with sx [Mx, ceil(K/128)] fp32, or bf16 with sx None); row_off [E+1] int32 on the device
     (expert e owns output rows row_off[e] .. row_off[e+1]-1); row_idx [M] int32 (output row r reads x[row_idx[r]])
     or None (M = Mx, identity); w [E, N, K] e4m3 with sw [E, ceil(N/128), ceil(K/128)] fp32, or bf16 with sw None.
     Returns [M, N] bf16: rows past row_off[E] are left unwritten. With w3 (and sw3): swiglu(X.W^T, X.W3^T, limit).
-    n_fastest: _grouped_gemm_kernel's N_FASTEST program order (same bits); H200, 44 experts x 1024 rows
-    (bench_kernels.py sweep_prefill): gate 580 -> 684 TFLOP/s, gate+up 549 -> 631, down 520 -> 589 (128 rows: gate
-    566 -> 608).
     tma: _grouped_gemm_kernel's TMA (same bits) where the strides allow it; None: FP8 on sm90 GPUs.
     wgmma: grouped_gemm_wgmma instead (same bits; TMA-able FP8 on sm90 only); None: at 128-row tiles and no tile
-    arguments, where it measured faster (its docstring).
-    """
+    arguments, where it is faster (PERF_LOG, the prefill expert GEMM)."""
     fp8 = sw is not None
     E, N, K = w.shape
     _check_tensor("w", w, FP8 if fp8 else torch.bfloat16, ndim=3)
@@ -2297,16 +2165,12 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     if tma and wgmma and _wgmma_misfit(N, K, row_idx) is None:
         return grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx, w3, sw3, limit)
     if tma and BLOCK_M == 128 and block_m is None:
-        # H200, bench_kernels.py sweep_prefill, 44 experts x 128 / 512 / 1024 rows, TFLOP/s, pointer loads -> TMA:
-        # down 534 / 613 / 618 (128 x 128 tiles, 8 warps, 4 stages) -> 590 / 708 / 727 (64 x 128, 4 warps, 3 stages:
-        # 159 registers and 72 KB, so 3 CTAs share an SM and one's scaling overlaps another's wgmmas); gate+up with
-        # gathered rows 538 / 592 / 596 (128 x 64, 8 warps, 4 stages) -> 577 / 654 / 661 (128 x 64, 4 warps, 3
-        # stages); gate+up with sorted rows 128 x 64 at 4 warps only 525 at 512 rows, 64 x 64 661
+        # 4 warps, 3 stages: 3 CTAs share an SM, so one's scaling overlaps another's wgmmas (+10-18% over the 128 x 128
+        # tiles of pointer loads, PERF_LOG 2026-12-01)
         BLOCK_M, bn = (128 if row_idx is not None else 64, 64) if w3 is not None else (64, 128)
         block_n, num_warps, num_stages = block_n or bn, num_warps or 4, num_stages or 3
-    # Measured on the H200 (bench_kernels.py sweep): the ungated GEMM is fastest with 128-wide N tiles, except when
-    # so few tiles have rows (at most min(M, E) experts are active) that 128-wide tiles leave SMs idle: then 32.
-    # The gated kernel keeps two fp32 accumulators and was validated at 64, like BLOCK_M = 64 (other pairs untested).
+    # the ungated GEMM: 128-wide N tiles, or 32 when so few tiles have rows (at most min(M, E) experts are active)
+    # that 128-wide ones leave SMs idle; the gated kernel (two fp32 accumulators) and 64-row tiles: 64
     if block_n is None and _GPU_LAUNCH:
         if w3 is not None or BLOCK_M == 64:
             block_n = 64
@@ -2315,9 +2179,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     BLOCK_N = block_n or 64
     BLOCK_K = QBLOCK  # one FP8 scale block per K step
     # worst case over any split of M rows into E experts (no host sync: the true tile count stays on the device)
-    grid = (min(triton.cdiv(M, BLOCK_M) + E, M), triton.cdiv(N, BLOCK_N))
-    if n_fastest:
-        grid = (grid[0] * grid[1],)
+    grid = (min(triton.cdiv(M, BLOCK_M) + E, M) * triton.cdiv(N, BLOCK_N),)
     descs = [None] * 3  # x, w, w3: TMA copies whole tiles (zeros past the tensor's end) into shared memory
     if tma:
         descs = [None if row_idx is not None else TensorDescriptor.from_tensor(x, [BLOCK_M, QBLOCK])] + [
@@ -2332,7 +2194,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
         sw.stride(0) if fp8 else 0, sw.stride(1) if fp8 else 0, out.stride(0),
         FP8=fp8, GATED=w3 is not None, GATHER=row_idx is not None, HAS_LIMIT=limit is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E),
-        DOT_DTYPE=_DOT, PRECISE=_PRECISE, N_FASTEST=bool(n_fastest), TMA=bool(tma),
+        DOT_DTYPE=_DOT, PRECISE=_PRECISE, TMA=bool(tma),
         num_warps=num_warps or (8 if BLOCK_M >= 128 else 4),  # bf16 tiles: twice the shared memory of e4m3
         num_stages=(num_stages or (4 if fp8 else 2)) if _GPU_LAUNCH else 1, **_pdl())
     return out
@@ -2340,15 +2202,9 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
 
 # The grouped FP8 GEMM again, in Gluon (explicit TMA, mbarriers, wgmma and warp specialisation; sm90 only, never under
 # the interpreter: the CPU runs grouped_gemm_triton). Triton's sm90 build of _grouped_gemm_kernel keeps every warpgroup
-# of a CTA in lockstep (CTA barriers around each stage), so a CTA's tensor cores idle while it scales; 64 x 128 tiles at
-# 3 CTAs per SM overlap CTAs instead, but read 1.5x the bytes per FLOP of a 128 x 128 tile from L2 (ncu, down shape,
-# 1024 rows per expert: L2 throughput 79%, tensor pipe 51%). Here a 128 x 256 tile (or 128 x 128) is split between two
-# math warpgroups (64 rows each) that never wait for each other, fed by a loader (one TMA warp; for gathered rows a
-# warpgroup adding x's rows by cp.async) through `stages` ready / empty mbarrier pairs. ncu of this kernel (2026-12-02,
-# 44 experts x 1024 rows, 256-wide B tiles, gate+up / down): L2 throughput 42 / 37%, tensor pipe ~51%, 45% of the stall
-# cycles at CTA barriers (each math K block has two warpgroup barriers: before the ready wait, and before the one-thread
-# arrive on empty), 192k local memory requests (the gated variant's spills around the tile setup): not bound by L2, so
-# TMA multicast alone would not lift it.
+# of a CTA in lockstep, so a CTA's tensor cores idle while it scales. Here a 128 x 256 tile (or 128 x 128) is split
+# between two math warpgroups (64 rows each) that never wait for each other, fed by a loader (one TMA warp; for
+# gathered rows a warpgroup adding x's rows by cp.async) through `stages` ready / empty mbarrier pairs.
 
 
 @gluon.jit
@@ -2481,12 +2337,12 @@ def _wg_math(half, a_s, b_s, ready, empty, c_s, out_desc, sx_ptr, row_idx_ptr, s
                 acc1 = acc1 + d * sa * g1
                 i += 1
             # the output through c_s (64-column chunks) and TMA stores, which the warpgroup does not wait for: the
-            # next tile's K loop starts at once (H200: down +11%, gate+up +1%; grouped_gemm_wgmma's docstring); a
+            # next tile's K loop starts at once (down +11%, gate+up +1%: PERF_LOG 2026-12-03); a
             # warpgroup whose rows reach past the expert's (TMA would write the next expert's) stores them masked
             gtma.store_wait(0)  # the last tile's stores have read c_s
             if GATED:
-                _store_chunks(c_s, half * NC, _swiglu_math(_bf16_round(acc0), _bf16_round(acc1), limit, HAS_LIMIT,
-                                                           PRECISE).to(gl.bfloat16), OUT_N, 64)
+                y = _swiglu_math(_bf16_round(acc0), _bf16_round(acc1), limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE)
+                _store_chunks(c_s, half * NC, y.to(gl.bfloat16), OUT_N, 64)
             else:
                 _store_chunks(c_s, half * NC, _bf16_round(acc0).to(gl.bfloat16), H2, 64)
                 _store_chunks(c_s, half * NC + H2 // 64, _bf16_round(acc1).to(gl.bfloat16), H2, 64)
@@ -2554,37 +2410,10 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
     row_idx: x's rows row_idx[r] are read by the loader warpgroup's cp.async (TMA on sm90 reads whole row blocks only;
     the rows of no expert, past row_off[E], are never read). Persistent: one CTA per SM walks the tiles (N fastest, so
     the CTAs in flight share an M tile's rows and an expert's weights in L2) while the loader keeps `stages` K blocks in
-    flight across tile boundaries. block_n: B tile rows (128 or 256; gated: half W's, half W3's). H200, 44 experts,
-    TFLOP/s at 256 / 1024 rows per expert (bench_kernels.py sweep_gemm_wgmma, 2026-12-02): gathered gate+up (the gather,
-    a torch index then, 40 / 133 us of it) 622 / 670 at 128 columns, 699 / 768 at 256 (3 stages; 4: within 1%);
-    grouped_gemm_triton 609 / 670. Down 635 / 694, 687 / 754, grouped_gemm_triton 669 / 726. (The 128-column tile
-    without the scaling, a probe with wrong results, reached only 766 / 889 on the down shape: its feed, not the
-    scaling, capped it.) Measured and removed (thirteenth session): the B tile as four 64-column quarters, each
-    warpgroup keeping one quarter's wgmma in flight while it scales the previous one (6 of 8 scalings per K block
-    overlapped, the same bits): gate+up 691 / 705 TFLOP/s at 512 / 1024 rows against 754-758 / 760-771, down 696 / 728
-    against 719 / 750. Nor is taking turns (fifteenth session: an mbarrier pair made the two math warpgroups issue their
-    wgmmas alternately, so that one's run while the other scales; the same bits): gate+up 749 / 774 / 787 TFLOP/s at 256
-    / 512 / 1024 rows against 759 / 784 / 796 in the same run, down 730 / 761 / 783 against 720 / 756 / 780 (4 stages:
-    within 0.5%; removed). Nor is x's block read into registers once per K block for both boxes' wgmmas (A from
-    registers: 16 KB less shared-memory traffic per K block and one warpgroup barrier fewer in the K loop; the same
-    bits): gate+up 721 / 758 / 766 TFLOP/s against 733 / 752 / 774 in the same run, down 686 / 720 / 754 against 694 /
-    734 / 767 (removed; with the four quarters it spilled the accumulators inside the K loop, 508 / 628 bytes). Nor is
-    L2 the cap: bench_kernels.py bench_read reads 8.5 TB/s from L2 and the 256-wide tiles draw ~4.4 TB/s at 768 TFLOP/s.
-    ncu (gate+up, 512 rows, at 1.34 GHz): tensor pipe 50.8% active, shared memory (L1/TEX) 51%, L2 47%, issue slots 42%;
-    the math warps wait at their wgmma waits (19% of all warp samples), for loaded stages ~2%, and the TMA warp for free
-    stages 6%: no feed or bandwidth bound, but each warpgroup's chain wgmma -> wait -> scale (an FMUL and an FFMA per
-    element: the spec's (sum * sx) * Sw) with two warpgroups to interleave; more of them do not fit the registers at 256
-    columns.
-
-    Sixteenth session (2026-12-03; PERF_LOG.md has the figures): the output stored by TMA (down +11%, gate+up +1%) and
-    the rows gathered by the loader (gathered gate+up +2.5%) were taken; a 64 x 128 wgmma per warpgroup with the next K
-    block's in flight while the last is scaled, and a third, epilogue warpgroup, were slower.
-
-    Seventeenth session: held at the 700 W cap, cuBLAS's block-scaled GEMM (bench_kernels.blockwise_scaled_mm) on one
-    dense weight of the same FLOPs runs 1.24x this kernel's rate on that problem, so the cap alone is not what holds
-    it; at ncu's fixed clock it is 1.42x as fast with 0.69x the instructions, the difference being the spec's FMUL:
-    folding sx * Sw into one FFMA as cuBLAS does (other bits) gives +9-12% here. Three math warpgroups (192 x 128 tiles,
-    one n128 wgmma each per K block) and two on 128 x 128 tiles were slower."""
+    flight across tile boundaries. block_n: B tile rows (128 or 256; gated: half W's, half W3's); 256 halves the
+    shared-memory bytes per FLOP (768 against 670 TFLOP/s at 1024 rows per expert, PERF_LOG 2026-12-02). What holds it
+    near 60% of the FP8 peak is each warpgroup's chain wgmma -> wait -> scale (the spec's (sum * sx) * Sw is an FMUL
+    and an FFMA per element) with two warpgroups to interleave: PERF_LOG has the measurements and the variants tried."""
     E, N, K = w.shape
     _check(sw is not None and w.dtype == FP8 and x.dtype == FP8, "grouped_gemm_wgmma is for e4m3 x and w")
     misfit = _wgmma_misfit(N, K, row_idx)
@@ -2613,74 +2442,11 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
     return out
 
 
-@triton.jit
-def _combine_store(acc, ys_row, out_row, cols, col_ok, SHARED: tl.constexpr):
-    """A combine's token row: bf(acc) as bf16, or SHARED: f32(bf(acc)) + f32(ys) in fp32 (the shared expert's
-    output added at the rounding point of moe_experts_ref)."""
-    r = _bf16_round(acc)
-    if SHARED:
-        tl.store(out_row + cols, r + tl.load(ys_row + cols, mask=col_ok, other=0.0).to(tl.float32), mask=col_ok)
-    else:
-        tl.store(out_row + cols, r.to(tl.bfloat16), mask=col_ok)
-
-
-@triton.jit
-def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, D, y_stride, out_stride,
-                        TOPK: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = bf( sum over slots j = 0..k-1 in order (one fp32 accumulator) of f32(Y[inv[t, j]]) * w[t, j] ),
-    skipping slots whose expert lives on another rank (id < 0); SHARED: out[t] = f32(that) + f32(ys[t]) in fp32."""
-    _pdl_enter(PDL)
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = cols < D
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        local = tl.load(ids_ptr + t * TOPK + j) >= 0
-        r = tl.load(inv_ptr + t * TOPK + j).to(tl.int64)
-        y = tl.load(y_ptr + r * y_stride + cols, mask=col_ok & local, other=0.0).to(tl.float32)
-        acc = acc + y * tl.load(wts_ptr + t * TOPK + j)
-    _combine_store(acc, ys_ptr + t.to(tl.int64) * D, out_ptr + t * out_stride, cols, col_ok, SHARED)
-
-
-def _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2):
-    _check_tensor("x", x, torch.bfloat16, ndim=2)
-    T, D = x.shape
-    _check_tensor("ids", ids, torch.int64, ndim=2)
-    _check_tensor("weights", weights, torch.float32, ndim=2)
-    _check(ids.shape[0] == T and weights.shape == ids.shape,
-           lambda: f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={T}, k]")
-    fp8 = s1 is not None
-    E, F, _ = w1.shape
-    _check(tuple(w1.shape) == (E, F, D) and tuple(w3.shape) == (E, F, D) and tuple(w2.shape) == (E, D, F),
-           lambda: f"expert weights must be w1, w3 [E, F, D={D}] and w2 [E, D, F]; got {tuple(w1.shape)}, "
-           f"{tuple(w3.shape)}, {tuple(w2.shape)}")
-    _check((s3 is not None) == fp8 and (s2 is not None) == fp8, "s1, s3, s2 must be all set (FP8) or all None")
-    return T, D, ids.shape[1], E, F, fp8
-
-
-_COUNTERS = {}
-
-
-def _arrival_counters(device, n):
-    """The decode expert kernels' arrival counters (TUNING["moe_early_down"]): one zeroed int32 buffer per device,
-    shared by every MoE layer (each call's combine launch zeroes what its down launch read, before the next call's
-    gate/up can start). Allocated at the first call (a warm-up), never inside a graph capture: a buffer from the
-    graph's pool would be freed with the graph. n <= DECODE_SLOTS + 1 always (hit experts plus the shared one)."""
-    c = _COUNTERS.get(device)
-    if c is None:
-        _check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
-               "the decode expert kernels' counters are allocated by an eager call: run a step before capturing")
-        c = _COUNTERS[device] = torch.zeros(DECODE_SLOTS + 1, dtype=torch.int32, device=device)
-    _check(n <= c.numel(), lambda: f"{n} arrival counters needed, {c.numel()} allocated")
-    return c
-
-
 # Decode: T*k <= DECODE_SLOTS (token, slot) pairs. No sort: each program finds its expert from the ids in registers.
 # Grid axis 1 = rank u of a hit local expert (ascending id; at most min(T*k, E) of them, programs of ranks past the
 # number hit exit at once) plus, first, the shared expert; axis 0 = N tiles of BLOCK_N columns, so one hit expert's
 # weights are streamed by cdiv(N, BLOCK_N) programs (~50-100 at F = 1536, D = 4096) and read once for all its rows.
-# moe_experts_triton sends it every batch of up to DECODE_SLOTS slots: on the H200 (routed FP8 + shared expert, CUDA
-# graph, x quantised once) it took 32 / 59 / 160 us at T = 1 / 4 / 16 against the sorted path's 95 / 128 / 175.
+# moe_experts_triton sends it every batch of up to DECODE_SLOTS slots (160 us at T = 16 where the sorted path took 175).
 DECODE_SLOTS = 128
 
 
@@ -2693,19 +2459,13 @@ def _quant_rows(x):
 
 
 @triton.jit
-def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, sw_ptr, sw3_ptr, cols, col_ok, K,
-                 limit, kb0, kb1, FP8: tl.constexpr, XQ: tl.constexpr, GATED: tl.constexpr,
-                 X_SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, K_UNROLL: tl.constexpr,
-                 ZERO_GUARD: tl.constexpr = False):
-    """acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T over the K blocks kb0 .. kb1-1,
-    with _grouped_gemm_kernel's arithmetic per 128-wide K block. w_ptr/w3_ptr point at the expert's [N, K] weight,
-    sw_ptr/sw3_ptr at its scale row of these columns. FP8: X is quantised per 1x128 block on load (act_quant_ref), or
-    XQ: X is already e4m3 with scales sx_ptr [row, kb] (act_quant_triton). X_SWIGLU: X is swiglu(G, U) of the bf16 G
-    at x_ptr and U at x_ptr + u_off (the shared expert's down input). K_UNROLL: K blocks per loop iteration, written
-    out (a candidate for more loads in flight per program; it must divide kb1 - kb0; the blocks are still added one
-    by one in K order, so every K_UNROLL gives the same bits). ZERO_GUARD: _swiglu_math's (X_SWIGLU)."""
+def _decode_tile(x_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, cols, col_ok, K, kb0, kb1, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, K_UNROLL: tl.constexpr,
+                 GATED: tl.constexpr):
+    """BF16 experts: acc (and acc3 when GATED) [BLOCK_M, BLOCK_N] fp32 = X[x_rows] . W[cols]^T over the K blocks
+    kb0 .. kb1-1 (bf16 products, fp32 accumulation), w_ptr/w3_ptr at the expert's [N, K] weights. K_UNROLL: K blocks
+    per loop iteration, written out (it must divide kb1 - kb0; the blocks are still added one by one in K order, so
+    every K_UNROLL gives the same bits)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride
@@ -2717,43 +2477,28 @@ def _decode_tile(x_ptr, sx_ptr, x_rows, row_ok, x_stride, u_off, w_ptr, w3_ptr, 
             ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = ks < K  # ragged last block: masked columns are 0 on both sides
             x_ok = row_ok[:, None] & k_ok[None, :]
-            a = tl.load(x_base + ks[None, :], mask=x_ok, other=0.0)
-            if not XQ:
-                a = a.to(tl.float32)
-            if X_SWIGLU:
-                u = tl.load(x_base + u_off + ks[None, :], mask=x_ok, other=0.0)
-                a = _swiglu_math(a, u.to(tl.float32), limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
+            a = tl.load(x_base + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
             b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if FP8:
-                if XQ:
-                    aq = a
-                    sa = tl.load(sx_ptr + x_rows * tl.cdiv(K, BLOCK_K) + kb, mask=row_ok, other=0.0)
-                else:
-                    aq, sa = _quant_rows(a)
-                acc = acc + tl.dot(aq, tl.trans(b)) * sa[:, None] * tl.load(sw_ptr + kb)
-                if GATED:
-                    b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                    acc3 = acc3 + tl.dot(aq, tl.trans(b3)) * sa[:, None] * tl.load(sw3_ptr + kb)
-            else:
-                a = a.to(DOT_DTYPE)
-                acc = tl.dot(a, tl.trans(b.to(tl.float32).to(DOT_DTYPE)), acc)
-                if GATED:
-                    b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                    acc3 = tl.dot(a, tl.trans(b3.to(tl.float32).to(DOT_DTYPE)), acc3)
+            a = a.to(DOT_DTYPE)
+            acc = tl.dot(a, tl.trans(b.to(tl.float32).to(DOT_DTYPE)), acc)
+            if GATED:
+                b3 = tl.load(w3_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                acc3 = tl.dot(a, tl.trans(b3.to(tl.float32).to(DOT_DTYPE)), acc3)
     return acc, acc3
 
 
 @triton.jit
-def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_ptr, sw3_ptr, c0, N, K, kb0, kb1,
-                   XQ: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr, w_desc=None, w_row0=0, x_desc=None,
-                   W_TMA: tl.constexpr = False, X_TMA: tl.constexpr = False):
-    """_decode_tile's FP8 path (columns c0 .. c0+BLOCK_N-1) with the MMA's operands swapped: the weight rows are its
-    M side, [R, 128] per K block with R = BLOCK_N, or 2 * BLOCK_N when GATED (these columns' gate rows, then their up
-    rows), and the few token rows its N side. At R = 64 that is one fp8 wgmma (sm90) with both operands in shared
-    memory, where the plain tile (16 token rows as M) is an mma.sync whose e4m3 operands are first converted to f16 in
-    registers. Same products and the same per-block scaling; the order inside a block's dot is the MMA's, as in
-    _grouped_gemm_kernel. Returns (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED).
+def _decode_tile_swapped(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_ptr, sw3_ptr, c0, N, K, kb0, kb1,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr,
+                         XQ: tl.constexpr, GATED: tl.constexpr, w_desc=None, w_row0=0, x_desc=None,
+                         W_TMA: tl.constexpr = False, X_TMA: tl.constexpr = False):
+    """FP8 experts: X[x_rows] . W[c0 .. c0+BLOCK_N-1]^T with the MMA's operands swapped: the weight rows are its M
+    side, [R, 128] per K block with R = BLOCK_N, or 2 * BLOCK_N when GATED (these columns' gate rows, then their up
+    rows), and the few token rows its N side: at R = 64 one fp8 wgmma (sm90) with both operands in shared memory,
+    where 16 token rows as M would be an mma.sync with its e4m3 operands converted to f16 in registers. Per 128-wide
+    K block acc + (fp32 dot) * sx * sw, as _grouped_gemm_kernel rounds it; XQ: X is e4m3 already with scales sx_ptr
+    [row, kb] (act_quant_triton), else it is quantised per 1x128 block on load (act_quant_ref's arithmetic). Returns
+    (acc, acc3) [BLOCK_M, BLOCK_N] like _decode_tile (acc3 = acc when not GATED).
     W_TMA: the weight block is one box of w_desc ([2 or 1, rows, K]: the two planes are W and W3) at row w_row0;
     rows past N are the next expert's (stored nowhere). X_TMA: x_desc's box at row 0 (zeros past the last token)."""
     R: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
@@ -2792,13 +2537,13 @@ def _decode_tile_t(x_ptr, sx_ptr, x_rows, row_ok, x_stride, w_ptr, w3_ptr, sw_pt
 
 
 @triton.jit
-def _swiglu_tile_t(gu_ptr, tok, tok_ok, u_off, K, w_ptr, cols, col_ok, limit, HAS_LIMIT: tl.constexpr,
-                   PRECISE: tl.constexpr, ZERO_GUARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """_decode_tile's X_SWIGLU bf16 tile with the MMA's operands swapped: acc [BLOCK_M, BLOCK_N] fp32 =
-    swiglu(G[tok], U[tok]) . W[cols]^T over K, G at gu_ptr ([*, K] rows), U u_off further; the weight rows are the
-    MMA's M side (a bf16 wgmma at >= 64 rows, both operands in shared memory, accumulating over K in the MMA), where
-    the plain tile holds W's block in registers for an mma.sync. Other order inside the sums: within tolerance."""
+def _swiglu_tile_swapped(gu_ptr, tok, tok_ok, u_off, K, w_ptr, cols, col_ok, limit, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                         PRECISE: tl.constexpr, ZERO_GUARD: tl.constexpr):
+    """The shared expert's down tile: acc [BLOCK_M, BLOCK_N] fp32 = swiglu(G[tok], U[tok]) . W[cols]^T over K, G at
+    gu_ptr ([*, K] rows), U u_off further (SwiGLU on load; ZERO_GUARD: _swiglu_math's), with the MMA's operands
+    swapped: the weight rows are its M side (a bf16 wgmma at >= 64 rows, both operands in shared memory, accumulating
+    over K in the MMA), so the down kernel holds no weight block in registers (3 CTAs per SM at batch 16)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     g_base = gu_ptr + tok.to(tl.int64)[:, None] * K
     w_base = w_ptr + cols.to(tl.int64)[:, None] * K
@@ -2808,40 +2553,10 @@ def _swiglu_tile_t(gu_ptr, tok, tok_ok, u_off, K, w_ptr, cols, col_ok, limit, HA
         x_ok = tok_ok[:, None] & k_ok[None, :]
         g = tl.load(g_base + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
         u = tl.load(g_base + u_off + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
-        a = _swiglu_math(g, u, limit, HAS_LIMIT, PRECISE, ZERO_GUARD).to(DOT_DTYPE)
+        a = _swiglu_math(g, u, limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE, ZERO_GUARD=ZERO_GUARD).to(DOT_DTYPE)
         b = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(b.to(tl.float32).to(DOT_DTYPE), tl.trans(a), acc)
     return tl.trans(acc)
-
-
-@triton.jit
-def _arrive(flag):
-    """+1 on the int32 at flag (release, GPU scope) once every thread of the program has stored its results: the
-    barrier orders their stores before the one thread's atomic, whose release covers them."""
-    tl.debug_barrier()
-    tl.atomic_add(flag, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _await(flag, target):
-    """Spin until the int32 at flag reaches target (acquire, GPU scope); the barrier then orders every thread's later
-    loads after it."""
-    while tl.atomic_add(flag, 0, sem="acquire", scope="gpu") < target:
-        pass
-    tl.debug_barrier()
-
-
-@triton.jit
-def _enter_down(flag, target, needed, EARLY: tl.constexpr, PDL: tl.constexpr):
-    """A down program's entry: EARLY releases the successor and, if it has work (needed), awaits its gate/up tiles'
-    count at flag; otherwise _pdl_enter (the whole gate/up grid)."""
-    if EARLY:
-        if PDL:
-            gdc_launch_dependents()
-        if needed:
-            _await(flag, target)
-    else:
-        _pdl_enter(PDL)
 
 
 @triton.jit
@@ -2883,9 +2598,40 @@ def _token_slots(ids_ptr, T, e, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, TOPK_
 def _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr,
                  ZERO_GUARD: tl.constexpr):
     """a[slot, cols] = swiglu(bf(g), bf(up)) as bf16 for the rows that exist (MLP's rounding points)."""
-    y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
+    y = _swiglu_math(_bf16_round(g), _bf16_round(up), limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE,
+                     ZERO_GUARD=ZERO_GUARD)
     tl.store(a_ptr + slot.to(tl.int64)[:, None] * F + cols[None, :], y.to(tl.bfloat16),
              mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _arrive(flag):
+    """+1 on the int32 at flag (release, GPU scope) once every thread of the program has stored its results: the
+    barrier orders their stores before the one thread's atomic, whose release covers them."""
+    tl.debug_barrier()
+    tl.atomic_add(flag, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _await(flag, target):
+    """Spin until the int32 at flag reaches target (acquire, GPU scope); the barrier then orders every thread's later
+    loads after it."""
+    while tl.atomic_add(flag, 0, sem="acquire", scope="gpu") < target:
+        pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def _enter_down(flag, target, needed, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """A down program's entry: EARLY releases the successor and, if it has work (needed), awaits its gate/up tiles'
+    count at flag; otherwise _pdl_enter (the whole gate/up grid)."""
+    if EARLY:
+        if PDL:
+            gdc_launch_dependents()
+        if needed:
+            _await(flag, target)
+    else:
+        _pdl_enter(PDL)
 
 
 @triton.jit
@@ -2895,7 +2641,7 @@ def _moe_decode_up_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
+    K_UNROLL: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr,
     SHARED_PARTS: tl.constexpr, TMA: tl.constexpr, UP_FIRST: tl.constexpr, TOPK_P2: tl.constexpr,
     EARLY: tl.constexpr = False,
 ):
@@ -2938,26 +2684,28 @@ def _moe_decode_up_kernel(
                 s_first, s_second = s1_ptr + sw_off, s3_ptr + sw_off
                 if UP_FIRST:  # the descriptor's first plane is W3 (the lower address)
                     s_first, s_second = s_second, s_first
-                g, up = _decode_tile_t(x_ptr, sx_ptr, tok, tok < T, D, w1_ptr, w3_ptr, s_first, s_second,
-                                       pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), True, True, BLOCK_M, BLOCK_N,
-                                       BLOCK_K, K_UNROLL, w_desc, e * F + pid_n * BLOCK_N, x_desc, True, True)
+                g, up = _decode_tile_swapped(x_ptr, sx_ptr, tok, tok < T, D, w1_ptr, w3_ptr, s_first, s_second,
+                                             pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K,
+                                             K_UNROLL, XQ=True, GATED=True, w_desc=w_desc,
+                                             w_row0=e * F + pid_n * BLOCK_N, x_desc=x_desc, W_TMA=True, X_TMA=True)
                 if UP_FIRST:
                     g, up = up, g
-                _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
+                _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE,
+                             ZERO_GUARD=ZERO_GUARD)
             else:
                 for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                     slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
-                    if SWAP and FP8:
-                        g, up = _decode_tile_t(x_ptr, sx_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
-                                               w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off,
-                                               pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), True, True, BLOCK_M,
-                                               BLOCK_N, BLOCK_K, K_UNROLL)
+                    if FP8:
+                        g, up = _decode_tile_swapped(x_ptr, sx_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
+                                                     w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off,
+                                                     pid_n * BLOCK_N, F, D, 0, tl.cdiv(D, BLOCK_K), BLOCK_M, BLOCK_N,
+                                                     BLOCK_K, K_UNROLL, XQ=True, GATED=True)
                     else:
-                        g, up = _decode_tile(x_ptr, sx_ptr, slot // TOPK, row_ok, D, 0, w1_ptr + e64 * w_stride_e,
-                                             w3_ptr + e64 * w_stride_e, s1_ptr + sw_off, s3_ptr + sw_off, cols, col_ok,
-                                             D, limit, 0, tl.cdiv(D, BLOCK_K), FP8, FP8, True, False, False, BLOCK_M,
-                                             BLOCK_N, BLOCK_K, DOT_DTYPE, PRECISE, K_UNROLL)
-                    _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT, PRECISE, ZERO_GUARD)
+                        g, up = _decode_tile(x_ptr, slot // TOPK, row_ok, D, w1_ptr + e64 * w_stride_e,
+                                             w3_ptr + e64 * w_stride_e, cols, col_ok, D, 0, tl.cdiv(D, BLOCK_K),
+                                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, K_UNROLL, GATED=True)
+                    _store_gated(a_ptr, g, up, slot, row_ok, cols, col_ok, F, limit, HAS_LIMIT=HAS_LIMIT,
+                                 PRECISE=PRECISE, ZERO_GUARD=ZERO_GUARD)
             if EARLY:
                 _arrive(cnt_ptr + u)
 
@@ -2969,13 +2717,13 @@ def _moe_decode_down_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LIMIT_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-    K_UNROLL: tl.constexpr, SWAP: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
-    SHARED_T: tl.constexpr, EARLY: tl.constexpr = False, UP_N: tl.constexpr = 64,
+    K_UNROLL: tl.constexpr, ZERO_GUARD: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
+    EARLY: tl.constexpr = False, UP_N: tl.constexpr = 64,
 ):
     """Down projection of one D tile of one hit expert: y[slot] = bf(a[slot] . w2^T), a quantised per 1x128 block on
     load (FP8).
-    Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load (SHARED_T:
-    through _swiglu_tile_t).
+    Shared expert (axis-1 program 0): ys[t] = bf(swiglu(gu[0, t], gu[1, t]) . wd^T), SwiGLU on load
+    (_swiglu_tile_swapped).
     A routed program finds its expert before the PDL wait: ids were written by the router, which completed before
     the gate/up kernel (the predecessor, which writes only a) got past its own wait.
     EARLY: instead of the PDL wait (for the whole gate/up grid), a program awaits the gate/up tiles (UP_N columns
@@ -2987,38 +2735,62 @@ def _moe_decode_down_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < D
     if u < SHARED:
-        _enter_down(cnt_ptr + u, 2 * tl.cdiv(FS, UP_N), True, EARLY, PDL)
+        _enter_down(cnt_ptr + u, 2 * tl.cdiv(FS, UP_N), True, EARLY=EARLY, PDL=PDL)
         for m0 in range(0, T, BLOCK_M):
             tok = m0 + tl.arange(0, BLOCK_M)
-            if SHARED_T:
-                acc = _swiglu_tile_t(gu_ptr, tok, tok < T, T * FS, FS, wd_ptr, cols, col_ok, limit_s, HAS_LIMIT_S,
-                                     PRECISE, ZERO_GUARD, BLOCK_M, BLOCK_N, 64, DOT_DTYPE)
-            else:
-                acc, _ = _decode_tile(gu_ptr, gu_ptr, tok, tok < T, FS, T * FS, wd_ptr, wd_ptr, wd_ptr, wd_ptr,
-                                      cols, col_ok, FS, limit_s, 0, tl.cdiv(FS, BLOCK_K), False, False, False, True,
-                                      HAS_LIMIT_S, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, PRECISE, 1, ZERO_GUARD)
+            acc = _swiglu_tile_swapped(gu_ptr, tok, tok < T, T * FS, FS, wd_ptr, cols, col_ok, limit_s, BLOCK_M,
+                                       BLOCK_N, 64, DOT_DTYPE, HAS_LIMIT=HAS_LIMIT_S, PRECISE=PRECISE,
+                                       ZERO_GUARD=ZERO_GUARD)
             tl.store(ys_ptr + tok.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                      mask=(tok < T)[:, None] & col_ok[None, :])
     else:
         found, e, hit, before = _decode_expert(ids_ptr, u - SHARED, first_expert, E, T * TOPK, BLOCK_TK, BLOCK_E)
         e64 = e.to(tl.int64)
-        _enter_down(cnt_ptr + u, tl.cdiv(F, UP_N), found, EARLY, PDL)
+        _enter_down(cnt_ptr + u, tl.cdiv(F, UP_N), found, EARLY=EARLY, PDL=PDL)
         if found:
             sw = s2_ptr + e64 * sw_stride_e + (pid_n * BLOCK_N // BLOCK_K) * sw_stride_n
             for m0 in range(0, tl.sum(hit, axis=0), BLOCK_M):
                 slot, row_ok = _decode_rows(hit, before, m0, BLOCK_M, BLOCK_TK)
-                if SWAP and FP8:
-                    acc, _ = _decode_tile_t(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw,
-                                            sw, pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), False, False,
-                                            BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL, w_desc, e * D + pid_n * BLOCK_N,
-                                            None, TMA)
+                if FP8:
+                    acc, _ = _decode_tile_swapped(a_ptr, a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, sw,
+                                                  sw, pid_n * BLOCK_N, D, F, 0, tl.cdiv(F, BLOCK_K), BLOCK_M, BLOCK_N,
+                                                  BLOCK_K, K_UNROLL, XQ=False, GATED=False, w_desc=w_desc,
+                                                  w_row0=e * D + pid_n * BLOCK_N, x_desc=None, W_TMA=TMA)
                 else:
-                    acc, _ = _decode_tile(a_ptr, a_ptr, slot, row_ok, F, 0, w2_ptr + e64 * w_stride_e, w2_ptr,
-                                          sw, sw, cols, col_ok, F, limit, 0, tl.cdiv(F, BLOCK_K), FP8,
-                                          False, False, False, HAS_LIMIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                          DOT_DTYPE, PRECISE, K_UNROLL)
+                    acc, _ = _decode_tile(a_ptr, slot, row_ok, F, w2_ptr + e64 * w_stride_e, w2_ptr, cols, col_ok, F, 0,
+                                          tl.cdiv(F, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, K_UNROLL,
+                                          GATED=False)
                 tl.store(y_ptr + slot.to(tl.int64)[:, None] * D + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
                          mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_store(acc, ys_row, out_row, cols, col_ok, SHARED: tl.constexpr):
+    """A combine's token row: bf(acc) as bf16, or SHARED: f32(bf(acc)) + f32(ys) in fp32 (the shared expert's
+    output added at the rounding point of moe_experts_ref)."""
+    r = _bf16_round(acc)
+    if SHARED:
+        tl.store(out_row + cols, r + tl.load(ys_row + cols, mask=col_ok, other=0.0).to(tl.float32), mask=col_ok)
+    else:
+        tl.store(out_row + cols, r.to(tl.bfloat16), mask=col_ok)
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, D, y_stride, out_stride,
+                        TOPK: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = bf( sum over slots j = 0..k-1 in order (one fp32 accumulator) of f32(Y[inv[t, j]]) * w[t, j] ),
+    skipping slots whose expert lives on another rank (id < 0); SHARED: out[t] = f32(that) + f32(ys[t]) in fp32."""
+    _pdl_enter(PDL)
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        local = tl.load(ids_ptr + t * TOPK + j) >= 0
+        r = tl.load(inv_ptr + t * TOPK + j).to(tl.int64)
+        y = tl.load(y_ptr + r * y_stride + cols, mask=col_ok & local, other=0.0).to(tl.float32)
+        acc = acc + y * tl.load(wts_ptr + t * TOPK + j)
+    _combine_store(acc, ys_ptr + t.to(tl.int64) * D, out_ptr + t * out_stride, cols, col_ok, SHARED=SHARED)
 
 
 @triton.jit
@@ -3042,7 +2814,23 @@ def _moe_decode_combine_kernel(y_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, cnt_ptr
         local = (loc >= 0) & (loc < E)
         y = tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * D + cols, mask=col_ok & local, other=0.0).to(tl.float32)
         acc = acc + y * tl.load(wts_ptr + t * TOPK + j)
-    _combine_store(acc, ys_ptr + t.to(tl.int64) * D, out_ptr + t.to(tl.int64) * D, cols, col_ok, SHARED)
+    _combine_store(acc, ys_ptr + t.to(tl.int64) * D, out_ptr + t.to(tl.int64) * D, cols, col_ok, SHARED=SHARED)
+
+
+def _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2):
+    _check_tensor("x", x, torch.bfloat16, ndim=2)
+    T, D = x.shape
+    _check_tensor("ids", ids, torch.int64, ndim=2)
+    _check_tensor("weights", weights, torch.float32, ndim=2)
+    _check(ids.shape[0] == T and weights.shape == ids.shape,
+           lambda: f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={T}, k]")
+    fp8 = s1 is not None
+    E, F, _ = w1.shape
+    _check(tuple(w1.shape) == (E, F, D) and tuple(w3.shape) == (E, F, D) and tuple(w2.shape) == (E, D, F),
+           lambda: f"expert weights must be w1, w3 [E, F, D={D}] and w2 [E, D, F]; got {tuple(w1.shape)}, "
+           f"{tuple(w3.shape)}, {tuple(w2.shape)}")
+    _check((s3 is not None) == fp8 and (s2 is not None) == fp8, "s1, s3, s2 must be all set (FP8) or all None")
+    return T, D, ids.shape[1], E, F, fp8
 
 
 def _check_shared(shared, D):
@@ -3066,115 +2854,6 @@ def _x_quant(x, xq):
            and tuple(sx.shape) == (x.shape[0], triton.cdiv(x.shape[1], QBLOCK)) and q.is_contiguous()
            and sx.is_contiguous(), lambda: f"xq must be (e4m3 {tuple(x.shape)}, fp32 [T, D/128]) as act_quant_triton's")
     return q, sx
-
-
-def _decode_descs(xq, w1, w3, w2, bn):
-    """TMA descriptors of the decode expert tiles, each None where TMA cannot address its tensors: (gate/up weights as
-    one [2, E*F, D] tensor, its first plane the lower of W1 and W3, whose distance is the plane stride (any two
-    tensors: TMA reads only the boxes' rows); x [T, D] in 16-row boxes; W2 as [1, E*D, F]) and whether W3 is the
-    first plane."""
-    E, F, D = w1.shape
-    lo, hi = (w1, w3) if w1.data_ptr() <= w3.data_ptr() else (w3, w1)
-    gap = hi.data_ptr() - lo.data_ptr()  # bytes: e4m3
-    fits = lambda *ts: all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ts)  # noqa: E731
-    gu = x = down = None
-    if fits(lo, hi, xq) and 0 < gap < 2 ** 40 and gap % 16 == 0 and D % 16 == 0:
-        gu = TensorDescriptor(lo, [2, E * F, D], [gap, D, 1], [2, bn[0], QBLOCK])
-        x = TensorDescriptor.from_tensor(xq, [16, QBLOCK])
-    if fits(w2) and F % 16 == 0:
-        down = TensorDescriptor(w2, [1, E * D, F], [E * D * F, F, 1], [1, bn[1], QBLOCK])
-    return (gu, x, down), lo is w3
-
-
-def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
-                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, swap=None, xq=None,
-                              tma=None):
-    """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
-
-    0. FP8: x quantised once (act_quant_triton; quantising in every gate/up program's K loop measured 15-30%
-       slower on the H200).
-    1. gate/up: one program per (hit expert, F tile) computes all rows routed to that expert, SwiGLU epilogue,
-       a[slot] bf16 [T*k, F]; the shared expert's gate and up tiles run in the same launch.
-    2. down: per (hit expert, D tile): y[slot] bf16 [T*k, D] (a quantised on load); the shared expert's down too.
-    3. combine: slot-order fp32 sum per token, plus the shared output when given.
-    Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
-    block_n / num_warps / num_stages / k_unroll: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py
-    sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up (same bits).
-    swap (FP8 experts; default TUNING["moe_swap"]): the routed tiles through
-    _decode_tile_t, the weight rows as the MMA's M side (fp8 wgmma at 64 rows: gate/up tiles of 32 columns, down
-    tiles of 64), within tolerance. tma (swapped tiles, T <= 16; default TUNING["moe_tma"]): their weights (and the
-    gate/up's x, all tokens as rows) through TMA descriptors (_decode_descs); the same bits.
-    (Measured on the H200 and removed: a split-K gate/up, 2-8 programs per tile with fp32 partials, 2-4x slower at T=1
-    and T=16, and again on the swapped tiles (2 / 4 programs per tile, the partials added with SwiGLU on the down
-    kernel's load) on 2026-12-01: whole step 7.19 -> 9.65 / 10.63 ms; each block's dot on the CUDA cores instead of
-    an MMA, 4-10x slower.)
-    """
-    T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
-    Fs = _check_shared(shared, D) if shared is not None else 0
-    _check(T * k <= DECODE_SLOTS, lambda: f"the decode path takes T*k <= {DECODE_SLOTS} slots, got {T}*{k}")
-    out = torch.empty(T, D, dtype=torch.float32 if shared is not None else torch.bfloat16, device=x.device)
-    if T == 0:
-        return out
-    a = torch.empty(T * k, F, dtype=torch.bfloat16, device=x.device)  # remote slots' rows stay unwritten
-    y = torch.empty(T * k, D, dtype=torch.bfloat16, device=x.device)
-    if shared is not None:
-        wg, wu, wd, limit_s = shared
-        gu = torch.empty(2, T, Fs, dtype=torch.bfloat16, device=x.device)
-        ys = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
-    else:
-        wg = wu = wd = gu = ys = y  # never read: SHARED is off
-        limit_s = None
-    # H200 sweeps (bench_kernels.py sweep_moe_decode), routed + shared: 32-34 us at T=1 (best of 19 tile / warp /
-    # stage choices), 160-164 us at T=16 (best 153, (128, 128) w8)
-    gpu = _GPU_LAUNCH
-    bn = ((32, 64) if T == 1 else TUNING["moe_block_n"]) if gpu else (64, 64)
-    nw, ns = (4, 4), TUNING["moe_stages_batch" if T > 1 else "moe_stages"] if gpu else (1, 1)
-    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
-    swap = TUNING["moe_swap"] if swap is None else swap
-    # k_unroll (same bits) 4 on gate/up, H200: 12.5 vs 14.0 us at T = 1 in the whole-rank step (down: 12.9 vs 11.8);
-    # at T = 4 / 16 gate/up + down 86 / 229 vs 60 / 161 us. FP8 only: BF16 experts' 4 stages of 4 K blocks need 240 KB
-    # of shared memory (the H200 has 227).
-    nkb, nkf = triton.cdiv(D, QBLOCK), triton.cdiv(F, QBLOCK)
-    tuned = TUNING["moe_unroll"] if fp8 and T == 1 and gpu else (1, 1)
-    ku = k_unroll or tuple(u if n % u == 0 else 1 for u, n in zip(tuned, (nkb, nkf)))
-    _check(nkb % ku[0] == 0 and nkf % ku[1] == 0,
-           lambda: f"k_unroll {ku} must divide the K blocks of gate/up ({nkb}) and down ({nkf})")
-    sh = int(shared is not None)
-    ranks = min(T * k, E)  # distinct local experts the slots can hit
-    regs = [{"maxnreg": r} if r and gpu and T > 1 else {} for r in TUNING["moe_maxnreg"]]
-    dummy = y
-    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, SWAP=bool(swap), ZERO_GUARD=T == 1,
-                  BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
-                  DOT_DTYPE=_DOT, PRECISE=_PRECISE)
-    grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
-    xqt, sxt = _x_quant(x, xq) if fp8 else (x, dummy)
-    first_t = TUNING["moe_tma"] if tma is None else ((1, 1) if tma else (17, 17))
-    tma = [fp8 and bool(swap) and t0 <= T <= 16 for t0 in first_t]
-    descs, up_first = (None, None, None), False
-    if any(tma):
-        descs, up_first = _decode_descs(xqt, w1, w3, w2, bn)
-        tma = [tma[0] and descs[0] is not None, tma[1] and descs[2] is not None]
-    early = TUNING["moe_early_down"][T > 1]
-    cnt = _arrival_counters(x.device, ranks + sh) if early else dummy
-    _moe_decode_up_kernel[grid1](
-        xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu, descs[0], descs[1], cnt,
-        T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
-        s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, K_UNROLL=ku[0],
-        BLOCK_N=bn[0], SHARED_PARTS=TUNING["shared_parts"][T > 1], TMA=tma[0], UP_FIRST=up_first,
-        TOPK_P2=triton.next_power_of_2(k), EARLY=early, num_warps=nw[0], num_stages=ns[0], **common, **regs[0],
-        **_pdl())
-    _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
-        a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys, descs[2], cnt,
-        T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
-        float(limit_s) if limit_s is not None else 0.0, w2.stride(0), s2.stride(0) if fp8 else 0,
-        s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None, K_UNROLL=ku[1],
-        BLOCK_N=bn[1], TMA=tma[1], SHARED_T=TUNING["shared_down_t"][T > 1], EARLY=early, UP_N=bn[0],
-        num_warps=nw[1], num_stages=ns[1], **common, **regs[1], **_pdl())
-    BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
-    _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](
-        y, ids, weights, ys, out, cnt, D, E, int(first_expert), ranks + sh, TOPK=k, SHARED=sh, BLOCK_D=BLOCK_D,
-        BLOCK_C=triton.next_power_of_2(ranks + sh) if early else 0, num_warps=4, **_NO_FMA, **_pdl())
-    return out
 
 
 def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
@@ -3218,37 +2897,124 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     return out
 
 
+_COUNTERS = {}
+
+
+def _arrival_counters(device, n):
+    """The decode expert kernels' arrival counters (TUNING["moe_early_down"]): one zeroed int32 buffer per device,
+    shared by every MoE layer (each call's combine launch zeroes what its down launch read, before the next call's
+    gate/up can start). Allocated at the first call (a warm-up), never inside a graph capture: a buffer from the
+    graph's pool would be freed with the graph. n <= DECODE_SLOTS + 1 always (hit experts plus the shared one)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        _check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
+               "the decode expert kernels' counters are allocated by an eager call: run a step before capturing")
+        c = _COUNTERS[device] = torch.zeros(DECODE_SLOTS + 1, dtype=torch.int32, device=device)
+    _check(n <= c.numel(), lambda: f"{n} arrival counters needed, {c.numel()} allocated")
+    return c
+
+
+def _decode_descs(xq, w1, w3, w2, bn):
+    """TMA descriptors of the decode expert tiles, each None where TMA cannot address its tensors: (gate/up weights as
+    one [2, E*F, D] tensor, its first plane the lower of W1 and W3, whose distance is the plane stride (any two
+    tensors: TMA reads only the boxes' rows); x [T, D] in 16-row boxes; W2 as [1, E*D, F]) and whether W3 is the
+    first plane."""
+    E, F, D = w1.shape
+    lo, hi = (w1, w3) if w1.data_ptr() <= w3.data_ptr() else (w3, w1)
+    gap = hi.data_ptr() - lo.data_ptr()  # bytes: e4m3
+    fits = lambda *ts: all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ts)  # noqa: E731
+    gu = x = down = None
+    if fits(lo, hi, xq) and 0 < gap < 2 ** 40 and gap % 16 == 0 and D % 16 == 0:
+        gu = TensorDescriptor(lo, [2, E * F, D], [gap, D, 1], [2, bn[0], QBLOCK])
+        x = TensorDescriptor.from_tensor(xq, [16, QBLOCK])
+    if fits(w2) and F % 16 == 0:
+        down = TensorDescriptor(w2, [1, E * D, F], [E * D * F, F, 1], [1, bn[1], QBLOCK])
+    return (gu, x, down), lo is w3
+
+
+def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None,
+                              block_n=None, num_warps=None, num_stages=None, k_unroll=None, xq=None, tma=None):
+    """Sort-free moe_experts_ref for decode (T*k <= DECODE_SLOTS): 3 launches for routed + shared experts + combine.
+
+    0. FP8: x quantised once (act_quant_triton, or the router's xq; quantising in every gate/up program's K loop was
+       15-30% slower).
+    1. gate/up: one program per (hit expert, F tile) computes all rows routed to that expert, SwiGLU epilogue,
+       a[slot] bf16 [T*k, F]; the shared expert's gate and up tiles run in the same launch.
+    2. down: per (hit expert, D tile): y[slot] bf16 [T*k, D] (a quantised on load); the shared expert's down too.
+    3. combine: slot-order fp32 sum per token, plus the shared output when given.
+    Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
+    block_n / num_warps / num_stages / k_unroll: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py
+    sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up (same bits).
+    FP8 routed tiles go through _decode_tile_swapped, the weight rows as the MMA's M side (fp8 wgmma at 64 rows). tma
+    (FP8, T <= 16; default TUNING["moe_tma"]): their weights (and the gate/up's x, all tokens as rows) through TMA
+    descriptors (_decode_descs); the same bits."""
+    T, D, k, E, F, fp8 = _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2)
+    Fs = _check_shared(shared, D) if shared is not None else 0
+    _check(T * k <= DECODE_SLOTS, lambda: f"the decode path takes T*k <= {DECODE_SLOTS} slots, got {T}*{k}")
+    out = torch.empty(T, D, dtype=torch.float32 if shared is not None else torch.bfloat16, device=x.device)
+    if T == 0:
+        return out
+    a = torch.empty(T * k, F, dtype=torch.bfloat16, device=x.device)  # remote slots' rows stay unwritten
+    y = torch.empty(T * k, D, dtype=torch.bfloat16, device=x.device)
+    if shared is not None:
+        wg, wu, wd, limit_s = shared
+        gu = torch.empty(2, T, Fs, dtype=torch.bfloat16, device=x.device)
+        ys = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
+    else:
+        wg = wu = wd = gu = ys = y  # never read: SHARED is off
+        limit_s = None
+    gpu, many = _GPU_LAUNCH, T > 1  # TUNING's MoE entries are (T == 1, T > 1)
+    bn = TUNING["moe_block_n"][many] if gpu else (64, 64)
+    nw, ns = (4, 4), TUNING["moe_stages"][many] if gpu else (1, 1)
+    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
+    # k_unroll: FP8 only (BF16 tiles' 4 stages of 4 K blocks need 240 KB of shared memory; an H200 block has 227)
+    nkb, nkf = triton.cdiv(D, QBLOCK), triton.cdiv(F, QBLOCK)
+    tuned = TUNING["moe_unroll"][many] if fp8 and gpu else (1, 1)
+    ku = k_unroll or tuple(u if n % u == 0 else 1 for u, n in zip(tuned, (nkb, nkf)))
+    _check(nkb % ku[0] == 0 and nkf % ku[1] == 0,
+           lambda: f"k_unroll {ku} must divide the K blocks of gate/up ({nkb}) and down ({nkf})")
+    sh = int(shared is not None)
+    ranks = min(T * k, E)  # distinct local experts the slots can hit
+    regs = [{"maxnreg": r} if r and gpu else {} for r in TUNING["moe_maxnreg"][many]]
+    dummy = y
+    common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, ZERO_GUARD=T == 1,
+                  BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
+                  DOT_DTYPE=_DOT, PRECISE=_PRECISE)
+    grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
+    xqt, sxt = _x_quant(x, xq) if fp8 else (x, dummy)
+    tma = [fp8 and bool(u) and T <= 16 for u in (TUNING["moe_tma"][many] if tma is None else (tma, tma))]
+    descs, up_first = (None, None, None), False
+    if any(tma):
+        descs, up_first = _decode_descs(xqt, w1, w3, w2, bn)
+        tma = [tma[0] and descs[0] is not None, tma[1] and descs[2] is not None]
+    early = TUNING["moe_early_down"][many]
+    cnt = _arrival_counters(x.device, ranks + sh) if early else dummy
+    _moe_decode_up_kernel[grid1](
+        xqt, sxt, x, ids, w1, w3, s1 if fp8 else dummy, s3 if fp8 else dummy, a, wg, wu, gu, descs[0], descs[1], cnt,
+        T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
+        s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, K_UNROLL=ku[0],
+        BLOCK_N=bn[0], SHARED_PARTS=TUNING["shared_parts"][many], TMA=tma[0], UP_FIRST=up_first,
+        TOPK_P2=triton.next_power_of_2(k), EARLY=early, num_warps=nw[0], num_stages=ns[0], **common, **regs[0],
+        **_pdl())
+    _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
+        a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys, descs[2], cnt,
+        T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
+        float(limit_s) if limit_s is not None else 0.0, w2.stride(0), s2.stride(0) if fp8 else 0,
+        s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None, K_UNROLL=ku[1],
+        BLOCK_N=bn[1], TMA=tma[1], EARLY=early, UP_N=bn[0],
+        num_warps=nw[1], num_stages=ns[1], **common, **regs[1], **_pdl())
+    BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
+    _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](
+        y, ids, weights, ys, out, cnt, D, E, int(first_expert), ranks + sh, TOPK=k, SHARED=sh, BLOCK_D=BLOCK_D,
+        BLOCK_C=triton.next_power_of_2(ranks + sh) if early else 0, num_warps=4, **_NO_FMA, **_pdl())
+    return out
+
+
 def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None, xq=None):
     """Triton moe_experts_ref: the sort-free decode path for T*k <= DECODE_SLOTS, else the sorted path. xq: x
     already quantised (route(..., quant=True)), FP8 experts only."""
     path = moe_experts_decode_triton if ids.numel() <= DECODE_SLOTS else moe_experts_sorted_triton
     return path(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert, shared, xq=xq)
-
-
-@triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
-                   PRECISE: tl.constexpr, PDL: tl.constexpr):
-    """out = bf( min(silu(g), L) * clamp(u, -L, L) ), fp32 math, one rounding (swiglu_ref)."""
-    _pdl_enter(PDL)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, _swiglu_math(g, u, limit, HAS_LIMIT, PRECISE).to(tl.bfloat16), mask=m)
-
-
-def swiglu_triton(g, u, limit):
-    _check_tensor("g", g, torch.bfloat16)
-    _check_tensor("u", u, torch.bfloat16)
-    _check(g.shape == u.shape, lambda: f"g {tuple(g.shape)} and u {tuple(u.shape)} must have the same shape")
-    out = torch.empty_like(g)
-    n = g.numel()
-    BLOCK = 2048
-    if n:
-        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g, u, out, n, float(limit) if limit is not None else 0.0,
-                                                 HAS_LIMIT=limit is not None, BLOCK=BLOCK, PRECISE=_PRECISE,
-                                                 num_warps=4, **_pdl())
-    return out
 
 
 def moe_experts(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None, xq=None):
@@ -3258,8 +3024,25 @@ def moe_experts(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, 
 
 
 # --------------------------------------------------------------------------------------------------
-# 3b. bf16 GEMM of a few rows (decode projections): a candidate for cuBLAS's GEMV, which reads its weight at about
-# 2 TB/s at batch 1 (ENVIRONMENT.md); not wired into the model until bench_kernels.py shows it faster
+# GEMMs: the few-row bf16 projections (decode), the FP8 block-scaled GEMM's reference
+
+
+def fp8_gemm_ref(x, w, sw):
+    """Block-scaled FP8 GEMM, batched over a leading expert dim.
+
+    x [E, M, K] bf16 (activations, quantised here), w [E, N, K] e4m3, sw [E, ceil(N/128), ceil(K/128)] fp32
+    -> [E, M, N] bf16. acc = sum over K blocks, in block order, of (fp32 dot of the e4m3 block) * sx * sw.
+    """
+    E, M, K = x.shape
+    N = w.shape[1]
+    xq, sx = act_quant_ref(x)  # [E, M, K], [E, M, kb]
+    swn = sw.repeat_interleave(QBLOCK, dim=1)[:, :N]  # [E, N, kb]
+    acc = torch.zeros(E, M, N, dtype=torch.float32, device=x.device)
+    for b in range(sx.shape[-1]):
+        ks = slice(b * QBLOCK, min(K, (b + 1) * QBLOCK))
+        dot = torch.bmm(xq[..., ks].float(), w[..., ks].float().transpose(1, 2))  # [E, M, N]
+        acc = acc + dot * sx[..., b:b + 1] * swn[:, None, :, b]
+    return acc.to(torch.bfloat16)
 
 
 def skinny_linear_ref(x, w):
@@ -3271,10 +3054,9 @@ def skinny_linear_ref(x, w):
 def _skinny_tile(x_ptr, x_stride, rows, row_ok, w_ptr, cols, col_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PARTS: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 = x[rows] . w[cols]^T for bf16 x [*, K] (row stride x_stride) and w [*, K]. K is cut
-    into PARTS (1, 2, 4 or 8) contiguous parts of KP = cdiv(K, 16 * PARTS) * 16 columns, each summed in order by its own
-    MMA chain (a batch of the 3-D dot: one warp each at 4 warps), and added pairwise: (p0 + p1) + (p2 + p3). One chain
-    over K (sm90 SASS: one accumulator register per warp) was 256 dependent mma.sync for K = 4096, ~4.3 us if each
-    takes ~33 cycles (an estimate, not measured). The order depends on K alone (not on M, N or the tiles).
+    into PARTS (1, 2, 4 or 8) contiguous parts of KP = cdiv(K, 16 * PARTS) * 16 columns, each summed in order by its
+    own MMA chain (a batch of the 3-D dot: one warp each at 4 warps), and added pairwise: (p0 + p1) + (p2 + p3), where
+    one chain over K is 256 dependent mma.sync at K = 4096. The order depends on K alone (not on M, N or the tiles).
     BLOCK_K: columns per loop step, all parts together."""
     tl.static_assert((PARTS == 1) | (PARTS == 2) | (PARTS == 4) | (PARTS == 8))
     KP = tl.cdiv(K, 16 * PARTS) * 16
@@ -3326,11 +3108,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, out_stride,
 
 def skinny_linear_triton(x, w, block_n=None, block_k=None, num_stages=None, num_warps=None):
     """Triton skinny_linear_ref for M <= 16 rows. Tiles: the widest of 64 / 32 / 16 columns that still gives >= 100
-    programs (TUNING["skinny_tiles"]). H200, weights from HBM, with one MMA chain over K (before the parts;
-    bench_kernels.py sweep_skinny, M = 1; M = 16 within 0.5 us): packed QKV 1928 columns 9.1 -> 7.7 us (16 x 512 vs
-    32 x 256), lm_head 16112: 38.9 -> 32.6 us (64 x 128, 6 stages; cuBLAS 32.4), o_proj 4096: 5.3 (32 x 256, the best
-    of 10), packed DSA 3468: 9.9 (32 x 256; 9.5 at 6 stages). Every tile and warp count gives the same bits: each
-    part of K is summed in 16-wide MMA steps in order whatever the tile."""
+    programs (TUNING["skinny_tiles"]; 64 x 128 at 6 stages from 6400 columns: lm_head at cuBLAS's speed). Every tile
+    and warp count gives the same bits: each part of K is summed in 16-wide MMA steps in order whatever the tile."""
     _check_tensor("x", x, torch.bfloat16, ndim=2, contiguous=False)
     _check(x.stride(1) == 1, lambda: f"x must have contiguous rows, got strides {x.stride()}")
     _check_tensor("w", w, torch.bfloat16, ndim=2)
@@ -3351,192 +3130,157 @@ def skinny_linear_triton(x, w, block_n=None, block_k=None, num_stages=None, num_
 
 
 def skinny_linear(x, w):
-    """x . w^T at <= 16 rows through the Triton kernel, else F.linear: the DSA layers' packed projection (w [3468,
-    4096] at TP=8: ~3.2 TB/s where cuBLAS's GEMV reaches ~1.7, H200, bench_kernels.py --only gemm) and, through
-    model.linear (TUNING["skinny_all"]), every other decode projection (alone each measured no faster than cuBLAS;
-    the whole step -1.1% / -2.3% at batch 1 / 16; cuBLAS ran o_proj as split-K plus a reduce launch)."""
+    """x . w^T at <= 16 rows through the Triton kernel, else F.linear: every decode projection (model.linear; the
+    whole step -1.1% / -2.3% at batch 1 / 16 against cuBLAS, PERF_LOG 2026-12-01)."""
     if _triton(x) and x.shape[0] <= 16:
         return skinny_linear_triton(x, w)
     return skinny_linear_ref(x, w)
 
 
 # --------------------------------------------------------------------------------------------------
-# 4. router
+# The TP reduction: rank-ordered sum, residual add and the next norm (and a one-shot form over peer memory)
 
 
-def route_ref(x, w, bias, k, scale, renorm=True, ids=None):
-    """Sigmoid router with a selection-only bias. x [T, D] bf16, w [E, D] bf16, bias [E] fp32 -> ids [T, k] int64
-    (slot 0 = highest biased score), weights [T, k] fp32 = ((sigmoid + b) - b)[ids], renormalised (+1e-20), * scale.
-    Given `ids` [T, k] (a pinned choice, see model.Pins), only the weights of those experts are computed."""
-    # fp64 evaluation, rounded once to fp32: a row's routing must not depend on its batch or position (an fp32 BLAS
-    # GEMM blocks its reduction by batch shape, and the CPU's vectorised fp32 sigmoid differs from its scalar path
-    # in the last bit); fp64 then one rounding gives the correctly rounded fp32 value on any path
-    z = (x.double() @ w.double().t()).float()
-    sc = torch.sigmoid(z.double()).float() + bias
-    if ids is None:
-        top, ids = torch.topk(sc, k, dim=-1)
-    else:
-        top = sc.gather(-1, ids)
-    wts = top - bias[ids]
-    if renorm:
-        wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
-    return ids, wts * scale
+def add_norm_ref(res, parts, w, eps):
+    """The residual update of a layer, with the next norm: y = bf( rank-ordered fp32 sum of parts ) (the TP sum,
+    rounded once to the partials' dtype), res' = res + f32(y), h = rms_norm_ref(res', w) in bf16.
 
-
-def swiglu(g, u, limit):
-    if _triton(g):
-        return swiglu_triton(g, u, limit)
-    return swiglu_ref(g, u, limit)
+    res [T, D] fp32; parts [W, T, D] bf16 or fp32 (this rank's and the other ranks' partials, rank order); w [D]
+    fp32 or None (no norm). Returns (res' [T, D] fp32, h [T, D] bf16 or None)."""
+    acc = parts[0].float()
+    for r in range(1, parts.shape[0]):
+        acc = acc + parts[r].float()
+    res = res + acc.to(parts.dtype).float()
+    return res, None if w is None else rms_norm_ref(res, w, eps, torch.bfloat16)
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPLIT_LEN,
-                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
-                          QUANT_T: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
-                          HOIST: tl.constexpr = False, PARTS: tl.constexpr = 1):
-    """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
-    bf16 MMA with fp32 accumulation computes route_ref's fp32 GEMM (bf16 x and w widened to fp32); K is split so
-    decode fills the GPU. QUANT: the programs of the first E tile also write act_quant_ref(x) of the rows and K
-    slice they read (xq e4m3 bits [T, D], sx [T, D/128]; _act_quant_kernel's arithmetic) for the FP8 experts, so
-    that quantisation costs no launch of its own. BLOCK_K is a multiple of 128.
-    HOIST (BLOCK_K == K_SPLIT_LEN: one K step): the weight tile is loaded before the PDL wait, while the kernel that
-    writes x still runs (the MMA adds K in the same order at any BLOCK_K: same bits). PARTS (HOIST only): the step's
-    K cut into PARTS parts, each its own MMA chain, added pairwise (as _skinny_tile; the order depends on
-    K_SPLIT_LEN alone): one chain of 32 dependent mma.sync per warp at 512 columns (sm90 SASS) becomes 4 of 8."""
-    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    ks0 = tl.program_id(2) * K_SPLIT_LEN
-    SPLIT: tl.constexpr = HOIST and PARTS > 1
-    if SPLIT:
-        BKP: tl.constexpr = BLOCK_K // PARTS
-        kw = (ks0 + tl.arange(0, PARTS)[:, None] * BKP + tl.arange(0, BKP)[None, :])[:, None, :]  # [PARTS, 1, BKP]
-        w_pre = tl.load(w_ptr + es[None, :, None].to(tl.int64) * D + kw, mask=(es[None, :, None] < E) & (kw < D),
-                        other=0.0)  # [PARTS, BLOCK_E, BKP]
-    elif HOIST:
-        kw = ks0 + tl.arange(0, BLOCK_K)
-        w_pre = tl.load(w_ptr + es[:, None].to(tl.int64) * D + kw[None, :], mask=(es[:, None] < E) & (kw < D)[None, :],
-                        other=0.0)
-    _pdl_enter(PDL)
-    if SPLIT:  # one K step
-        x3 = tl.load(x_ptr + ts[None, :, None].to(tl.int64) * D + kw, mask=(ts[None, :, None] < T) & (kw < D),
-                     other=0.0).to(tl.float32)
-        acc3 = tl.dot(x3.to(DOT_DTYPE), tl.permute(w_pre.to(tl.float32).to(DOT_DTYPE), (0, 2, 1)))
-        acc = _sum_parts(tl.permute(acc3, (1, 2, 0)), BLOCK_T, BLOCK_E, PARTS)
-    else:
-        acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-        for k0 in range(ks0, tl.minimum(ks0 + K_SPLIT_LEN, D), BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < D
-            x_ok = (ts[:, None] < T) & k_ok[None, :]
-            xt = tl.load(x_ptr + ts[:, None].to(tl.int64) * D + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
-            if HOIST:
-                wt = w_pre.to(tl.float32).to(DOT_DTYPE)
-            else:
-                wt = tl.load(w_ptr + es[:, None].to(tl.int64) * D + ks[None, :],
-                             mask=(es[:, None] < E) & k_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
-            acc = tl.dot(xt.to(DOT_DTYPE), tl.trans(wt), acc)
-    out = part_ptr + (tl.program_id(2) * T + ts[:, None]).to(tl.int64) * E + es[None, :]
-    tl.store(out, acc, mask=(ts[:, None] < T) & (es[None, :] < E))
-    # after the GEMM loop, x's slice again (cache hits): inside it, the branch kept the loop from being pipelined
-    # (H200, per layer: 8.7 us for logits + quantisation that way, 6.6 us this way, 3.6 + 2.35 in two launches)
-    # QUANT_T = BLOCK_T, or next_pow2(T) when T < BLOCK_T (one tile): the tile's first QUANT_T rows hold all of its
-    # tokens, so at T = 1 one row is quantised, not 16 (16x fewer instructions)
-    if QUANT:
-        if tl.program_id(1) == 0:
-            QB: tl.constexpr = 128  # the FP8 block (QBLOCK; a plain global is not a constexpr to the compiler)
-            tq = tl.program_id(0) * BLOCK_T + tl.arange(0, QUANT_T)
-            for k0 in range(ks0, tl.minimum(ks0 + K_SPLIT_LEN, D), QB):
-                ks = k0 + tl.arange(0, QB)
-                x_ok = (tq[:, None] < T) & (ks[None, :] < D)
-                xt = tl.load(x_ptr + tq[:, None].to(tl.int64) * D + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
-                sx, inv = _block_scale(xt)
-                tl.store(xq_ptr + tq[:, None].to(tl.int64) * D + ks[None, :],
-                         _to_e4m3(xt * inv[:, None]).to(tl.uint8, bitcast=True), mask=x_ok)
-                tl.store(sx_ptr + tq.to(tl.int64) * tl.cdiv(D, QB) + k0 // QB, sx, mask=tq < T)
+def _norm_weight(w_ptr, D, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    return tl.load(w_ptr + d, mask=d < D, other=0.0) if NORM else tl.zeros((BLOCK_D,), tl.float32)
 
 
 @triton.jit
-def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
-                          K_SPLITS: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
-                          BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
-    """One token: z = sum of the K-split partials in order; sc = sigmoid(z) + b; take the TOPK largest (ties to the
-    lower id, slot 0 first); w = sc[id] - b[id], renormalised by (sum + 1e-20), times scale. One reduction per slot
-    (it took three, and a store, when first written: 4.3 us at TOPK = 8 on the H200). The bias (a parameter) is read
-    before the PDL wait."""
-    t = tl.program_id(0).to(tl.int64)
-    es = tl.arange(0, BLOCK_E)
-    e_ok = es < E
-    bias = tl.load(bias_ptr + es, mask=e_ok, other=0.0)
+def _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row, D, eps, BLOCK_D: tl.constexpr, PARTS_BF16: tl.constexpr,
+                   NORM: tl.constexpr):
+    """The tail of both add_norm kernels: the rank-ordered sum acc [BLOCK_D] fp32 of row `row` (int64), rounded to
+    the partials' dtype, added to the fp32 residual; then _rms_norm_kernel's arithmetic on the new residual. w: the
+    norm weight [BLOCK_D], loaded by the kernel before its PDL wait (a parameter: no kernel writes it)."""
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    if PARTS_BF16:
+        acc = _bf16_round(acc)
+    x = tl.load(res_ptr + row * D + d, mask=ok, other=0.0) + acc
+    tl.store(res_out_ptr + row * D + d, x, mask=ok)
+    if NORM:
+        r_ = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
+        y = x * r_ * (w + 1.0)
+        tl.store(h_ptr + row * D + d, _bf16_round(y).to(tl.bfloat16), mask=ok)
+
+
+@triton.jit
+def _add_norm_kernel(res_ptr, parts_ptr, w_ptr, res_out_ptr, h_ptr, W, T, D, eps,
+                     PARTS_BF16: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """One row per program: the rank-ordered fp32 sum of the W partials, rounded to their dtype, added to the fp32
+    residual; then _rms_norm_kernel's arithmetic on the new residual. Replaces the cast, add and norm launches
+    (and, at W > 1, the elementwise rank-order sum) between two GEMMs of a decode layer."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    w = _norm_weight(w_ptr, D, BLOCK_D, NORM=NORM)
     _pdl_enter(PDL)
-    z = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for i in tl.static_range(K_SPLITS):
-        z = z + tl.load(part_ptr + (i * T + t) * E + es, mask=e_ok, other=0.0)
-    sig = tl.math.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + _exp(-z, PRECISE))
-    sc = tl.where(e_ok, sig + bias + 0.0, float("-inf"))  # + 0.0: a -0 would order below +0 in the key
-    # one int64 max per slot: the score's bits made monotone (negatives' magnitude bits flipped) above the inverted
-    # id, so the maximum is the largest score and, among equal scores, the lowest id
-    b = sc.to(tl.int32, bitcast=True)
-    key = (tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64) << 32) | (BLOCK_E - 1 - es).to(tl.int64)
-    slots = tl.arange(0, BLOCK_TOPK)
-    ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int64)
-    top = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)  # the chosen scores' monotone bits
-    for j in tl.static_range(TOPK):
-        best = tl.max(key, axis=0)
-        ids = tl.where(slots == j, BLOCK_E - 1 - (best & 0xFFFFFFFF), ids)
-        top = tl.where(slots == j, (best >> 32).to(tl.int32), top)
-        key = tl.where(key == best, -(2 ** 63), key)
-    ok = slots < TOPK
-    top = tl.where(top >= 0, top, top ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    wts = tl.where(ok, top - tl.load(bias_ptr + ids, mask=ok, other=0.0), 0.0)
-    if RENORM:
-        wts = tl.math.div_rn(wts, tl.full(wts.shape, 1.0, tl.float32) * (tl.sum(wts, axis=0) + 1e-20))
-    tl.store(ids_ptr + t * TOPK + slots, ids, mask=ok)
-    tl.store(wts_ptr + t * TOPK + slots, wts * scale, mask=ok)
+    acc = tl.load(parts_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)
+    for r in range(1, W):
+        acc = acc + tl.load(parts_ptr + (r * T + row) * D + d, mask=ok, other=0.0).to(tl.float32)
+    _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row, D, eps, BLOCK_D, PARTS_BF16=PARTS_BF16, NORM=NORM)
 
 
-def route_triton(x, w, bias, k, scale, renorm=True, quant=False):
-    """Triton route_ref; quant: also act_quant_ref(x) -> (ids, weights, (e4m3 [T, D], fp32 [T, D/128])), written by
-    the logits kernel (the routed FP8 experts' input: one launch less per MoE layer)."""
-    _check_tensor("x", x, torch.bfloat16, ndim=2)
-    _check_tensor("w", w, torch.bfloat16, ndim=2)
-    _check_tensor("bias", bias, torch.float32, ndim=1)
-    T, D = x.shape
-    E = w.shape[0]
-    _check(w.shape[1] == D and bias.numel() == E and 0 < k <= E,
-           lambda: f"router shapes: x [T, {D}], w {tuple(w.shape)}, bias {tuple(bias.shape)}, k={k}")
-    ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
-    wts = torch.empty(T, k, dtype=torch.float32, device=x.device)
-    xq = torch.empty(T, D, dtype=torch.uint8, device=x.device) if quant else ids
-    sx = torch.empty(T, triton.cdiv(D, QBLOCK), dtype=torch.float32, device=x.device) if quant else wts
-    done = (ids, wts, (xq.view(FP8), sx)) if quant else (ids, wts)
-    if T == 0:
-        return done
-    BLOCK_T, BLOCK_E, BLOCK_K = 16, (TUNING["router_block_e"] if _GPU_LAUNCH else 128), (128 if _GPU_LAUNCH else 256)
-    # split K until the GEMM has ~2 programs per SM; partial sums are added in a fixed order (deterministic)
-    tiles = triton.cdiv(T, BLOCK_T) * triton.cdiv(E, BLOCK_E)
-    k_splits = max(1, min(triton.cdiv(264, tiles), triton.cdiv(D, 4 * BLOCK_K), 16))
-    split_len = triton.cdiv(triton.cdiv(D, k_splits), BLOCK_K) * BLOCK_K
-    k_splits = triton.cdiv(D, split_len)
-    part = torch.empty(k_splits, T, E, dtype=torch.float32, device=x.device)
-    # one K step of split_len columns, its weight tile (<= 32 KB on a GPU) held in registers across the wait
-    hoist = (TUNING["router_hoist"] and split_len == triton.next_power_of_2(split_len)
-             and (split_len * BLOCK_E <= 16384 or not _GPU_LAUNCH))
-    _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
-        x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
-        BLOCK_K=split_len if hoist else BLOCK_K, QUANT=bool(quant), QUANT_T=min(BLOCK_T, triton.next_power_of_2(T)),
-        DOT_DTYPE=_DOT, HOIST=hoist, PARTS=TUNING["router_parts"] if hoist else 1, num_warps=4,
-        num_stages=3 if _GPU_LAUNCH else 1, **_pdl())
-    _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
-                                BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
-                                PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **_pdl())
-    return done
+def _add_norm_outputs(res, w):
+    """The add_norm launchers' norm weight check and outputs: (res' like res [T, D] fp32, h [T, D] bf16 or None)."""
+    T, D = res.shape
+    if w is not None:
+        _check_tensor("w", w, torch.float32, ndim=1)
+        _check(w.numel() == D, lambda: f"w must be [{D}], got {tuple(w.shape)}")
+    return torch.empty_like(res), (torch.empty(T, D, dtype=torch.bfloat16, device=res.device) if w is not None
+                                   else None)
 
 
-def route(x, w, bias, k, scale, renorm=True, quant=False):
-    """-> (ids, weights, xq): xq = act_quant_ref(x) when quant on the Triton path, else None (moe_experts then
-    quantises x itself)."""
-    if not _triton(x):
-        return (*route_ref(x, w, bias, k, scale, renorm), None)
-    if quant:
-        return route_triton(x, w, bias, k, scale, renorm, quant=True)
-    return (*route_triton(x, w, bias, k, scale, renorm), None)
+def add_norm_triton(res, parts, w, eps):
+    _check_tensor("res", res, torch.float32, ndim=2)
+    T, D = res.shape
+    _check_tensor("parts", parts, parts.dtype, ndim=3)
+    _check(parts.dtype in (torch.bfloat16, torch.float32) and tuple(parts.shape[1:]) == (T, D),
+           lambda: f"parts must be bf16/fp32 [W, T={T}, D={D}], got {parts.dtype} {tuple(parts.shape)}")
+    out, h = _add_norm_outputs(res, w)
+    if T:
+        _add_norm_kernel[(T,)](res, parts, w if w is not None else res, out, h if h is not None else out,
+                               parts.shape[0], T, D, float(eps), PARTS_BF16=parts.dtype == torch.bfloat16,
+                               NORM=w is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4,
+                               **_pdl())
+    return out, h
+
+
+def add_norm(res, parts, w, eps):
+    if _triton(res):
+        return add_norm_triton(res, parts, w, eps)
+    return add_norm_ref(res, parts, w, eps)
+
+
+@triton.jit
+def _peer_add_norm_kernel(res_ptr, bufs_ptr, pads_ptr, w_ptr, res_out_ptr, h_ptr, rank, D, slot_off, flag_off, eps,
+                          W: tl.constexpr, PARTS_BF16: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr):
+    """_add_norm_kernel over partials that stay in the W ranks' symmetric buffers (peer memory over NVLink): a
+    one-shot TP reduction fused with the residual add and the next norm, one row per program.
+
+    bufs_ptr [W] int64: rank r's buffer base address (its row `row` at element slot_off + row * D); pads_ptr [W]
+    int64: rank r's int32 signal pad. The program first tells every rank that this rank's row is in place (flag
+    flag_off + row * W + rank of that rank's pad, 0 -> 1, release, system scope; it spins while the flag of the
+    previous call is still set), then takes every rank's flag from its own pad (1 -> 0, acquire), then reads the W
+    rows in rank order. A rank's next write into the same slot waits for every rank's next flag, i.e. for every
+    rank having finished this call: callers alternate two slots (slot_off) between consecutive calls."""
+    w = _norm_weight(w_ptr, D, BLOCK_D, NORM=NORM)
+    _pdl_enter(PDL)
+    row = tl.program_id(0)
+    for r in tl.static_range(W):
+        pad = tl.load(pads_ptr + r).to(tl.pointer_type(tl.int32))
+        while tl.atomic_cas(pad + flag_off + row * W + rank, 0, 1, sem="release", scope="sys") != 0:
+            pass
+    own = tl.load(pads_ptr + rank).to(tl.pointer_type(tl.int32))
+    for r in tl.static_range(W):
+        while tl.atomic_cas(own + flag_off + row * W + r, 1, 0, sem="acquire", scope="sys") != 1:
+            pass
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    part_t = tl.pointer_type(tl.bfloat16) if PARTS_BF16 else tl.pointer_type(tl.float32)
+    at = slot_off + row.to(tl.int64) * D + d
+    acc = tl.load(tl.load(bufs_ptr).to(part_t) + at, mask=ok, other=0.0, volatile=True).to(tl.float32)
+    for r in tl.static_range(1, W):  # rank order, one fp32 accumulator, as _add_norm_kernel adds
+        base = tl.load(bufs_ptr + r).to(part_t)
+        acc = acc + tl.load(base + at, mask=ok, other=0.0, volatile=True).to(tl.float32)
+    _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row.to(tl.int64), D, eps, BLOCK_D, PARTS_BF16=PARTS_BF16,
+                   NORM=NORM)
+
+
+def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0, flag_off=0):
+    """add_norm_ref(res, [every rank's partial row], w, eps), the partials read from the W ranks' symmetric-memory
+    buffers: the one-shot TP reduction, an opt-in path (model.OneShotReduce; bench_reduce.py checks and times it,
+    bench_decode.py --one-shot times the step with it). bufs, pads: int64 [W] device tensors of every rank's buffer
+    and int32 signal-pad addresses (a torch.distributed._symmetric_memory handle's buffer_ptrs / signal_pad_ptrs);
+    rank r's row t of this call is at element slot_off + t * D of its buffer, in parts_dtype; the flags at flag_off ..
+    flag_off + T * W - 1."""
+    _check_tensor("res", res, torch.float32, ndim=2)
+    T, D = res.shape
+    for name, t_ in (("bufs", bufs), ("pads", pads)):
+        _check_tensor(name, t_, torch.int64, ndim=1)
+    W = bufs.numel()
+    _check(pads.numel() == W and 0 <= rank < W and parts_dtype in (torch.bfloat16, torch.float32),
+           lambda: f"bufs, pads must both hold W={W} addresses, 0 <= rank={rank} < W, parts bf16/fp32 "
+           f"(got {parts_dtype})")
+    out, h = _add_norm_outputs(res, w)
+    if T:
+        _peer_add_norm_kernel[(T,)](res, bufs, pads, w if w is not None else res, out, h if h is not None else out,
+                                    rank, D, slot_off, flag_off, float(eps), W=W,
+                                    PARTS_BF16=parts_dtype == torch.bfloat16, NORM=w is not None,
+                                    BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4, **_pdl())
+    return out, h

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import kernel
 from config import LAYOUT_VERSION, Step5Config, Step5VLConfig, group_window
@@ -66,8 +65,8 @@ def tp_reduce_add(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None = N
 
 
 class OneShotReduce:
-    """A candidate tp_reduce_add for CUDA decode batches (not the default until measured: bench_decode.py
-    --one-shot turns it on): the partial is copied into this rank's symmetric-memory buffer, then ONE kernel
+    """An opt-in tp_reduce_add for CUDA decode batches (set_one_shot; bench_reduce.py and bench_decode.py --one-shot
+    time it against the gather path): the partial is copied into this rank's symmetric-memory buffer, then ONE kernel
     (kernel.peer_add_norm_triton) waits for every rank's copy and adds them in rank order with the residual and the
     norm, in the gather path's order (bench_reduce.py checks the bits). Consecutive calls alternate two buffer
     slots, so a rank's write for call i+2 cannot overtake a peer still reading call i (it has waited for every rank's
@@ -118,11 +117,9 @@ class NormWeight(nn.Module):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """bf16 GEMM (fp32 accumulation, bf16 result): kernel.skinny_linear at <= 16 rows on the Triton path (unless
-    kernel.TUNING["skinny_all"] is off), else F.linear."""
-    if kernel.TUNING["skinny_all"]:
-        return kernel.skinny_linear(x, w)
-    return F.linear(x, w)
+    """bf16 GEMM (fp32 accumulation, bf16 result): kernel.skinny_linear (its Triton kernel at <= 16 rows on the
+    Triton path, else F.linear)."""
+    return kernel.skinny_linear(x, w)
 
 
 def _weight(out_f: int, in_f: int, dtype=torch.bfloat16) -> nn.Linear:

@@ -6,7 +6,7 @@ wheel ships ptxas and cuobjdump) and prints, per launch: SASS instructions, loca
 registers (with shared memory they set how many CTAs share an SM), the longest chain of mma.sync adding into one
 accumulator, and every loop's length with its commonest opcodes, its own chain and its wgmma waits.
 tests/test_sm90_build.py builds every launch of a model run the same way. A decode kernel that is issue-bound pays
-its loop's instructions per K block; but counts only guide: a shorter loop has measured slower (kernel.TUNING's notes).
+its loop's instructions per K block; but counts only guide: a shorter loop has measured slower (PERF_LOG.md).
 
     python sass.py "x = torch.randn(1, 4096).bfloat16(); w = torch.randn(352, 4096).bfloat16()
     K.route_triton(x, w, torch.zeros(352), 8, 3.0, quant=True)" [--tune KEY=VALUE] [--only NAME] [--dump DIR]

@@ -97,19 +97,18 @@ def test_nccl_tp2_matches_tp1(converted, kind, tmp_path):
 
 
 @cuda
-def test_pdl_decode_equals_plain_launches(tp1_models):
-    """kernel.TUNING["pdl"] (the default): every Triton kernel waits for its predecessor before touching memory, so
-    the same bits as plain launches: the same logits (eager) and the same tokens through the captured graph."""
+def test_pdl_decode_equals_plain_launches(tp1_models, monkeypatch):
+    """Programmatic dependent launch (kernel._pdl, on on sm90): every Triton kernel waits for its predecessor before
+    touching memory, so the same bits as plain launches: the same logits (eager) and the same tokens through the
+    captured graph."""
     gpu = tp1_models("fp8_text", "cuda")
-    assert kernel._pdl()["PDL"]  # the default on an H200
+    assert kernel._pdl()["PDL"]  # on on an H200
     got = generate.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
     got_logits = teacher_forced_logits(gpu, PROMPTS[1], got[1][:-1])
-    kernel.TUNING["pdl"] = False
-    try:
+    with monkeypatch.context() as mp:
+        mp.setattr(kernel, "_pdl", lambda: {"PDL": False})
         want = generate.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
         logits = teacher_forced_logits(gpu, PROMPTS[1], got[1][:-1])
-    finally:
-        kernel.TUNING["pdl"] = True
     assert got == want
     assert torch.equal(got_logits, logits)
 

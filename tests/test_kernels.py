@@ -146,9 +146,6 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
                      for e in range(E)])
     d = report("grouped fp8 gemm", out, ref)
     assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
-    # the N tiles of an M tile as consecutive programs: the same tiles (block_n 64: 4 N tiles, the last partial)
-    assert torch.equal(K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64, n_fastest=False),
-                       K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=64))
     # tiles through tensor descriptors (TMA): the same bits, also where a tile runs into the next expert's rows (the
     # 1-row expert's 16-row tile) or columns (N = 200: the last 64-wide tile); gated with gathered rows: weights only
     w3, sw3 = fp8_weights(E, N, Kd, seed=6)
@@ -238,7 +235,7 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit, monkey
     # weight rows as the MMA's M side: the same products and scaling (bit-equal where the dot's order is numpy's),
     # another order inside each block's dot on a GPU (fp8 wgmma); ragged F = 160 and D = 192 tiles, 17 rows
     for ku in ((1, 1), (2, 2)):
-        out = K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=ku, swap=True)
+        out = K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=ku)
         d = report(f"moe decode swap fp8={fp8} k_unroll={ku}", out, ref)
         assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
     if fp8:  # TMA tiles (T <= 16; every token a row): the same bits as pointer tiles, also with W3 below W1
@@ -246,7 +243,7 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit, monkey
         pair = torch.stack([w3, w1])  # W3 at the lower address: the descriptor's first plane
         for g, u in ((w1, w3), (pair[1], pair[0])):
             run = lambda tma: K.moe_experts_decode_triton(  # noqa: E731
-                x, ids, wts, g, u, w2, s1, s3, s2, limit, first, sh, swap=True, tma=tma)
+                x, ids, wts, g, u, w2, s1, s3, s2, limit, first, sh, tma=tma)
             assert torch.equal(run(True), run(False))
     # down programs awaiting their own expert's gate/up tiles (moe_early_down) or the whole grid: the same bits, and
     # the combine leaves the arrival counters at zero for the next call (else a down program could read a stale a)
@@ -254,12 +251,6 @@ def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit, monkey
         monkeypatch.setitem(K.TUNING, "moe_early_down", early)
         assert torch.equal(K.moe_experts_decode_triton(*args, limit, first, sh), dec), early
         assert not K._arrival_counters(args[0].device, 1).any()
-    # the shared expert's down tile with wd's rows as the MMA's M side (shared_down_t): the same products and sums
-    # under the interpreter, another order on a GPU (bf16 wgmma)
-    monkeypatch.setitem(K.TUNING, "shared_down_t", tuple(not v for v in K.TUNING["shared_down_t"]))
-    out = K.moe_experts_decode_triton(*args, limit, first, sh)
-    d = report(f"moe decode shared_down_t fp8={fp8}", out, ref)
-    assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
 
 
 def test_moe_decode_local_ids():
@@ -448,7 +439,7 @@ for pdl in (True, False):
 
 
 def test_pdl_prologue_compiles_for_sm90():
-    """kernel.TUNING["pdl"]'s prologue compiled ahead of time for an H200 (no GPU needed; in a fresh process, as the
+    """kernel._pdl's prologue compiled ahead of time for an H200 (no GPU needed; in a fresh process, as the
     interpreter's kernels cannot be compiled): griddepcontrol.wait, then launch_dependents, before the kernel's
     first load; neither with PDL off."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -462,7 +453,7 @@ def test_pdl_prologue_compiles_for_sm90():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_peer_add_norm_protocol_and_sum(dtype):
-    """The one-shot candidate with W = 3 "ranks" in one process (this is rank 1; the others' buffers and signal pads
+    """The one-shot reduction (opt-in) with W = 3 "ranks" in one process (this is rank 1; the others' buffers and signal pads
     are plain tensors whose flags for this call are already set): the same bits as add_norm_ref over the rows of
     slot 1, this rank's flags set in every pad (its own one taken back), every flag for it consumed."""
     W, rank, T, D = 3, 1, 2, 48
@@ -505,11 +496,11 @@ def test_norm_rope_token_strided_input():
 
 
 @pytest.mark.parametrize("jobs", [4, 3, 1])
-def test_norm_rope_jobs(jobs, monkeypatch):
+def test_norm_rope_jobs(jobs):
     """A DSA layer's four norms in one launch (norm_rope_jobs): q [T, 4, 192] and k [T, 1, 192] (span 64, column
     slices of one packed projection), the indexer's q [T, 2, 48] (RMS, span 16, 17 rows: two programs) and k
-    [T, 1, 48] (LayerNorm with bias) on a second table: each output has the bits of its own norm_rope launch, on the
-    Triton path and (TUNING["norm_rope_jobs"] off) through the separate launches; the first 1 or 3 jobs alone too."""
+    [T, 1, 48] (LayerNorm with bias) on a second table: each output has the bits of its own norm_rope launch, through
+    the Triton launch and through the dispatcher (the references on a CPU); the first 1 or 3 jobs alone too."""
     T, P = 17, 48
     packed = randn(T, 6 * 192 + 3 * P, seed=11, scale=2.0)
     tabs = []
@@ -524,15 +515,14 @@ def test_norm_rope_jobs(jobs, monkeypatch):
             (packed[:, 1152 + 2 * P:][:, None], w[3], *tabs[1], b)][:jobs]
     pos = torch.randperm(40, generator=_gen(14))[:T].to(DEV)
     want = [K.norm_rope_triton(x, w_, c, s_, 1e-5, b_, pos=pos) for x, w_, c, s_, b_ in spec]
-    for fused in (True, False):
-        monkeypatch.setitem(K.TUNING, "norm_rope_jobs", fused)
-        got = K.norm_rope_jobs(spec, 1e-5, pos)
+    for run in (K.norm_rope_jobs_triton, K.norm_rope_jobs):
+        got = run(spec, 1e-5, pos)
         assert len(got) == jobs and all(bytes_equal(g, w_) for g, w_ in zip(got, want))
         # e4m3: the chosen jobs' outputs rounded on to their e4m3 values, kept as bf16 (weights of 300: some values
         # saturate at 448)
         big = [(x, torch.full_like(w_, 300.0), c, s_, b_) for x, w_, c, s_, b_ in spec]
-        plain = K.norm_rope_jobs(big, 1e-5, pos)
-        got = K.norm_rope_jobs(big, 1e-5, pos, e4m3=(0, jobs - 1))
+        plain = run(big, 1e-5, pos)
+        got = run(big, 1e-5, pos, e4m3=(0, jobs - 1))
         assert all(bytes_equal(g, K.to_e4m3(p).to(p.dtype) if i in (0, jobs - 1) else p)
                    for i, (g, p) in enumerate(zip(got, plain)))
         assert plain[0].abs().max() > 448
@@ -588,8 +578,7 @@ def _check_sliding(args, H, hd, label, max_ulps, **kw):
 @pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("R", [8, 11])
 @pytest.mark.parametrize("B,pos", [(1, [3]), (2, [7, 8]), (3, [0, 29, 53])])
-@pytest.mark.parametrize("hoist", [False, True], ids=["", "hoisted"])
-def test_sliding_decode(B, pos, R, G, hd, half, hoist, monkeypatch):
+def test_sliding_decode(B, pos, R, G, hd, half):
     """Positions below the window, at it, and wrapped several times; a ring without (R = W) and with spare slots;
     one split (default) and 3 splits merged by log-sum-exp (split_len=4).
 
@@ -598,9 +587,7 @@ def test_sliding_decode(B, pos, R, G, hd, half, hoist, monkeypatch):
     (logit 30) out is SDPA's o: within 1 step. A gate g < 1 carries that step into out = bf(o * g), whose magnitude
     can sit a binade lower: within 2 steps of out's magnitude. (Measured over 60 random cases: 1.0 and 2.0.)
     Rotary span: part of the head (the DSA layers' 64 of 192) or all of it (the sliding layers': no rest columns),
-    with padded column blocks (12 of 16, 24 of 32). hoisted: TUNING["sliding_hoist"] (the cached keys and values
-    loaded before the PDL wait)."""
-    monkeypatch.setitem(K.TUNING, "sliding_hoist", hoist)
+    with padded column blocks (12 of 16, 24 of 32)."""
     H, W = 4, 8
     args = _sliding_case(B, H, G, hd, half, W, R, pos, seed=B * 10 + R + G)
     for split_len in (32, 4):
@@ -650,17 +637,15 @@ def test_banded_attention_matches_reference(H, G, hd, off, n, W):
 
 
 def test_set_tuning_parses_values_and_names_bad_ones(monkeypatch):
-    """--tune KEY=VALUE (bench_decode.py, bench_prefill.py, sass.py): literals for typed choices, bare words for the
-    string ones; an unknown key or a malformed value is named."""
+    """--tune KEY=VALUE (bench_decode.py, bench_prefill.py, sass.py): Python literals converted to the default's type;
+    an unknown key or a malformed value is named."""
     monkeypatch.setattr(K, "TUNING", dict(K.TUNING))
-    K.set_tuning(["banded=triton", "moe_block_n=(32, 64)", "pdl=False"])
-    assert (K.TUNING["banded"], K.TUNING["moe_block_n"], K.TUNING["pdl"]) == ("triton", (32, 64), False)
+    K.set_tuning(["moe_block_n=(32, 64)", "router_parts=1"])
+    assert (K.TUNING["moe_block_n"], K.TUNING["router_parts"]) == ((32, 64), 1)
     with pytest.raises(ValueError, match="nokey"):
         K.set_tuning(["nokey=1"])
     with pytest.raises(ValueError, match="moe_block_n"):
         K.set_tuning(["moe_block_n=wide"])
-    with pytest.raises(ValueError, match="'wide' is not math or triton"):
-        K.banded_attention(*(torch.zeros(1, 1, 8).bfloat16() for _ in range(3)), 0, 1, 1.0, "wide")
 
 
 def test_candidates_are_timed_between_two_timings_of_the_defaults():
@@ -829,7 +814,7 @@ def _attn_case(S, T, G, Hg, hd, blk, topk, L, seed=0):
 def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
     args = _attn_case(S, T, G, Hg, hd, blk, topk, L)
     ref = K.sparse_attention_ref(*args)
-    for block_n in (64, 32):  # 32: the candidate tile (64 spills registers on sm90)
+    for block_n in (64, 32):  # 32: the tile that spills fewer registers on sm90 (measured no faster)
         out = K.sparse_attention_triton(*args, splits=splits, block_n=block_n)
         d = report(f"sparse attention block_n={block_n}", out, ref)
         # online softmax rounds exp(s - running max) to bf16 where the reference uses the global max
@@ -866,10 +851,9 @@ def test_route(T, D, E, k, parts, monkeypatch):
     want_q, want_s = K.act_quant_triton(x)
     assert torch.equal(qids, ids) and torch.equal(qwts, wts)
     assert bytes_equal(xq, want_q) and torch.equal(sx, want_s)
-    # the other choice of TUNING["router_hoist"] (the weight tile read before the PDL wait, one K step): same bits
-    # in one MMA chain (parts apply to the hoisted step only)
-    monkeypatch.setitem(K.TUNING, "router_hoist", not K.TUNING["router_hoist"])
-    hids, hwts, (hxq, hsx) = K.route_triton(x, w, bias, k, 3.0, quant=True)
+    # the K loop instead of the one K step read before the PDL wait (prefill's shapes): same bits in one MMA chain
+    # (parts apply to the one-step form only)
+    hids, hwts, (hxq, hsx) = K.route_triton(x, w, bias, k, 3.0, quant=True, hoist=False)
     assert torch.equal(hids, ids) and bytes_equal(hxq, xq) and torch.equal(hsx, sx)
     assert torch.equal(hwts, wts) if parts == 1 else (hwts - rwts).abs().max() <= 1e-6 * 3
     with pytest.raises(ValueError, match="xq must be"):
@@ -938,15 +922,11 @@ def test_gpu_moe_decode_real_shape(T, monkeypatch):
     # iteration at T > 1's 4 stages exceed an H200 block's shared memory (240 KB)
     for ku in ((1, 1), (4, 4)):
         assert torch.equal(K.moe_experts_decode_triton(*args, k_unroll=ku, num_stages=(3, 3)), out)
-    d = report(f"GPU moe decode swap T={T}", K.moe_experts_decode_triton(*args, swap=True), ref)
-    assert d.max() <= 2e-2 * ref.float().abs().max()
     # a register cap (T > 1) changes no arithmetic
-    monkeypatch.setitem(K.TUNING, "moe_maxnreg", (0, 0) if K.TUNING["moe_maxnreg"] != (0, 0) else (168, 168))
+    nocap = ((0, 0), (0, 0))
+    monkeypatch.setitem(K.TUNING, "moe_maxnreg", nocap if K.TUNING["moe_maxnreg"] != nocap else ((0, 0), (168, 168)))
     assert torch.equal(K.moe_experts_decode_triton(*args), out)
-    # the shared expert's down tile swapped or not (another order inside its sums) and TMA tiles or pointers (same bits)
-    monkeypatch.setitem(K.TUNING, "shared_down_t", tuple(not v for v in K.TUNING["shared_down_t"]))
-    d = report(f"GPU moe decode shared_down_t flipped T={T}", K.moe_experts_decode_triton(*args), ref)
-    assert d.max() <= 2e-2 * ref.float().abs().max()
+    # TMA tiles or pointers: the same bits
     assert torch.equal(K.moe_experts_decode_triton(*args, tma=True), K.moe_experts_decode_triton(*args, tma=False))
 
 
@@ -956,7 +936,7 @@ def test_gpu_banded_attention_real_shape():
     512, 2048 queries after 511 cached keys): the Triton kernel against the math path."""
     H, hd, W, n, m = 8, 192, 512, 2048, 511
     q, k, v = randn(H, n, hd, seed=1), randn(1, m + n, hd, seed=2), randn(1, m + n, hd, seed=3)
-    out = K.banded_attention(q, k, v, m, W, hd ** -0.5, "triton")
+    out = K.banded_attention(q, k, v, m, W, hd ** -0.5)  # the Triton kernel on a GPU
     ref = K.banded_attention_ref(q, k, v, m, W, hd ** -0.5)
     ulps = ((out.float() - ref.float()).abs() / bf16_ulp(ref.float().abs().amax(-1, keepdim=True))).max().item()
     print(f"GPU banded attention: max {ulps:.2f} bf16 steps of the row's magnitude")
@@ -1012,9 +992,6 @@ def test_gpu_sliding_decode_real_shape(B, R, p, Q, span):
                          seed=B + R + p + Q, tables=tables, Q=Q)
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span}", 2.0)
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} 4 warps", 2.0, num_warps=4)
-    with pytest.MonkeyPatch.context() as mp:  # the other choice of TUNING["sliding_hoist"]
-        mp.setitem(K.TUNING, "sliding_hoist", not K.TUNING["sliding_hoist"])
-        _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} hoist", 2.0)
     args[0] = args[0].clone()
     args[0][:, -H:] = 30.0
     _check_sliding(args, H, hd, f"GPU sliding decode B={B} R={R} p={p} Q={Q} span={span} gate 1", 1.0)
