@@ -29,7 +29,7 @@ import torch.distributed as dist
 import kernel
 import config
 import model as M
-from generate import DecodeStep
+import engine as E
 
 # the other values of kernel.TUNING's launch choices, each measured and not taken (PERF_LOG.md: "kernel.TUNING, key
 # by key"); --candidates re-times the step with each
@@ -146,6 +146,14 @@ def weight_bytes(mod: torch.nn.Module, batch: int, cfg: config.Step5Config) -> i
     return total
 
 
+def captured(fn, *inputs, state=lambda: ()) -> E.Graph:
+    """fn(*inputs) captured as a CUDA graph: the engine's own graph object (engine.Graph), replayed by .graph.replay."""
+    g = E.Graph(fn, list(inputs), True, state=state)
+    with torch.inference_mode():
+        g.capture()
+    return g
+
+
 def time_step(fn, iters=20):
     fn()
     torch.cuda.synchronize()
@@ -171,27 +179,24 @@ def bench_layers(cfg, batch: int, context: int, profile: bool, q: int = 1):
         fill_cache(cache, context)
         lc = cache.layers[0]
         pos = (context + torch.arange(q, device="cuda")).repeat(batch)  # [batch * q], row-major
+        rows = torch.arange(batch, device="cuda")
+        at, at_one = M.Placement(pos, rows=rows, Q=q), M.Placement(pos[::q].contiguous(), rows=rows)
         res = torch.randn(batch * q, cfg.hidden_size, device="cuda")
 
         def step():
             with torch.inference_mode():
-                return block(res, pos, rope, None, lc)
+                return block(res, at, rope, lc)
 
         if q > 1:  # the same layer and cache at one token per row, for the verify/decode ratio
-            one = DecodeStep(lambda r: block(r, pos[::q], rope, None, lc), graph=True)
-            with torch.inference_mode():
-                one(res[::q].contiguous())
+            one = captured(lambda r: block(r, at_one, rope, lc), res[::q].contiguous())
             t_one = time_step(one.graph.replay)
         eager = time_step(step)
         kernels = count_kernels(step)
         if profile:
             print(kernel_table(step, 25))
         graph_t = None
-        try:  # the decode loop's own graph object (generate.DecodeStep), replayed alone
-            replay = DecodeStep(lambda r: block(r, pos, rope, None, lc), graph=True)
-            with torch.inference_mode():
-                replay(res)
-            graph_t = time_step(replay.graph.replay)
+        try:  # the decode loop's own graph object (engine.Graph), replayed alone
+            graph_t = time_step(captured(lambda r: block(r, at, rope, lc), res).graph.replay)
         except Exception as e:  # report, do not hide: a capture failure means a host sync crept into decode
             print(f"{kind}: CUDA graph capture failed: {type(e).__name__}: {str(e)[:200]}")
         nbytes = weight_bytes(block, batch, cfg) + kv_bytes(cfg, kind, batch, context)
@@ -251,7 +256,6 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
     q > 1: also a step of q tokens per row (a speculative verify step) and its ratio to the 1-token step.
     candidates: the step again with each of kernel.TUNING's launch choices (True) or of those named (a list) set to
     each of its ALTERNATIVES."""
-    import generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.cuda.set_device(rank)
@@ -273,12 +277,11 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
 
     def step(x):  # x [B] or [B, q] -> argmax of every row
         with torch.inference_mode():
-            return generate.greedy(m(x, cache).view(-1, m.lm_head.weight.shape[0]))
+            return E.greedy(m(x, cache).view(-1, m.lm_head.weight.shape[0]))
 
     def timed_graph(ws, x=ids):
         M.set_parallel(ws, rank if ws > 1 else 0)
-        replay = generate.DecodeStep(step, graph=True, state=lambda: (cache.lengths,))
-        replay(x)
+        replay = captured(step, x, state=lambda: (cache.lengths,))
         cache.lengths.fill_(context)
         if ws > 1:
             dist.barrier()
@@ -296,9 +299,7 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
         cache.lengths.fill_(context)
     graph_t = timed_graph(1)
     if profile:
-        replay = generate.DecodeStep(step, graph=True, state=lambda: (cache.lengths,))
-        replay(ids)
-        say(replay_table(replay.graph.replay, 40))
+        say(replay_table(captured(step, ids, state=lambda: (cache.lengths,)).graph.replay, 40))
         cache.lengths.fill_(context)
     nbytes = weight_bytes(m, batch, cfg) + sum(kv_bytes(cfg, "dsa" if cfg.is_dsa(i) else "sliding", batch, context)
                                                for i in range(cfg.num_hidden_layers))

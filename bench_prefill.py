@@ -2,7 +2,7 @@
 
 Builds the sliding-window MoE layer (4) and the DSA MoE layer (7) with one rank's real shapes (8 query heads, 1 KV
 group, 44 FP8 experts, indexer 4 heads x 256) and random weights, and prefills N tokens of one request in chunks of
-C tokens on a growing cache, as generate.prefill does. Per case: time, tokens/s per rank (every rank sees every
+C tokens on a growing cache, as the engine's prefill does. Per case: time, tokens/s per rank (every rank sees every
 token, so this is also the 8-GPU rate with collectives excluded), peak memory and the share of the FLOP roofline
 (bf16 767 TFLOP/s, fp8 1263 TFLOP/s); also the kernels' time back to back (the host queues each chunk behind a
 sleep kernel) and the host's enqueue time: one layer timed between syncs is bound by whichever is slower, a forward
@@ -23,7 +23,7 @@ import torch
 import kernel
 import model as M
 from bench_decode import kernel_table, real_rank_config, randomise
-from generate import PREFILL_CHUNK
+from engine import PREFILL_CHUNK
 
 BF16_FLOPS, FP8_FLOPS = 767e12, 1263e12  # H200 dense GEMM ceilings measured with PyTorch (ENVIRONMENT.md)
 LAYER_ID = {"sliding": 4, "dsa": 7}
@@ -51,7 +51,7 @@ def flops(block: M.Block, cfg, kind: str, N: int) -> tuple[float, float]:
 
 def chunk(block, cache, rope, res, p0: int, n: int):
     """Positions p0 .. p0+n-1 on top of the cache, as Step5ForCausalLM.forward builds spans/pos. res [C, D] fp32."""
-    block(res[:n], torch.arange(p0, p0 + n, device="cuda"), rope, [(0, n, p0)], cache)
+    block(res[:n], M.Placement(torch.arange(p0, p0 + n, device="cuda"), spans=[(0, 0, n, p0)]), rope, cache)
 
 
 def prefill(block, cache, rope, res, N: int, C: int):
@@ -211,7 +211,7 @@ def main(tokens: list, C: int, layers: list, reps: int, profile: bool = False):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
-    ap.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help=f"default {PREFILL_CHUNK}, generate.py's")
+    ap.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help=f"default {PREFILL_CHUNK}, the engine's")
     ap.add_argument("--layers", nargs="+", choices=list(LAYER_ID), default=list(LAYER_ID))
     ap.add_argument("--reps", type=int, default=2, help="time each prefill this many times, keep the best")
     ap.add_argument("--profile", action="store_true",

@@ -173,13 +173,16 @@ class Graph:
         self.graph = self.out = None
 
     def capture(self):
-        if not self.use_graph:
-            return
+        """Warm-up and capture (without graphs: the warm-up alone, so start-up has run every step's launches)."""
         saved = [s.clone() for s in self.state()]
 
         def restore():
             for s, v in zip(self.state(), saved):
                 s.copy_(v)
+        if not self.use_graph:
+            self.fn(*self.inputs)
+            restore()
+            return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compilation and library workspaces happen outside capture
@@ -407,11 +410,8 @@ class Engine:
         sync = torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for lens in self.model.warm_lengths(self.max_context, self.config.prefill_chunk):
-                self.cache.lengths.zero_()
-                for n in lens:  # into slot 0, forgotten below
-                    ids = torch.zeros(n, dtype=torch.long, device=self.dev)
-                    (self.model.forward_rows if self.k else self.model.forward)(ids, self.cache, [n], rows=[0])
+            for p0, n in self.model.warm_lengths(self.max_context, self.config.prefill_chunk):
+                self._warm(p0, n)
             sync()
             t1 = time.perf_counter()
             pool = torch.cuda.graph_pool_handle() if self.use_graph else None
@@ -428,6 +428,19 @@ class Engine:
         self.say(f"start-up: warm-up {t1 - t0:.1f} s, "
                  + (f"{sum(len(g) for g in self.graphs.values())} CUDA graphs captured in {t2 - t1:.1f} s"
                     if self.use_graph else "decode steps run eagerly") + f" (batch buckets {list(self.graphs)})")
+
+    def _warm(self, p0: int, n: int):
+        """A prefill pass of n tokens at position p0 of slot 0 (whatever its cache holds), and of every MTP layer:
+        its launches compile whatever they need; the slot is forgotten after start-up."""
+        ids = torch.zeros(n, dtype=torch.long, device=self.dev)
+        self.cache.lengths[0] = p0
+        if not self.k:
+            self.model.forward(ids, self.cache, [n], rows=[0])
+            return
+        h = self.model.forward_rows(ids, self.cache, [n], rows=[0])
+        for j, c in enumerate(self.mtps):
+            c.lengths[0] = p0
+            h, _ = self.model.mtp(j, h, ids, c, [n], rows=[0])
 
     def _plain_graph(self, b: int, pool) -> list:
         rows = torch.arange(b, device=self.dev)

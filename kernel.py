@@ -120,6 +120,44 @@ def _sms() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
+def _unspecialised(kernel, *names, unaligned=(), jit=triton.jit):
+    """The same kernel with its length-like arguments `names` unspecialised. Triton compiles a kernel once per set of
+    constexprs and integer classes (== 1, divisible by 16, other) and pointer alignments, so a prefill whose lengths
+    vary would compile anew for new lengths; its launches go through this one (a few extra instructions for the lost
+    divisibility), and the specialised kernel keeps serving the decode step's fixed shapes, compiled at start-up.
+    unaligned: pointers whose 16-byte alignment varies with a slice's first token. jit: gluon.jit for a Gluon
+    kernel."""
+    return jit(kernel.fn, do_not_specialize=names, do_not_specialize_on_alignment=unaligned)
+
+
+# Launches of more rows than this are prefill's (a decode step has at most 16 rows a kernel, or 16 x (K + 1) in a
+# speculative verify step, which start-up compiles too): they take the unspecialised kernels, and their launch
+# choices depend on the power of two above their rows only (_launch_rows), so the lengths prefill_warm_lengths
+# lists reach every variant.
+PREFILL_ROWS = 16
+
+
+def _launch_rows(n: int) -> int:
+    return n if n <= PREFILL_ROWS else triton.next_power_of_2(n)
+
+
+def prefill_warm_lengths(max_context: int, chunk: int, blk: int, topk: int) -> list:
+    """(first position, tokens) of the prefill passes into one cache row that reach every launch variant of a prefill
+    of up to max_context positions in chunks of up to `chunk` tokens: 1, 2, 4, 8 and 16 tokens (the specialised
+    kernels' integer classes and the decode experts' slot blocks), each power of two above (the launch choices of
+    _launch_rows), the chunk; then 64 and 256 queries at contexts in each size class of the region selection
+    (prefill's tiles: select_regions_triton)."""
+    top = min(chunk, max_context)
+    ns = sorted({n for n in [1 << i for i in range(top.bit_length())] + [top] if n <= top})
+    out = [(0, n) for n in ns]
+    regions = max_context // blk
+    for r in (topk // 2, 2 * topk, 4096 + 2 * topk, 8192 + 2 * topk, 16384 + 2 * topk, 32768 + 8 * topk):
+        for n in sorted({min(64, top), min(256, top)}):
+            if (r + 1) * blk + n <= max_context and r < regions:
+                out.append((r * blk, n))
+    return out
+
+
 def _pdl() -> dict:
     """Programmatic dependent launch wherever it exists (sm90 GPUs): a launch may begin while its predecessor still
     runs, hiding launch latency and CTA setup (the decode step 6% faster); _pdl_enter keeps every access ordered."""
@@ -390,7 +428,7 @@ def _norm_rope_rows(pid, x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr
         tl.store(out_ptr + base + cols[None, :], _round_out(n, E4M3), mask=r_ok[:, None] & (cols[None, :] < D))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["e0", "e1", "e2", "rows0", "rows1", "rows2", "rows3"])  # bounds, whatever the rows
 def _norm_rope_jobs_kernel(pos_ptr, eps, e0, e1, e2,
                            x0, w0, b0, c0, s0, o0, rows0, nh0, sx0, x1, w1, b1, c1, s1, o1, rows1, nh1, sx1,
                            x2, w2, b2, c2, s2, o2, rows2, nh2, sx2, x3, w3, b3, c3, s3, o3, rows3, nh3, sx3,
@@ -421,6 +459,10 @@ def _norm_rope_jobs_kernel(pos_ptr, eps, e0, e1, e2,
             elif JOBS > 3:
                 _norm_rope_rows(pid - e2, x3, w3, b3, c3, s3, pos_ptr, o3, rows3, nh3, sx3, eps, D3, H3, BLOCK_R, BD3,
                                 BH3, BR3, LAYERNORM=L3, GATHER=GATHER, PDL=PDL, E4M3=E3)
+
+
+_norm_rope_jobs_prefill = _unspecialised(_norm_rope_jobs_kernel, "e0", "e1", "e2", "rows0", "rows1", "rows2",
+                                         "rows3", "sx0", "sx1", "sx2", "sx3")
 
 
 def _norm_rope_launch(x, weight, cos, sin, bias, pos):
@@ -474,7 +516,8 @@ def norm_rope_jobs_triton(jobs, eps, pos, e4m3=()):
     ends += [ends[-1]] * pad
     const = {f"{k}{i}": v for i in range(4) for k, v in zip(("D", "H", "L", "BD", "BH", "BR"), shapes[6 * i:6 * i + 6])}
     if ends[-1]:
-        _norm_rope_jobs_kernel[(ends[-1],)](pos if pos is not None else args[5], float(eps), *ends[:3], *args, **const,
+        kern = _norm_rope_jobs_kernel if jobs[0][0].shape[0] <= PREFILL_ROWS else _norm_rope_jobs_prefill
+        kern[(ends[-1],)](pos if pos is not None else args[5], float(eps), *ends[:3], *args, **const,
                                             JOBS=len(jobs), GATHER=pos is not None,
                                             BLOCK_R=_NORM_ROPE_ROWS, **{f"E{i}": i in e4m3 for i in range(4)},
                                             num_warps=4, **_NO_FMA, **_pdl())
@@ -575,6 +618,9 @@ def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, L, off, W, scale, sq_h, s
     tl.store(orow + db[None, :], ob.to(tl.bfloat16), mask=row_ok[:, None] & db_ok[None, :])
 
 
+_banded_attn_prefill = _unspecialised(_banded_attn_kernel, "n", "L", "off", "sk_g", "sv_g", "so_h")
+
+
 def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4):
     """Triton banded_attention_ref (_banded_attn_kernel): within 2 bf16 steps of it (online softmax; CPU tests).
     block_n 32: the sm90 build at one TP=8 rank's shapes (64-row tiles, head_dim 128 + 64) keeps 204 registers
@@ -595,7 +641,7 @@ def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4
     # head_dim = DA + the rest, each piece a power of two (192 = 128 + 64; 128 = 64 + 64: tl.dot's K is at least 16)
     DA = 1 << (D - 1).bit_length() - 1
     if n:
-        _banded_attn_kernel[(triton.cdiv(n, BLOCK_Q), G)](
+        _banded_attn_prefill[(triton.cdiv(n, BLOCK_Q), G)](
             q, k, v, out, n, L, int(off), int(window), float(scale), q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), HG=HG, D=D, BLOCK_Q=BLOCK_Q,
             BLOCK_N=block_n, DA=DA, BLOCK_DB=max(1, triton.next_power_of_2(D - DA)), DOT_DTYPE=_DOT,
@@ -758,27 +804,29 @@ def _ring_tile(k_ptr, v_ptr, ring, slot, pm, p, R, W, s_end, D: tl.constexpr, HA
 
 
 @triton.jit
-def _sliding_write_kernel(qkvg_ptr, pos_ptr, k_ptr, v_ptr, kw_ptr, cos_ptr, sin_ptr, G, R, Q, H, stride_t, eps,
-                          D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _sliding_write_kernel(qkvg_ptr, pos_ptr, rows_ptr, k_ptr, v_ptr, kw_ptr, cos_ptr, sin_ptr, G, R, Q, H, stride_t,
+                          eps, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
                           BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
     """A step of Q > 1 tokens per ring row: token t's k (norm + RoPE) and v of group g into slot pos[t] % R of ring
-    row (t // Q, g), before any query of the step reads the ring (R >= W + Q - 1: no query's window loses a key).
-    The position, its table rows and the norm weight are read before the PDL wait (as _norm_rope_rows)."""
+    row (rows[t // Q], g), before any query of the step reads the ring (R >= W + Q - 1: no query's window loses a
+    key). The position, its ring row, its table rows and the norm weight are read before the PDL wait (as
+    _norm_rope_rows)."""
     t = tl.program_id(0) // G
     g = tl.program_id(0) % G
     p = tl.load(pos_ptr + t)
+    b = tl.load(rows_ptr + t // Q)
     cs = _rope_row(cos_ptr + p * HALF, sin_ptr + p * HALF, HALF, BLOCK_HALF)
     kwts = _head_params(kw_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
     _pdl_enter(PDL)
     kf, ks, kr, vn = _new_kv(qkvg_ptr, t.to(tl.int64) * stride_t, g, H, G, cs, kwts, eps, D, HALF, BLOCK_D,
                              BLOCK_HALF, BLOCK_REST)
-    _store_kv(k_ptr, v_ptr, (((t // Q) * G + g).to(tl.int64) * R + p % R) * D, kf, ks, kr, vn, D, HALF, BLOCK_D,
+    _store_kv(k_ptr, v_ptr, ((b * G + g).to(tl.int64) * R + p % R) * D, kf, ks, kr, vn, D, HALF, BLOCK_D,
               BLOCK_HALF, BLOCK_REST)
 
 
 @triton.jit
 def _sliding_attn_kernel(
-    qkvg_ptr, pos_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, po_ptr, pml_ptr,
+    qkvg_ptr, pos_ptr, rows_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, po_ptr, pml_ptr,
     G, R, W, Q, stride_t, eps, scale,
     NEW_IN_REGS: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr,
     SPLIT_LEN: tl.constexpr,
@@ -786,8 +834,8 @@ def _sliding_attn_kernel(
     BLOCK_REST: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
     HOIST: tl.constexpr = False,
 ):
-    """One (token t, KV group g) and one split of ring row (t // Q, g)'s slots [split*SPLIT_LEN, +SPLIT_LEN), all Hg
-    heads at once.
+    """One (token t, KV group g) and one split of ring row (rows[t // Q], g)'s slots [split*SPLIT_LEN, +SPLIT_LEN),
+    all Hg heads at once.
 
     Every program normalises and rotates its q heads itself (cheap; no launch in between). NEW_IN_REGS (Q == 1): the
     program also computes the new k; slot pm = p % R takes the new k/v from registers, never from memory: the
@@ -798,7 +846,8 @@ def _sliding_attn_kernel(
     P.V takes the fp32 probabilities (SDPA's math): on GPUs as two bf16 MMAs, P = hi + lo with hi = bf(P),
     lo = bf(P - hi) (16 of P's 24 bits; the dropped part is < 2^-16 P), on the interpreter as one fp32 dot.
     Writes the unnormalised acc, the running max m and sum l for _sliding_merge_kernel.
-    The position, its table rows and the norm weights are read before the PDL wait (as _norm_rope_rows). HOIST
+    The position, its ring row, its table rows and the norm weights are read before the PDL wait (as
+    _norm_rope_rows). HOIST
     (NEW_IN_REGS, one BLOCK_N chunk per split): so are the split's cached keys and values, while the packed
     projection (the predecessor, which writes only qkvg) still runs: no slot but pm was written by a kernel that
     may be running.
@@ -816,7 +865,7 @@ def _sliding_attn_kernel(
         kwts = _head_params(kw_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
-    ring = ((t // Q) * G + g).to(tl.int64) * R * D  # ring [B, G, R, D]: this (b, g)'s slots
+    ring = (tl.load(rows_ptr + t // Q) * G + g).to(tl.int64) * R * D  # ring [B, G, R, D]: this (row, g)'s slots
     s_end = tl.minimum(split * SPLIT_LEN + SPLIT_LEN, R)
     if HOIST:
         tl.static_assert(NEW_IN_REGS and SPLIT_LEN <= BLOCK_N)
@@ -951,8 +1000,9 @@ def _heads_block(HG: int) -> int:
 
 
 def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
-                          n_groups, split_len=32, num_warps=None):
-    """Triton sliding_decode_ref: 2 launches (3 for Q > 1 tokens per row: the keys are written first). split_len:
+                          n_groups, split_len=32, num_warps=None, rows=None):
+    """Triton sliding_decode_ref: 2 launches (3 for Q > 1 tokens per row: the keys are written first). rows [B] int64:
+    the ring row of each of the step's rows (default: every ring row, in order). split_len:
     ring slots per program; it depends only on R (never on the batch or Q), so a token's reduction order and result
     do not depend on the batch size (32: 16 / 64 / 128 were slower at batch 1 or 16, PERF_LOG 2026-12-01).
     num_warps of the attention launch: default TUNING["sliding_warps"]."""
@@ -960,8 +1010,10 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     _check(H > 0 and G > 0 and H % G == 0, lambda: f"n_heads={H} must be a positive multiple of n_groups={G}")
     for name, t_ in (("ring_k", ring_k), ("ring_v", ring_v)):
         _check_tensor(name, t_, torch.bfloat16, ndim=4)
-    B, _, R, hd = ring_k.shape
-    T = qkvg.shape[0]
+    R, hd = ring_k.shape[2:]
+    rows = torch.arange(ring_k.shape[0], device=qkvg.device) if rows is None else rows
+    _check_tensor("rows", rows, torch.int64, ndim=1)
+    B, T = rows.numel(), qkvg.shape[0]
     Q = T // B if B else 1
     _check(ring_v.shape == ring_k.shape and ring_k.shape[1] == G,
            lambda: f"ring_k, ring_v must both be [B, G={G}, R, hd], got {tuple(ring_k.shape)}, {tuple(ring_v.shape)}")
@@ -997,10 +1049,10 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     warps = TUNING["sliding_warps"][T * G * splits >= _sms()]
     block_n = max(16, min(64, triton.next_power_of_2(split_len)))
     if Q > 1:
-        _sliding_write_kernel[(T * G,)](qkvg, pos, ring_k, ring_v, k_norm_w, cos, sin, G, R, Q, H, qkvg.stride(0),
-                                        float(eps), **blocks, **_pdl())
+        _sliding_write_kernel[(T * G,)](qkvg, pos, rows, ring_k, ring_v, k_norm_w, cos, sin, G, R, Q, H,
+                                        qkvg.stride(0), float(eps), **blocks, **_pdl())
     _sliding_attn_kernel[(T * G, splits)](
-        qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
+        qkvg, pos, rows, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, po, pml, G, R, window, Q, qkvg.stride(0), float(eps),
         float(scale), NEW_IN_REGS=Q == 1, HG=HG, SPLITS=splits, SPLIT_LEN=split_len,
         BLOCK_H=_heads_block(HG), BLOCK_N=block_n,
         DOT_DTYPE=_DOT, PRECISE=_PRECISE, HOIST=Q == 1 and split_len <= block_n,
@@ -1116,26 +1168,28 @@ def dsa_cache_write_ref(k, v, ki, zi, pos, ck, cv, pk, pz, summ, rows=None):
 
 
 @triton.jit
-def _dsa_cache_write_kernel(k_ptr, v_ptr, ki_ptr, zi_ptr, pos_ptr, ck_ptr, cv_ptr, pk_ptr, pz_ptr, summ_ptr,
+def _dsa_cache_write_kernel(k_ptr, v_ptr, ki_ptr, zi_ptr, pos_ptr, rows_ptr, ck_ptr, cv_ptr, pk_ptr, pz_ptr,
+                            summ_ptr,
                             k_stride, v_stride, ki_stride, zi_stride, pos_stride, cap, R, P,
                             GHD: tl.constexpr, BLK: tl.constexpr, BLOCK_GHD: tl.constexpr, BLOCK_P: tl.constexpr,
                             PRECISE: tl.constexpr, PDL: tl.constexpr):
-    """One request per program: the row writes, then, on the region's last token, _region_summary_kernel's
-    arithmetic over the pending rows with the new row taken from registers (never re-read after this program's own
-    store)."""
+    """One request per program (step row b, cache row rows[b]): the row writes, then, on the region's last token,
+    _region_summary_kernel's arithmetic over the pending rows with the new row taken from registers (never re-read
+    after this program's own store)."""
     _pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + b * pos_stride)
+    row = tl.load(rows_ptr + b)
     slot = p % BLK
     c = tl.arange(0, BLOCK_GHD)
     c_ok = c < GHD
-    tl.store(ck_ptr + (b * cap + p) * GHD + c, tl.load(k_ptr + b * k_stride + c, mask=c_ok), mask=c_ok)
-    tl.store(cv_ptr + (b * cap + p) * GHD + c, tl.load(v_ptr + b * v_stride + c, mask=c_ok), mask=c_ok)
+    tl.store(ck_ptr + (row * cap + p) * GHD + c, tl.load(k_ptr + b * k_stride + c, mask=c_ok), mask=c_ok)
+    tl.store(cv_ptr + (row * cap + p) * GHD + c, tl.load(v_ptr + b * v_stride + c, mask=c_ok), mask=c_ok)
     d = tl.arange(0, BLOCK_P)
     d_ok = d < P
     kn = tl.load(ki_ptr + b * ki_stride + d, mask=d_ok, other=0.0)
     zn = tl.load(zi_ptr + b * zi_stride + d, mask=d_ok, other=0.0)
-    base = b * BLK * P
+    base = row * BLK * P
     tl.store(pk_ptr + base + slot * P + d, kn, mask=d_ok)
     tl.store(pz_ptr + base + slot * P + d, zn, mask=d_ok)
     if slot == BLK - 1:
@@ -1152,11 +1206,14 @@ def _dsa_cache_write_kernel(k_ptr, v_ptr, ki_ptr, zi_ptr, pos_ptr, ck_ptr, cv_pt
                 z = tl.load(pz_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
                 kv = tl.load(pk_ptr + base + i * P + d, mask=d_ok, other=0.0).to(tl.float32)
             num, den = _summary_add(num, den, z, kv, m, PRECISE=PRECISE)
-        tl.store(summ_ptr + (b * R + p // BLK) * P + d, _summary_bytes(num, den), mask=d_ok)
+        tl.store(summ_ptr + (row * R + p // BLK) * P + d, _summary_bytes(num, den), mask=d_ok)
 
 
-def dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
+def dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ, rows=None):
     B, G, hd = k.shape
+    rows = torch.arange(B, device=k.device) if rows is None else rows
+    _check_tensor("rows", rows, torch.int64, ndim=1)
+    _check(rows.numel() == B, lambda: f"rows must be [B={B}], got {tuple(rows.shape)}")
     for name, t in (("k", k), ("v", v)):
         _check_tensor(name, t, torch.bfloat16, ndim=3, contiguous=False)
         _check(tuple(t.shape) == (B, G, hd) and t.stride(2) == 1 and t.stride(1) == hd,
@@ -1170,10 +1227,10 @@ def dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ):
                         ("pz", pz, torch.bfloat16), ("summ", summ, torch.uint8)):
         _check_tensor(name, t, dt)
     _check(ck.shape == cv.shape and tuple(ck.shape[2:]) == (G, hd) and pk.shape == pz.shape
-           and summ.shape[0] == pk.shape[0] == ck.shape[0] == B and summ.shape[2] == P,
-           "cache shapes: ck, cv [B, cap, G, hd], pk, pz [B, blk, P], summ [B, R, P]")
+           and summ.shape[0] == pk.shape[0] == ck.shape[0] and summ.shape[2] == P,
+           "cache shapes: ck, cv [B', cap, G, hd], pk, pz [B', blk, P], summ [B', R, P]")
     if B:
-        _dsa_cache_write_kernel[(B,)](k, v, ki, zi, pos, ck, cv, pk, pz, summ, k.stride(0), v.stride(0),
+        _dsa_cache_write_kernel[(B,)](k, v, ki, zi, pos, rows, ck, cv, pk, pz, summ, k.stride(0), v.stride(0),
                                       ki.stride(0), zi.stride(0), pos.stride(0), ck.shape[1], summ.shape[1], P,
                                       GHD=G * hd,
                                       BLK=pk.shape[1], BLOCK_GHD=triton.next_power_of_2(G * hd),
@@ -1205,11 +1262,11 @@ def indexer_scores_ref(q, w, summ, w_scale=1.0, rows=None):
 
 
 @triton.jit
-def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
-                           q_stride_s, q_stride_t, q_stride_g, w_stride_s, w_stride_t, s_stride_s,
+def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, rows_ptr, nh_ptr, T, G, R, P, BLK, w_scale,
+                           q_stride_s, q_stride_t, q_stride_g, w_stride_s, w_stride_t, s_stride_s, nh_stride,
                            HG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                            BLOCK_PC: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
-                           Q_E4M3: tl.constexpr = False):
+                           Q_E4M3: tl.constexpr = False, ROWS: tl.constexpr = False, SKIP: tl.constexpr = False):
     """scores[s, g, t, r] = sum over heads h = 0..Hg-1 in order of relu(q_h . S_r) * w_h (one fp32 accumulator),
     w_h = f32(w) * w_scale.
 
@@ -1219,24 +1276,32 @@ def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
     chained dots over P slices (smaller operand tiles in registers: the whole-P prefill tiles spill in the sm90
     build), the slices re-read per head. Q_E4M3: q holds e4m3 values already (norm_rope_jobs' e4m3), so its
     rounding is skipped (the same bits; the decode scores are issue-bound, and the rounding was about a third of
-    their instructions)."""
+    their instructions). ROWS: summaries row rows[s] for q's row s. SKIP: a tile of regions that no query of the
+    tile has in its history (region r is, for the query at position p, when r < p // BLK: nh_ptr holds the
+    positions) is not computed, nor stored: select_regions never reads it, and a step's cost follows the context
+    its rows hold, not the cache's capacity."""
     _pdl_enter(PDL)
     s = tl.program_id(0) // G
     g = tl.program_id(0) % G
     ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     rs = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     t_ok, r_ok = ts < T, rs < R
+    if SKIP:
+        nh = tl.load(nh_ptr + s * nh_stride + ts, mask=t_ok, other=0) // BLK
+        if tl.program_id(2) * BLOCK_R >= tl.max(nh, axis=0):
+            return
+    srow = tl.load(rows_ptr + s).to(tl.int64) if ROWS else s
     if BLOCK_PC == BLOCK_P:  # one slice: S is read once for all heads
         d = tl.arange(0, BLOCK_P)
-        summ = tl.load(s_ptr + s * s_stride_s + rs[:, None] * P + d[None, :], mask=r_ok[:, None] & (d < P)[None, :],
-                       other=0.0).to(tl.float32).to(DOT_DTYPE)
+        summ = tl.load(s_ptr + srow * s_stride_s + rs[:, None] * P + d[None, :],
+                       mask=r_ok[:, None] & (d < P)[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     for h in tl.static_range(HG):
         for c in tl.static_range(BLOCK_P // BLOCK_PC):
             d = c * BLOCK_PC + tl.arange(0, BLOCK_PC)
             d_ok = d < P
             if BLOCK_PC < BLOCK_P:
-                summ = tl.load(s_ptr + s * s_stride_s + rs[:, None] * P + d[None, :],
+                summ = tl.load(s_ptr + srow * s_stride_s + rs[:, None] * P + d[None, :],
                                mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
             q = tl.load(q_ptr + s * q_stride_s + ts[:, None] * q_stride_t + g * q_stride_g + h * P + d[None, :],
                         mask=t_ok[:, None] & d_ok[None, :], other=0.0)
@@ -1255,13 +1320,19 @@ def _indexer_scores_kernel(q_ptr, w_ptr, s_ptr, out_ptr, T, G, R, P, w_scale,
     tl.store(out, acc, mask=t_ok[:, None] & r_ok[None, :])
 
 
+_indexer_scores_prefill = _unspecialised(_indexer_scores_kernel, "T", "R", "q_stride_s", "w_stride_s", "nh_stride",
+                                         unaligned=("w_ptr", "nh_ptr"))
+
+
 def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, num_warps=4, block_pc=None,
-                          q_e4m3=False):
+                          q_e4m3=False, rows=None, n_hist=None, blk=1, prefill=False):
     """Triton indexer_scores_ref. block_t / block_r / num_warps: tile overrides (bench_kernels.py sweep_indexer; each
     score is one dot over P and a sum over heads in order whatever the tile; the sweep shows whether the GPU's MMA
     for another tile shape gives the same bits). block_pc: P slices of the chained dots (default: all of P in one
     dot; 64, with 64 x 128 tiles at 8 warps, builds for sm90 without spills, and no timing has chosen it).
-    q_e4m3: q holds e4m3 values (_indexer_scores_kernel's Q_E4M3)."""
+    q_e4m3: q holds e4m3 values (_indexer_scores_kernel's Q_E4M3). rows [S] int64: the summaries' row of each of
+    q's rows (default: row s); n_hist [S, T] int64 positions, blk their region size: SKIP. prefill: the tile rule
+    and kernel of prefill launches, whatever T and R (_unspecialised)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     _check_tensor("w", w, w.dtype, ndim=4, contiguous=False)
     _check(w.dtype in (torch.bfloat16, torch.float32) and w.stride(3) == 1 and w.stride(2) == w.shape[3],
@@ -1272,33 +1343,42 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
     R = summ.shape[1]
     _check(tuple(w.shape) == (S, T, G, HG),
            lambda: f"w must be [S, T, G, Hg] = {(S, T, G, HG)}, got {tuple(w.shape)}")
-    _check(summ.shape[0] == S and summ.shape[2] == P,
-           lambda: f"summ must be [S={S}, R, P={P}], got {tuple(summ.shape)}")
+    _check((summ.shape[0] == S or rows is not None) and summ.shape[2] == P and summ.stride(2) == 1
+           and summ.stride(1) == P, lambda: f"summ must be [S={S}, R, P={P}] with contiguous rows, got "
+           f"{tuple(summ.shape)}")
+    if rows is not None:
+        _check_tensor("rows", rows, torch.int64, ndim=1)
+        _check(rows.numel() == S, lambda: f"rows must be [S={S}], got {tuple(rows.shape)}")
+    if n_hist is not None:
+        _check_tensor("n_hist", n_hist, torch.int64, ndim=2, contiguous=False)
+        _check(tuple(n_hist.shape) == (S, T) and n_hist.stride(1) == 1,
+               lambda: f"n_hist must be [S={S}, T={T}] with unit stride, got {tuple(n_hist.shape)}")
     out = torch.empty(S, G, T, R, dtype=torch.float32, device=q.device)
     BLOCK_T = block_t or (16 if T <= 16 else 64)
     # prefill 64 x 128 tiles (a 1M-token chunk: 248 us, 414 at 64 x 64); decode 64-region tiles, or 128 once those
     # would be more than two programs per SM (16 requests x 4100 regions: 14.8 us against 20.0); the same bits
     many = S * G * triton.cdiv(R, 64) > 2 * _sms()
-    BLOCK_R = block_r or ((128 if many else 64) if T <= 16 and _GPU_LAUNCH else 128)
+    BLOCK_R = block_r or ((128 if many else 64) if T <= 16 and _GPU_LAUNCH and not prefill else 128)
     if out.numel():
         grid = (S * G, triton.cdiv(T, BLOCK_T), triton.cdiv(R, BLOCK_R))
-        _indexer_scores_kernel[grid](q, w, summ, out, T, G, R, P, float(w_scale), q.stride(0), q.stride(1),
-                                     q.stride(2),
-                                     w.stride(0), w.stride(1), summ.stride(0), HG=HG, BLOCK_T=BLOCK_T,
-                                     BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P),
-                                     BLOCK_PC=block_pc or triton.next_power_of_2(P),
-                                     DOT_DTYPE=_DOT, Q_E4M3=q_e4m3, num_warps=num_warps,
-                                     **_NO_FMA, **_pdl())
+        kern = _indexer_scores_prefill if prefill else _indexer_scores_kernel
+        kern[grid](q, w, summ, out, rows if rows is not None else out, n_hist if n_hist is not None else out, T, G, R,
+                   P, int(blk), float(w_scale), q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
+                   summ.stride(0), n_hist.stride(0) if n_hist is not None else 0, HG=HG, BLOCK_T=BLOCK_T,
+                   BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P), BLOCK_PC=block_pc or triton.next_power_of_2(P),
+                   DOT_DTYPE=_DOT, Q_E4M3=q_e4m3, ROWS=rows is not None, SKIP=n_hist is not None,
+                   num_warps=num_warps, **_NO_FMA, **_pdl())
     return out
 
 
-def indexer_scores(q, w, summ, w_scale=1.0, q_e4m3=False, rows=None, n_hist=None, blk=1):
+def indexer_scores(q, w, summ, w_scale=1.0, q_e4m3=False, rows=None, n_hist=None, blk=1, prefill=False):
     """q_e4m3: q holds e4m3 values (norm_rope_jobs' e4m3): the Triton kernel skips their rounding (the reference's
     to_e4m3 leaves them as they are). n_hist [S, T] (positions, with blk their region size, as select_regions takes
     them): the kernel skips region tiles past every query of the tile's history, which select_regions never reads
-    (the reference computes them all)."""
+    (the reference computes them all). prefill: indexer_scores_triton's."""
     if _triton(q):
-        return indexer_scores_triton(q, w, summ, w_scale, q_e4m3=q_e4m3, rows=rows, n_hist=n_hist, blk=blk)
+        return indexer_scores_triton(q, w, summ, w_scale, q_e4m3=q_e4m3, rows=rows, n_hist=n_hist, blk=blk,
+                                     prefill=prefill)
     return indexer_scores_ref(q, w, summ, w_scale, rows)
 
 
@@ -1371,6 +1451,20 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
     else:  # non-candidates are not read: masked to -inf, as the reference keys them
         key = _order_key(tl.load(src_ptr + row.to(tl.int64) * N + i, mask=ok & (i < nh), other=float("-inf")))
         rid = i
+    if tl.max((ok & (rid < nh)).to(tl.int32), axis=0) == 0:
+        # no candidate in this chunk (a cache's regions past every query's history): what it selects is never
+        # kept, so it writes the selection of nothing (FINAL) or K entries that rank below every candidate
+        slot = tl.arange(0, BLOCK_K)
+        if FINAL:
+            base = row.to(tl.int64) * K
+            tl.store(id_out_ptr + base + slot, (slot * 0 + R).to(tl.int64), mask=slot < K)
+            tl.store(valid_ptr + base + slot, (slot * 0).to(tl.uint8), mask=slot < K)
+        else:
+            base = (row.to(tl.int64) * nchunk + chunk) * K
+            none = _order_key(tl.full((BLOCK_K,), float("-inf"), tl.float32))
+            tl.store(key_out_ptr + base + slot, none.to(tl.int32, bitcast=True), mask=slot < K)
+            tl.store(id_out_ptr + base + slot, slot * 0 + R, mask=slot < K)
+        return
     key = tl.where(ok, key, 0)  # lanes past the chunk: the least key, and never counted (thresholds are >= 1)
     thr = tl.full((), 0, tl.uint32)
     above = tl.full((), 0, tl.int32)
@@ -1414,7 +1508,10 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
         tl.store(id_out_ptr + base + pos, rid, mask=sel)
 
 
-def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096):
+_select_regions_prefill = _unspecialised(_select_regions_kernel, "T", "R", "N", "K", unaligned=("nh_ptr",))
+
+
+def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096, prefill=False):
     """select_regions_ref in one kernel per row (bit-identical ids and valid), no sort.
 
     One program per row holds the row in registers. With fewer rows than SMs (decode), or rows of more than 16384
@@ -1422,8 +1519,9 @@ def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096):
     each; every chunk keeps its exact top-K (a global top-K entry is in its chunk's top-K), and the next launch
     selects among those C*K pairs (in chunk order, i.e. ascending id), until one chunk is left: a long row is
     spread over several SMs, and no program holds more than `chunk` entries. Launches and scratch sizes depend
-    only on the shapes.
-    """
+    only on the shapes. A chunk without a candidate (regions past every query's history) exits at once. prefill:
+    tiles of at least `chunk` entries and the top-K block of topk, through the unspecialised kernel, so any prompt
+    length takes one of a few compiled launches (decode's are fixed by the cache)."""
     _check_tensor("scores", scores, torch.float32, ndim=4)
     _check_tensor("n_hist", n_hist, torch.int64, ndim=2)
     S, G, T, R = scores.shape
@@ -1434,29 +1532,32 @@ def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096):
     rows = S * G * T
     if rows == 0 or K == 0:
         return ids, valid
-    chunk = max(chunk, 4 * triton.next_power_of_2(K))  # chunks of >= 2K entries: each level halves the pairs
+    chunk = max(chunk, 4 * triton.next_power_of_2(topk if prefill else K))  # >= 2K entries: each level halves
+    block_k = triton.next_power_of_2(topk if prefill else K)
+    kern = _select_regions_prefill if prefill else _select_regions_kernel
     src, src_id, n = scores, scores, R
     while True:
         # few rows (decode): chunks of 4096 (a row of 16384: 16 us, 19 / 21 in chunks of 2048 / 8192, 36 whole); a row
         # per SM already (prefill): whole rows, as splitting only adds work; rows past 16384 always split (registers)
         C = triton.cdiv(n, chunk) if n > chunk and (rows < 128 or n > 16384) else 1
         BLOCK = triton.next_power_of_2(triton.cdiv(n, C))
+        BLOCK = max(BLOCK, chunk) if prefill else BLOCK
         final = C == 1
         if not final:
             key_out = torch.empty(rows, C * K, dtype=torch.int32, device=scores.device)
             id_out = torch.empty(rows, C * K, dtype=torch.int32, device=scores.device)
-        _select_regions_kernel[(rows, C)](
-            src, src_id, n_hist, ids if final else key_out, ids if final else id_out, valid.view(torch.uint8),
-            G, T, R, n, K, int(blk), PAIRS=src is not scores, FINAL=final, ALL=final and K >= n, BLOCK=BLOCK,
-            BLOCK_K=triton.next_power_of_2(K), num_warps=max(4, min(16, BLOCK // 512)), **_pdl())
+        kern[(rows, C)](src, src_id, n_hist, ids if final else key_out, ids if final else id_out,
+                        valid.view(torch.uint8), G, T, R, n, K, int(blk), PAIRS=src is not scores, FINAL=final,
+                        ALL=final and K >= n, BLOCK=BLOCK, BLOCK_K=block_k, num_warps=max(4, min(16, BLOCK // 512)),
+                        **_pdl())
         if final:
             return ids, valid
         src, src_id, n = key_out, id_out, C * K
 
 
-def select_regions(scores, n_hist, topk, blk=1):
+def select_regions(scores, n_hist, topk, blk=1, prefill=False):
     if _triton(scores):
-        return select_regions_triton(scores, n_hist, topk, blk)
+        return select_regions_triton(scores, n_hist, topk, blk, prefill=prefill)
     return select_regions_ref(scores, n_hist, topk, blk)
 
 
@@ -1514,12 +1615,13 @@ def sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate=None, rows=N
 
 @triton.jit
 def _sparse_attn_kernel(
-    q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, pos_ptr, out_ptr, po_ptr, pml_ptr,
+    q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, pos_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr,
     T, G, HG, NKV, NSEL, SPLIT_LEN, scale,
     q_stride_s, q_stride_t, q_stride_g, q_stride_h, kv_stride_s, kv_stride_n, kv_stride_g,
     id_stride_s, id_stride_g, id_stride_t, va_stride_s, va_stride_g, va_stride_t,
     HEAD_DIM: tl.constexpr, BLK: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
+    ROWS: tl.constexpr = False,
 ):
     """Online-softmax attention of one (sequence, query, KV group) over its key slots, all Hg heads at once.
 
@@ -1527,7 +1629,7 @@ def _sparse_attn_kernel(
     blk*floor(p/blk) + i of the current region (live iff <= p). Per tile of BLOCK_N slots: s = (q.k) * scale in
     fp32, dead slots -inf, running max m and sum l in fp32, p = exp(s - m) rounded to bf16 before P.V (fp32 acc).
     SPLITS == 1: writes bf(acc / l). Otherwise program_id(1) takes slots [split*SPLIT_LEN, +SPLIT_LEN) and writes
-    its unnormalised acc, m and l for _attn_merge_kernel.
+    its unnormalised acc, m and l for _attn_merge_kernel. ROWS: sequence s's keys are cache row rows[s].
     """
     _pdl_enter(PDL)
     row = tl.program_id(0)
@@ -1543,7 +1645,8 @@ def _sparse_attn_kernel(
     h_ok, d_ok = heads < HG, dims < HEAD_DIM
     q = tl.load(q_ptr + s * q_stride_s + t * q_stride_t + g * q_stride_g + heads[:, None] * q_stride_h
                 + dims[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
-    kv_base = s.to(tl.int64) * kv_stride_s + g * kv_stride_g
+    kv_row = tl.load(rows_ptr + s).to(tl.int64) if ROWS else s.to(tl.int64)
+    kv_base = kv_row * kv_stride_s + g * kv_stride_g
     id_base = ids_ptr + s * id_stride_s + g * id_stride_g + t * id_stride_t
     va_base = valid_ptr + s * va_stride_s + g * va_stride_g + t * va_stride_t
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
@@ -1618,18 +1721,28 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, gate_ptr, T, G, HG,
              o.to(tl.bfloat16), mask=d_ok)
 
 
+_sparse_attn_prefill = _unspecialised(_sparse_attn_kernel, "T", "NKV", "NSEL", "q_stride_s", "id_stride_s",
+                                      "id_stride_g", "id_stride_t", "va_stride_s", "va_stride_g", "va_stride_t",
+                                      unaligned=("pos_ptr",))
+
+
 def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, block_n=None, gate=None,
-                            num_stages=2):
+                            num_stages=2, rows=None, prefill=False):
     """Triton sparse_attention_ref for decode (T = 1) and prefill (T queries). `splits` (default: enough programs
     to fill the GPU) divides each query's key slots over programs merged by log-sum-exp (which applies the gate,
     else torch does: gate_heads); other split boundaries give tolerance-level differences. block_n: key slots per
-    tile (default TUNING["sparse_block_n"]). num_stages: of the GPU launches (3 or 4: within 0.3% of the step)."""
+    tile (default TUNING["sparse_block_n"]). num_stages: of the GPU launches (3 or 4: within 0.3% of the step).
+    rows [S] int64: the cache row of each sequence (default: row s). prefill: one split and the unspecialised kernel,
+    so no length of a prompt compiles a launch of its own (a prefill launch has hundreds of query rows)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     S, T, G, HG, hd = q.shape
     for name, t_ in (("k", k), ("v", v)):
         _check_tensor(name, t_, torch.bfloat16, ndim=4)
-        _check(t_.shape[0] == S and t_.shape[2] == G and t_.shape[3] == hd,
+        _check((t_.shape[0] == S or rows is not None) and t_.shape[2] == G and t_.shape[3] == hd,
                lambda: f"{name} must be [S={S}, N, G={G}, hd={hd}], got {tuple(t_.shape)}")
+    if rows is not None:
+        _check_tensor("rows", rows, torch.int64, ndim=1)
+        _check(rows.numel() == S, lambda: f"rows must be [S={S}], got {tuple(rows.shape)}")
     _check(k.shape == v.shape and k.stride() == v.stride(), "k and v must have the same shape and layout")
     _check(ids.dtype == torch.int64 and ids.dim() == 4 and ids.stride(-1) == 1,
            lambda: f"ids must be int64 [S, G, T, K] with unit last stride, got {ids.dtype} {tuple(ids.shape)}")
@@ -1647,28 +1760,30 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
     J = NSEL * blk + blk
     BLOCK_N = block_n or TUNING["sparse_block_n"]
     BLOCK_H = _heads_block(HG)
-    rows = S * T * G
-    if rows == 0:
+    n_rows = S * T * G
+    if n_rows == 0:
         return out
     if splits is None:  # about two programs per SM, down to one tile per split (batch 1, 4104 keys: 9.7 us at 65
         # splits, 18.6 at 17)
-        splits = max(1, min(triton.cdiv(264, rows), triton.cdiv(J, BLOCK_N)))
+        splits = 1 if prefill else max(1, min(triton.cdiv(264, n_rows), triton.cdiv(J, BLOCK_N)))
     split_len = triton.cdiv(triton.cdiv(J, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(J, split_len)
     va = valid.view(torch.uint8)
     if splits > 1:
-        po = torch.empty(rows * splits * BLOCK_H * hd, dtype=torch.float32, device=q.device)
-        pml = torch.empty(rows * splits * 2 * BLOCK_H, dtype=torch.float32, device=q.device)
+        po = torch.empty(n_rows * splits * BLOCK_H * hd, dtype=torch.float32, device=q.device)
+        pml = torch.empty(n_rows * splits * 2 * BLOCK_H, dtype=torch.float32, device=q.device)
     else:
         po = pml = out
-    _sparse_attn_kernel[(rows, splits)](
-        q, k, v, ids, va, pos, out, po, pml, T, G, HG, k.shape[1], NSEL, split_len, float(scale),
+    (_sparse_attn_prefill if prefill else _sparse_attn_kernel)[(n_rows, splits)](
+        q, k, v, ids, va, pos, rows if rows is not None else out, out, po, pml, T, G, HG,
+        k.shape[1], NSEL, split_len, float(scale),
         q.stride(0), q.stride(1), q.stride(2), q.stride(3), k.stride(0), k.stride(1), k.stride(2),
         ids.stride(0), ids.stride(1), ids.stride(2), va.stride(0), va.stride(1), va.stride(2),
         HEAD_DIM=hd, BLK=blk, SPLITS=splits, BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd),
-        BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, num_warps=4, num_stages=num_stages if _GPU_LAUNCH else 1, **_pdl())
+        BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, ROWS=rows is not None, num_warps=4,
+        num_stages=num_stages if _GPU_LAUNCH else 1, **_pdl())
     if splits > 1:
-        _attn_merge_kernel[(rows, HG)](po, pml, out, gate if gate is not None else out, T, G, HG, q.stride(0),
+        _attn_merge_kernel[(n_rows, HG)](po, pml, out, gate if gate is not None else out, T, G, HG, q.stride(0),
                                        q.stride(1), q.stride(2), q.stride(3), gate.stride(0) if gate is not None else 0,
                                        HEAD_DIM=hd, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
                                        BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd), GATE=gate is not None,
@@ -1678,9 +1793,9 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
     return out
 
 
-def sparse_attention(q, k, v, ids, valid, pos, blk, scale, gate=None, rows=None):
+def sparse_attention(q, k, v, ids, valid, pos, blk, scale, gate=None, rows=None, prefill=False):
     if _triton(q):
-        return sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, gate=gate, rows=rows)
+        return sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, gate=gate, rows=rows, prefill=prefill)
     return sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate, rows)
 
 
@@ -1811,6 +1926,10 @@ def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
     tl.store(wts_ptr + t * TOPK + slots, wts * scale, mask=ok)
 
 
+_router_logits_prefill = _unspecialised(_router_logits_kernel, "T")
+_router_select_prefill = _unspecialised(_router_select_kernel, "T")
+
+
 def route_triton(x, w, bias, k, scale, renorm=True, quant=False, hoist=None):
     """Triton route_ref; quant: also act_quant_ref(x) -> (ids, weights, (e4m3 [T, D], fp32 [T, D/128])), written by
     the logits kernel (the routed FP8 experts' input: one launch less per MoE layer). hoist: the logits kernel's HOIST
@@ -1830,8 +1949,9 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False, hoist=None):
     if T == 0:
         return done
     BLOCK_T, BLOCK_E, BLOCK_K = 16, (TUNING["router_block_e"] if _GPU_LAUNCH else 128), (128 if _GPU_LAUNCH else 256)
-    # split K until the GEMM has ~2 programs per SM; partial sums are added in a fixed order (deterministic)
-    tiles = triton.cdiv(T, BLOCK_T) * triton.cdiv(E, BLOCK_E)
+    # split K until the GEMM has ~2 programs per SM; partial sums are added in a fixed order (deterministic); prefill
+    # rows as the power of two above them (_launch_rows)
+    tiles = triton.cdiv(_launch_rows(T), BLOCK_T) * triton.cdiv(E, BLOCK_E)
     k_splits = max(1, min(triton.cdiv(264, tiles), triton.cdiv(D, 4 * BLOCK_K), 16))
     split_len = triton.cdiv(triton.cdiv(D, k_splits), BLOCK_K) * BLOCK_K
     k_splits = triton.cdiv(D, split_len)
@@ -1839,12 +1959,15 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False, hoist=None):
     # one K step of split_len columns, its weight tile (<= 32 KB on a GPU) held in registers across the wait
     if hoist is None:
         hoist = split_len == triton.next_power_of_2(split_len) and (split_len * BLOCK_E <= 16384 or not _GPU_LAUNCH)
-    _router_logits_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E), k_splits)](
+    prefill = T > PREFILL_ROWS
+    (_router_logits_prefill if prefill else _router_logits_kernel)[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E),
+                                                                    k_splits)](
         x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
         BLOCK_K=split_len if hoist else BLOCK_K, QUANT=bool(quant), QUANT_T=min(BLOCK_T, triton.next_power_of_2(T)),
         DOT_DTYPE=_DOT, HOIST=hoist, PARTS=TUNING["router_parts"] if hoist else 1, num_warps=4,
         num_stages=3 if _GPU_LAUNCH else 1, **_pdl())
-    _router_select_kernel[(T,)](part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
+    (_router_select_prefill if prefill else _router_select_kernel)[(T,)](
+        part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
                                 BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
                                 PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **_pdl())
     return done
@@ -1898,6 +2021,9 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, HAS_LIMIT: tl.constexpr, BLO
     tl.store(out_ptr + offs, _swiglu_math(g, u, limit, HAS_LIMIT=HAS_LIMIT, PRECISE=PRECISE).to(tl.bfloat16), mask=m)
 
 
+_swiglu_prefill = _unspecialised(_swiglu_kernel, "n")
+
+
 def swiglu_triton(g, u, limit):
     _check_tensor("g", g, torch.bfloat16)
     _check_tensor("u", u, torch.bfloat16)
@@ -1906,7 +2032,8 @@ def swiglu_triton(g, u, limit):
     n = g.numel()
     BLOCK = 2048
     if n:
-        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g, u, out, n, float(limit) if limit is not None else 0.0,
+        (_swiglu_kernel if g.shape[0] <= PREFILL_ROWS else _swiglu_prefill)[(triton.cdiv(n, BLOCK),)](
+            g, u, out, n, float(limit) if limit is not None else 0.0,
                                                  HAS_LIMIT=limit is not None, BLOCK=BLOCK, PRECISE=_PRECISE,
                                                  num_warps=4, **_pdl())
     return out
@@ -1959,6 +2086,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, end_ptr, M, K, x_stride, q_stride, s_
     tl.store(s_ptr + rows * s_stride + kb, sx, mask=rows < M)
 
 
+_act_quant_prefill = _unspecialised(_act_quant_kernel, "M")
+
+
 def act_quant_triton(x, end=None):
     """Triton act_quant_ref for a 2-D bf16 x [M, K] -> (e4m3 [M, K], fp32 [M, ceil(K/128)]). end: None, or an int32
     device tensor whose first entry bounds the rows quantised (the rest stay unwritten; no host sync)."""
@@ -1969,7 +2099,8 @@ def act_quant_triton(x, end=None):
     s = torch.empty(M, kb, dtype=torch.float32, device=x.device)
     BLOCK_M = 32
     if M > 0:
-        _act_quant_kernel[(triton.cdiv(M, BLOCK_M), kb)](x, q, s, s if end is None else end, M, K, x.stride(0),
+        (_act_quant_kernel if M <= PREFILL_ROWS else _act_quant_prefill)[(triton.cdiv(M, BLOCK_M), kb)](
+            x, q, s, s if end is None else end, M, K, x.stride(0),
                                                          q.stride(0), s.stride(0), BLOCK_M=BLOCK_M, QBLOCK=QBLOCK,
                                                          HAS_END=end is not None, num_warps=4, **_pdl())
     return q.view(FP8), s
@@ -2154,7 +2285,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M == 0 or E == 0:
         return out
-    BLOCK_M = block_m or _gemm_block_m(M / E)
+    BLOCK_M = block_m or _gemm_block_m(_launch_rows(M) / E)
     if tma is None:
         tma = fp8 and _GPU_LAUNCH and _sm90()
     # descriptors need 16-byte aligned bases and row strides
@@ -2403,6 +2534,9 @@ def _wgmma_misfit(N, K, row_idx):
     return None
 
 
+_grouped_wgmma_prefill = _unspecialised(_grouped_wgmma_kernel, "total", jit=gluon.jit)
+
+
 def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, stages=3, block_n=256):
     """grouped_gemm_triton for FP8 on sm90 through _grouped_wgmma_kernel (Gluon): same arguments, and the same bits as
     its tiles of >= 64 rows (wgmma too; its 16-row tiles add a K block's products in another order).
@@ -2433,7 +2567,7 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
                        for t in (w, w3 if gated else w))
     out_desc = GluonDescriptor.from_tensor(out, [BLOCK_M // 2, 64], gl.NVMMASharedLayout(128, 16))
     total = (triton.cdiv(M, BLOCK_M) + E) * triton.cdiv(N, out_n)  # worst case over any split of M rows into E experts
-    _grouped_wgmma_kernel[(min(total, _sms()),)](
+    _grouped_wgmma_prefill[(min(total, _sms()),)](
         x_desc, x, row_off if row_idx is None else row_idx, x.stride(0), w_desc, w3_desc, out_desc, sx, sw,
         sw3 if gated else sw, out, row_off, N, K, E, total,
         float(limit) if limit is not None else 0.0, sx.stride(0), sw.stride(0), sw.stride(1), out.stride(0),
@@ -3011,9 +3145,10 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
 
 
 def moe_experts_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert=0, shared=None, xq=None):
-    """Triton moe_experts_ref: the sort-free decode path for T*k <= DECODE_SLOTS, else the sorted path. xq: x
-    already quantised (route(..., quant=True)), FP8 experts only."""
-    path = moe_experts_decode_triton if ids.numel() <= DECODE_SLOTS else moe_experts_sorted_triton
+    """Triton moe_experts_ref: the sort-free decode path for T*k <= DECODE_SLOTS (and decode's T, PREFILL_ROWS),
+    else the sorted path. xq: x already quantised (route(..., quant=True)), FP8 experts only."""
+    decode = ids.numel() <= DECODE_SLOTS and x.shape[0] <= PREFILL_ROWS
+    path = moe_experts_decode_triton if decode else moe_experts_sorted_triton
     return path(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, first_expert, shared, xq=xq)
 
 
@@ -3195,6 +3330,9 @@ def _add_norm_kernel(res_ptr, parts_ptr, w_ptr, res_out_ptr, h_ptr, W, T, D, eps
     _residual_norm(acc, res_ptr, w, res_out_ptr, h_ptr, row, D, eps, BLOCK_D, PARTS_BF16=PARTS_BF16, NORM=NORM)
 
 
+_add_norm_prefill = _unspecialised(_add_norm_kernel, "T")
+
+
 def _add_norm_outputs(res, w):
     """The add_norm launchers' norm weight check and outputs: (res' like res [T, D] fp32, h [T, D] bf16 or None)."""
     T, D = res.shape
@@ -3213,7 +3351,8 @@ def add_norm_triton(res, parts, w, eps):
            lambda: f"parts must be bf16/fp32 [W, T={T}, D={D}], got {parts.dtype} {tuple(parts.shape)}")
     out, h = _add_norm_outputs(res, w)
     if T:
-        _add_norm_kernel[(T,)](res, parts, w if w is not None else res, out, h if h is not None else out,
+        (_add_norm_kernel if T <= PREFILL_ROWS else _add_norm_prefill)[(T,)](
+            res, parts, w if w is not None else res, out, h if h is not None else out,
                                parts.shape[0], T, D, float(eps), PARTS_BF16=parts.dtype == torch.bfloat16,
                                NORM=w is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4,
                                **_pdl())

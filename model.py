@@ -449,13 +449,13 @@ class Attention(nn.Module):
                 pb = at.pos[s + c0:s + c1][None]
                 scores = kernel.indexer_scores(qi[None, s + c0:s + c1], wi[None, s + c0:s + c1],
                                                cache.summ[b:b + 1, :nr].view(kernel.FP8), self.w_scale,
-                                               q_e4m3=True, n_hist=pb, blk=blk)
-                ids, valid = kernel.select_regions(scores, pb, sp.topk, blk)
+                                               q_e4m3=True, n_hist=pb, blk=blk, prefill=True)
+                ids, valid = kernel.select_regions(scores, pb, sp.topk, blk, prefill=True)
                 if self.pins is not None:
                     ids, valid = self.pins.regions(self.layer_id, req[s:s + 1], pb, self.group0, ids, valid, nr)
                 out[s + c0:s + c1] = kernel.sparse_attention(q[None, s + c0:s + c1], cache.k[b:b + 1, :end],
                                                              cache.v[b:b + 1, :end], ids, valid, pb, blk, self.scale,
-                                                             gate=g[s + c0:s + c1])[0]
+                                                             gate=g[s + c0:s + c1], prefill=True)[0]
         return out.view(T, H, hd)
 
 
@@ -800,9 +800,9 @@ class Step5ForCausalLM(nn.Module):
         return self._trunk(ids, cache, seq_lens, embeds, progress, rows, live)
 
     def warm_lengths(self, max_context: int, chunk: int) -> list:
-        """Prefill passes (each a list of chunk lengths into one cache row) that reach every launch variant the
-        prefill kernels can take up to max_context positions in chunks of at most `chunk` tokens: run at start-up, so
-        no request compiles a kernel. Nothing to warm without the Triton kernels."""
+        """(first position, tokens) of prefill passes into one cache row that reach every launch variant the prefill
+        kernels can take up to max_context positions in chunks of at most `chunk` tokens (kernel.prefill_warm_lengths):
+        run at start-up, so no request compiles a kernel. Nothing to warm without the Triton kernels."""
         if not kernel._triton(self.lm_head.weight):
             return []
         return kernel.prefill_warm_lengths(max_context, chunk, self.cfg.sparse.block if self.cfg.sparse else 1,

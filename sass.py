@@ -13,6 +13,7 @@ its loop's instructions per K block; but counts only guide: a shorter loop has m
 """
 import argparse
 import collections
+import contextlib
 import inspect
 import json
 import os
@@ -86,6 +87,53 @@ def launch_record(fn, args, kwargs) -> dict:
     opts = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")}
     opts["launch_pdl"] = True
     return {"name": fn.__name__, "signature": sig, "constexprs": cons, "options": opts, "div16": div16}
+
+
+def launch_key(fn, args, kwargs) -> tuple:
+    """What Triton compiles a launch of an interpreted kernel.py function for: its name, its constexprs and the class
+    of every other argument as the GPU launcher specialises it (an int: == 1, divisible by 16 or neither, i32 or
+    i64, unless the kernel's do_not_specialize names it; a tensor: its dtype and 16-byte alignment), and the launch
+    options. Two launches with one key share one compiled kernel."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+    params = list(inspect.signature(fn.fn).parameters.values())
+    bound = dict(zip([p.name for p in params], args), **{k: v for k, v in kwargs.items()})
+    dns = set(fn.kwargs.get("do_not_specialize") or ())
+    unaligned = set(fn.kwargs.get("do_not_specialize_on_alignment") or ())
+    out = []
+    for i, p in enumerate(params):
+        v = bound.get(p.name, p.default)
+        if p.annotation is tl.constexpr:
+            out.append((p.name, v.name if isinstance(v, tl.dtype) else repr(v)))
+        elif isinstance(v, TensorDescriptor):
+            out.append((p.name, f"desc{list(v.block_shape)}"))
+        else:
+            spec = i not in dns and p.name not in dns
+            align = i not in unaligned and p.name not in unaligned
+            out.append((p.name, native_specialize_impl(BaseBackend, v, False, spec, align)))
+    opts = tuple(sorted((k, v) for k, v in kwargs.items() if k in ("num_warps", "num_stages", "maxnreg",
+                                                                   "enable_fp_fusion")))
+    return fn.fn.__name__, tuple(out), opts
+
+
+@contextlib.contextmanager
+def launch_keys(keys: set, execute: bool = True):
+    """Adds the launch_key of every kernel.py launch made under the interpreter inside the block to `keys`; with
+    execute False the launches are only recorded (their outputs stay as allocated)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        if getattr(self.fn, "__module__", "") == "kernel":
+            keys.add(launch_key(self, args, kwargs))
+            if not execute:
+                return None
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+    InterpretedFunction.run = recording_run
+    try:
+        yield keys
+    finally:
+        InterpretedFunction.run = run
 
 
 def build(launches: list, out_dir: str, timeout: int = 900) -> list:

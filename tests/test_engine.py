@@ -139,3 +139,61 @@ def test_text_stream_never_splits_a_character(tp1_models, converted):
     assert "".join(pieces) == tok.decode(toks) == text
     assert all("\ufffd" not in p for p in pieces)
     assert sum(1 for p in pieces if p) > 5  # it streams, not just at the end
+
+
+# the kernel.py functions model.py calls, each dispatching to its Triton launcher or its reference
+DISPATCHERS = ("rms_norm", "norm_rope_jobs", "banded_attention", "sliding_decode", "region_summary", "dsa_cache_write",
+               "indexer_scores", "select_regions", "sparse_attention", "route", "swiglu", "moe_experts",
+               "skinny_linear", "add_norm")
+
+
+@torch.inference_mode()
+def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, monkeypatch):
+    """Nothing compiles on the request path: every Triton launch of requests of other prompt lengths and batch sizes
+    is one that start-up made, each launch keyed as Triton compiles it (sass.launch_key: constexprs, each integer's
+    class, each pointer's alignment), with the GPU's launch choices. Every kernel call is made twice: its Triton
+    launches recorded and not executed, then its reference, whose results the model goes on with (the interpreter
+    is too slow for a whole engine's run). bench_request.py counts real compilations on the GPU."""
+    import kernel
+    import sass
+    lm = tp1_models("fp8_text")
+    monkeypatch.setattr(kernel, "_GPU_LAUNCH", True)
+    monkeypatch.setattr(kernel, "_sms", lambda: 132)
+    on = {"triton": False}
+    monkeypatch.setattr(kernel, "_triton", lambda x: on["triton"])
+
+    def both(f):
+        def call(*a, **k):
+            on["triton"] = True
+            try:
+                f(*a, **k)  # its launches, recorded only
+            finally:
+                on["triton"] = False
+            return f(*a, **k)
+        return call
+    for name in DISPATCHERS:
+        monkeypatch.setattr(kernel, name, both(getattr(kernel, name)))
+    warm_lengths = M.Step5ForCausalLM.warm_lengths  # the passes it lists on the Triton path
+
+    def triton_warm_lengths(self, *a):
+        on["triton"] = True
+        try:
+            return warm_lengths(self, *a)
+        finally:
+            on["triton"] = False
+    monkeypatch.setattr(M.Step5ForCausalLM, "warm_lengths", triton_warm_lengths)
+    warm, seen = set(), set()
+    eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=640, prefill_chunk=256))
+    with sass.launch_keys(warm, execute=False):
+        eng.start()
+    with sass.launch_keys(seen, execute=False):
+        eng.run([E.Request(ids(7, 20), 3)])
+        eng.run([E.Request(ids(300, 21), 2), E.Request(ids(23, 22), 4), E.Request(ids(1, 23), 2)])
+        eng.run([E.Request(ids(29, 24), 3), E.Request(ids(290, 25), 3)])
+    new = seen - warm
+
+    def differs(k):  # the arguments in which a new launch differs from every start-up launch of its kernel
+        alike = [w for w in warm if w[0] == k[0]]
+        return sorted(set(k[1]) - set.intersection(*(set(w[1]) for w in alike)), key=str) if alike else "a new kernel"
+    assert not new, "launches start-up did not make:\n" + "\n".join(f"{k[0]}: {differs(k)}" for k in sorted(new, key=str))
+    assert len(warm) > 20 and len(seen) > 10

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-import generate
+import engine
 import kernel
 import model as M
 from invariants import decisions_differ, gen_and_dump, pinned
@@ -40,7 +40,7 @@ def teacher_forced_logits(m, prompt, cont):
 @pytest.mark.parametrize("triton", [False, True], ids=["torch-ref", "triton"])
 def test_cuda_matches_cpu(tp1_models, kind, triton):
     cpu, gpu = tp1_models(kind), tp1_models(kind, "cuda")
-    want = generate.generate(cpu, PROMPTS, 8, eos_ids=[])[0]
+    want = engine.generate(cpu, PROMPTS, 8, eos_ids=[])[0]
     kernel.set_backend(triton)
     try:
         worst = 0.0
@@ -60,12 +60,12 @@ def test_cuda_matches_cpu(tp1_models, kind, triton):
 def test_cuda_graph_decode_equals_eager(tp1_models):
     """The captured decode step replays the very kernels of the eager step: identical tokens."""
     gpu = tp1_models("fp8_text", "cuda")
-    eager = generate.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=False)[0]
-    graph = generate.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
-    # with an EOS that finishes one request early, the graph is re-captured for the compacted batch
+    eager = engine.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=False)[0]
+    graph = engine.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
+    # with an EOS that finishes one request early: the smaller batch replays its own bucket's graph
     eos = [eager[1][3]]
-    eager_eos = generate.generate(gpu, PROMPTS, 10, eos_ids=eos, cuda_graph=False)[0]
-    graph_eos = generate.generate(gpu, PROMPTS, 10, eos_ids=eos, cuda_graph=True)[0]
+    eager_eos = engine.generate(gpu, PROMPTS, 10, eos_ids=eos, cuda_graph=False)[0]
+    graph_eos = engine.generate(gpu, PROMPTS, 10, eos_ids=eos, cuda_graph=True)[0]
     assert graph == eager
     assert graph_eos == eager_eos and len(graph_eos[1]) <= 4
 
@@ -103,11 +103,11 @@ def test_pdl_decode_equals_plain_launches(tp1_models, monkeypatch):
     captured graph."""
     gpu = tp1_models("fp8_text", "cuda")
     assert kernel._pdl()["PDL"]  # on on an H200
-    got = generate.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
+    got = engine.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
     got_logits = teacher_forced_logits(gpu, PROMPTS[1], got[1][:-1])
     with monkeypatch.context() as mp:
         mp.setattr(kernel, "_pdl", lambda: {"PDL": False})
-        want = generate.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
+        want = engine.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
         logits = teacher_forced_logits(gpu, PROMPTS[1], got[1][:-1])
     assert got == want
     assert torch.equal(got_logits, logits)
@@ -124,7 +124,7 @@ def test_early_down_decode_equals_grid_wait(tp1_models):
     for early in ((False, True), (True, True), (False, False)):
         kernel.TUNING["moe_early_down"] = early
         try:
-            toks = generate.generate(gpu, PROMPTS, 24, eos_ids=[], cuda_graph=True)[0]
+            toks = engine.generate(gpu, PROMPTS, 24, eos_ids=[], cuda_graph=True)[0]
             runs[early] = toks, teacher_forced_logits(gpu, PROMPTS[1], toks[1][:8])
         finally:
             kernel.TUNING["moe_early_down"] = default
@@ -145,8 +145,8 @@ def test_cuda_vision_path(tp1_models):
     pixels = dict(pixel_values=px, patch_pixel_values=crops, num_patches=[2])
     f_cpu = cpu.image_features(**pixels)
     f_gpu = gpu.image_features(**pixels)
-    a = generate.generate(gpu, [prompt], 6, [], generate.prompt_embeds(gpu, [prompt], [pixels]))[0]
-    b = generate.generate(gpu, [prompt], 6, [], generate.prompt_embeds(gpu, [prompt], [dict(image_embeds=f_gpu)]))[0]
+    a = engine.generate(gpu, [prompt], 6, [], [pixels])[0]
+    b = engine.generate(gpu, [prompt], 6, [], [dict(image_embeds=f_gpu)])[0]
     assert a == b
     cos = torch.nn.functional.cosine_similarity(f_cpu.float(), f_gpu.float().cpu(), dim=-1)
     print(f"vision features CPU vs CUDA: min cosine per row {cos.min().item():.6f}")
@@ -155,17 +155,17 @@ def test_cuda_vision_path(tp1_models):
 
 @cuda
 @pytest.mark.parametrize("batch", [1, 5])
-def test_decode_stress_graph_equals_eager_through_compactions(tp1_models, batch):
-    """Many graph replays, re-captures after EOS compactions, several batch sizes: the graph path gives the eager
-    tokens. Run it under `compute-sanitizer --tool memcheck` (STRESS_STEPS=400) to prove the decode path clean."""
+def test_decode_stress_graph_equals_eager_as_requests_leave(tp1_models, batch):
+    """Many graph replays, requests leaving at their EOS (smaller buckets, padding rows), several batch sizes: the
+    graph path gives the eager tokens. Run it under `compute-sanitizer --tool memcheck` (STRESS_STEPS=400) to prove the decode path clean."""
     steps = int(os.environ.get("STRESS_STEPS", "64"))
     gpu = tp1_models("fp8_text", "cuda")
     prompts = [[(11 + 37 * b + 5 * i) % 1000 + 11 for i in range(3 + 9 * b)] for b in range(batch)]
-    free = generate.generate(gpu, prompts, steps, eos_ids=[], cuda_graph=False)[0]
-    # EOS ids that end requests at different steps, so the batch is compacted (and the graph re-captured) repeatedly
+    free = engine.generate(gpu, prompts, steps, eos_ids=[], cuda_graph=False)[0]
+    # EOS ids that end requests at different steps, so the batch shrinks through the buckets repeatedly
     eos = sorted({free[b][min(steps - 1, 5 + 11 * b)] for b in range(batch)})
-    eager = generate.generate(gpu, prompts, steps, eos_ids=eos, cuda_graph=False)[0]
-    graph = generate.generate(gpu, prompts, steps, eos_ids=eos, cuda_graph=True)[0]
+    eager = engine.generate(gpu, prompts, steps, eos_ids=eos, cuda_graph=False)[0]
+    graph = engine.generate(gpu, prompts, steps, eos_ids=eos, cuda_graph=True)[0]
     assert graph == eager
     assert batch == 1 or len({len(o) for o in graph}) > 1  # requests really left the batch at different steps
 
@@ -183,21 +183,23 @@ def test_bench_kernels_checks_and_gemm_run_clean():
 
 
 @cuda
-def test_cuda_speculative_and_chunked_prefill_give_plain_greedy(converted):
+def test_cuda_speculative_and_chunked_prefill_give_plain_greedy(converted, monkeypatch):
     """On CUDA with the Triton kernels: speculative decoding (MTP drafts; forced right drafts) and a chunked prefill
-    give plain greedy's tokens (plain greedy's decisions pinned; a token may differ only at a near-tie)."""
+    give plain greedy's tokens (plain greedy's decisions pinned, so eager steps; a token may differ only at a
+    near-tie)."""
     import config
     from invariants import pinned, tokens_agree_up_to_near_tie
+    from test_generate import force_drafts
     d = converted("bf16_text", 1, keep_mtp=True)
     cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
     gpu = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg, "cuda")
     with pinned(gpu, M.Pins()) as rec:
-        ref = generate.generate(gpu, PROMPTS, 10, [])[0]
+        ref = engine.generate(gpu, PROMPTS, 10, [], cuda_graph=False)[0]
     with pinned(gpu, M.Pins(rec.data, strict=False)):
-        mtp = generate.speculative(gpu, PROMPTS, 10, [], 2)[0]
-        right = generate.speculative(gpu, PROMPTS, 10, [], 2, draft_hook=lambda live, emitted, d: [
-            [ref[b][min(len(emitted[b]) + j, 9)] for j in range(2)] for b in live])[0]
-        chunked = generate.generate(gpu, PROMPTS, 10, [], prefill_chunk=7)[0]
+        mtp = engine.generate(gpu, PROMPTS, 10, [], speculative=2, cuda_graph=False)[0]
+        chunked = engine.generate(gpu, PROMPTS, 10, [], prefill_chunk=7, cuda_graph=False)[0]
+        force_drafts(monkeypatch, ref, PROMPTS, 0)
+        right = engine.generate(gpu, PROMPTS, 10, [], speculative=2, cuda_graph=False)[0]
     for got in (mtp, right, chunked):
         for p, g, r in zip(PROMPTS, got, ref):
             tokens_agree_up_to_near_tie(gpu, p, g, r)
@@ -205,16 +207,33 @@ def test_cuda_speculative_and_chunked_prefill_give_plain_greedy(converted):
 
 @cuda
 def test_cuda_speculative_graphs_equal_eager(converted):
-    """The speculative verify and draft steps replayed as CUDA graphs (re-captured after an EOS compaction) give the
-    eager run's tokens and acceptance exactly: same device, same kernels, same shapes."""
+    """The speculative verify and draft steps replayed as CUDA graphs (through a request's EOS: a smaller bucket)
+    give the eager run's tokens and acceptance exactly: same device, same kernels, same shapes."""
     import config
     d = converted("bf16_text", 1, keep_mtp=True)
     cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
     gpu = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg, "cuda")
-    eager, st = generate.speculative(gpu, PROMPTS, 12, [], 2, cuda_graph=False)
-    graph, sg = generate.speculative(gpu, PROMPTS, 12, [], 2, cuda_graph=True)
+    eager, st = engine.generate(gpu, PROMPTS, 12, [], speculative=2, cuda_graph=False)
+    graph, sg = engine.generate(gpu, PROMPTS, 12, [], speculative=2, cuda_graph=True)
     assert graph == eager and sg["accepted"] == st["accepted"]
     eos = [next(t for t in eager[1][2:8] if t not in eager[1][:2] + eager[0] + eager[2])]  # request 1 stops early
-    eager, st = generate.speculative(gpu, PROMPTS, 12, eos, 2, cuda_graph=False)
-    graph, sg = generate.speculative(gpu, PROMPTS, 12, eos, 2, cuda_graph=True)
+    eager, st = engine.generate(gpu, PROMPTS, 12, eos, speculative=2, cuda_graph=False)
+    graph, sg = engine.generate(gpu, PROMPTS, 12, eos, speculative=2, cuda_graph=True)
     assert len(eager[1]) < 12 and graph == eager and sg["accepted"] == st["accepted"]
+
+
+@cuda
+def test_no_compile_or_capture_after_start_up(tp1_models):
+    """The engine's promise on the GPU: after start-up, requests of any prompt length and batch size compile no
+    Triton kernel and capture no CUDA graph (counted by hooks: bench_request.Counters)."""
+    from bench_request import Counters
+    gpu = tp1_models("fp8_text", "cuda")
+    counters = Counters()
+    eng = engine.Engine(gpu, engine.EngineConfig(max_batch=16, max_context=2048, prefill_chunk=512))
+    eng.start()
+    before = counters.snapshot()
+    g = torch.Generator().manual_seed(0)
+    for batch, n in ((1, 1), (1, 7), (1, 300), (3, 1500), (16, 33), (1, 1024), (2, 2000)):
+        eng.run([engine.Request(torch.randint(11, 1000, (n,), generator=g).tolist(), 4) for _ in range(batch)])
+    after = counters.snapshot()
+    assert after == before, f"compiled {counters.names[before[0]:]}, {after[1] - before[1]} captures"

@@ -560,7 +560,7 @@ def _check_sliding(args, H, hd, label, max_ulps, **kw):
     qkvg, pos, ring_k, ring_v = args[:4]
     k1, v1, k2, v2 = ring_k.clone(), ring_v.clone(), ring_k.clone(), ring_v.clone()
     out = K.sliding_decode_triton(qkvg, pos, k1, v1, *args[4:], **kw)
-    ref = K.sliding_decode_ref(qkvg, pos, k2, v2, *args[4:])
+    ref = K.sliding_decode_ref(qkvg, pos, k2, v2, *args[4:], rows=kw.get("rows"))
     assert bytes_equal(v1, v2)
     dk = report(f"{label} ring k", k1, k2)
     if INTERPRET:
@@ -596,6 +596,19 @@ def test_sliding_decode(B, pos, R, G, hd, half):
     args[0] = args[0].clone()
     args[0][:, -H:] = 30.0  # sigmoid rounds to 1.0: out = SDPA's o
     _check_sliding(args, H, hd, f"sliding decode B={B} R={R} G={G} gate 1", 1.0, split_len=4)
+
+
+@pytest.mark.parametrize("Q", [1, 3])
+def test_sliding_decode_addresses_its_ring_rows(Q):
+    """Step rows served by ring rows of their own (slots 2, 0, 3 of a 4-row ring): the kernel reads and writes those
+    rows only, as the reference with the same rows."""
+    H, G, hd, half, W, R = 4, 2, 32, 8, 8, 11
+    pos = [p + j for p in (5, 30, 17) for j in range(Q)]
+    args = _sliding_case(3, H, G, hd, half, W, R, pos, seed=40 + Q, Q=Q)
+    args[2], args[3] = (torch.cat([r, randn(1, *r.shape[1:], seed=50)]) for r in args[2:4])
+    before = args[2][1].clone()
+    _check_sliding(args, H, hd, f"sliding decode rows Q={Q}", 2.0, rows=torch.tensor([2, 0, 3], device=DEV))
+    assert bytes_equal(args[2][1], before)
 
 
 @pytest.mark.parametrize("Q,R", [(3, 10), (4, 13)])
@@ -717,6 +730,14 @@ def test_dsa_cache_write(G, hd, blk, P):
     for got, want in zip(caches, ref):
         assert bytes_equal(got, want)
     assert not bytes_equal(ref[4][0], orig[0]) and bytes_equal(ref[4][1], orig[1])  # completed regions only
+    # step rows served by cache rows of their own (slots 2, 0, 3 of a 4-row cache): row 1 is never touched
+    rows = torch.tensor([2, 0, 3], device=DEV)
+    caches = [torch.cat([c, c[:1]]) for c in caches]
+    ref, before = [c.clone() for c in caches], [c.clone() for c in caches]
+    K.dsa_cache_write_triton(k, v, ki, zi, pos, *caches, rows=rows)
+    K.dsa_cache_write_ref(k, v, ki, zi, pos, *ref, rows=rows)
+    for got, want, old in zip(caches, ref, before):
+        assert bytes_equal(got, want) and bytes_equal(got[1], old[1])
 
 
 @pytest.mark.parametrize("S,T,G,Hg,P,R", [(2, 3, 2, 4, 64, 37), (1, 1, 1, 4, 256, 200)])
@@ -748,6 +769,20 @@ def test_indexer_scores(S, T, G, Hg, P, R):
     # q already holding its e4m3 values (norm_rope_jobs' e4m3), its rounding skipped: the same scores
     q8 = K.to_e4m3(q).to(q.dtype)
     assert torch.equal(K.indexer_scores_triton(q8, w16, summ, Hg ** -0.5, q_e4m3=True), out)
+    # decode: q's rows read summaries rows of their own (a cache of S + 1 rows, reversed), and region tiles past every
+    # query's history are skipped (left unwritten: select_regions never reads them); prefill's launch: the same
+    big = torch.cat([summ, summ[:1]]).flip(0)
+    rows = torch.arange(S, device=DEV).flip(0) + 1
+    blk = 4
+    pos = torch.randint(0, R * blk, (S, T), generator=_gen(5)).to(DEV)
+    pos[0, 0] = 5  # a query with a short history: most of its row's tiles are past it
+    want = K.indexer_scores_ref(q8, w16, big, Hg ** -0.5, rows=rows)
+    for prefill in (False, True):
+        got = K.indexer_scores_triton(q8, w16, big, Hg ** -0.5, q_e4m3=True, rows=rows, n_hist=pos, blk=blk,
+                                      prefill=prefill)
+        hist = torch.arange(R, device=DEV) < (pos // blk)[:, None, :, None]  # [S, 1, T, R]
+        d = (got - want).abs().masked_fill(~hist, 0)
+        assert d.max() <= (0 if INTERPRET else 1e-5) * want.abs().max(), prefill
 
 
 def test_select_regions_tie_break():
@@ -792,6 +827,8 @@ def test_select_regions_triton_bit_identical(S, G, T, R, topk, n_hist, chunk, ti
     # positions and the region size in place of the region counts: the kernel divides (blk = 8, positions 8 n + 5)
     ids, valid = K.select_regions_triton(sc, nh * 8 + 5, topk, blk=8, chunk=chunk)
     assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
+    ids, valid = K.select_regions_triton(sc, nh, topk, chunk=chunk, prefill=True)  # prefill's tiles
+    assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
     assert all(torch.equal(a, b) for a, b in zip(K.select_regions_ref(sc, nh * 8 + 5, topk, blk=8), (rids, rvalid)))
 
 
@@ -830,6 +867,15 @@ def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
         2 ** -7 * want.float().abs().max())
     d = report("sparse attention gated", gated, K.sparse_attention_ref(*args, gate=gate))
     assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
+    # the cache rows of the sequences given (a cache of S + 1 rows, reversed), and prefill's one-split launch
+    q, k, v, *rest = args
+    big_k, big_v = torch.cat([k, k[:1]]).flip(0), torch.cat([v, v[:1]]).flip(0)
+    rows = torch.arange(S, device=DEV).flip(0) + 1
+    for prefill in (False, True):
+        out = K.sparse_attention_triton(q, big_k, big_v, *rest, gate=gate, rows=rows, prefill=prefill)
+        d = report(f"sparse attention rows prefill={prefill}", out,
+                   K.sparse_attention_ref(q, big_k, big_v, *rest, gate=gate, rows=rows))
+        assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
 
 
 # ---------------------------------------------------------------------------------------------------------------
