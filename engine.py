@@ -41,16 +41,18 @@ def full_vocab(logits: torch.Tensor) -> torch.Tensor:
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Global argmax over the rank-ordered vocabulary windows (the lowest id on ties): [B, V/tp] -> [B] int64, the
-    same on every rank; -1 in a row with a non-finite logit. Gathers each rank's maximum and its id, not the
-    vocabulary: the first maximal window wins, as an argmax of the concatenated windows picks."""
-    v, i = logits.float().max(-1)  # [B]: the first maximum, i.e. the lowest id of this window
-    ok = torch.isfinite(v) & torch.isfinite(logits.amin(-1))
-    mine = torch.stack([v, (i + M.rank * logits.shape[-1]).float(), ok.float()])  # [3, B]; ids < 2^24 are exact
-    every = M.tp_gather(mine)  # [world, 3, B]
-    vals = every[:, 0]
-    win = (vals == vals.amax(0)).int().argmax(0)  # the first rank holding the maximum
+    same on every rank; -1 in a row whose maximum is not finite (a NaN anywhere in the row, or +inf). Gathers each
+    rank's maximum and its id, not the vocabulary: the first maximal window wins, as an argmax of the concatenated
+    windows picks."""
+    v, i = logits.max(-1)  # [B]: the first maximum, i.e. the lowest id of this window (NaN propagates)
+    if M.world_size == 1:
+        return torch.where(torch.isfinite(v), i, -1)
+    every = M.tp_gather(torch.stack([v.float(), (i + M.rank * logits.shape[-1]).float()]))  # [world, 2, B]
+    vals = every[:, 0]  # ids < 2^24 are exact in fp32
+    top = vals.amax(0)
+    win = (vals == top).int().argmax(0)  # the first rank holding the maximum
     tok = every[:, 1].gather(0, win[None])[0].long()
-    return torch.where(every[:, 2].amin(0) > 0, tok, -1)
+    return torch.where(torch.isfinite(top), tok, -1)
 
 
 @dataclass(frozen=True)
@@ -404,6 +406,7 @@ class Engine:
             caches += m.new_mtp_caches(B, ctx, slack=self.slack, device="meta")
         return sum(t.numel() * t.element_size() for c in caches for lc in c.layers for t in vars(lc).values())
 
+    @torch.inference_mode()
     def start(self):
         """Every kernel variant a request can reach compiled (warm-up prefills, and per batch bucket the decode
         step), every decode graph captured; times reported."""
@@ -537,6 +540,7 @@ class Engine:
         out.finished.append(req)
 
     # ---- one engine step
+    @torch.inference_mode()
     def step(self) -> StepOutput:
         """Release finished requests, admit waiting ones, run up to prefill_chunk prefill tokens, run one decode
         step (its tokens are read at the next step), and report what the host read."""

@@ -421,7 +421,7 @@ def test_greedy_is_the_argmax_with_ties_to_the_lowest_id_and_flags_non_finite_ro
     logits = torch.randn(64, 100, generator=g)
     logits[0, [9, 7]] = logits[0].max() + 1  # a tie: the lowest id wins
     logits[1, 3] = float("nan")
-    logits[2, 5] = float("-inf")
+    logits[2, 5] = float("inf")
     want = logits.argmax(-1)
     got = engine.greedy(logits)
     assert got[0] == 7 and got[1] == -1 and got[2] == -1 and torch.equal(got[3:], want[3:])
