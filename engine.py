@@ -13,8 +13,8 @@ already holds (a conversation's next turn) prefills only the rest. The host read
 step is queued, so the device never waits for it.
 
 The decode step is one static-shape function of the slot of each row (padding rows of a batch bucket point at slots
-that do not decode in the step, write only where their slot's next token would go and route to no expert), replayed
-as a CUDA graph on GPUs.
+that do not decode in the step and write only where their slot's next token would go), replayed as a CUDA graph on
+GPUs.
 """
 import itertools
 import math
@@ -374,7 +374,9 @@ class Engine:
         max_position_embeddings)."""
         m, cfg = self.model, self.model.cfg
         limit = cfg.max_position_embeddings
-        per_token = self._cache_bytes(1024) / 1024  # bytes per position of every slot (sliding rings included)
+        # caches: a fixed part (sliding rings, pending rows) and bytes per position of every slot
+        per_token = (self._cache_bytes(2048) - self._cache_bytes(1024)) / 1024
+        fixed = self._cache_bytes(1024) - 1024 * per_token
         if self.dev.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.dev)
             free += torch.cuda.memory_reserved(self.dev) - torch.cuda.memory_allocated(self.dev)
@@ -388,7 +390,7 @@ class Engine:
         if ctx is None:
             ctx = limit
             if free >= 0:
-                fit = int((free - prefill - graphs - headroom) / per_token) - self.slack
+                fit = int((free - prefill - graphs - headroom - fixed) / per_token) - self.slack
                 ctx = min(limit, fit // 128 * 128)
             if ctx < 16:
                 raise MemoryError(f"no room for a KV cache after the weights ({weights / GIB:.1f} GiB, "

@@ -503,11 +503,10 @@ class MoE(nn.Module):
         self.layer_id, self.first_expert = layer_id, rank * self.n_local  # EP: this rank's contiguous expert range
         self.pins = None
 
-    def forward(self, x, pos, req=None, shared: "MLP | None" = None, live=None):
+    def forward(self, x, pos, req=None, shared: "MLP | None" = None):
         """x [T, D] bf16 -> this rank's partial [T, D]: the routed experts' bf16 sum (slots of other ranks' experts
         contribute 0), or with the shared expert MLP, f32(routed) + f32(shared) in fp32 (the kernels run both).
-        req [T]: each token's request (only read by installed Pins). live [T] (decode): 0 for a batch's padding rows,
-        which route to no expert (an id past every rank's range), so they read no expert weights."""
+        req [T]: each token's request (only read by installed Pins)."""
         c = self.cfg
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
         # FP8 experts: the router's kernel also quantises x for them (xq None on the reference path)
@@ -518,8 +517,6 @@ class MoE(nn.Module):
             if pinned is not None:
                 ids, w = kernel.route_ref(x, self.gate.weight, self.router_bias, c.moe_top_k,
                                           c.moe_router_scaling_factor, c.norm_expert_weight, ids=pinned)
-        if live is not None:
-            ids = torch.where(live[:, None] > 0, ids, c.moe_num_experts)
         sh = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight,
                                           shared.limit)
         return kernel.moe_experts(x, ids, w, g.weight, u.weight, d.weight, g.weight_scale_inv, u.weight_scale_inv,
@@ -544,18 +541,18 @@ class Block(nn.Module):
         """res [T, D] fp32 residual stream -> updated residual (see step)."""
         return self.step(res, None, at, rope, cache, req)[0]
 
-    def step(self, res, h, at: Placement, rope, cache, req=None, next_norm=None, live=None):
+    def step(self, res, h, at: Placement, rope, cache, req=None, next_norm=None):
         """res [T, D] fp32 residual stream -> (updated residual, the next layer's bf16 input or None). The block owns
         both TP reductions of the layer: its sub-modules return this rank's partial sums. h: this layer's normed
         input when the previous layer computed it (fused into its last reduction), else None; next_norm: the next
         layer's input norm weight, fused into this layer's last reduction (one kernel fewer per layer).
-        req [T]: each token's request, for installed Pins only; live [T]: MoE.forward's."""
+        req [T]: each token's request, for installed Pins only."""
         if h is None:
             h = kernel.rms_norm(res, self.input_layernorm.weight, self.eps, torch.bfloat16)  # fp32 norm, one rounding
         res, h = tp_reduce_add(res, self.self_attn(h, at, rope, cache, req), self.post_attention_layernorm.weight,
                                self.eps)
         if self.is_moe:  # routed + shared partials combined in fp32, then ONE fp32 reduction
-            y = self.moe(h, at.pos, req, shared=self.share_expert, live=live)
+            y = self.moe(h, at.pos, req, shared=self.share_expert)
         else:
             y = self.mlp(h)
         return tp_reduce_add(res, y, next_norm, self.eps)
@@ -763,13 +760,12 @@ class Step5ForCausalLM(nn.Module):
         Q = ids.shape[1] if seq_lens is None and ids.dim() == 2 else 1
         at = self._place(cache, seq_lens, rows, ids.device, Q, live)
         req = self._requests(cache, at) if self.pins is not None else None
-        tok_live = None if live is None else live.repeat_interleave(Q)
         res = (self.embed(ids.flatten()) if embeds is None else embeds).float()
         L = self.cfg.num_hidden_layers
         h = None  # each layer's normed input, computed by the previous layer's last reduction
         for i, (layer, lc, rp) in enumerate(zip(self.model.layers[:L], cache.layers, self.rope["layers"])):
             nxt = self.model.layers[i + 1].input_layernorm.weight if i + 1 < L else None
-            res, h = layer.step(res, h, at, rp, lc, req, nxt, tok_live)
+            res, h = layer.step(res, h, at, rp, lc, req, nxt)
             if progress is not None and at.spans is not None:
                 progress(i + 1, L)
         return res

@@ -81,8 +81,8 @@ def test_a_next_turn_prefills_only_its_new_tokens(lm):
 @torch.inference_mode()
 def test_requests_that_join_a_running_batch_get_their_solo_tokens(lm):
     """Continuous batching: a request submitted while others decode is prefilled between their steps and joins the
-    decode batch; three requests on four slots decode in the bucket of 4 with a padding row (a free slot, routed to
-    no expert). Each gets its solo tokens."""
+    decode batch; three requests on four slots decode in the bucket of 4 with a padding row (a free slot: its rows
+    do not touch the others). Each gets its solo tokens."""
     eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=256, prefill_chunk=16))
     eng.start()
     assert list(eng.graphs) == [1, 2, 4]
