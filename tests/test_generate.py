@@ -188,15 +188,20 @@ def test_eos_request_leaves_the_batch_and_no_cache_is_copied(tp1_model, monkeypa
     assert all(len(o) == NEW for o in base)
     # an EOS id that request 1 emits at step s (and not before), which the others never emit
     s, eos = next((s, base[1][s]) for s in (2, 3, 1, 4) if base[1][s] not in base[1][:s] + base[0] + base[2])
-    steps, storage = [], []
-    real_forward = M.Step5ForCausalLM.forward
+    steps, storage, serving = [], [], []
+    real_forward, real_run = M.Step5ForCausalLM.forward, engine.Engine.run
+
+    def spy_run(self, reqs):  # start-up's warm-up steps over each batch bucket are not the requests' steps
+        serving.append(True)
+        return real_run(self, reqs)
 
     def spy_forward(self, ids, cache, seq_lens=None, *a, rows=None, **k):
-        if seq_lens is None:
+        if seq_lens is None and serving:
             steps.append(rows.tolist())
             storage.append(tuple(t.data_ptr() for lc in cache.layers for t in vars(lc).values()))
         return real_forward(self, ids, cache, seq_lens, *a, rows=rows, **k)
     monkeypatch.setattr(M.Step5ForCausalLM, "forward", spy_forward)
+    monkeypatch.setattr(engine.Engine, "run", spy_run)
     with pinned(m, M.Pins(rec.data)):  # after the EOS the batch is smaller: other GEMM row counts
         out = engine.generate(m, PROMPTS, NEW, [eos])[0]
     assert out[1] == base[1][:s + 1]  # stops at the EOS, EOS included
