@@ -1420,8 +1420,8 @@ def _order_key(x):
 
 
 @triton.jit
-def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr, valid_ptr, G, T, R, N, K, BLK,
-                           PAIRS: tl.constexpr, FINAL: tl.constexpr, ALL: tl.constexpr,
+def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr, ids_ptr, valid_ptr, G, T, R, N, K,
+                           BLK, N0, PAIRS: tl.constexpr, FINAL: tl.constexpr, ALL: tl.constexpr,
                            BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Exact top-K of one chunk of a row (program (row, chunk)), entries in ascending region id, held in registers.
 
@@ -1433,6 +1433,10 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
     the search stops early once exactly K keys are >= thr (distinct scores: after ~20 of the 32 bits). The chunk's
     selection is every key > thr plus the lowest-id K - c keys == thr; one prefix sum places them in ascending id.
     FINAL writes ids (candidates only, padded with R) and valid; otherwise the chunk's K (key, id) pairs.
+    N0: the entries of the first launch's chunk 0. A row whose candidates all lie there (n_hist <= N0: a cache much
+    longer than the row's history) is final after the first launch: its chunk 0 writes ids and valid, its other
+    chunks and every later launch's programs exit at once (after the PDL wait, so the launch after them still
+    follows chunk 0), and a step costs the levels the row's history needs, not the cache's capacity.
     K = min(topk, R) is a runtime argument: as a constexpr every prefill chunk of a prompt of < topk regions compiled
     a kernel of its own (seconds per prompt). n_hist = nh_ptr's value // BLK, read before the PDL wait (positions:
     written by torch ops before the layer, never by the predecessor, which writes the scores).
@@ -1442,6 +1446,13 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
     nchunk = tl.num_programs(1)
     nh = tl.load(nh_ptr + (row // (G * T)) * T + row % T) // BLK
     _pdl_enter(PDL)
+    short = nh <= N0
+    if PAIRS:
+        if short:
+            return
+    fin = short & (chunk == 0)  # this program writes the row's ids and valid
+    if FINAL:
+        fin = True
     lo = chunk * N // nchunk  # balanced chunks: each holds at least K entries (the launcher's split rule)
     i = lo + tl.arange(0, BLOCK)
     ok = i < (chunk + 1) * N // nchunk
@@ -1455,11 +1466,11 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
         # no candidate in this chunk (a cache's regions past every query's history): what it selects is never
         # kept, so it writes the selection of nothing (FINAL) or K entries that rank below every candidate
         slot = tl.arange(0, BLOCK_K)
-        if FINAL:
+        if fin:
             base = row.to(tl.int64) * K
-            tl.store(id_out_ptr + base + slot, (slot * 0 + R).to(tl.int64), mask=slot < K)
+            tl.store(ids_ptr + base + slot, (slot * 0 + R).to(tl.int64), mask=slot < K)
             tl.store(valid_ptr + base + slot, (slot * 0).to(tl.uint8), mask=slot < K)
-        else:
+        elif nh > N0:
             base = (row.to(tl.int64) * nchunk + chunk) * K
             none = _order_key(tl.full((BLOCK_K,), float("-inf"), tl.float32))
             tl.store(key_out_ptr + base + slot, none.to(tl.int32, bitcast=True), mask=slot < K)
@@ -1494,13 +1505,13 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
         n_hi, n_eq = (cs >> 32).to(tl.int32), (cs & 0xFFFFFFFF).to(tl.int32)
     sel = hi | (eq & (n_eq <= need))
     pos = n_hi + tl.minimum(n_eq, need) - 1  # selected entries up to this one, minus one
-    if FINAL:  # candidates (id < n_hist) are a prefix of the ids, so theirs are the first positions
+    if fin:  # candidates (id < n_hist) are a prefix of the ids, so theirs are the first positions
         out = sel & (rid < nh)
         base = row.to(tl.int64) * K
-        tl.store(id_out_ptr + base + pos, rid.to(tl.int64), mask=out)
+        tl.store(ids_ptr + base + pos, rid.to(tl.int64), mask=out)
         n_out = tl.sum(out.to(tl.int32), axis=0)
         slot = tl.arange(0, BLOCK_K)
-        tl.store(id_out_ptr + base + slot, (slot * 0 + R).to(tl.int64), mask=(slot >= n_out) & (slot < K))
+        tl.store(ids_ptr + base + slot, (slot * 0 + R).to(tl.int64), mask=(slot >= n_out) & (slot < K))
         tl.store(valid_ptr + base + slot, (slot < n_out).to(tl.uint8), mask=slot < K)
     else:
         base = (row.to(tl.int64) * nchunk + chunk) * K
@@ -1508,7 +1519,7 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
         tl.store(id_out_ptr + base + pos, rid, mask=sel)
 
 
-_select_regions_prefill = _unspecialised(_select_regions_kernel, "T", "R", "N", "K", unaligned=("nh_ptr",))
+_select_regions_prefill = _unspecialised(_select_regions_kernel, "T", "R", "N", "K", "N0", unaligned=("nh_ptr",))
 
 
 def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096, prefill=False):
@@ -1535,7 +1546,7 @@ def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096, prefill=False
     chunk = max(chunk, 4 * triton.next_power_of_2(topk if prefill else K))  # >= 2K entries: each level halves
     block_k = triton.next_power_of_2(topk if prefill else K)
     kern = _select_regions_prefill if prefill else _select_regions_kernel
-    src, src_id, n = scores, scores, R
+    src, src_id, n, n0 = scores, scores, R, None
     while True:
         # few rows (decode): chunks of 4096 (a row of 16384: 16 us, 19 / 21 in chunks of 2048 / 8192, 36 whole); a row
         # per SM already (prefill): whole rows, as splitting only adds work; rows past 16384 always split (registers)
@@ -1543,11 +1554,12 @@ def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096, prefill=False
         BLOCK = triton.next_power_of_2(triton.cdiv(n, C))
         BLOCK = max(BLOCK, chunk) if prefill else BLOCK
         final = C == 1
+        n0 = n // C if n0 is None else n0  # the first launch's chunk 0: [0, n // C)
         if not final:
             key_out = torch.empty(rows, C * K, dtype=torch.int32, device=scores.device)
             id_out = torch.empty(rows, C * K, dtype=torch.int32, device=scores.device)
-        kern[(rows, C)](src, src_id, n_hist, ids if final else key_out, ids if final else id_out,
-                        valid.view(torch.uint8), G, T, R, n, K, int(blk), PAIRS=src is not scores, FINAL=final,
+        kern[(rows, C)](src, src_id, n_hist, ids if final else key_out, ids if final else id_out, ids,
+                        valid.view(torch.uint8), G, T, R, n, K, int(blk), n0, PAIRS=src is not scores, FINAL=final,
                         ALL=final and K >= n, BLOCK=BLOCK, BLOCK_K=block_k, num_warps=max(4, min(16, BLOCK // 512)),
                         **_pdl())
         if final:

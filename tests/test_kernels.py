@@ -817,6 +817,7 @@ def _select_case(S, G, T, R, seed, ties):
     (1, 1, 3, 200, 16, [[200, 150, 40]], 4096, False),          # distinct scores
     (2, 1, 3, 300, 5, [[300, 100, 4], [299, 250, 0]], 32, True),  # chunked: 10 chunks -> 50 pairs -> 2 -> 10
     (1, 1, 2, 300, 3, [[300, 140]], 16, False),                 # 19 chunks -> 57 pairs -> 4 -> 12 -> final
+    (1, 1, 3, 300, 3, [[15, 16, 14]], 16, True),  # chunk 0 holds 15: a history inside it ends after one launch
 ])
 def test_select_regions_triton_bit_identical(S, G, T, R, topk, n_hist, chunk, ties):
     sc = _select_case(S, G, T, R, seed=R + topk, ties=ties)
