@@ -70,3 +70,58 @@ def tp1_models(converted):
                                                                  device, vl, rank=0)
         return loaded[kind, device]
     return get
+
+
+@pytest.fixture(scope="session")
+def interpreted_model_run(tp1_models):
+    """The FP8 text model on every Triton kernel (the interpreter) with the GPU's launch shapes (kernel._GPU_LAUNCH,
+    an H200's 132 SMs), every launch recorded, beside the same run on the PyTorch references (decisions pinned):
+    a batched prefill, a prefill chunk on cached keys, a one-token step, a three-token step, and a one-token step
+    with the launch shapes of a grid that fills the GPU (one SM). Shared by the model test (logits) and the sm90
+    build test (launches): the interpreter is the slowest thing CI runs.
+    -> (reference logits [2, 7, V], Triton logits [2, 7, V], {launch key: launch record})"""
+    import json
+
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import kernel
+    import model as M
+    from invariants import pinned
+    from sass import launch_record
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter's run (CPU CI)")
+    lm = tp1_models("fp8_text")
+    g = torch.Generator().manual_seed(3)
+    ids, cont = torch.randint(11, 700, (30,), generator=g).tolist(), torch.randint(11, 700, (16,), generator=g).tolist()
+
+    def run(mp):
+        cache = lm.new_cache(2, 34, slack=2)
+        first = lm.forward(torch.tensor(ids), cache, [19, 11])[:, None]  # [2, 1, V]
+        more = lm.forward(torch.tensor(cont[8:14]), cache, [2, 4])[:, None]  # chunks after cached keys
+        one = lm.forward(torch.tensor(cont[:2]), cache)[:, None]
+        three = lm.forward(torch.tensor([cont[2:5], cont[5:8]]), cache)  # [2, 3, V]
+        if mp is not None:
+            mp.setattr(kernel, "_sms", lambda: 1)
+        wide = lm.forward(torch.tensor(cont[14:16]), cache)[:, None]
+        return torch.cat([first, more, one, three, wide], 1)
+
+    seen = {}
+    real = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        if getattr(self.fn, "__module__", "") == "kernel":
+            r = launch_record(self.fn, args, kwargs)
+            seen.setdefault(json.dumps(r, sort_keys=True), r)
+        return real(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    with torch.inference_mode():
+        with pinned(lm, M.Pins()) as rec:
+            ref = run(None)
+        with pytest.MonkeyPatch.context() as mp, pinned(lm, M.Pins(rec.data)):
+            mp.setattr(InterpretedFunction, "run", recording_run)
+            mp.setattr(kernel, "_triton", lambda x: True)
+            mp.setattr(kernel, "_GPU_LAUNCH", True)
+            mp.setattr(kernel, "_sms", lambda: 132)  # the H200's
+            got = run(mp)
+    return ref, got, seen

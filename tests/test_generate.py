@@ -102,8 +102,9 @@ def image_batch(tmp) -> list:
     return [PROMPTS[0], {"prompt_ids": ids, "image_inputs": "img.safetensors"}, PROMPTS[2]]
 
 
-@pytest.mark.parametrize("kind,images", [("fp8_vl", False), ("bf16_text", False), ("fp8_vl", True)])
-def test_greedy_tokens_and_logits_agree_across_tp(kind, images, converted, tmp_path):
+@pytest.mark.parametrize("kind,images,tps", [("fp8_vl", False, (2, 4)), ("bf16_text", False, (2,)),
+                                             ("fp8_vl", True, (2,))])  # TP=4 once: 4 ranks on CI's 2 cores
+def test_greedy_tokens_and_logits_agree_across_tp(kind, images, tps, converted, tmp_path):
     reqs = image_batch(tmp_path) if images else PROMPTS
     lengths = [len(r["prompt_ids"]) if isinstance(r, dict) else len(r) for r in reqs]
     batch = write_json(tmp_path / "batch.json", reqs)
@@ -118,7 +119,7 @@ def test_greedy_tokens_and_logits_agree_across_tp(kind, images, converted, tmp_p
     std = L1.std().item()
     top2 = L1.topk(2, dim=-1).values
     margin = top2[..., 0] - top2[..., 1]  # [NEW, 3]
-    for tp in (2, 4):
+    for tp in tps:
         toks, d = gen_and_dump(tp, converted(kind, tp), batch, [t[:-1] for t in toks1], pins, tmp_path, lengths, NEW)
         diff = (d["pinned_logits"] - L1).abs().amax(-1)  # [NEW, 3]
         print(f"{kind} TP={tp} vs TP=1, decisions pinned: max |dlogit| / std = {diff.max().item() / std:.4f}")

@@ -26,9 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.skipif(not INTERPRET, reason="records the interpreter's launches (CPU CI)")
 @torch.inference_mode()
-def test_every_launched_kernel_compiles_for_sm90(tp1_models, monkeypatch, tmp_path):
+def test_every_launched_kernel_compiles_for_sm90(interpreted_model_run, monkeypatch, tmp_path):
     from triton.runtime.interpreter import InterpretedFunction
-    seen = {}
+    seen = dict(interpreted_model_run[2])  # the model's launches (conftest), then the ones it does not reach
     run = InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
@@ -41,13 +41,6 @@ def test_every_launched_kernel_compiles_for_sm90(tp1_models, monkeypatch, tmp_pa
     monkeypatch.setattr(kernel, "_triton", lambda x: True)
     monkeypatch.setattr(kernel, "_GPU_LAUNCH", True)
     monkeypatch.setattr(kernel, "_sms", lambda: 132)  # the H200's
-    lm = tp1_models("fp8_text")
-    cache = lm.new_cache(2, 28, slack=2)
-    lm.forward(torch.tensor(list(range(40, 59)) + list(range(70, 81))), cache, [19, 11])  # prefill (2 requests)
-    lm.forward(torch.tensor([5, 6]), cache)  # a decode step: the fused and sort-free paths
-    lm.forward(torch.tensor([[7, 8, 9], [10, 11, 12]]), cache)  # 3 tokens per row
-    monkeypatch.setattr(kernel, "_sms", lambda: 1)  # the launch shapes of a grid that fills the GPU (sliding_warps)
-    lm.forward(torch.tensor([13, 14]), cache)
     # the launches that this model run does not reach
     x, ids = torch.randn(3, 192).bfloat16(), torch.tensor([[0, 1], [1, 2], [2, 0]])
     w1, w2 = kernel.to_e4m3(torch.randn(3, 160, 192)), kernel.to_e4m3(torch.randn(3, 192, 160))
