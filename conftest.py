@@ -80,15 +80,12 @@ def interpreted_model_run(tp1_models):
     with the launch shapes of a grid that fills the GPU (one SM). Shared by the model test (logits) and the sm90
     build test (launches): the interpreter is the slowest thing CI runs.
     -> (reference logits [2, 7, V], Triton logits [2, 7, V], {launch key: launch record})"""
-    import json
-
     import torch
-    from triton.runtime.interpreter import InterpretedFunction
 
     import kernel
     import model as M
     from invariants import pinned
-    from sass import launch_record
+    from sass import launch_records
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the interpreter's run (CPU CI)")
     lm = tp1_models("fp8_text")
@@ -106,20 +103,10 @@ def interpreted_model_run(tp1_models):
         wide = lm.forward(torch.tensor(cont[14:16]), cache)[:, None]
         return torch.cat([first, more, one, three, wide], 1)
 
-    seen = {}
-    real = InterpretedFunction.run
-
-    def recording_run(self, *args, grid, warmup, **kwargs):
-        if getattr(self.fn, "__module__", "") == "kernel":
-            r = launch_record(self.fn, args, kwargs)
-            seen.setdefault(json.dumps(r, sort_keys=True), r)
-        return real(self, *args, grid=grid, warmup=warmup, **kwargs)
-
     with torch.inference_mode():
         with pinned(lm, M.Pins()) as rec:
             ref = run(None)
-        with pytest.MonkeyPatch.context() as mp, pinned(lm, M.Pins(rec.data)):
-            mp.setattr(InterpretedFunction, "run", recording_run)
+        with pytest.MonkeyPatch.context() as mp, pinned(lm, M.Pins(rec.data)), launch_records({}) as seen:
             mp.setattr(kernel, "_triton", lambda x: True)
             mp.setattr(kernel, "_GPU_LAUNCH", True)
             mp.setattr(kernel, "_sms", lambda: 132)  # the H200's

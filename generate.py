@@ -936,19 +936,24 @@ def parser() -> Parser:
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="draft K tokens per step with the checkpoint's MTP layers (1..3; shards converted with "
                     "--keep-mtp); greedy output is unchanged, sampled output keeps its distribution")
-    ap.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=None,
-                    help="expert-parallel size; must equal the shards' expert_parallel_size (= TP), which is the "
-                    "default")
     ap.add_argument("--tokenizer", "--tokenizer-path", "--checkpoint", "--ckpt-path", dest="tokenizer",
                     help="tokenizer directory (default: tokenizer_files beside the TP dir); --checkpoint and "
                     "--ckpt-path name the original checkpoint directory, whose tokenizer files are used")
     ap.add_argument("--raw-prompt", action="store_true", help="tokenize the text as plain text, no chat template")
     ap.add_argument("--print-ids", action="store_true", help="also print the generated token ids")
     ap.add_argument("--json", dest="as_json", action="store_true", help="print one JSON document with ids and text")
+    add_placement_flags(ap)
+    return ap
+
+
+def add_placement_flags(ap: argparse.ArgumentParser):
+    """The flags of where the engine runs, generate.py's and serve.py's alike."""
+    ap.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=None,
+                    help="expert-parallel size; must equal the shards' expert_parallel_size (= TP), which is the "
+                    "default")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                     help="launch decode kernels eagerly instead of replaying captured CUDA graphs (debugging)")
-    return ap
 
 
 def parse_cli(argv: list) -> dict:

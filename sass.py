@@ -136,6 +136,25 @@ def launch_keys(keys: set, execute: bool = True):
         InterpretedFunction.run = run
 
 
+@contextlib.contextmanager
+def launch_records(seen: dict):
+    """Adds the launch_record of every distinct kernel.py launch made under the interpreter inside the block to
+    `seen` (keyed by its JSON); the launches run as usual."""
+    from triton.runtime.interpreter import InterpretedFunction
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        if getattr(self.fn, "__module__", "") == "kernel":
+            r = launch_record(self.fn, args, kwargs)
+            seen.setdefault(json.dumps(r, sort_keys=True), r)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+    InterpretedFunction.run = recording_run
+    try:
+        yield seen
+    finally:
+        InterpretedFunction.run = run
+
+
 def build(launches: list, out_dir: str, timeout: int = 900) -> list:
     """Compiles each launch_record for sm90 in a process without the interpreter; writes out_dir/<i>.cubin and
     returns per launch {"shared": bytes} or {"error": message}."""
@@ -155,23 +174,13 @@ LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]
 
 def record(snippet: str, tune: list) -> list:
     """The distinct launches of kernel.py's Triton functions while the snippet runs under the interpreter."""
-    from triton.runtime.interpreter import InterpretedFunction
     import kernel
-    seen, run = {}, InterpretedFunction.run
-
-    def recording_run(self, *args, grid, warmup, **kwargs):
-        if getattr(self.fn, "__module__", "") == "kernel":
-            r = launch_record(self.fn, args, kwargs)
-            seen.setdefault(json.dumps(r, sort_keys=True), r)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    InterpretedFunction.run = recording_run
     kernel._GPU_LAUNCH, kernel._sms = True, lambda: 132
     try:
         kernel.set_tuning(tune)
     except ValueError as e:
         sys.exit(f"sass.py: {e}")
-    with torch.inference_mode():
+    with torch.inference_mode(), launch_records({}) as seen:
         exec(snippet, {"torch": torch, "K": kernel, "kernel": kernel})
     return list(seen.values())
 

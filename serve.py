@@ -850,13 +850,9 @@ def parser() -> G.Parser:
                     f"(default {PREFILL_CHUNK})")
     ap.add_argument("--speculative", type=int, default=0, metavar="K", help="draft K tokens per step with the "
                     "checkpoint's MTP layers (shards converted with --keep-mtp), for greedy and sampled requests")
-    ap.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=None,
-                    help="expert-parallel size; must equal the shards' expert_parallel_size (= TP), the default")
     ap.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer",
                     help="tokenizer directory (default: tokenizer_files beside the TP dir)")
-    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    ap.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
-                    help="launch decode kernels eagerly instead of replaying captured CUDA graphs (debugging)")
+    G.add_placement_flags(ap)
     return ap
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kernel
-from sass import build, launch_record
+from sass import build, launch_records
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,34 +27,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.skipif(not INTERPRET, reason="records the interpreter's launches (CPU CI)")
 @torch.inference_mode()
 def test_every_launched_kernel_compiles_for_sm90(interpreted_model_run, monkeypatch, tmp_path):
-    from triton.runtime.interpreter import InterpretedFunction
     seen = dict(interpreted_model_run[2])  # the model's launches (conftest), then the ones it does not reach
-    run = InterpretedFunction.run
-
-    def recording_run(self, *args, grid, warmup, **kwargs):
-        if getattr(self.fn, "__module__", "") == "kernel":
-            r = launch_record(self.fn, args, kwargs)
-            seen.setdefault(json.dumps(r, sort_keys=True), r)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
     monkeypatch.setattr(kernel, "_triton", lambda x: True)
     monkeypatch.setattr(kernel, "_GPU_LAUNCH", True)
     monkeypatch.setattr(kernel, "_sms", lambda: 132)  # the H200's
     # the launches that this model run does not reach
-    x, ids = torch.randn(3, 192).bfloat16(), torch.tensor([[0, 1], [1, 2], [2, 0]])
-    w1, w2 = kernel.to_e4m3(torch.randn(3, 160, 192)), kernel.to_e4m3(torch.randn(3, 192, 160))
-    s1, s2 = torch.rand(3, 2, 2) + 0.5, torch.rand(3, 2, 2) + 0.5
-    # BF16 experts at one token with 4 K blocks (the FP8 path unrolls 4 of them there: 240 KB for BF16 tiles)
-    xb, wb = torch.randn(1, 512).bfloat16(), torch.randn(2, 128, 512).bfloat16()
-    wd = torch.randn(2, 512, 128).bfloat16()
-    kernel.moe_experts_decode_triton(xb, torch.tensor([[0, 1]]), torch.rand(1, 2), wb, wb, wd, None, None, None, 7.0)
-    sb, sd = torch.rand(2, 1, 4) + 0.5, torch.rand(2, 4, 1) + 0.5  # and FP8 ones (moe_unroll)
-    kernel.moe_experts_decode_triton(xb, torch.tensor([[0, 1]]), torch.rand(1, 2), kernel.to_e4m3(wb),
-                                     kernel.to_e4m3(wb), kernel.to_e4m3(wd), sb, sb, sd, 7.0)
-    kernel.moe_experts_sorted_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0)  # prefill's path
-    xq, sx = kernel.act_quant_triton(x)
-    kernel.grouped_gemm_triton(xq, sx, w1, s1, torch.tensor([0, 1, 1, 3], dtype=torch.int32))
+    with launch_records(seen):
+        x, ids = torch.randn(3, 192).bfloat16(), torch.tensor([[0, 1], [1, 2], [2, 0]])
+        w1, w2 = kernel.to_e4m3(torch.randn(3, 160, 192)), kernel.to_e4m3(torch.randn(3, 192, 160))
+        s1, s2 = torch.rand(3, 2, 2) + 0.5, torch.rand(3, 2, 2) + 0.5
+        # BF16 experts at one token with 4 K blocks (the FP8 path unrolls 4 of them there: 240 KB for BF16 tiles)
+        xb, wb = torch.randn(1, 512).bfloat16(), torch.randn(2, 128, 512).bfloat16()
+        wd = torch.randn(2, 512, 128).bfloat16()
+        kernel.moe_experts_decode_triton(xb, torch.tensor([[0, 1]]), torch.rand(1, 2), wb, wb, wd, None, None, None,
+                                         7.0)
+        sb, sd = torch.rand(2, 1, 4) + 0.5, torch.rand(2, 4, 1) + 0.5  # and FP8 ones (moe_unroll)
+        kernel.moe_experts_decode_triton(xb, torch.tensor([[0, 1]]), torch.rand(1, 2), kernel.to_e4m3(wb),
+                                         kernel.to_e4m3(wb), kernel.to_e4m3(wd), sb, sb, sd, 7.0)
+        kernel.moe_experts_sorted_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0)  # prefill's path
+        xq, sx = kernel.act_quant_triton(x)
+        kernel.grouped_gemm_triton(xq, sx, w1, s1, torch.tensor([0, 1, 1, 3], dtype=torch.int32))
     names = {r["name"] for r in seen.values()}
     assert {"_sliding_attn_kernel", "_moe_decode_up_kernel", "_router_logits_kernel", "_select_regions_kernel",
             "_grouped_gemm_kernel", "_add_norm_kernel", "_banded_attn_kernel"} <= names, names
