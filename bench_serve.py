@@ -8,6 +8,12 @@ after the other: /v1/completions with a prompt of random token ids (a fresh prom
 ignore_eos and max_tokens, so every request decodes exactly max_tokens tokens. Per cell: TTFT p50 / p99 (request
 sent -> first token), aggregate decode tok/s (every token after each request's first, over the cell's wall time), the
 median stream's decode tok/s, and inter-token gaps p50 / p99. One request first warms the server up.
+
+    python bench_serve.py --local --clients 1 4 16 --prompt-tokens 1024 8192     # one GPU, no shards needed
+
+--local serves one whole TP=EP=8 rank of random FP8 weights (bench_request.py's) on this process's GPU through
+serve.py's own HTTP side and engine loop, with a word-level tokenizer over the rank's vocabulary window (ids in
+[--ids]), and measures it the same way.
 """
 import argparse
 import asyncio
@@ -69,6 +75,41 @@ async def cell(url: str, key: str | None, clients: int, n_prompt: int, requests:
             "gap_p50_ms": 1e3 * pct(gaps, 50), "gap_p99_ms": 1e3 * pct(gaps, 99)}
 
 
+def word_tokenizer(n: int):
+    """A tokenizer of n word-level tokens "<i>" (decoding needs one; the random rank has none)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    t = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(n)}, unk_token="<0>"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<0>")
+
+
+def local_server(model, tok, max_batch: int, max_context: int | None, prefill_chunk: int) -> str:
+    """serve.py around `model` in this process (one rank, world 1): its HTTP side on a free loopback port and its
+    engine loop in a daemon thread, as serve.py runs them. -> the server's URL."""
+    import socket
+    import threading
+
+    import torch
+
+    import engine as E
+    import generate as G
+    import serve as S
+    dev = next(model.parameters()).device
+    a = G.Args("(local)", max_batch=max_batch, max_context=max_context, prefill_chunk=prefill_chunk)
+    s = G.Session(a, 0, 1, dev, model.cfg, None, tok, sorted(model.cfg.eos_token_id), model=model)
+    s.eng = E.Engine(model, E.EngineConfig(max_batch, max_context, prefill_chunk), print)
+    s.eng.start()
+    sock = socket.create_server(("127.0.0.1", 0))
+    hub, _, _ = S.start_http(s, S.Options(port=0), a, sock)
+
+    def loop():
+        with torch.inference_mode():
+            S.engine_loop(s, None, hub, [0.0])
+    threading.Thread(target=loop, daemon=True, name="engine").start()
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
 def main(url: str, key: str | None, clients: list, prompt_tokens: list, requests: int, max_tokens: int, lo: int,
          hi: int, seed: int, as_json: bool):
     rng = random.Random(seed)
@@ -100,5 +141,14 @@ if __name__ == "__main__":
                     "(the tiny test checkpoint: 11 1000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="as_json", action="store_true", help="also print the rows as one JSON document")
+    ap.add_argument("--local", action="store_true", help="serve a random whole rank on this GPU instead of --url")
+    ap.add_argument("--max-batch", type=int, default=16, help="--local: the engine's slots")
+    ap.add_argument("--max-context", type=int, default=None, help="--local: positions per slot (default: what fits)")
+    ap.add_argument("--prefill-chunk", type=int, default=2048, help="--local: serve.py's default")
     a = ap.parse_args()
+    if a.local:
+        from bench_request import build
+        m = build()
+        a.url, a.api_key = local_server(m, word_tokenizer(m.cfg.vocab_size // m.cfg.tp_size), a.max_batch,
+                                        a.max_context, a.prefill_chunk), None
     main(a.url, a.api_key, a.clients, a.prompt_tokens, a.requests, a.max_tokens, a.ids[0], a.ids[1], a.seed, a.as_json)

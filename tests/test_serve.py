@@ -572,3 +572,16 @@ def test_sigterm_ends_streams_and_every_rank_exits_0(server):
     assert server.procs[0].wait(timeout=60) == 0, open(server.log).read()[-3000:]
     log = open(server.log).read()
     assert "stopped: every rank exits" in log and "Traceback" not in log
+
+
+def test_bench_serve_measures_a_local_server(tp1_models, capsys):
+    """bench_serve.py --local's path on the tiny model: serve.py's HTTP side and engine loop in-process, driven by
+    the benchmark's streaming clients; every request decodes its max_tokens (ignore_eos) and each cell reports."""
+    import bench_serve
+    lm = tp1_models("bf16_text")
+    url = bench_serve.local_server(lm, bench_serve.word_tokenizer(lm.cfg.vocab_size), 2, 128, 32)
+    bench_serve.main(url, None, [1, 2], [20], 2, 3, 11, 1000, 0, True)
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["clients"], r["requests"]) for r in rows] == [(1, 2), (2, 4)]
+    for r in rows:
+        assert r["decode_tok_s"] > 0 and r["ttft_p50_ms"] > 0 and r["gap_p50_ms"] >= 0, r
