@@ -117,42 +117,42 @@ def launch_key(fn, args, kwargs) -> tuple:
 
 
 @contextlib.contextmanager
-def launch_keys(keys: set, execute: bool = True):
-    """Adds the launch_key of every kernel.py launch made under the interpreter inside the block to `keys`; with
-    execute False the launches are only recorded (their outputs stay as allocated)."""
+def _noting(note, execute: bool = True):
+    """note(interpreted function, args, kwargs) for every kernel.py launch made under the interpreter inside the
+    block; with execute False the launches are only noted (their outputs stay as allocated)."""
     from triton.runtime.interpreter import InterpretedFunction
     run = InterpretedFunction.run
 
-    def recording_run(self, *args, grid, warmup, **kwargs):
+    def noting_run(self, *args, grid, warmup, **kwargs):
         if getattr(self.fn, "__module__", "") == "kernel":
-            keys.add(launch_key(self, args, kwargs))
+            note(self, args, kwargs)
             if not execute:
                 return None
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-    InterpretedFunction.run = recording_run
+    InterpretedFunction.run = noting_run
     try:
-        yield keys
+        yield
     finally:
         InterpretedFunction.run = run
+
+
+@contextlib.contextmanager
+def launch_keys(keys: set, execute: bool = True):
+    """Adds the launch_key of every kernel.py launch made under the interpreter inside the block to `keys`; with
+    execute False the launches are only recorded (their outputs stay as allocated)."""
+    with _noting(lambda f, args, kwargs: keys.add(launch_key(f, args, kwargs)), execute):
+        yield keys
 
 
 @contextlib.contextmanager
 def launch_records(seen: dict):
     """Adds the launch_record of every distinct kernel.py launch made under the interpreter inside the block to
     `seen` (keyed by its JSON); the launches run as usual."""
-    from triton.runtime.interpreter import InterpretedFunction
-    run = InterpretedFunction.run
-
-    def recording_run(self, *args, grid, warmup, **kwargs):
-        if getattr(self.fn, "__module__", "") == "kernel":
-            r = launch_record(self.fn, args, kwargs)
-            seen.setdefault(json.dumps(r, sort_keys=True), r)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-    InterpretedFunction.run = recording_run
-    try:
+    def note(f, args, kwargs):
+        r = launch_record(f.fn, args, kwargs)
+        seen.setdefault(json.dumps(r, sort_keys=True), r)
+    with _noting(note):
         yield seen
-    finally:
-        InterpretedFunction.run = run
 
 
 def build(launches: list, out_dir: str, timeout: int = 900) -> list:
