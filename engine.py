@@ -59,7 +59,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 class Sampling:
     """One request's token choice: greedy at temperature 0, else a draw from softmax(logits / temperature) within the
     top_k most likely tokens (0: all), then within the top_p nucleus (1: all). `seed` keys the request's own random
-    stream: the same seed gives the same tokens whatever else runs in the batch (on the same device type)."""
+    stream: whatever else runs in the batch never changes its draws (on the same device type)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0

@@ -932,7 +932,7 @@ def parser() -> Parser:
     ap.add_argument("--top-p", type=float, default=1.0, help="sample within the smallest set of most likely tokens "
                     "whose probability reaches P (1: no limit; needs --temperature)")
     ap.add_argument("--seed", type=int, default=0, help="seed of each request's random stream (default 0): the same "
-                    "seed gives the same tokens on the same device type, whatever the batch")
+                    "seed gives the same draws on the same device type, whatever the batch")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="draft K tokens per step with the checkpoint's MTP layers (1..3; shards converted with "
                     "--keep-mtp); greedy output is unchanged, sampled output keeps its distribution")
