@@ -100,8 +100,8 @@ def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill
         t_start = time.perf_counter() - t0
         c1 = counters.snapshot()
         print(f"start-up {t_start:.1f} s: warm-up {eng.timing['warmup_s']:.1f} s, capture {eng.timing['capture_s']:.1f}"
-              f" s; {c1[0] - c0[0]} Triton kernel builds (compiled or from its disk cache), {c1[1] - c0[1]} graph captures; max_context "
-              f"{eng.max_context}, peak {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB", flush=True)
+              f" s; {c1[0] - c0[0]} Triton kernel builds (compiled or from its disk cache), {c1[1] - c0[1]} graph "
+              f"captures; max_context {eng.max_context}, peak {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB", flush=True)
         print(f"{'batch':>5} {'prompt':>7} {'new':>4} | {'TTFT s':>7} {'decode tok/s':>12} {'(per req)':>9} | "
               f"{'step ms':>7} {'ceiling tok/s':>13} {'seen/ceil':>9} | compiles captures")
         for i, (b, P) in enumerate(cases):

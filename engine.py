@@ -17,7 +17,6 @@ that do not decode in the step and write only where their slot's next token woul
 GPUs.
 """
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -825,7 +824,7 @@ class Speculator:
 
     def decode(self, reqs: list):
         """Queue one verify + draft step over the requests -> (requests, the host copy of [accepted, tokens...])."""
-        e, k = self.e, self.e.k
+        e = self.e
         n = len(reqs)
         b = next(x for x in e.graphs if x >= n)
         pads = e._pads(reqs)  # before any turn is skipped: a request that waits a step never pads

@@ -4,21 +4,15 @@ DSA equals dense attention while every region is selected; an independent brute-
 selector; streamed (decode) region summaries equal prefill summaries bit for bit; prefill N + one decode step equals
 prefill N+1; the sliding ring cache matches banded prefill past its wrap-around; config and strict-loading guards.
 """
-import json
-import math
 import os
-import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 import engine
 import kernel
 import config
 import model as M
-import tiny_checkpoint
 from invariants import NOISE, pinned, tokens_agree_up_to_near_tie
 
 
