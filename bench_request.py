@@ -10,8 +10,14 @@ is what the decode rate rests on. Run it twice with the same TRITON_CACHE_DIR fo
     TRITON_CACHE_DIR=$(mktemp -d) python bench_request.py                 # cold start, then the request table
     python bench_request.py --cases 1x1024,1x4096,1x32768,1x131072,16x1024,16x4096 --new 256
     python bench_request.py --max-context 8192 --cases 1x4096           # the same request on a small cache
+    python bench_request.py --cases "" --profile 8192 32768 131072      # where a prefill's time goes, by family
+
+--profile P ...: one request's prefill of P tokens (to its first token) under the profiler: per kernel family, its
+share of the prefill's wall time, and for the GEMMs and attention their rate against the H200's FLOP ceilings
+(bf16 767, fp8 1263 TFLOP/s). "idle" is wall time with no kernel running (the host behind the device).
 """
 import argparse
+import json
 import time
 
 import torch
@@ -85,7 +91,111 @@ def step_time(eng: E.Engine, b: int) -> float:
     return t
 
 
-def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill_chunk: int):
+# kernel families of a prefill, in model order: (family, substrings of the kernel names it takes); a name takes the
+# first family that matches (the expert GEMMs before cuBLAS's "gemm")
+FAMILIES = [
+    ("norms + RoPE", ("_rms_norm", "_norm_rope")),
+    ("expert GEMMs (fp8)", ("_grouped_wgmma", "_grouped_gemm")),
+    ("projections (bf16 GEMMs)", ("_skinny_linear", "gemm", "nvjet", "cutlass", "xmma", "sm90_")),
+    ("sliding attention", ("_banded_attn",)),
+    ("DSA region summaries", ("_region_summary",)),
+    ("DSA scores", ("_indexer_scores",)),
+    ("DSA selection", ("_select_regions",)),
+    ("DSA sparse attention", ("_sparse_attn", "_attn_merge", "_dense_prefix")),
+    ("router", ("_router_",)),
+    ("MoE quant / SwiGLU / combine", ("_act_quant", "_swiglu", "_moe_combine", "_moe_decode")),
+    ("residual add + norm", ("_add_norm",)),
+    ("torch: sort / scan / histogram", ("sort", "Sort", "scan", "Scan", "histc", "bincount", "cumsum")),
+    ("torch: index / gather / scatter", ("index", "Index", "gather", "scatter")),
+    ("torch: copies / cat / fill", ("copy", "Copy", "cat", "CatArray", "fill", "Fill")),
+]
+
+
+def family(name: str) -> str:
+    for fam, keys in FAMILIES:
+        if any(k in name for k in keys):
+            return fam
+    return "torch: other" if "at::" in name or "void " in name else "other"
+
+
+def prefill_flops(m: M.Step5ForCausalLM, P: int) -> dict:
+    """Useful FLOPs of one P-token prefill on this rank, by family: the dense projections' (bf16, every layer and the
+    router, the last token's head), the routed experts' (fp8, the mean number of this rank's experts per token), and
+    the attention's (queries x the keys each sees: min(window, p + 1) on sliding layers; on DSA layers the selected
+    regions' tokens and the current region's, plus the indexer's scores over every history region)."""
+    cfg = m.cfg
+    p = torch.arange(P, dtype=torch.float64)
+    H, hd = cfg.n_local_heads, cfg.head_dim
+    dense = router = fp8 = sliding = dsa = scores = 0.0
+    for i, layer in enumerate(m.model.layers[:cfg.num_hidden_layers]):
+        a = layer.self_attn
+        dense += 2 * P * (a.wpack.numel() + a.o_proj.weight.numel())
+        for name, q in layer.named_parameters():
+            if name == "moe.gate.weight":
+                router += 2 * P * q.numel()
+            elif q.dim() == 2 and not name.startswith("self_attn"):
+                dense += 2 * P * q.numel()  # shared expert or dense MLP
+        if layer.is_moe:
+            per = sum(getattr(layer.moe, n).weight[0].numel() for n in ("gate_proj", "up_proj", "down_proj"))
+            fp8 += 2 * P * per * cfg.moe_top_k * cfg.n_local_experts / cfg.moe_num_experts
+        if a.dsa:
+            sp = cfg.sparse
+            keys = torch.clamp(p // sp.block, max=sp.topk) * sp.block + p % sp.block + 1
+            dsa += float((4 * H * hd * keys).sum())
+            scores += float((2 * a.n_groups * a.idx_heads * sp.proxy_dim * (p // sp.block)).sum())
+        else:
+            sliding += float((4 * H * hd * p.add(1).clamp(max=cfg.sliding_window)).sum())
+    dense += 2 * m.lm_head.weight.numel()
+    return {"projections (bf16 GEMMs)": (dense, BF16_FLOPS), "router": (router, BF16_FLOPS),
+            "expert GEMMs (fp8)": (fp8, FP8_FLOPS), "sliding attention": (sliding, BF16_FLOPS),
+            "DSA sparse attention": (dsa, BF16_FLOPS), "DSA scores": (scores, FP8_FLOPS)}
+
+
+BF16_FLOPS, FP8_FLOPS = 767e12, 1263e12  # H200 dense GEMM ceilings measured with PyTorch (ENVIRONMENT.md)
+
+
+def prefill_profile(eng: E.Engine, P: int, seed: int) -> dict:
+    """One request's prefill of P tokens (to its first token) under the profiler: device time per kernel name, the
+    kernels' busy time (union of their intervals) and the wall time. Printed as a table by family."""
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.Generator().manual_seed(seed)
+    req = E.Request(torch.randint(11, 100000, (P,), generator=g).tolist(), 1)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        eng.run([req])
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    names, busy, end = {}, 0.0, float("-inf")
+    for a, b, name in ks:
+        n, t = names.get(name, (0, 0.0))
+        names[name] = (n + 1, t + (b - a) / 1e6)
+        busy += max(0.0, b - max(a, end)) / 1e6
+        end = max(end, b)
+    span = (ks[-1][1] - ks[0][0]) / 1e6 if ks else 0.0
+    fams = {}
+    for name, (n, t) in names.items():
+        f = fams.setdefault(family(name), [0, 0.0])
+        f[0] += n
+        f[1] += t
+    flops = prefill_flops(eng.model, P)
+    print(f"prefill of {P} tokens (chunks of {eng.config.prefill_chunk}): {wall:.3f} s wall = {P / wall:.0f} tok/s; "
+          f"kernels busy {busy:.3f} s over a span of {span:.3f} s (idle {wall - busy:.3f} s), {len(ks)} kernels")
+    print(f"{'family':32s} {'kernels':>8s} {'s':>7s} {'% wall':>7s} {'TFLOP/s':>8s} {'of ceil':>7s}")
+    for fam, (n, t) in sorted(fams.items(), key=lambda kv: -kv[1][1]):
+        rate = ""
+        if fam in flops and t > 0:
+            f, ceil = flops[fam]
+            rate = f"{f / t / 1e12:8.1f} {f / t / ceil:7.1%}"
+        print(f"{fam:32s} {n:8d} {t:7.3f} {t / wall:7.1%} {rate}")
+    print(f"{'idle (no kernel running)':32s} {'':8s} {wall - busy:7.3f} {(wall - busy) / wall:7.1%}", flush=True)
+    return {"P": P, "wall_s": wall, "busy_s": busy, "kernels": {k: v for k, v in names.items()}}
+
+
+def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill_chunk: int, profile: list,
+         dump: str | None, build_threads: int | None):
     counters = Counters()
     t0 = time.perf_counter()
     m = build()
@@ -94,14 +204,16 @@ def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill
           f"({torch.cuda.memory_allocated() / 2 ** 30:.1f} GiB)", flush=True)
     with torch.inference_mode():
         c0 = counters.snapshot()
-        eng = E.Engine(m, E.EngineConfig(max_batch, max_context, prefill_chunk), print)
+        eng = E.Engine(m, E.EngineConfig(max_batch, max_context, prefill_chunk, build_threads=build_threads), print)
         t0 = time.perf_counter()
         eng.start()
         t_start = time.perf_counter() - t0
         c1 = counters.snapshot()
-        print(f"start-up {t_start:.1f} s: warm-up {eng.timing['warmup_s']:.1f} s, capture {eng.timing['capture_s']:.1f}"
-              f" s; {c1[0] - c0[0]} Triton kernel builds (compiled or from its disk cache), {c1[1] - c0[1]} graph "
-              f"captures; max_context {eng.max_context}, peak {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB", flush=True)
+        t = eng.timing
+        print(f"start-up {t_start:.1f} s: built ahead {t['build_s']:.1f} s, warm-up {t['warmup_s']:.1f} s, capture "
+              f"{t['capture_s']:.1f} s; {c1[0] - c0[0]} Triton kernel builds (compiled or from its disk cache), "
+              f"{c1[1] - c0[1]} graph captures; max_context {eng.max_context}, peak "
+              f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB", flush=True)
         print(f"{'batch':>5} {'prompt':>7} {'new':>4} | {'TTFT s':>7} {'decode tok/s':>12} {'(per req)':>9} | "
               f"{'step ms':>7} {'ceiling tok/s':>13} {'seen/ceil':>9} | compiles captures")
         for i, (b, P) in enumerate(cases):
@@ -113,6 +225,16 @@ def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill
             print(f"{b:5d} {P:7d} {new:4d} | {r['ttft']:7.3f} {r['agg']:12.1f} {r['tok_s']:9.1f} | {st * 1e3:7.3f} "
                   f"{b / st:13.1f} {r['agg'] / (b / st):9.1%} | {c1[0] - c0[0]:8d} {c1[1] - c0[1]:8d}"
                   + (f"  compiled: {sorted(set(counters.names[c0[0]:]))}" if c1[0] > c0[0] else ""), flush=True)
+        prof = []
+        for i, P in enumerate(profile):
+            c0 = counters.snapshot()
+            prof.append(prefill_profile(eng, P, seed=100 + i))
+            c1 = counters.snapshot()
+            if c1 != c0:
+                print(f"  (during the profiled prefill: {c1[0] - c0[0]} kernel builds, {c1[1] - c0[1]} captures)")
+        if dump:
+            with open(dump, "w") as f:
+                json.dump(prof, f)
 
 
 if __name__ == "__main__":
@@ -123,6 +245,10 @@ if __name__ == "__main__":
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--max-context", type=int, default=None, help="default: what fits")
     ap.add_argument("--prefill-chunk", type=int, default=E.PREFILL_CHUNK)
+    ap.add_argument("--profile", type=int, nargs="*", default=[], metavar="P",
+                    help="prefill profiles by kernel family of one request of P tokens each")
+    ap.add_argument("--dump", help="write the profiles' per-kernel times to this JSON file")
+    ap.add_argument("--build-threads", type=int, default=None, help="start-up's parallel kernel builds (0: off)")
     a = ap.parse_args()
-    main([tuple(map(int, c.split("x"))) for c in a.cases.split(",")], a.new, a.max_batch, a.max_context,
-         a.prefill_chunk)
+    main([tuple(map(int, c.split("x"))) for c in a.cases.split(",") if c], a.new, a.max_batch, a.max_context,
+         a.prefill_chunk, a.profile, a.dump, a.build_threads)

@@ -13,7 +13,8 @@ median stream's decode tok/s, and inter-token gaps p50 / p99. One request first 
 
 --local serves one whole TP=EP=8 rank of random FP8 weights (bench_request.py's) on this process's GPU through
 serve.py's own HTTP side and engine loop, with a word-level tokenizer over the rank's vocabulary window (ids in
-[--ids]), and measures it the same way.
+[--ids]), and measures it the same way; before serving, it runs each cell's load through the engine alone (no HTTP,
+the same closed loop of clients) and prints it beside the server's figures: what the server adds to the engine.
 """
 import argparse
 import asyncio
@@ -64,6 +65,11 @@ async def cell(url: str, key: str | None, clients: int, n_prompt: int, requests:
         t0 = time.perf_counter()
         runs = [r for w in await asyncio.gather(*[worker() for _ in range(clients)]) for r in w]
         wall = time.perf_counter() - t0
+    return summary(runs, clients, n_prompt, wall)
+
+
+def summary(runs: list, clients: int, n_prompt: int, wall: float) -> dict:
+    """A cell's figures from each request's token times (seconds after it was sent)."""
     ttft = [r["times"][0] for r in runs if r["times"]]
     decoded = sum(max(len(r["times"]) - 1, 0) for r in runs)
     streams = [(len(r["times"]) - 1) / (r["times"][-1] - r["times"][0]) for r in runs if len(r["times"]) > 1
@@ -84,22 +90,28 @@ def word_tokenizer(n: int):
     return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<0>")
 
 
-def local_server(model, tok, max_batch: int, max_context: int | None, prefill_chunk: int) -> str:
-    """serve.py around `model` in this process (one rank, world 1): its HTTP side on a free loopback port and its
-    engine loop in a daemon thread, as serve.py runs them. -> the server's URL."""
+def local_engine(model, tok, max_batch: int, max_context: int | None, prefill_chunk: int,
+                 build_threads: int | None = None):
+    """serve.py's session around `model` in this process (one rank, world 1), its engine started."""
+    import engine as E
+    import generate as G
+    dev = next(model.parameters()).device
+    a = G.Args("(local)", max_batch=max_batch, max_context=max_context, prefill_chunk=prefill_chunk)
+    s = G.Session(a, 0, 1, dev, model.cfg, None, tok, sorted(model.cfg.eos_token_id), model=model)
+    s.eng = E.Engine(model, E.EngineConfig(max_batch, max_context, prefill_chunk, build_threads=build_threads), print)
+    s.eng.start()
+    return s, a
+
+
+def local_server(s, a) -> str:
+    """serve.py's HTTP side on a free loopback port and its engine loop in a daemon thread, as serve.py runs them,
+    around a local_engine session. -> the server's URL."""
     import socket
     import threading
 
     import torch
 
-    import engine as E
-    import generate as G
     import serve as S
-    dev = next(model.parameters()).device
-    a = G.Args("(local)", max_batch=max_batch, max_context=max_context, prefill_chunk=prefill_chunk)
-    s = G.Session(a, 0, 1, dev, model.cfg, None, tok, sorted(model.cfg.eos_token_id), model=model)
-    s.eng = E.Engine(model, E.EngineConfig(max_batch, max_context, prefill_chunk), print)
-    s.eng.start()
     sock = socket.create_server(("127.0.0.1", 0))
     hub, _, _ = S.start_http(s, S.Options(port=0), a, sock)
 
@@ -110,20 +122,58 @@ def local_server(model, tok, max_batch: int, max_context: int | None, prefill_ch
     return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+def engine_cell(eng, clients: int, n_prompt: int, requests: int, max_tokens: int, lo: int, hi: int,
+                rng: random.Random) -> dict:
+    """The same load as `cell`, through the engine in this thread without HTTP: `clients` requests in flight, each
+    client sending its next when one ends; token times as the host reads them (the server's own floor)."""
+    import engine as E
+    left = [requests] * clients
+    sent, times, owner = {}, {}, {}
+
+    def send(c):
+        r = eng.submit(E.Request([rng.randrange(lo, hi) for _ in range(n_prompt)], max_tokens))
+        left[c] -= 1
+        sent[r.rid], times[r.rid], owner[r.rid] = time.perf_counter(), [], c
+    t0 = time.perf_counter()
+    for c in range(clients):
+        send(c)
+    while eng.busy():
+        out = eng.step()
+        now = time.perf_counter()
+        for r, ids in out.tokens:
+            times[r.rid] += [now - sent[r.rid]] * len(ids)
+        for r in out.finished:
+            if left[owner[r.rid]]:
+                send(owner[r.rid])
+    return summary([{"times": t} for t in times.values()], clients, n_prompt, time.perf_counter() - t0)
+
+
+HEADER = (f"{'':9s} {'clients':>7} {'prompt':>7} {'reqs':>5} {'TTFT p50':>9} {'p99 ms':>8} {'decode tok/s':>13} "
+          f"{'stream tok/s':>13} {'gap p50':>8} {'p99 ms':>7}")
+
+
+def line(kind: str, r: dict) -> str:
+    return (f"{kind:9s} {r['clients']:>7} {r['prompt_tokens']:>7} {r['requests']:>5} {r['ttft_p50_ms']:>9.0f} "
+            f"{r['ttft_p99_ms']:>8.0f} {r['decode_tok_s']:>13.1f} {r['stream_tok_s_p50']:>13.1f} "
+            f"{r['gap_p50_ms']:>8.1f} {r['gap_p99_ms']:>7.1f}")
+
+
 def main(url: str, key: str | None, clients: list, prompt_tokens: list, requests: int, max_tokens: int, lo: int,
-         hi: int, seed: int, as_json: bool):
+         hi: int, seed: int, as_json: bool, direct: dict | None = None):
+    """The HTTP cells; `direct` ((clients, prompt) -> the engine_cell of the same load): printed beside them with
+    the server's share of the engine's decode rate."""
     rng = random.Random(seed)
     asyncio.run(cell(url, key, 1, 16, 1, 4, lo, hi, rng))  # warm-up
-    print(f"{'clients':>7} {'prompt':>7} {'reqs':>5} {'TTFT p50':>9} {'p99 ms':>8} {'decode tok/s':>13} "
-          f"{'stream tok/s':>13} {'gap p50':>8} {'p99 ms':>7}")
+    print(HEADER)
     rows = []
     for n in prompt_tokens:
         for c in clients:
             r = asyncio.run(cell(url, key, c, n, requests, max_tokens, lo, hi, rng))
             rows.append(r)
-            print(f"{c:>7} {n:>7} {r['requests']:>5} {r['ttft_p50_ms']:>9.0f} {r['ttft_p99_ms']:>8.0f} "
-                  f"{r['decode_tok_s']:>13.1f} {r['stream_tok_s_p50']:>13.1f} {r['gap_p50_ms']:>8.1f} "
-                  f"{r['gap_p99_ms']:>7.1f}", flush=True)
+            e = (direct or {}).get((c, n))
+            print((line("engine", e) + "\n" if e else "") + line("server", r)
+                  + (f"   = {r['decode_tok_s'] / e['decode_tok_s']:.1%} of the engine's decode tok/s" if e else ""),
+                  flush=True)
     if as_json:
         print(json.dumps(rows))
 
@@ -144,11 +194,25 @@ if __name__ == "__main__":
     ap.add_argument("--local", action="store_true", help="serve a random whole rank on this GPU instead of --url")
     ap.add_argument("--max-batch", type=int, default=16, help="--local: the engine's slots")
     ap.add_argument("--max-context", type=int, default=None, help="--local: positions per slot (default: what fits)")
-    ap.add_argument("--prefill-chunk", type=int, default=2048, help="--local: serve.py's default")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="--local: default serve.py's")
+    ap.add_argument("--build-threads", type=int, default=None, help="--local: start-up's parallel kernel builds")
     a = ap.parse_args()
+    if a.prefill_chunk is None:
+        from serve import PREFILL_CHUNK
+        a.prefill_chunk = PREFILL_CHUNK
+    direct = None
     if a.local:
+        import torch
+
         from bench_request import build
         m = build()
-        a.url, a.api_key = local_server(m, word_tokenizer(m.cfg.vocab_size // m.cfg.tp_size), a.max_batch,
-                                        a.max_context, a.prefill_chunk), None
-    main(a.url, a.api_key, a.clients, a.prompt_tokens, a.requests, a.max_tokens, a.ids[0], a.ids[1], a.seed, a.as_json)
+        s, args = local_engine(m, word_tokenizer(m.cfg.vocab_size // m.cfg.tp_size), a.max_batch, a.max_context,
+                               a.prefill_chunk, a.build_threads)
+        rng, direct = random.Random(a.seed + 1), {}
+        with torch.inference_mode():  # the same load through the engine alone first: what the server adds to it
+            for n in a.prompt_tokens:
+                for c in a.clients:
+                    direct[c, n] = engine_cell(s.eng, c, n, a.requests, a.max_tokens, a.ids[0], a.ids[1], rng)
+        a.url, a.api_key = local_server(s, args), None
+    main(a.url, a.api_key, a.clients, a.prompt_tokens, a.requests, a.max_tokens, a.ids[0], a.ids[1], a.seed, a.as_json,
+         direct)

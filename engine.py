@@ -16,8 +16,12 @@ The decode step is one static-shape function of the slot of each row (padding ro
 that do not decode in the step and write only where their slot's next token would go), replayed as a CUDA graph on
 GPUs.
 """
+import contextlib
 import itertools
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -318,6 +322,7 @@ class EngineConfig:
     prefill_chunk: int = PREFILL_CHUNK
     speculative: int = 0  # MTP drafts per decode step (0: plain decoding)
     cuda_graph: bool = True
+    build_threads: int | None = None  # start-up's parallel kernel builds (None: one per CPU core, at most 16; 0: off)
 
 
 @dataclass
@@ -347,15 +352,9 @@ class Engine:
         self.use_graph = c.cuda_graph and self.dev.type == "cuda"
         # spare ring slots: a rewind for prefix reuse, and the rows a speculative step writes past what it keeps
         self.slack = REWIND + 2 * self.k + 2
-        self.plan, self.max_context = self._plan(c)
-        say(self.plan.line())
-        if not self.plan.fits():
-            raise MemoryError(f"the engine does not fit: {self.plan.line()}; lower --max-context "
-                              f"({self.max_context}) or --max-batch ({c.max_batch})")
+        self._replan()
         B = c.max_batch
-        self.cache = model.new_cache(B, self.max_context, slack=self.slack)
-        self.cap = self.cache.cap
-        self.mtps = model.new_mtp_caches(B, self.max_context, slack=self.slack) if self.k else []
+        self.cache, self.cap, self.mtps = None, 0, []  # allocated by start(), after its parallel kernel builds
         self.slots = [Slot() for _ in range(B)]
         self.next_tok = torch.zeros(B, dtype=torch.long, device=self.dev)  # each slot's next token to feed
         self.count = torch.zeros(B, dtype=torch.long, device=self.dev)  # tokens each slot's request emitted
@@ -368,6 +367,15 @@ class Engine:
         self.progress = None  # progress(first token, tokens, longest prompt, layer, layers) during prefills
 
     # ---- start-up
+    def _replan(self):
+        """The memory plan and context on what the device has free now, said; refused (naming the flags) when it does
+        not fit."""
+        self.plan, self.max_context = self._plan(self.config)
+        self.say(self.plan.line())
+        if not self.plan.fits():
+            raise MemoryError(f"the engine does not fit: {self.plan.line()}; lower --max-context "
+                              f"({self.max_context}) or --max-batch ({self.config.max_batch})")
+
     def _plan(self, c: EngineConfig) -> tuple[MemoryPlan, int]:
         """The memory plan and the context length: c.max_context, or what fits (a multiple of 128, capped at
         max_position_embeddings)."""
@@ -410,16 +418,28 @@ class Engine:
     @torch.inference_mode()
     def start(self):
         """Every kernel variant a request can reach compiled (warm-up prefills, and per batch bucket the decode
-        step), every decode graph captured; times reported."""
+        step), the caches allocated, every decode graph captured; times reported."""
         sync = torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
-        t0 = time.perf_counter()
+        m, B, t0 = self.model, self.config.max_batch, time.perf_counter()
+        passes = m.warm_lengths(self.max_context, self.config.prefill_chunk)
+        threads = self.config.build_threads
+        if threads is None:
+            threads = min(16, os.cpu_count() or 1) if self.dev.type == "cuda" else 0
+        ahead = threads > 1 and bool(passes)
+        if ahead:  # the warm-up passes from threads, before the caches exist: their launches are the passes' own
+            self._build_ahead(passes, threads)
+            self._replan()  # on what the builds left free (library workspaces and loaded kernels stay behind)
+        tb = time.perf_counter()
+        self.cache = m.new_cache(B, self.max_context, slack=self.slack)
+        self.cap = self.cache.cap
+        self.mtps = m.new_mtp_caches(B, self.max_context, slack=self.slack) if self.k else []
         with torch.inference_mode():
-            for p0, n in self.model.warm_lengths(self.max_context, self.config.prefill_chunk):
+            for p0, n in [] if ahead else passes:
                 self._warm(p0, n)
             sync()
             t1 = time.perf_counter()
             pool = torch.cuda.graph_pool_handle() if self.use_graph else None
-            for b in buckets(self.config.max_batch):
+            for b in buckets(B):
                 self.graphs[b] = self.spec.graphs(b, pool) if self.spec else self._plain_graph(b, pool)
                 for g in self.graphs[b]:
                     g.capture()
@@ -428,21 +448,71 @@ class Engine:
         self.cache.lengths.zero_()  # the warm-ups wrote garbage at the first positions of slots: nothing is held
         for c in self.mtps:
             c.lengths.zero_()
-        self.timing = {"warmup_s": t1 - t0, "capture_s": t2 - t1}
-        self.say(f"start-up: warm-up {t1 - t0:.1f} s, "
+        self.timing = {"build_s": tb - t0, "warmup_s": t1 - tb, "capture_s": t2 - t1}
+        self.say(f"start-up: " + (f"kernels built ahead from {threads} threads in {tb - t0:.1f} s, " if tb > t0 + 1e-3
+                                  else "") + f"warm-up {t1 - tb:.1f} s, "
                  + (f"{sum(len(g) for g in self.graphs.values())} CUDA graphs captured in {t2 - t1:.1f} s"
                     if self.use_graph else "decode steps run eagerly") + f" (batch buckets {list(self.graphs)})")
 
-    def _warm(self, p0: int, n: int):
+    def _build_ahead(self, passes: list, threads: int):
+        """The warm-up prefill passes from a pool of threads, before the caches exist: each pass in a cache of its own
+        (one slot, as long as the pass needs: its launches are those of the engine's cache, whose strides take the
+        same integer classes; tests/test_engine.py compares the two), on a stream of its own, with this rank's
+        collectives left out (model.alone: threads take turns in another order on every rank). Triton's compilation
+        leaves the GIL for most of its time, so the passes' kernels compile side by side. Passes wait for device
+        memory: their caches and workspaces stay within what the plan leaves beside the caches it has yet to
+        allocate. The results are discarded."""
+        m, cuda = self.model, self.dev.type == "cuda"
+        m._capacity(self.max_context + self.slack)  # RoPE tables for every pass, built before any thread reads them
+        total = self.plan.caches + self.plan.prefill + self.plan.graphs if self.plan.free >= 0 else 1 << 62
+        room, ready = [total], threading.Condition()
+
+        def cost(p0: int, n: int) -> int:
+            meta = [m.new_cache(1, p0 + n, slack=self.slack, device="meta")]
+            if self.k:
+                meta += m.new_mtp_caches(1, p0 + n, slack=self.slack, device="meta")
+            return (sum(t.numel() * t.element_size() for c in meta for lc in c.layers for t in vars(lc).values())
+                    + prefill_workspace(m.cfg, n))
+
+        def one(p0: int, n: int):
+            need = min(cost(p0, n), total)  # a pass larger than the whole room runs alone
+            with ready:
+                ready.wait_for(lambda: room[0] >= need)
+                room[0] -= need
+            try:
+                if cuda:
+                    torch.cuda.set_device(self.dev)
+                stream = torch.cuda.Stream(self.dev) if cuda else None
+                with torch.inference_mode(), M.alone(), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                    cache = m.new_cache(1, p0 + n, slack=self.slack)
+                    mtps = m.new_mtp_caches(1, p0 + n, slack=self.slack) if self.k else []
+                    self._warm(p0, n, cache, mtps)
+                    if cuda:
+                        stream.synchronize()
+                    del cache, mtps
+            finally:
+                with ready:
+                    room[0] += need
+                    ready.notify_all()
+        with ThreadPoolExecutor(threads, thread_name_prefix="build") as pool:
+            for f in [pool.submit(one, p0, n) for p0, n in sorted(passes, key=lambda pn: -pn[1])]:
+                f.result()
+        if cuda:
+            torch.cuda.synchronize(self.dev)
+            torch._C._cuda_clearCublasWorkspaces()  # one per thread's stream
+            torch.cuda.empty_cache()  # the passes' blocks back to the device, for the caches
+
+    def _warm(self, p0: int, n: int, cache=None, mtps=None):
         """A prefill pass of n tokens at position p0 of slot 0 (whatever its cache holds), and of every MTP layer:
         its launches compile whatever they need; the slot is forgotten after start-up."""
+        cache, mtps = cache or self.cache, self.mtps if mtps is None else mtps
         ids = torch.zeros(n, dtype=torch.long, device=self.dev)
-        self.cache.lengths[0] = p0
+        cache.lengths[0] = p0
         if not self.k:
-            self.model.forward(ids, self.cache, [n], rows=[0])
+            self.model.forward(ids, cache, [n], rows=[0])
             return
-        h = self.model.forward_rows(ids, self.cache, [n], rows=[0])
-        for j, c in enumerate(self.mtps):
+        h = self.model.forward_rows(ids, cache, [n], rows=[0])
+        for j, c in enumerate(mtps):
             c.lengths[0] = p0
             h, _ = self.model.mtp(j, h, ids, c, [n], rows=[0])
 

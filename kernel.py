@@ -18,6 +18,7 @@ R regions, K selected regions, E experts, F expert width, D hidden, M rows, N ou
 import ast
 import functools
 import os
+import threading
 
 import torch
 import triton
@@ -145,14 +146,15 @@ def prefill_warm_lengths(max_context: int, chunk: int, blk: int, topk: int) -> l
     """(first position, tokens) of the prefill passes into one cache row that reach every launch variant of a prefill
     of up to max_context positions in chunks of up to `chunk` tokens: 1, 2, 4, 8 and 16 tokens (the specialised
     kernels' integer classes and the decode experts' slot blocks), each power of two above (the launch choices of
-    _launch_rows), the chunk; then 64 and 256 queries at contexts in each size class of the region selection
-    (prefill's tiles: select_regions_triton)."""
+    _launch_rows), the chunk; then 16, 64 and 256 queries at contexts in each size class of the region selection
+    (prefill's tiles of the scores and the selection: indexer_scores_triton, select_regions_triton; the first passes'
+    queries select every region: dense_prefix)."""
     top = min(chunk, max_context)
     ns = sorted({n for n in [1 << i for i in range(top.bit_length())] + [top] if n <= top})
     out = [(0, n) for n in ns]
     regions = max_context // blk
     for r in (topk // 2, 2 * topk, 4096 + 2 * topk, 8192 + 2 * topk, 16384 + 2 * topk, 32768 + 8 * topk):
-        for n in sorted({min(64, top), min(256, top)}):
+        for n in sorted({min(16, top), min(64, top), min(256, top)}):
             if (r + 1) * blk + n <= max_context and r < regions:
                 out.append((r * blk, n))
     return out
@@ -1811,6 +1813,129 @@ def sparse_attention(q, k, v, ids, valid, pos, blk, scale, gate=None, rows=None,
     return sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate, rows)
 
 
+def dense_prefix_ref(q, k, v, p0, blk, scale, gate=None):
+    """sparse_attention_ref for queries that select every history region (p // blk <= topk: the spec's dense-equivalence
+    regime, STEP5_TEXT 5.7), so no scores or selection are needed: q [S, T, G, Hg, hd] at positions p0 .. p0 + T - 1,
+    k, v [S, N, G, hd] -> [S, T, G, Hg, hd] bf16. The same keys in the same order: every history region ascending,
+    then the current region."""
+    S, T, G = q.shape[:3]
+    pos = torch.arange(p0, p0 + T, device=q.device).expand(S, T)
+    n = max(1, (p0 + T - 1) // blk)
+    ids = torch.arange(n, device=q.device).expand(S, G, T, n)
+    return sparse_attention_ref(q, k, v, ids, ids < (pos // blk)[:, None, :, None], pos, blk, scale, gate)
+
+
+@triton.jit
+def _dense_tile(qa, qb, k_ptr, v_ptr, ks, k_ok, ok, g, skv_n, skv_g, scale, m_i, l_i, acc_a, acc_b, da, db, db_ok,
+                DOT_DTYPE: tl.constexpr):
+    """One key tile of _dense_prefix_kernel: _sparse_attn_kernel's online-softmax step (fp32 logits * scale, dead
+    keys -inf, p = exp(s - m) rounded to bf16 before P.V, fp32 sums) on the keys ks (loaded where k_ok, live where
+    ok [rows, keys])."""
+    kv = ks.to(tl.int64)[:, None] * skv_n + g * skv_g
+    ka = tl.load(k_ptr + kv + da[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
+    kb = tl.load(k_ptr + kv + db[None, :], mask=k_ok[:, None] & db_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
+    sc = tl.dot(qb, tl.trans(kb), tl.dot(qa, tl.trans(ka))) * scale
+    sc = tl.where(ok, sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully dead tile so far: avoid inf - inf
+    alpha = tl.exp(m_i - m_use)
+    e = tl.exp(sc - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(e, axis=1)
+    pr = _bf16_round(e).to(DOT_DTYPE)
+    va = tl.load(v_ptr + kv + da[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
+    vb = tl.load(v_ptr + kv + db[None, :], mask=k_ok[:, None] & db_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
+    return m_new, l_i, tl.dot(pr, va, acc_a * alpha[:, None]), tl.dot(pr, vb, acc_b * alpha[:, None])
+
+
+@triton.jit(do_not_specialize=["T", "p0"])
+def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, p0, scale, sq_t, sq_g, sq_h, skv_n, skv_g, so_t, so_g, so_h,
+                         HG: tl.constexpr, HGP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, QB: tl.constexpr,
+                         CUR: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, BLOCK_DB: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    """_sparse_attn_kernel's arithmetic for queries that select every history region, QB queries (whole regions:
+    they share their history) x HG heads of KV group g as the rows of one tile, so each key tile is loaded once for
+    them all. Row r: query position first + r // HGP, head r % HGP. Keys in the per-query kernel's order and tiles:
+    history keys 0 .. blk * floor(p / blk) - 1 in tiles of BLOCK_N from key 0 (each row's own history masked), then
+    one tile of CUR keys holding the block's current regions (each row's keys blk * floor(p / blk) .. p). head_dim in
+    two power-of-two pieces DA + BLOCK_DB (192 = 128 + 64)."""
+    _pdl_enter(PDL)
+    b = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest histories start first
+    g = tl.program_id(1)
+    first = (p0 // BLK + b * (QB // BLK)) * BLK  # the block's first position: a region's first
+    r = tl.arange(0, QB * HGP)
+    p = first + r // HGP
+    t = p - p0
+    h = r % HGP
+    row_ok = (t >= 0) & (t < T) & (h < HG)
+    hist = p // BLK * BLK  # keys before the row's current region
+    da = tl.arange(0, DA)
+    db = DA + tl.arange(0, BLOCK_DB)
+    db_ok = db < D
+    qrow = q_ptr + t.to(tl.int64)[:, None] * sq_t + g * sq_g + h[:, None] * sq_h
+    qa = tl.load(qrow + da[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
+    qb = tl.load(qrow + db[None, :], mask=row_ok[:, None] & db_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
+    m_i = tl.full((QB * HGP,), float("-inf"), tl.float32)
+    l_i = tl.zeros((QB * HGP,), dtype=tl.float32)
+    acc_a = tl.zeros((QB * HGP, DA), dtype=tl.float32)
+    acc_b = tl.zeros((QB * HGP, BLOCK_DB), dtype=tl.float32)
+    # the history of the block's last query (keys [0, last)); masked loads past it: 0 * garbage could be NaN
+    last = tl.minimum(first + QB - BLK, (p0 + T - 1) // BLK * BLK)
+    for k0 in range(0, last, BLOCK_N):
+        ks = k0 + tl.arange(0, BLOCK_N)
+        m_i, l_i, acc_a, acc_b = _dense_tile(qa, qb, k_ptr, v_ptr, ks, ks < last,
+                                             (ks[None, :] < hist[:, None]) & row_ok[:, None], g, skv_n, skv_g, scale,
+                                             m_i, l_i, acc_a, acc_b, da, db, db_ok, DOT_DTYPE)
+    ks = first + tl.arange(0, CUR)
+    ok = (ks[None, :] >= hist[:, None]) & (ks[None, :] <= p[:, None]) & row_ok[:, None]
+    m_i, l_i, acc_a, acc_b = _dense_tile(qa, qb, k_ptr, v_ptr, ks, ks < p0 + T, ok, g, skv_n, skv_g, scale, m_i, l_i,
+                                         acc_a, acc_b, da, db, db_ok, DOT_DTYPE)
+    den = tl.maximum(l_i, 1e-30)[:, None]
+    orow = o_ptr + t.to(tl.int64)[:, None] * so_t + g * so_g + h[:, None] * so_h
+    oa = _bf16_round(tl.math.div_rn(acc_a, den * tl.full(acc_a.shape, 1.0, tl.float32)))
+    tl.store(orow + da[None, :], oa.to(tl.bfloat16), mask=row_ok[:, None])
+    ob = _bf16_round(tl.math.div_rn(acc_b, den * tl.full(acc_b.shape, 1.0, tl.float32)))
+    tl.store(orow + db[None, :], ob.to(tl.bfloat16), mask=row_ok[:, None] & db_ok[None, :])
+
+
+def dense_prefix_triton(q, k, v, p0, blk, scale, block_n=None, num_warps=8):
+    """Triton dense_prefix_ref (_dense_prefix_kernel) for one sequence: q [1, T, G, Hg, hd] at positions p0 ..
+    p0 + T - 1, k, v [1, N, G, hd] (N >= p0 + T) -> [1, T, G, Hg, hd] bf16. Within sparse_attention_triton's distance
+    of the reference (the same tiles of block_n keys, default TUNING["sparse_block_n"])."""
+    _check_tensor("q", q, torch.bfloat16, ndim=5, contiguous=False)
+    _check_tensor("k", k, torch.bfloat16, ndim=4, contiguous=False)
+    _check_tensor("v", v, torch.bfloat16, ndim=4, contiguous=False)
+    S, T, G, HG, D = q.shape
+    _check(S == 1 and k.shape[0] == 1 and k.shape[2:] == (G, D) and v.shape == k.shape and k.stride() == v.stride()
+           and k.shape[1] >= p0 + T and q.stride(-1) == k.stride(-1) == 1,
+           lambda: f"dense prefix attention: q {tuple(q.shape)} at p0 {p0}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    out = torch.empty(T, G, HG, D, dtype=torch.bfloat16, device=q.device)
+    if T == 0:
+        return out[None]
+    HGP = triton.next_power_of_2(HG)
+    QB = blk * max(1, 64 // (HGP * blk))  # whole regions, 64 rows a tile where the heads allow
+    BLOCK_N = block_n or TUNING["sparse_block_n"]
+    DA = 1 << (D - 1).bit_length() - 1  # head_dim = DA + the rest (192 = 128 + 64)
+    first = p0 // blk * blk
+    _dense_prefix_kernel[(triton.cdiv(p0 + T - first, QB), G)](
+        q[0], k[0], v[0], out, T, int(p0), float(scale), q.stride(1), q.stride(2), q.stride(3), k.stride(1),
+        k.stride(2), out.stride(0), out.stride(1), out.stride(2), HG=HG, HGP=HGP, D=D, BLK=blk, QB=QB,
+        CUR=max(16, triton.next_power_of_2(QB)), BLOCK_N=BLOCK_N, DA=DA,
+        BLOCK_DB=max(1, triton.next_power_of_2(D - DA)), DOT_DTYPE=_DOT, num_warps=num_warps,
+        num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
+    return out[None]
+
+
+def dense_prefix(q, k, v, p0, blk, scale, gate=None):
+    """Attention of prefill queries that select every history region (see dense_prefix_ref); the reference in chunks
+    of 256 queries (it gathers every query's keys)."""
+    if _triton(q):
+        out = dense_prefix_triton(q, k, v, p0, blk, scale)
+        return out if gate is None else gate_heads(out, gate)
+    T = q.shape[1]
+    return torch.cat([dense_prefix_ref(q[:, c:c + 256], k, v, p0 + c, blk, scale,
+                                       None if gate is None else gate[c:c + 256]) for c in range(0, T, 256)], 1)
+
+
 # --------------------------------------------------------------------------------------------------
 # Router and MoE: routing, SwiGLU, activation quantisation, prefill expert GEMMs, decode experts, combine
 
@@ -3047,15 +3172,18 @@ _COUNTERS = {}
 
 
 def _arrival_counters(device, n):
-    """The decode expert kernels' arrival counters (TUNING["moe_early_down"]): one zeroed int32 buffer per device,
-    shared by every MoE layer (each call's combine launch zeroes what its down launch read, before the next call's
-    gate/up can start). Allocated at the first call (a warm-up), never inside a graph capture: a buffer from the
-    graph's pool would be freed with the graph. n <= DECODE_SLOTS + 1 always (hit experts plus the shared one)."""
-    c = _COUNTERS.get(device)
+    """The decode expert kernels' arrival counters (TUNING["moe_early_down"]): one zeroed int32 buffer per device and
+    thread, shared by every MoE layer (each call's combine launch zeroes what its down launch read, before the next
+    call's gate/up can start, so one thread's launches must follow each other on its stream: threads that launch
+    side by side, as start-up's parallel kernel builds do, each take their own). Allocated at the first call (a
+    warm-up), never inside a graph capture: a buffer from the graph's pool would be freed with the graph.
+    n <= DECODE_SLOTS + 1 always (hit experts plus the shared one)."""
+    key = device, threading.get_ident()
+    c = _COUNTERS.get(key)
     if c is None:
         _check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
                "the decode expert kernels' counters are allocated by an eager call: run a step before capturing")
-        c = _COUNTERS[device] = torch.zeros(DECODE_SLOTS + 1, dtype=torch.int32, device=device)
+        c = _COUNTERS[key] = torch.zeros(DECODE_SLOTS + 1, dtype=torch.int32, device=device)
     _check(n <= c.numel(), lambda: f"{n} arrival counters needed, {c.numel()} allocated")
     return c
 

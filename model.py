@@ -5,9 +5,11 @@ Dimension legend used in shape comments:
   hd = head dim, E = local experts, k = experts per token, P = indexer proxy dim, R = regions, V = local vocab.
 Every number of the architecture comes from the checkpoint's config; nothing here is a literal of the real model.
 """
+import contextlib
 import itertools
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +38,27 @@ def set_parallel(ws: int, r: int):
     world_size, rank = ws, r
 
 
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def alone():
+    """In this thread, tp_gather stands in for the collective with world_size copies of this rank's x (the same
+    shapes, so the same kernel launches): for passes that run only for their launches (engine start-up's parallel
+    kernel builds), whose threads reach their collectives in another order on every rank."""
+    _thread.alone = True
+    try:
+        yield
+    finally:
+        _thread.alone = False
+
+
 def tp_gather(x: torch.Tensor) -> torch.Tensor:
     """All ranks' copies of x stacked in rank order: [world, *x.shape]."""
     if world_size == 1:
         return x[None]
+    if getattr(_thread, "alone", False):
+        return x[None].expand(world_size, *x.shape).contiguous()
     out = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x.contiguous())  # gloo wants the ranks concatenated along dim 0
     return out.view(world_size, *x.shape)
@@ -442,9 +461,18 @@ class Attention(nn.Module):
                                                                     zr[:done * blk].view(done, blk, P)).view(torch.uint8)
             tail = q0 + n - done * blk
             cache.pk[b, :tail], cache.pz[b, :tail] = kr[done * blk:], zr[done * blk:]
+            # queries at p < (topk + 1) * blk select every history region (the spec's dense-equivalence regime): no
+            # scores or selection, and their attention in tiles of whole regions' queries
+            nd = min(n, max(0, (sp.topk + 1) * blk - p0))
+            if nd:
+                if self.pins is not None:  # the decisions recorded as a selection would make them
+                    self._pin_every_region(req[s:s + 1], at.pos[s:s + nd][None], G)
+                out[s:s + nd] = kernel.dense_prefix(q[None, s:s + nd], cache.k[b:b + 1, :p0 + nd],
+                                                    cache.v[b:b + 1, :p0 + nd], p0, blk, self.scale,
+                                                    gate=g[s:s + nd])[0]
             nr = end // blk  # every region completed so far; a query at p selects among regions < p // blk
             step = kernel.dsa_query_chunk(q, G, nr)
-            for c0 in range(0, n, step):  # query chunks bound the scores (and the reference's gathered keys)
+            for c0 in range(nd, n, step):  # query chunks bound the scores (and the reference's gathered keys)
                 c1 = min(n, c0 + step)
                 pb = at.pos[s + c0:s + c1][None]
                 scores = kernel.indexer_scores(qi[None, s + c0:s + c1], wi[None, s + c0:s + c1],
@@ -457,6 +485,14 @@ class Attention(nn.Module):
                                                              cache.v[b:b + 1, :end], ids, valid, pb, blk, self.scale,
                                                              gate=g[s + c0:s + c1], prefill=True)[0]
         return out.view(T, H, hd)
+
+    def _pin_every_region(self, req, pos, G: int):
+        """Installed Pins (tests): record the selection of every history region for queries pos [1, T] that skip the
+        selection; a replay's pinned decisions for them are the same (any run selects every region there)."""
+        blk = self.cfg.sparse.block
+        n = max(1, int(pos.max()) // blk)
+        ids = torch.arange(n, device=pos.device).expand(1, G, pos.shape[1], n)
+        self.pins.regions(self.layer_id, req, pos, self.group0, ids, ids < (pos // blk)[:, None, :, None], n)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ GEMM row counts); the comparisons pin one run's routing and region decisions int
 request id) and accept a token difference only at a measured near-tie (tests/invariants.py).
 """
 import random
+import threading
 
 import pytest
 import torch
@@ -147,28 +148,24 @@ DISPATCHERS = ("rms_norm", "norm_rope_jobs", "banded_attention", "sliding_decode
                "skinny_linear", "add_norm")
 
 
-@torch.inference_mode()
-def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, monkeypatch):
-    """Nothing compiles on the request path: every Triton launch of requests of other prompt lengths and batch sizes
-    is one that start-up made, each launch keyed as Triton compiles it (sass.launch_key: constexprs, each integer's
-    class, each pointer's alignment), with the GPU's launch choices. Every kernel call is made twice: its Triton
-    launches recorded and not executed, then its reference, whose results the model goes on with (the interpreter
-    is too slow for a whole engine's run). bench_request.py counts real compilations on the GPU."""
+@pytest.fixture
+def gpu_launches(monkeypatch):
+    """Every kernel call made twice: its Triton launches (with the GPU's launch choices) recorded and not executed,
+    then its reference, whose results the model goes on with (the interpreter is too slow for a whole engine's run).
+    The switch between the two is per thread (start-up's parallel builds call kernels from several)."""
     import kernel
-    import sass
-    lm = tp1_models("fp8_text")
     monkeypatch.setattr(kernel, "_GPU_LAUNCH", True)
     monkeypatch.setattr(kernel, "_sms", lambda: 132)
-    on = {"triton": False}
-    monkeypatch.setattr(kernel, "_triton", lambda x: on["triton"])
+    on = threading.local()
+    monkeypatch.setattr(kernel, "_triton", lambda x: getattr(on, "triton", False))
 
     def both(f):
         def call(*a, **k):
-            on["triton"] = True
+            on.triton = True
             try:
                 f(*a, **k)  # its launches, recorded only
             finally:
-                on["triton"] = False
+                on.triton = False
             return f(*a, **k)
         return call
     for name in DISPATCHERS:
@@ -176,12 +173,21 @@ def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, 
     warm_lengths = M.Step5ForCausalLM.warm_lengths  # the passes it lists on the Triton path
 
     def triton_warm_lengths(self, *a):
-        on["triton"] = True
+        on.triton = True
         try:
             return warm_lengths(self, *a)
         finally:
-            on["triton"] = False
+            on.triton = False
     monkeypatch.setattr(M.Step5ForCausalLM, "warm_lengths", triton_warm_lengths)
+
+
+@torch.inference_mode()
+def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, gpu_launches):
+    """Nothing compiles on the request path: every Triton launch of requests of other prompt lengths and batch sizes
+    is one that start-up made, each launch keyed as Triton compiles it (sass.launch_key: constexprs, each integer's
+    class, each pointer's alignment). bench_request.py counts real compilations on the GPU."""
+    import sass
+    lm = tp1_models("fp8_text")
     warm, seen = set(), set()
     eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=640, prefill_chunk=256))
     with sass.launch_keys(warm, execute=False):
@@ -190,6 +196,7 @@ def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, 
         eng.run([E.Request(ids(7, 20), 3)])
         eng.run([E.Request(ids(300, 21), 2), E.Request(ids(23, 22), 4), E.Request(ids(1, 23), 2)])
         eng.run([E.Request(ids(29, 24), 3), E.Request(ids(290, 25), 3)])
+        eng.run([E.Request(ids(50, 26), 2)])  # a few queries past those that select every region
     new = seen - warm
 
     def differs(k):  # the arguments in which a new launch differs from every start-up launch of its kernel
@@ -197,3 +204,36 @@ def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, 
         return sorted(set(k[1]) - set.intersection(*(set(w[1]) for w in alike)), key=str) if alike else "a new kernel"
     assert not new, "launches start-up did not make:\n" + "\n".join(f"{k[0]}: {differs(k)}" for k in sorted(new, key=str))
     assert len(warm) > 20 and len(seen) > 10
+
+
+@torch.inference_mode()
+def test_start_up_builds_ahead_from_threads_every_launch_of_the_warm_up_in_order(tp1_models, gpu_launches, monkeypatch):
+    """Start-up's parallel kernel builds make every launch of the warm-up passes in order, which they replace: each
+    pass run from a thread, in a cache of its own as long as the pass needs (not the engine's), makes the launches
+    the same pass makes on the engine's cache."""
+    import sass
+    lm = tp1_models("fp8_text")
+    ahead, warm, threads = set(), set(), set()
+    build, run_warm = E.Engine._build_ahead, E.Engine._warm
+
+    def recorded_build(self, *a):
+        with sass.launch_keys(ahead, execute=False):
+            build(self, *a)
+
+    def recorded_warm(self, p0, n, cache=None, mtps=None):
+        if cache is not None:  # a pass of the parallel builds
+            threads.add(threading.get_ident())
+            return run_warm(self, p0, n, cache, mtps)
+        with sass.launch_keys(warm, execute=False):
+            return run_warm(self, p0, n)
+    monkeypatch.setattr(E.Engine, "_build_ahead", recorded_build)
+    monkeypatch.setattr(E.Engine, "_warm", recorded_warm)
+    for n in (0, 3):  # the warm-up in order, then the builds from threads
+        eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=640, prefill_chunk=256, build_threads=n))
+        with sass.launch_keys(set(), execute=False):  # the decode graphs' launches too: recorded, not interpreted
+            eng.start()
+    assert len(threads) > 1 and eng.timing["build_s"] > 0
+    missed = warm - ahead
+    assert not missed, "warm-up launches the parallel builds did not make:\n" + "\n".join(
+        map(str, sorted(missed, key=str)))
+    assert len(warm) > 20

@@ -879,6 +879,36 @@ def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
         assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
 
 
+@pytest.mark.parametrize("G,Hg,hd,blk", [(2, 2, 48, 8), (1, 3, 32, 4)] if INTERPRET else
+                         [(1, 8, 192, 8), (2, 4, 64, 8)])
+@pytest.mark.parametrize("p0,T", [(0, 21), (13, 9), (40, 1), (5, 70)])
+def test_dense_prefix_is_sparse_attention_over_every_history_region(G, Hg, hd, blk, p0, T):
+    """Prefill queries that select every history region (the dense-equivalence regime) through the tile of whole
+    regions' queries: within the sparse kernel's distance of the reference, and close to the per-query sparse kernel
+    on the full selection (the same key tiles); chunks that start inside a region, a single query, several tiles."""
+    N = p0 + T + 3
+    q, k, v = randn(1, T, G, Hg, hd, seed=p0 + T), randn(1, N, G, hd, seed=1), randn(1, N, G, hd, seed=2)
+    ref = K.dense_prefix_ref(q, k, v, p0, blk, hd ** -0.5)
+    pos = torch.arange(p0, p0 + T, device=DEV)[None]
+    n = max(1, (p0 + T - 1) // blk)
+    ids = torch.arange(n, device=DEV).expand(1, G, T, n)
+    want = K.sparse_attention_ref(q, k, v, ids, ids < (pos // blk)[:, None, :, None], pos, blk, hd ** -0.5)
+    assert torch.equal(ref, want)
+    valid = (ids < (pos // blk)[:, None, :, None]).contiguous()
+    for block_n in (16, 64):
+        out = K.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5, block_n=block_n)
+        d = report(f"dense prefix block_n={block_n}", out, ref)
+        assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
+        sparse = K.sparse_attention_triton(q, k, v, ids.contiguous(), valid, pos, blk, hd ** -0.5, block_n=block_n,
+                                           prefill=True)
+        assert (out.float() - sparse.float()).abs().max() <= 2 * bf16_ulp(ref.float().abs().max())
+    gate = randn(T, G * Hg, seed=7)
+    if not K._triton(q):  # the dispatcher on the reference path: the reference, then the gate
+        assert torch.equal(K.dense_prefix(q, k, v, p0, blk, hd ** -0.5, gate), K.gate_heads(ref, gate))
+    with pytest.raises(ValueError, match="dense prefix"):
+        K.dense_prefix_triton(q, k[:, :p0 + T - 1], v[:, :p0 + T - 1], p0, blk, 1.0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # router
 

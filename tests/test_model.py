@@ -343,3 +343,22 @@ def test_chunked_prefill_reports_progress_per_chunk_and_layer(tp1_models):
                      chunk=8)
     L = lm.cfg.num_hidden_layers
     assert calls == [(first, i, L) for first in (0, 8, 16) for i in range(1, L + 1)]
+
+
+def test_alone_stands_in_for_the_gather_in_its_thread_only():
+    """model.alone (start-up's parallel kernel builds): tp_gather gives world_size copies of this rank's rows, in the
+    gather's shape and layout, without a collective, and only in the thread that asked."""
+    import threading
+    x = torch.randn(3, 5)
+    M.set_parallel(2, 0)
+    try:
+        with M.alone():
+            g = M.tp_gather(x)
+            other = []
+            t = threading.Thread(target=lambda: other.append(getattr(M._thread, "alone", False)))
+            t.start()
+            t.join()
+        assert g.shape == (2, 3, 5) and g.is_contiguous() and torch.equal(g[0], x) and torch.equal(g[1], x)
+        assert other == [False] and not getattr(M._thread, "alone", False)
+    finally:
+        M.set_parallel(1, 0)

@@ -575,13 +575,21 @@ def test_sigterm_ends_streams_and_every_rank_exits_0(server):
 
 
 def test_bench_serve_measures_a_local_server(tp1_models, capsys):
-    """bench_serve.py --local's path on the tiny model: serve.py's HTTP side and engine loop in-process, driven by
-    the benchmark's streaming clients; every request decodes its max_tokens (ignore_eos) and each cell reports."""
+    """bench_serve.py --local's path on the tiny model: the load through the engine alone (its closed loop of
+    clients), then serve.py's HTTP side and engine loop in-process, driven by the benchmark's streaming clients; every
+    request decodes its max_tokens (ignore_eos) and each cell reports, the server beside the engine."""
     import bench_serve
     lm = tp1_models("bf16_text")
-    url = bench_serve.local_server(lm, bench_serve.word_tokenizer(lm.cfg.vocab_size), 2, 128, 32)
-    bench_serve.main(url, None, [1, 2], [20], 2, 3, 11, 1000, 0, True)
-    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    s, a = bench_serve.local_engine(lm, bench_serve.word_tokenizer(lm.cfg.vocab_size), 2, 128, 32)
+    with torch.inference_mode():
+        direct = {(c, 20): bench_serve.engine_cell(s.eng, c, 20, 2, 3, 11, 1000, random.Random(1)) for c in (1, 2)}
+    for c, r in direct.items():
+        assert r["requests"] == 2 * c[0] and r["decode_tok_s"] > 0 and r["ttft_p50_ms"] > 0, r
+    url = bench_serve.local_server(s, a)
+    bench_serve.main(url, None, [1, 2], [20], 2, 3, 11, 1000, 0, True, direct)
+    out = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(out[-1])
     assert [(r["clients"], r["requests"]) for r in rows] == [(1, 2), (2, 4)]
     for r in rows:
         assert r["decode_tok_s"] > 0 and r["ttft_p50_ms"] > 0 and r["gap_p50_ms"] >= 0, r
+    assert sum("of the engine's decode tok/s" in x for x in out) == 2
