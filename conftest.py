@@ -77,8 +77,10 @@ def interpreted_model_run(tp1_models):
     """The FP8 text model on every Triton kernel (the interpreter) with the GPU's launch shapes (kernel._GPU_LAUNCH,
     an H200's 132 SMs), every launch recorded, beside the same run on the PyTorch references (decisions pinned):
     a batched prefill, a prefill chunk on cached keys, a one-token step, a three-token step, and a one-token step
-    with the launch shapes of a grid that fills the GPU (one SM). Shared by the model test (logits) and the sm90
-    build test (launches): the interpreter is the slowest thing CI runs.
+    with the launch shapes of a grid that fills the GPU (one SM). DSA top-2 instead of the checkpoint's 4, so that
+    these short prompts reach both prefill paths (queries that select every region, and the scores, selection and
+    sparse attention past them) and real selections in decode. Shared by the model test (logits) and the sm90 build
+    test (launches): the interpreter is the slowest thing CI runs.
     -> (reference logits [2, 7, V], Triton logits [2, 7, V], {launch key: launch record})"""
     import torch
 
@@ -94,7 +96,7 @@ def interpreted_model_run(tp1_models):
 
     def run(mp):
         cache = lm.new_cache(2, 34, slack=2)
-        first = lm.forward(torch.tensor(ids), cache, [19, 11])[:, None]  # [2, 1, V]
+        first = lm.forward(torch.tensor(ids), cache, [27, 3])[:, None]  # [2, 1, V]; positions from 24 select
         more = lm.forward(torch.tensor(cont[8:14]), cache, [2, 4])[:, None]  # chunks after cached keys
         one = lm.forward(torch.tensor(cont[:2]), cache)[:, None]
         three = lm.forward(torch.tensor([cont[2:5], cont[5:8]]), cache)  # [2, 3, V]
@@ -103,7 +105,8 @@ def interpreted_model_run(tp1_models):
         wide = lm.forward(torch.tensor(cont[14:16]), cache)[:, None]
         return torch.cat([first, more, one, three, wide], 1)
 
-    with torch.inference_mode():
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as top:
+        top.setattr(lm.cfg.sparse, "topk", 2)
         with pinned(lm, M.Pins()) as rec:
             ref = run(None)
         with pytest.MonkeyPatch.context() as mp, pinned(lm, M.Pins(rec.data)), launch_records({}) as seen:

@@ -881,7 +881,7 @@ def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
 
 @pytest.mark.parametrize("G,Hg,hd,blk", [(2, 2, 48, 8), (1, 3, 32, 4)] if INTERPRET else
                          [(1, 8, 192, 8), (2, 4, 64, 8)])
-@pytest.mark.parametrize("p0,T", [(0, 21), (13, 9), (40, 1), (5, 70)])
+@pytest.mark.parametrize("p0,T", [(0, 21), (13, 9), (40, 1), (5, 44)])
 def test_dense_prefix_is_sparse_attention_over_every_history_region(G, Hg, hd, blk, p0, T):
     """Prefill queries that select every history region (the dense-equivalence regime) through the tile of whole
     regions' queries: within the sparse kernel's distance of the reference, and close to the per-query sparse kernel
@@ -899,9 +899,8 @@ def test_dense_prefix_is_sparse_attention_over_every_history_region(G, Hg, hd, b
         out = K.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5, block_n=block_n)
         d = report(f"dense prefix block_n={block_n}", out, ref)
         assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
-        sparse = K.sparse_attention_triton(q, k, v, ids.contiguous(), valid, pos, blk, hd ** -0.5, block_n=block_n,
-                                           prefill=True)
-        assert (out.float() - sparse.float()).abs().max() <= 2 * bf16_ulp(ref.float().abs().max())
+    sparse = K.sparse_attention_triton(q, k, v, ids.contiguous(), valid, pos, blk, hd ** -0.5, block_n=64, prefill=True)
+    assert (out.float() - sparse.float()).abs().max() <= 2 * bf16_ulp(ref.float().abs().max())  # out: block_n 64
     gate = randn(T, G * Hg, seed=7)
     if not K._triton(q):  # the dispatcher on the reference path: the reference, then the gate
         assert torch.equal(K.dense_prefix(q, k, v, p0, blk, hd ** -0.5, gate), K.gate_heads(ref, gate))

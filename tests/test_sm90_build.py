@@ -49,7 +49,8 @@ def test_every_launched_kernel_compiles_for_sm90(interpreted_model_run, monkeypa
         kernel.grouped_gemm_triton(xq, sx, w1, s1, torch.tensor([0, 1, 1, 3], dtype=torch.int32))
     names = {r["name"] for r in seen.values()}
     assert {"_sliding_attn_kernel", "_moe_decode_up_kernel", "_router_logits_kernel", "_select_regions_kernel",
-            "_grouped_gemm_kernel", "_add_norm_kernel", "_banded_attn_kernel"} <= names, names
+            "_grouped_gemm_kernel", "_add_norm_kernel", "_banded_attn_kernel", "_dense_prefix_kernel",
+            "_indexer_scores_kernel", "_sparse_attn_kernel"} <= names, names
     launches = list(seen.values())
     failed = [f"{r['name']} {r['constexprs']} {r['options']}: " + (b.get("error") or f"{b['shared']} bytes of shared "
               "memory") for r, b in zip(launches, build(launches, str(tmp_path)))
