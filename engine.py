@@ -322,7 +322,8 @@ class EngineConfig:
     prefill_chunk: int = PREFILL_CHUNK
     speculative: int = 0  # MTP drafts per decode step (0: plain decoding)
     cuda_graph: bool = True
-    build_threads: int | None = None  # start-up's parallel kernel builds (None: one per CPU core, at most 16; 0: off)
+    build_threads: int | None = None  # start-up's parallel kernel builds (None: the rank's share of the CPU cores, at
+    # most 16; 0 or 1: the warm-up passes in order)
 
 
 @dataclass
@@ -407,9 +408,10 @@ class Engine:
             raise ValueError(f"max_context {ctx} must be in [1, max_position_embeddings={limit}]")
         return MemoryPlan(weights, self._cache_bytes(ctx), prefill, graphs, headroom, free), ctx
 
-    def _cache_bytes(self, ctx: int) -> int:
-        """Bytes of the caches for max_batch slots of ctx positions (built on the meta device: nothing allocated)."""
-        m, B = self.model, self.config.max_batch
+    def _cache_bytes(self, ctx: int, B: int | None = None) -> int:
+        """Bytes of the caches for B (default max_batch) slots of ctx positions (built on the meta device: nothing
+        allocated)."""
+        m, B = self.model, B or self.config.max_batch
         caches = [m.new_cache(B, ctx, slack=self.slack, device="meta")]
         if self.k:
             caches += m.new_mtp_caches(B, ctx, slack=self.slack, device="meta")
@@ -423,8 +425,9 @@ class Engine:
         m, B, t0 = self.model, self.config.max_batch, time.perf_counter()
         passes = m.warm_lengths(self.max_context, self.config.prefill_chunk)
         threads = self.config.build_threads
-        if threads is None:
-            threads = min(16, os.cpu_count() or 1) if self.dev.type == "cuda" else 0
+        if threads is None:  # the CPU cores this process may use, shared with the node's other ranks
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            threads = min(16, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if self.dev.type == "cuda" else 0
         ahead = threads > 1 and bool(passes)
         if ahead:  # the warm-up passes from threads, before the caches exist: their launches are the passes' own
             self._build_ahead(passes, threads)
@@ -449,7 +452,7 @@ class Engine:
         for c in self.mtps:
             c.lengths.zero_()
         self.timing = {"build_s": tb - t0, "warmup_s": t1 - tb, "capture_s": t2 - t1}
-        self.say(f"start-up: " + (f"kernels built ahead from {threads} threads in {tb - t0:.1f} s, " if tb > t0 + 1e-3
+        self.say("start-up: " + (f"kernels built ahead from {threads} threads in {tb - t0:.1f} s, " if tb > t0 + 1e-3
                                   else "") + f"warm-up {t1 - tb:.1f} s, "
                  + (f"{sum(len(g) for g in self.graphs.values())} CUDA graphs captured in {t2 - t1:.1f} s"
                     if self.use_graph else "decode steps run eagerly") + f" (batch buckets {list(self.graphs)})")
@@ -467,15 +470,9 @@ class Engine:
         total = self.plan.caches + self.plan.prefill + self.plan.graphs if self.plan.free >= 0 else 1 << 62
         room, ready = [total], threading.Condition()
 
-        def cost(p0: int, n: int) -> int:
-            meta = [m.new_cache(1, p0 + n, slack=self.slack, device="meta")]
-            if self.k:
-                meta += m.new_mtp_caches(1, p0 + n, slack=self.slack, device="meta")
-            return (sum(t.numel() * t.element_size() for c in meta for lc in c.layers for t in vars(lc).values())
-                    + prefill_workspace(m.cfg, n))
-
         def one(p0: int, n: int):
-            need = min(cost(p0, n), total)  # a pass larger than the whole room runs alone
+            # its cache and workspace; a pass larger than the whole room runs alone
+            need = min(self._cache_bytes(p0 + n, 1) + prefill_workspace(m.cfg, n), total)
             with ready:
                 ready.wait_for(lambda: room[0] >= need)
                 room[0] -= need
