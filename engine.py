@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -353,6 +353,7 @@ class Engine:
         self.use_graph = c.cuda_graph and self.dev.type == "cuda"
         # spare ring slots: a rewind for prefix reuse, and the rows a speculative step writes past what it keeps
         self.slack = REWIND + 2 * self.k + 2
+        self._said = None  # the plan's line as last said
         self._replan()
         B = c.max_batch
         self.cache, self.cap, self.mtps = None, 0, []  # allocated by start(), after its parallel kernel builds
@@ -368,11 +369,18 @@ class Engine:
         self.progress = None  # progress(first token, tokens, longest prompt, layer, layers) during prefills
 
     # ---- start-up
-    def _replan(self):
+    def _replan(self, agree: bool = False):
         """The memory plan and context on what the device has free now, said; refused (naming the flags) when it does
-        not fit."""
+        not fit. agree (start-up, on every rank): the ranks take the least context any of them fits, so each refuses or
+        keeps a request as every other does."""
         self.plan, self.max_context = self._plan(self.config)
-        self.say(self.plan.line())
+        if agree and M.world_size > 1 and self.config.max_context is None:
+            least = int(M.tp_gather(torch.tensor([self.max_context], device=self.dev)).min())
+            if least != self.max_context:
+                self.plan, self.max_context = self._plan(replace(self.config, max_context=least))
+        if self.plan.line() != self._said:  # said once, and again only if it changed
+            self._said = self.plan.line()
+            self.say(self._said)
         if not self.plan.fits():
             raise MemoryError(f"the engine does not fit: {self.plan.line()}; lower --max-context "
                               f"({self.max_context}) or --max-batch ({self.config.max_batch})")
@@ -431,7 +439,8 @@ class Engine:
         ahead = threads > 1 and bool(passes)
         if ahead:  # the warm-up passes from threads, before the caches exist: their launches are the passes' own
             self._build_ahead(passes, threads)
-            self._replan()  # on what the builds left free (library workspaces and loaded kernels stay behind)
+        self._replan(agree=True)  # on what the builds left free (library workspaces and loaded kernels stay behind)
+        passes = m.warm_lengths(self.max_context, self.config.prefill_chunk)
         tb = time.perf_counter()
         self.cache = m.new_cache(B, self.max_context, slack=self.slack)
         self.cap = self.cache.cap
