@@ -25,6 +25,7 @@ import torch
 import engine as E
 import model as M
 from bench_decode import randomise, real_rank_config, time_step
+from bench_prefill import BF16_FLOPS, FP8_FLOPS
 
 
 class Counters:
@@ -151,9 +152,6 @@ def prefill_flops(m: M.Step5ForCausalLM, P: int) -> dict:
             "DSA sparse attention": (dsa, BF16_FLOPS), "DSA scores": (scores, FP8_FLOPS)}
 
 
-BF16_FLOPS, FP8_FLOPS = 767e12, 1263e12  # H200 dense GEMM ceilings measured with PyTorch (ENVIRONMENT.md)
-
-
 def prefill_profile(eng: E.Engine, P: int, seed: int) -> dict:
     """One request's prefill of P tokens (to its first token) under the profiler: device time per kernel name, the
     kernels' busy time (union of their intervals) and the wall time. Printed as a table by family."""
@@ -191,7 +189,7 @@ def prefill_profile(eng: E.Engine, P: int, seed: int) -> dict:
             rate = f"{f / t / 1e12:8.1f} {f / t / ceil:7.1%}"
         print(f"{fam:32s} {n:8d} {t:7.3f} {t / wall:7.1%} {rate}")
     print(f"{'idle (no kernel running)':32s} {'':8s} {wall - busy:7.3f} {(wall - busy) / wall:7.1%}", flush=True)
-    return {"P": P, "wall_s": wall, "busy_s": busy, "kernels": {k: v for k, v in names.items()}}
+    return {"P": P, "wall_s": wall, "busy_s": busy, "kernels": names}
 
 
 def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill_chunk: int, profile: list,

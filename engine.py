@@ -431,22 +431,22 @@ class Engine:
         step), the caches allocated, every decode graph captured; times reported."""
         sync = torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
         m, B, t0 = self.model, self.config.max_batch, time.perf_counter()
-        passes = m.warm_lengths(self.max_context, self.config.prefill_chunk)
         threads = self.config.build_threads
         if threads is None:  # the CPU cores this process may use, shared with the node's other ranks
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             threads = min(16, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if self.dev.type == "cuda" else 0
+        passes = m.warm_lengths(self.max_context, self.config.prefill_chunk)
         ahead = threads > 1 and bool(passes)
         if ahead:  # the warm-up passes from threads, before the caches exist: their launches are the passes' own
             self._build_ahead(passes, threads)
         self._replan(agree=True)  # on what the builds left free (library workspaces and loaded kernels stay behind)
-        passes = m.warm_lengths(self.max_context, self.config.prefill_chunk)
+        in_order = [] if ahead else m.warm_lengths(self.max_context, self.config.prefill_chunk)  # the agreed context's
         tb = time.perf_counter()
         self.cache = m.new_cache(B, self.max_context, slack=self.slack)
         self.cap = self.cache.cap
         self.mtps = m.new_mtp_caches(B, self.max_context, slack=self.slack) if self.k else []
         with torch.inference_mode():
-            for p0, n in [] if ahead else passes:
+            for p0, n in in_order:
                 self._warm(p0, n)
             sync()
             t1 = time.perf_counter()
@@ -461,8 +461,8 @@ class Engine:
         for c in self.mtps:
             c.lengths.zero_()
         self.timing = {"build_s": tb - t0, "warmup_s": t1 - tb, "capture_s": t2 - t1}
-        self.say("start-up: " + (f"kernels built ahead from {threads} threads in {tb - t0:.1f} s, " if tb > t0 + 1e-3
-                                  else "") + f"warm-up {t1 - tb:.1f} s, "
+        self.say("start-up: " + (f"kernels built ahead from {threads} threads in {tb - t0:.1f} s, " if ahead
+                                  else f"warm-up {t1 - tb:.1f} s, ")
                  + (f"{sum(len(g) for g in self.graphs.values())} CUDA graphs captured in {t2 - t1:.1f} s"
                     if self.use_graph else "decode steps run eagerly") + f" (batch buckets {list(self.graphs)})")
 
@@ -511,7 +511,7 @@ class Engine:
     def _warm(self, p0: int, n: int, cache=None, mtps=None):
         """A prefill pass of n tokens at position p0 of slot 0 (whatever its cache holds), and of every MTP layer:
         its launches compile whatever they need; the slot is forgotten after start-up."""
-        cache, mtps = cache or self.cache, self.mtps if mtps is None else mtps
+        cache, mtps = (self.cache, self.mtps) if cache is None else (cache, mtps)
         ids = torch.zeros(n, dtype=torch.long, device=self.dev)
         cache.lengths[0] = p0
         if not self.k:

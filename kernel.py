@@ -1813,6 +1813,15 @@ def sparse_attention(q, k, v, ids, valid, pos, blk, scale, gate=None, rows=None,
     return sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate, rows)
 
 
+def every_region(pos, G, blk):
+    """The selection of every history region for queries at positions pos [S, T], as select_regions_ref returns one:
+    ids, valid [S, G, T, K] (ascending ids; K = the most regions any query has, at least 1)."""
+    S, T = pos.shape
+    n = max(1, int(pos.max()) // blk) if pos.numel() else 1
+    ids = torch.arange(n, device=pos.device).expand(S, G, T, n)
+    return ids, ids < (pos // blk)[:, None, :, None]
+
+
 def dense_prefix_ref(q, k, v, p0, blk, scale, gate=None):
     """sparse_attention_ref for queries that select every history region (p // blk <= topk: the spec's dense-equivalence
     regime, STEP5_TEXT 5.7), so no scores or selection are needed: q [S, T, G, Hg, hd] at positions p0 .. p0 + T - 1,
@@ -1820,9 +1829,7 @@ def dense_prefix_ref(q, k, v, p0, blk, scale, gate=None):
     then the current region."""
     S, T, G = q.shape[:3]
     pos = torch.arange(p0, p0 + T, device=q.device).expand(S, T)
-    n = max(1, (p0 + T - 1) // blk)
-    ids = torch.arange(n, device=q.device).expand(S, G, T, n)
-    return sparse_attention_ref(q, k, v, ids, ids < (pos // blk)[:, None, :, None], pos, blk, scale, gate)
+    return sparse_attention_ref(q, k, v, *every_region(pos, G, blk), pos, blk, scale, gate)
 
 
 @triton.jit

@@ -489,10 +489,8 @@ class Attention(nn.Module):
     def _pin_every_region(self, req, pos, G: int):
         """Installed Pins (tests): record the selection of every history region for queries pos [1, T] that skip the
         selection; a replay's pinned decisions for them are the same (any run selects every region there)."""
-        blk = self.cfg.sparse.block
-        n = max(1, int(pos.max()) // blk)
-        ids = torch.arange(n, device=pos.device).expand(1, G, pos.shape[1], n)
-        self.pins.regions(self.layer_id, req, pos, self.group0, ids, ids < (pos // blk)[:, None, :, None], n)
+        ids, valid = kernel.every_region(pos, G, self.cfg.sparse.block)
+        self.pins.regions(self.layer_id, req, pos, self.group0, ids, valid, ids.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------------
