@@ -248,7 +248,7 @@ def kv_bytes(cfg, kind: str, batch: int, context: int) -> int:
     return batch * min(context, cfg.sliding_window) * row
 
 
-def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_shot: bool = False,
+def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_shot: bool = False, capacity: int = 0,
                candidates: "bool | list" = False):
     """The whole rank: embed, 92 layers, final norm, lm_head window, argmax; one decode step as a CUDA graph.
     Under torchrun (one process per GPU, NCCL) the step includes the real TP reductions between the GPUs (each GPU
@@ -268,7 +268,7 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
     randomise(m, seed=rank)
     m.finalize()
     spare = 24 * q + 8  # positions the timed replays advance (21 replays of q tokens), plus slack
-    cache = m.new_cache(batch, context + spare, slack=q - 1)
+    cache = m.new_cache(batch, max(capacity, context + spare), slack=q - 1)
     fill_cache(cache, context)
     torch.cuda.synchronize()
     say(f"built the rank in {time.perf_counter() - t0:.0f} s: {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
@@ -338,12 +338,12 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
 
 
 def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False, q: int = 1,
-         one_shot: bool = False, candidates: "bool | list" = False):
+         one_shot: bool = False, candidates: "bool | list" = False, capacity: int = 0):
     torch.manual_seed(0)
     cfg = real_rank_config()
     M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
     kernel.set_backend(not torch_ref)  # Triton for CUDA tensors unless the reference is asked for
-    step_t, floor = (bench_rank(cfg, batch, context, profile, q, one_shot, candidates) if whole_rank
+    step_t, floor = (bench_rank(cfg, batch, context, profile, q, one_shot, capacity, candidates) if whole_rank
                      else bench_layers(cfg, batch, context, profile, q))
     what = "measured" if whole_rank else "projected from the two layers"
     world = int(os.environ.get("WORLD_SIZE", "1")) if whole_rank else 1
@@ -362,6 +362,9 @@ if __name__ == "__main__":
     ap.add_argument("--torch-ref", action="store_true", help="time the PyTorch reference path instead of Triton")
     ap.add_argument("--profile", action="store_true", help="print the device time of each kernel of one step")
     ap.add_argument("--whole-rank", action="store_true", help="build and time the whole rank (~80 GB of HBM)")
+    ap.add_argument("--capacity", type=int, default=0,
+                    help="with --whole-rank: a cache of this many positions per row (the engine's --max-context) "
+                         "holding CONTEXT tokens; default: the context and the timed steps' room")
     ap.add_argument("--tokens-per-row", type=int, default=1,
                     help="decode steps of this many tokens per row (a speculative verify step with K drafts has "
                          "K + 1), compared with one token per row (layer and whole-rank modes)")
@@ -384,4 +387,4 @@ if __name__ == "__main__":
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
     cands = a.candidates if a.candidates else a.candidates == []  # [] (the flag alone): every choice
-    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row, a.one_shot, cands)
+    main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row, a.one_shot, cands, a.capacity)

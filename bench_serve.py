@@ -13,8 +13,9 @@ median stream's decode tok/s, and inter-token gaps p50 / p99. One request first 
 
 --local serves one whole TP=EP=8 rank of random FP8 weights (bench_request.py's) on this process's GPU through
 serve.py's own HTTP side and engine loop, with a word-level tokenizer over the rank's vocabulary window (ids in
-[--ids]), and measures it the same way; before serving, it runs each cell's load through the engine alone (no HTTP,
-the same closed loop of clients) and prints it beside the server's figures: what the server adds to the engine.
+[--ids]), and measures it the same way from a client process of its own (clients never share the server's
+interpreter); before serving, it runs each cell's load through the engine alone (no HTTP, the same closed loop of
+clients) and prints it beside the server's figures: what the server adds to the engine.
 """
 import argparse
 import asyncio
@@ -214,5 +215,12 @@ if __name__ == "__main__":
                 for c in a.clients:
                     direct[c, n] = engine_cell(s.eng, c, n, a.requests, a.max_tokens, a.ids[0], a.ids[1], rng)
         a.url, a.api_key = local_server(s, args), None
-    main(a.url, a.api_key, a.clients, a.prompt_tokens, a.requests, a.max_tokens, a.ids[0], a.ids[1], a.seed, a.as_json,
-         direct)
+    cells = (a.url, a.api_key, a.clients, a.prompt_tokens, a.requests, a.max_tokens, a.ids[0], a.ids[1], a.seed,
+             a.as_json, direct)
+    if a.local:  # the clients in a process of their own, as real clients are: not sharing the server's interpreter
+        import multiprocessing
+        p = multiprocessing.get_context("spawn").Process(target=main, args=cells)
+        p.start()
+        p.join()
+        raise SystemExit(p.exitcode)
+    main(*cells)

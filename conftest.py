@@ -72,46 +72,50 @@ def tp1_models(converted):
     return get
 
 
-@pytest.fixture(scope="session")
-def interpreted_model_run(tp1_models):
-    """The FP8 text model on every Triton kernel (the interpreter) with the GPU's launch shapes (kernel._GPU_LAUNCH,
-    an H200's 132 SMs), every launch recorded, beside the same run on the PyTorch references (decisions pinned):
-    a batched prefill, a prefill chunk on cached keys, a one-token step, a three-token step, and a one-token step
-    with the launch shapes of a grid that fills the GPU (one SM). DSA top-2 instead of the checkpoint's 4, so that
-    these short prompts reach both prefill paths (queries that select every region, and the scores, selection and
-    sparse attention past them) and real selections in decode. Shared by the model test (logits) and the sm90 build
-    test (launches): the interpreter is the slowest thing CI runs.
-    -> (reference logits [2, 7, V], Triton logits [2, 7, V], {launch key: launch record})"""
-    import torch
+# The interpreted model run (tests/interpreted_run.py): started in a process of its own as soon as the session knows a
+# selected test needs it, so its single core of work overlaps the other tests; the fixture waits for it.
+_BACKGROUND = {}
 
-    import kernel
-    import model as M
-    from invariants import pinned
-    from sass import launch_records
+
+def _start_interpreted_run(tmp_dir: str):
+    import subprocess
+    out = os.path.join(tmp_dir, "interpreted_run.pt")
+    log = open(os.path.join(tmp_dir, "interpreted_run.log"), "w")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "interpreted_run.py"), out], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    _BACKGROUND.update(proc=proc, out=out, log=log.name)
+
+
+def pytest_collection_finish(session):
+    if os.environ.get("TRITON_INTERPRET") == "1" and any(
+            "interpreted_model_run" in getattr(item, "fixturenames", ()) for item in session.items):
+        import tempfile
+        _start_interpreted_run(tempfile.mkdtemp(prefix="interpreted_run_"))
+
+
+def pytest_sessionfinish(session):
+    proc = _BACKGROUND.get("proc")
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def interpreted_model_run():
+    """tests/interpreted_run.py's run_model on the FP8 text model (the interpreter's CPU run only), computed in its
+    own process from the start of the session. Shared by the model test (logits) and the sm90 build test
+    (launches). -> (reference logits [2, 7, V], Triton logits [2, 7, V], {launch key: launch record})"""
+    import shutil
+    import tempfile
+
+    import torch
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the interpreter's run (CPU CI)")
-    lm = tp1_models("fp8_text")
-    g = torch.Generator().manual_seed(3)
-    ids, cont = torch.randint(11, 700, (30,), generator=g).tolist(), torch.randint(11, 700, (16,), generator=g).tolist()
-
-    def run(mp):
-        cache = lm.new_cache(2, 34, slack=2)
-        first = lm.forward(torch.tensor(ids), cache, [27, 3])[:, None]  # [2, 1, V]; positions from 24 select
-        more = lm.forward(torch.tensor(cont[8:14]), cache, [2, 4])[:, None]  # chunks after cached keys
-        one = lm.forward(torch.tensor(cont[:2]), cache)[:, None]
-        three = lm.forward(torch.tensor([cont[2:5], cont[5:8]]), cache)  # [2, 3, V]
-        if mp is not None:
-            mp.setattr(kernel, "_sms", lambda: 1)
-        wide = lm.forward(torch.tensor(cont[14:16]), cache)[:, None]
-        return torch.cat([first, more, one, three, wide], 1)
-
-    with torch.inference_mode(), pytest.MonkeyPatch.context() as top:
-        top.setattr(lm.cfg.sparse, "topk", 2)
-        with pinned(lm, M.Pins()) as rec:
-            ref = run(None)
-        with pytest.MonkeyPatch.context() as mp, pinned(lm, M.Pins(rec.data)), launch_records({}) as seen:
-            mp.setattr(kernel, "_triton", lambda x: True)
-            mp.setattr(kernel, "_GPU_LAUNCH", True)
-            mp.setattr(kernel, "_sms", lambda: 132)  # the H200's
-            got = run(mp)
-    return ref, got, seen
+    if "proc" not in _BACKGROUND:
+        _start_interpreted_run(tempfile.mkdtemp(prefix="interpreted_run_"))
+    rc = _BACKGROUND["proc"].wait(timeout=1800)
+    with open(_BACKGROUND["log"]) as f:
+        log = f.read()
+    assert rc == 0, f"tests/interpreted_run.py failed (exit {rc}):\n{log[-4000:]}"
+    result = torch.load(_BACKGROUND["out"], weights_only=False)
+    shutil.rmtree(os.path.dirname(_BACKGROUND["out"]), ignore_errors=True)
+    return result

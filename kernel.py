@@ -1358,8 +1358,9 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
     out = torch.empty(S, G, T, R, dtype=torch.float32, device=q.device)
     BLOCK_T = block_t or (16 if T <= 16 else 64)
     # prefill 64 x 128 tiles (a 1M-token chunk: 248 us, 414 at 64 x 64); decode 64-region tiles, or 128 once those
-    # would be more than two programs per SM (16 requests x 4100 regions: 14.8 us against 20.0); the same bits
-    many = S * G * triton.cdiv(R, 64) > 2 * _sms()
+    # would be more than two programs per SM at a 32k-token history (16 requests x 4100 regions: 14.8 us against
+    # 20.0); the same bits. Tiles past every history exit, so a cache's capacity past 32k tokens does not count.
+    many = S * G * triton.cdiv(min(R, 4096), 64) > 2 * _sms()
     BLOCK_R = block_r or ((128 if many else 64) if T <= 16 and _GPU_LAUNCH and not prefill else 128)
     if out.numel():
         grid = (S * G, triton.cdiv(T, BLOCK_T), triton.cdiv(R, BLOCK_R))
@@ -1422,23 +1423,74 @@ def _order_key(x):
 
 
 @triton.jit
-def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr, ids_ptr, valid_ptr, G, T, R, N, K,
-                           BLK, N0, PAIRS: tl.constexpr, FINAL: tl.constexpr, ALL: tl.constexpr,
-                           BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Exact top-K of one chunk of a row (program (row, chunk)), entries in ascending region id, held in registers.
+def _select_chunk(key, ok, K, ALL: tl.constexpr):
+    """The exact top-K of the keys at lanes `ok` (key descending, ties to the lower lane) -> (sel, pos): the selected
+    lanes and each one's place among them in lane order.
 
-    Input: the row's N scores (key = _order_key, non-candidates id >= n_hist keyed as -inf), or with PAIRS the
-    (key, id) pairs an earlier launch selected (ascending id). Order: key descending, ties to the lower id.
     thr = the K-th largest key, found MSB first, 2 bits per step: count the keys >= thr + j * 2^shift for j = 1..3
     (one packed reduction: a step costs its reduction's latency more than its compares) and keep the largest j
     whose count still reaches K. `above`, the count just above the current prefix's range, ends as c = #keys > thr;
-    the search stops early once exactly K keys are >= thr (distinct scores: after ~20 of the 32 bits). The chunk's
-    selection is every key > thr plus the lowest-id K - c keys == thr; one prefix sum places them in ascending id.
-    FINAL writes ids (candidates only, padded with R) and valid; otherwise the chunk's K (key, id) pairs.
+    the search stops early once exactly K keys are >= thr (distinct scores: after ~20 of the 32 bits). The selection
+    is every key > thr plus the lowest-lane K - c keys == thr; one prefix sum places them. ALL: K >= the lanes, so
+    every lane is selected (thr = 0, c = 0)."""
+    key = tl.where(ok, key, 0)  # lanes past the chunk: the least key, and never counted (thresholds are >= 1)
+    thr = tl.full((), 0, tl.uint32)
+    above = tl.full((), 0, tl.int32)
+    at = tl.full((), K + 1, tl.int32)  # #keys >= thr (more than K until it is exactly K)
+    if not ALL:
+        for p in tl.static_range(16):
+            shift = 30 - 2 * p  # a constexpr: p is unrolled
+            if at != K:  # once exactly K keys are >= thr they are the selection: the lower bits do not matter
+                # the three counts #keys >= thr + j * 2^shift (j = 1, 2, 3), 21 bits each, in one reduction
+                v = ((key >= thr + (1 << shift)).to(tl.int64) + ((key >= thr + (2 << shift)).to(tl.int64) << 21)
+                     + ((key >= thr + (3 << shift)).to(tl.int64) << 42))
+                cnt = tl.sum(v, axis=0)
+                c1, c2, c3 = ((cnt & 0x1FFFFF).to(tl.int32), ((cnt >> 21) & 0x1FFFFF).to(tl.int32),
+                              (cnt >> 42).to(tl.int32))
+                best = (c1 >= K).to(tl.uint32) + (c2 >= K).to(tl.uint32) + (c3 >= K).to(tl.uint32)  # counts fall
+                above = tl.where(best == 0, c1, tl.where(best == 1, c2, tl.where(best == 2, c3, above)))
+                at = tl.where(best == 1, c1, tl.where(best == 2, c2, tl.where(best == 3, c3, at)))
+                thr = thr + (best << shift)
+    need = K - above  # ties to take, lowest lanes first
+    hi = ((key > thr) | ((key == thr) & (at == K))) & ok
+    eq = (key == thr) & (at != K) & ok
+    if key.shape[0] <= 32768:  # both running counts in one prefix sum: 16 bits each
+        cs = tl.cumsum((hi.to(tl.int32) << 16) | eq.to(tl.int32), axis=0)
+        n_hi, n_eq = cs >> 16, cs & 0xFFFF
+    else:
+        cs = tl.cumsum((hi.to(tl.int64) << 32) | eq.to(tl.int64), axis=0)
+        n_hi, n_eq = (cs >> 32).to(tl.int32), (cs & 0xFFFFFFFF).to(tl.int32)
+    sel = hi | (eq & (n_eq <= need))
+    return sel, n_hi + tl.minimum(n_eq, need) - 1
+
+
+@triton.jit
+def _store_selection(ids_ptr, valid_ptr, row, K, R, rid, out, pos, BLOCK_K: tl.constexpr):
+    """A row's final ids (the `out` lanes' region ids at `pos`, then R) and valid. Candidates (id < n_hist) are a
+    prefix of the ids, so theirs are the first positions."""
+    base = row.to(tl.int64) * K
+    tl.store(ids_ptr + base + pos, rid.to(tl.int64), mask=out)
+    n_out = tl.sum(out.to(tl.int32), axis=0)
+    slot = tl.arange(0, BLOCK_K)
+    tl.store(ids_ptr + base + slot, (slot * 0 + R).to(tl.int64), mask=(slot >= n_out) & (slot < K))
+    tl.store(valid_ptr + base + slot, (slot < n_out).to(tl.uint8), mask=slot < K)
+
+
+@triton.jit
+def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr, ids_ptr, valid_ptr, G, T, R, N, K,
+                           BLK, N0, PAIRS: tl.constexpr, FINAL: tl.constexpr, ALL: tl.constexpr,
+                           BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, PDL: tl.constexpr):
+    """Exact top-K of one chunk of a row (program (row, chunk)), entries in ascending region id, held in registers
+    (_select_chunk).
+
+    Input: the row's N scores (key = _order_key, non-candidates id >= n_hist keyed as -inf), or with PAIRS the
+    (key, id) pairs an earlier launch selected (ascending id). FINAL writes ids (candidates only, padded with R) and
+    valid; otherwise the chunk's K (key, id) pairs.
     N0: the entries of the first launch's chunk 0. A row whose candidates all lie there (n_hist <= N0: a cache much
     longer than the row's history) is final after the first launch: its chunk 0 writes ids and valid, its other
     chunks and every later launch's programs exit at once (after the PDL wait, so the launch after them still
-    follows chunk 0), and a step costs the levels the row's history needs, not the cache's capacity.
+    follows chunk 0), and a step costs the levels the row's history needs, not the cache's capacity. SHORT (a
+    decode first launch, else 0): chunk 0 of a row of n_hist <= SHORT selects from SHORT lanes instead of BLOCK.
     K = min(topk, R) is a runtime argument: as a constexpr every prefill chunk of a prompt of < topk regions compiled
     a kernel of its own (seconds per prompt). n_hist = nh_ptr's value // BLK, read before the PDL wait (positions:
     written by torch ops before the layer, never by the predecessor, which writes the scores).
@@ -1451,6 +1503,14 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
     short = nh <= N0
     if PAIRS:
         if short:
+            return
+    if SHORT > 0:
+        if nh <= SHORT:
+            if chunk == 0:
+                i = tl.arange(0, SHORT)
+                key = _order_key(tl.load(src_ptr + row.to(tl.int64) * N + i, mask=i < nh, other=float("-inf")))
+                sel, pos = _select_chunk(key, i < N, K, False)
+                _store_selection(ids_ptr, valid_ptr, row, K, R, i, sel & (i < nh), pos, BLOCK_K)
             return
     fin = short & (chunk == 0)  # this program writes the row's ids and valid
     if FINAL:
@@ -1478,53 +1538,21 @@ def _select_regions_kernel(src_ptr, src_id_ptr, nh_ptr, key_out_ptr, id_out_ptr,
             tl.store(key_out_ptr + base + slot, none.to(tl.int32, bitcast=True), mask=slot < K)
             tl.store(id_out_ptr + base + slot, slot * 0 + R, mask=slot < K)
         return
-    key = tl.where(ok, key, 0)  # lanes past the chunk: the least key, and never counted (thresholds are >= 1)
-    thr = tl.full((), 0, tl.uint32)
-    above = tl.full((), 0, tl.int32)
-    at = tl.full((), K + 1, tl.int32)  # #keys >= thr (more than K until it is exactly K)
-    if not ALL:  # with K >= the chunk's entries every entry is selected: thr = 0, c = 0
-        for p in tl.static_range(16):
-            shift = 30 - 2 * p  # a constexpr: p is unrolled
-            if at != K:  # once exactly K keys are >= thr they are the selection: the lower bits do not matter
-                # the three counts #keys >= thr + j * 2^shift (j = 1, 2, 3), 21 bits each, in one reduction
-                v = ((key >= thr + (1 << shift)).to(tl.int64) + ((key >= thr + (2 << shift)).to(tl.int64) << 21)
-                     + ((key >= thr + (3 << shift)).to(tl.int64) << 42))
-                cnt = tl.sum(v, axis=0)
-                c1, c2, c3 = ((cnt & 0x1FFFFF).to(tl.int32), ((cnt >> 21) & 0x1FFFFF).to(tl.int32),
-                              (cnt >> 42).to(tl.int32))
-                best = (c1 >= K).to(tl.uint32) + (c2 >= K).to(tl.uint32) + (c3 >= K).to(tl.uint32)  # counts fall
-                above = tl.where(best == 0, c1, tl.where(best == 1, c2, tl.where(best == 2, c3, above)))
-                at = tl.where(best == 1, c1, tl.where(best == 2, c2, tl.where(best == 3, c3, at)))
-                thr = thr + (best << shift)
-    need = K - above  # ties to take, lowest ids first
-    hi = ((key > thr) | ((key == thr) & (at == K))) & ok
-    eq = (key == thr) & (at != K) & ok
-    if BLOCK <= 32768:  # both running counts in one prefix sum: 16 bits each
-        cs = tl.cumsum((hi.to(tl.int32) << 16) | eq.to(tl.int32), axis=0)
-        n_hi, n_eq = cs >> 16, cs & 0xFFFF
-    else:
-        cs = tl.cumsum((hi.to(tl.int64) << 32) | eq.to(tl.int64), axis=0)
-        n_hi, n_eq = (cs >> 32).to(tl.int32), (cs & 0xFFFFFFFF).to(tl.int32)
-    sel = hi | (eq & (n_eq <= need))
-    pos = n_hi + tl.minimum(n_eq, need) - 1  # selected entries up to this one, minus one
-    if fin:  # candidates (id < n_hist) are a prefix of the ids, so theirs are the first positions
-        out = sel & (rid < nh)
-        base = row.to(tl.int64) * K
-        tl.store(ids_ptr + base + pos, rid.to(tl.int64), mask=out)
-        n_out = tl.sum(out.to(tl.int32), axis=0)
-        slot = tl.arange(0, BLOCK_K)
-        tl.store(ids_ptr + base + slot, (slot * 0 + R).to(tl.int64), mask=(slot >= n_out) & (slot < K))
-        tl.store(valid_ptr + base + slot, (slot < n_out).to(tl.uint8), mask=slot < K)
+    sel, pos = _select_chunk(key, ok, K, ALL)
+    if fin:
+        _store_selection(ids_ptr, valid_ptr, row, K, R, rid, sel & (rid < nh), pos, BLOCK_K)
     else:
         base = (row.to(tl.int64) * nchunk + chunk) * K
         tl.store(key_out_ptr + base + pos, key.to(tl.int32, bitcast=True), mask=sel)
         tl.store(id_out_ptr + base + pos, rid, mask=sel)
 
 
+# Decode rows of at most this many history regions (8k tokens) take the first launch's short path.
+SHORT_LANES = 1024
 _select_regions_prefill = _unspecialised(_select_regions_kernel, "T", "R", "N", "K", "N0", unaligned=("nh_ptr",))
 
 
-def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096, prefill=False):
+def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096, prefill=False, short_lanes=None):
     """select_regions_ref in one kernel per row (bit-identical ids and valid), no sort.
 
     One program per row holds the row in registers. With fewer rows than SMs (decode), or rows of more than 16384
@@ -1534,7 +1562,9 @@ def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096, prefill=False
     spread over several SMs, and no program holds more than `chunk` entries. Launches and scratch sizes depend
     only on the shapes. A chunk without a candidate (regions past every query's history) exits at once. prefill:
     tiles of at least `chunk` entries and the top-K block of topk, through the unspecialised kernel, so any prompt
-    length takes one of a few compiled launches (decode's are fixed by the cache)."""
+    length takes one of a few compiled launches (decode's are fixed by the cache). short_lanes (default SHORT_LANES):
+    a decode row of at most this many history regions is selected by chunk 0 of the first launch from that many
+    lanes, however long the cache (bit-identical)."""
     _check_tensor("scores", scores, torch.float32, ndim=4)
     _check_tensor("n_hist", n_hist, torch.int64, ndim=2)
     S, G, T, R = scores.shape
@@ -1560,10 +1590,13 @@ def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096, prefill=False
         if not final:
             key_out = torch.empty(rows, C * K, dtype=torch.int32, device=scores.device)
             id_out = torch.empty(rows, C * K, dtype=torch.int32, device=scores.device)
+        # a decode step's rows of short histories in a cache of many regions: chunk 0 selects from SHORT_LANES
+        lanes = short_lanes or SHORT_LANES
+        short = lanes if not prefill and src is scores and BLOCK > lanes else 0
         kern[(rows, C)](src, src_id, n_hist, ids if final else key_out, ids if final else id_out, ids,
                         valid.view(torch.uint8), G, T, R, n, K, int(blk), n0, PAIRS=src is not scores, FINAL=final,
-                        ALL=final and K >= n, BLOCK=BLOCK, BLOCK_K=block_k, num_warps=max(4, min(16, BLOCK // 512)),
-                        **_pdl())
+                        ALL=final and K >= n, BLOCK=BLOCK, BLOCK_K=block_k, SHORT=short,
+                        num_warps=max(4, min(16, BLOCK // 512)), **_pdl())
         if final:
             return ids, valid
         src, src_id, n = key_out, id_out, C * K

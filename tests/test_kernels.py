@@ -818,11 +818,13 @@ def _select_case(S, G, T, R, seed, ties):
     (2, 1, 3, 300, 5, [[300, 100, 4], [299, 250, 0]], 32, True),  # chunked: 10 chunks -> 50 pairs -> 2 -> 10
     (1, 1, 2, 300, 3, [[300, 140]], 16, False),                 # 19 chunks -> 57 pairs -> 4 -> 12 -> final
     (1, 1, 3, 300, 3, [[15, 16, 14]], 16, True),  # chunk 0 holds 15: a history inside it ends after one launch
+    (1, 1, 4, 300, 3, [[8, 2, 9, 200]], 32, True),  # decode's short path (8 lanes) beside a history past it
+    (1, 1, 3, 37, 8, [[8, 5, 30]], 4096, True),  # the short path in a one-launch selection
 ])
 def test_select_regions_triton_bit_identical(S, G, T, R, topk, n_hist, chunk, ties):
     sc = _select_case(S, G, T, R, seed=R + topk, ties=ties)
     nh = torch.tensor(n_hist, device=DEV)
-    ids, valid = K.select_regions_triton(sc, nh, topk, chunk=chunk)
+    ids, valid = K.select_regions_triton(sc, nh, topk, chunk=chunk, short_lanes=8)
     rids, rvalid = K.select_regions_ref(sc, nh, topk)
     assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
     # positions and the region size in place of the region counts: the kernel divides (blk = 8, positions 8 n + 5)
@@ -1051,6 +1053,11 @@ def test_gpu_select_regions_real_shape(S, T, R):
     ids, valid = K.select_regions_triton(sc, nh, 512)
     rids, rvalid = K.select_regions_ref(sc, nh, 512)
     assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
+    if T == 1:  # short histories in the same cache (decode's short path up to SHORT_LANES regions, then chunk 0)
+        nh = torch.tensor([100, K.SHORT_LANES, K.SHORT_LANES + 1, 3000], device=DEV)[torch.arange(S) % 4, None]
+        ids, valid = K.select_regions_triton(sc, nh, 512)
+        rids, rvalid = K.select_regions_ref(sc, nh, 512)
+        assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
 
 
 @gpu
