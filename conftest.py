@@ -95,8 +95,12 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session):
     proc = _BACKGROUND.get("proc")
-    if proc is not None and proc.poll() is None:
-        proc.kill()
+    if proc is not None:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        import shutil
+        shutil.rmtree(os.path.dirname(_BACKGROUND["out"]), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +108,6 @@ def interpreted_model_run():
     """tests/interpreted_run.py's run_model on the FP8 text model (the interpreter's CPU run only), computed in its
     own process from the start of the session. Shared by the model test (logits) and the sm90 build test
     (launches). -> (reference logits [2, 7, V], Triton logits [2, 7, V], {launch key: launch record})"""
-    import shutil
     import tempfile
 
     import torch
@@ -116,6 +119,4 @@ def interpreted_model_run():
     with open(_BACKGROUND["log"]) as f:
         log = f.read()
     assert rc == 0, f"tests/interpreted_run.py failed (exit {rc}):\n{log[-4000:]}"
-    result = torch.load(_BACKGROUND["out"], weights_only=False)
-    shutil.rmtree(os.path.dirname(_BACKGROUND["out"]), ignore_errors=True)
-    return result
+    return torch.load(_BACKGROUND["out"], weights_only=False)
