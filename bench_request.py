@@ -11,6 +11,7 @@ is what the decode rate rests on. Run it twice with the same TRITON_CACHE_DIR fo
     python bench_request.py --cases 1x1024,1x4096,1x32768,1x131072,16x1024,16x4096 --new 256
     python bench_request.py --max-context 8192 --cases 1x4096           # the same request on a small cache
     python bench_request.py --cases "" --profile 8192 32768 131072      # where a prefill's time goes, by family
+    python bench_request.py --cases "" --profile 32768 --tune "sparse_block_n=(64, 32)"   # a launch choice through it
 
 --profile P ...: one request's prefill of P tokens (to its first token) under the profiler: per kernel family, its
 share of the prefill's wall time, and for the GEMMs and attention their rate against the H200's FLOP ceilings
@@ -23,6 +24,7 @@ import time
 import torch
 
 import engine as E
+import kernel
 import model as M
 from bench_decode import randomise, real_rank_config, time_step
 from bench_prefill import BF16_FLOPS, FP8_FLOPS
@@ -247,6 +249,13 @@ if __name__ == "__main__":
                     help="prefill profiles by kernel family of one request of P tokens each")
     ap.add_argument("--dump", help="write the profiles' per-kernel times to this JSON file")
     ap.add_argument("--build-threads", type=int, default=None, help="start-up's parallel kernel builds (0: off)")
+    ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
+                    help="set kernel.TUNING[KEY] (a Python literal) for the run, e.g. --tune "
+                    "'sparse_block_n=(64, 32)'; repeatable")
     a = ap.parse_args()
+    try:
+        kernel.set_tuning(a.tune)
+    except ValueError as e:
+        raise SystemExit(str(e))
     main([tuple(map(int, c.split("x"))) for c in a.cases.split(",") if c], a.new, a.max_batch, a.max_context,
          a.prefill_chunk, a.profile, a.dump, a.build_threads)

@@ -650,8 +650,8 @@ def test_banded_attention_matches_reference(H, G, hd, off, n, W):
 
 
 def test_set_tuning_parses_values_and_names_bad_ones(monkeypatch):
-    """--tune KEY=VALUE (bench_decode.py, bench_prefill.py, sass.py): Python literals converted to the default's type;
-    an unknown key or a malformed value is named."""
+    """--tune KEY=VALUE (bench_decode.py, bench_prefill.py, bench_request.py, sass.py): Python literals converted to
+    the default's type; an unknown key or a malformed value is named."""
     monkeypatch.setattr(K, "TUNING", dict(K.TUNING))
     K.set_tuning(["moe_block_n=(32, 64)", "router_parts=1"])
     assert (K.TUNING["moe_block_n"], K.TUNING["router_parts"]) == ((32, 64), 1)
