@@ -217,7 +217,7 @@ if __name__ == "__main__":
     ap.add_argument("--profile", action="store_true",
                     help="the last chunk's device time per kernel and its host time per Python call (cProfile)")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
-                    help="set kernel.TUNING[KEY] for the run (e.g. --tune 'sparse_block_n=(64, 32)'; repeatable)")
+                    help="set kernel.TUNING[KEY] for the run (e.g. --tune sparse_block_n=32; repeatable)")
     a = ap.parse_args()
     try:
         kernel.set_tuning(a.tune)

@@ -11,7 +11,7 @@ is what the decode rate rests on. Run it twice with the same TRITON_CACHE_DIR fo
     python bench_request.py --cases 1x1024,1x4096,1x32768,1x131072,16x1024,16x4096 --new 256
     python bench_request.py --max-context 8192 --cases 1x4096           # the same request on a small cache
     python bench_request.py --cases "" --profile 8192 32768 131072      # where a prefill's time goes, by family
-    python bench_request.py --cases "" --profile 32768 --tune "sparse_block_n=(64, 32)"   # a launch choice through it
+    python bench_request.py --cases "" --profile 32768 --tune sparse_block_n=32   # a launch choice through the engine
 
 --profile P ...: one request's prefill of P tokens (to its first token) under the profiler: per kernel family, its
 share of the prefill's wall time, and for the GEMMs and attention their rate against the H200's FLOP ceilings
@@ -251,7 +251,7 @@ if __name__ == "__main__":
     ap.add_argument("--build-threads", type=int, default=None, help="start-up's parallel kernel builds (0: off)")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="set kernel.TUNING[KEY] (a Python literal) for the run, e.g. --tune "
-                    "'sparse_block_n=(64, 32)'; repeatable")
+                    "sparse_block_n=32; repeatable")
     a = ap.parse_args()
     try:
         kernel.set_tuning(a.tune)

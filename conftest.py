@@ -18,16 +18,29 @@ CKPT_KINDS = {"fp8_vl": {}, "bf16_text": {"fp8": False, "vl": False, "seed": 1},
               "fp8_vl_seed1": {"seed": 1}, "fp8_vl_seed2": {"seed": 2}}
 
 
+def make_kind(kind: str, out_dir: str) -> str:
+    """A tiny original checkpoint of that kind (CKPT_KINDS, seeds shifted by TINY_SEED_OFFSET) in out_dir."""
+    from tiny_checkpoint import make_checkpoint
+    kw = dict(CKPT_KINDS[kind])
+    kw["seed"] = kw.get("seed", 0) + SEED_OFFSET
+    return make_checkpoint(out_dir, **kw)
+
+
+def load_tp1(tp_dir: str, device="cpu"):
+    """The TP=1 model of a converted tp1 directory."""
+    import config
+    import model as M
+    cfg, vl, _ = config.load_config(os.path.join(tp_dir, "config-r0.json"))
+    return M.Step5ForCausalLM.from_shard(os.path.join(tp_dir, "model-r0.safetensors"), cfg, device, vl, rank=0)
+
+
 class _Checkpoints(dict):
     def __init__(self, base):
         super().__init__()
         self.base = base
 
     def __missing__(self, kind):
-        from tiny_checkpoint import make_checkpoint
-        kw = dict(CKPT_KINDS[kind])
-        kw["seed"] = kw.get("seed", 0) + SEED_OFFSET
-        self[kind] = make_checkpoint(str(self.base / kind), **kw)
+        self[kind] = make_kind(kind, str(self.base / kind))
         return self[kind]
 
 
@@ -58,16 +71,11 @@ def converted(ckpts, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tp1_models(converted):
     """tp1_models(kind, device="cpu") -> the TP=1 model of that kind, loaded once per session and device."""
-    import config
-    import model as M
     loaded = {}
 
     def get(kind, device="cpu"):
         if (kind, device) not in loaded:
-            d = converted(kind, 1)
-            cfg, vl, _ = config.load_config(os.path.join(d, "config-r0.json"))
-            loaded[kind, device] = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg,
-                                                                 device, vl, rank=0)
+            loaded[kind, device] = load_tp1(converted(kind, 1), device)
         return loaded[kind, device]
     return get
 
@@ -80,10 +88,11 @@ _BACKGROUND = {}
 def _start_interpreted_run(tmp_dir: str):
     import subprocess
     out = os.path.join(tmp_dir, "interpreted_run.pt")
-    log = open(os.path.join(tmp_dir, "interpreted_run.log"), "w")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "interpreted_run.py"), out], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TRITON_INTERPRET="1"))
-    _BACKGROUND.update(proc=proc, out=out, log=log.name)
+    log = os.path.join(tmp_dir, "interpreted_run.log")
+    with open(log, "w") as f:  # the child keeps its own handle
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "interpreted_run.py"), out], cwd=ROOT,
+                                stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    _BACKGROUND.update(proc=proc, out=out, log=log)
 
 
 def pytest_collection_finish(session):

@@ -56,7 +56,7 @@ def _triton(x: torch.Tensor) -> bool:
 # are (T == 1, T > 1) of the decode step's T tokens, each a (gate/up kernel, down kernel) pair where both have one.
 TUNING = {
     "sliding_warps": (8, 4),  # warps of the sliding decode attention, (grid < SMs, grid >= SMs)
-    "sparse_block_n": (64, 64),  # key slots per sparse attention tile, (decode, prefill: also dense_prefix's)
+    "sparse_block_n": 64,  # key slots per sparse attention tile
     "router_block_e": 32,  # experts per router-logits program
     "router_parts": 4,  # MMA chains over the router logits' one K step
     "moe_block_n": ((32, 64), (64, 128)),  # decode expert tile columns, (T == 1, T > 1) of (gate/up, down)
@@ -1778,10 +1778,9 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
     """Triton sparse_attention_ref for decode (T = 1) and prefill (T queries). `splits` (default: enough programs
     to fill the GPU) divides each query's key slots over programs merged by log-sum-exp (which applies the gate,
     else torch does: gate_heads); other split boundaries give tolerance-level differences. block_n: key slots per
-    tile (default TUNING["sparse_block_n"], decode's or prefill's). num_stages: of the GPU launches (3 or 4: within
-    0.3% of the step). rows [S] int64: the cache row of each sequence (default: row s). prefill: one split and the
-    unspecialised kernel, so no length of a prompt compiles a launch of its own (a prefill launch has hundreds of
-    query rows)."""
+    tile (default TUNING["sparse_block_n"]). num_stages: of the GPU launches (3 or 4: within 0.3% of the step).
+    rows [S] int64: the cache row of each sequence (default: row s). prefill: one split and the unspecialised kernel,
+    so no length of a prompt compiles a launch of its own (a prefill launch has hundreds of query rows)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     S, T, G, HG, hd = q.shape
     for name, t_ in (("k", k), ("v", v)):
@@ -1806,7 +1805,7 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
     out = torch.empty_like(q)
     NSEL = ids.shape[-1]
     J = NSEL * blk + blk
-    BLOCK_N = block_n or TUNING["sparse_block_n"][prefill]
+    BLOCK_N = block_n or TUNING["sparse_block_n"]
     BLOCK_H = _heads_block(HG)
     n_rows = S * T * G
     if n_rows == 0:
@@ -1941,7 +1940,7 @@ def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, p0, scale, sq_t, sq_g, s
 def dense_prefix_triton(q, k, v, p0, blk, scale, block_n=None, num_warps=8):
     """Triton dense_prefix_ref (_dense_prefix_kernel) for one sequence: q [1, T, G, Hg, hd] at positions p0 ..
     p0 + T - 1, k, v [1, N, G, hd] (N >= p0 + T) -> [1, T, G, Hg, hd] bf16. Within sparse_attention_triton's distance
-    of the reference (the same tiles of block_n keys, default prefill's TUNING["sparse_block_n"])."""
+    of the reference (the same tiles of block_n keys, default TUNING["sparse_block_n"])."""
     _check_tensor("q", q, torch.bfloat16, ndim=5, contiguous=False)
     _check_tensor("k", k, torch.bfloat16, ndim=4, contiguous=False)
     _check_tensor("v", v, torch.bfloat16, ndim=4, contiguous=False)
@@ -1954,7 +1953,7 @@ def dense_prefix_triton(q, k, v, p0, blk, scale, block_n=None, num_warps=8):
         return out[None]
     HGP = triton.next_power_of_2(HG)
     QB = blk * max(1, 64 // (HGP * blk))  # whole regions, 64 rows a tile where the heads allow
-    BLOCK_N = block_n or TUNING["sparse_block_n"][1]
+    BLOCK_N = block_n or TUNING["sparse_block_n"]
     DA = 1 << (D - 1).bit_length() - 1  # head_dim = DA + the rest (192 = 128 + 64)
     first = p0 // blk * blk
     _dense_prefix_kernel[(triton.cdiv(p0 + T - first, QB), G)](

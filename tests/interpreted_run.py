@@ -53,26 +53,17 @@ def run_model(lm):
 
 
 def main(out: str):
-    """conftest's fp8_text checkpoint (its kind and seed), converted at TP=1 in a temporary directory, run_model on
-    it; the result saved to `out` under a temporary name, then renamed."""
+    """conftest's fp8_text checkpoint, converted at TP=1 in a temporary directory, run_model on it; the result saved
+    to `out` under a temporary name, then renamed."""
     import tempfile
 
     import torch
 
-    import config
     import convert
-    import model as M
-    from conftest import CKPT_KINDS, SEED_OFFSET
-    from tiny_checkpoint import make_checkpoint
-    kw = dict(CKPT_KINDS["fp8_text"])
-    kw["seed"] = kw.get("seed", 0) + SEED_OFFSET
+    from conftest import load_tp1, make_kind
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = make_checkpoint(os.path.join(tmp, "ckpt"), **kw)
-        convert.main(ckpt, os.path.join(tmp, "out"), tp_size=1, ep_size=1)
-        d = os.path.join(tmp, "out", "tp1")
-        cfg, vl, _ = config.load_config(os.path.join(d, "config-r0.json"))
-        lm = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg, "cpu", vl, rank=0)
-        result = run_model(lm)
+        convert.main(make_kind("fp8_text", os.path.join(tmp, "ckpt")), os.path.join(tmp, "out"), tp_size=1, ep_size=1)
+        result = run_model(load_tp1(os.path.join(tmp, "out", "tp1")))
     torch.save(result, out + ".part")
     os.replace(out + ".part", out)
 
