@@ -2714,6 +2714,30 @@ def _wgmma_misfit(N, K, row_idx):
 _grouped_wgmma_prefill = _unspecialised(_grouped_wgmma_kernel, "total", jit=gluon.jit)
 
 
+# A prefill pass makes two expert GEMM calls per MoE layer; building their layouts and descriptors anew cost ~50 us of
+# host time a call (17 us so, PERF_LOG 2026-12-04): layouts are built once per shape, weight descriptors once per tensor.
+@functools.cache
+def _fp8_box_layout(rows: int):
+    """The shared-memory layout of an e4m3 TMA box [rows, 128]."""
+    return gl.NVMMASharedLayout.get_default_for([rows, QBLOCK], gl.float8e4nv)
+
+
+_OUT_BOX_LAYOUT = gl.NVMMASharedLayout(128, 16)  # the bf16 output's [64, 64] boxes
+
+
+def _weight_desc(w, rows):
+    """The TMA descriptor of expert weights w [E, N, K] e4m3 as [E*N, K] in [rows, 128] boxes, kept on the tensor
+    (the model passes the same weight tensors every call; rebuilt if w's storage or shape changed). Its base is a
+    view of w.detach(): a view of w itself would keep w alive through this attribute after the model drops it."""
+    E, N, K = w.shape
+    d = getattr(w, "_wgmma_desc", None)
+    if (d is None or list(d.block_shape) != [rows, QBLOCK] or tuple(d.shape) != (E * N, K)
+            or d.base.data_ptr() != w.data_ptr()):
+        d = GluonDescriptor.from_tensor(w.detach().view(E * N, K), [rows, QBLOCK], _fp8_box_layout(rows))
+        w._wgmma_desc = d
+    return d
+
+
 def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, limit=None, stages=3, block_n=256):
     """grouped_gemm_triton for FP8 on sm90 through _grouped_wgmma_kernel (Gluon): same arguments, and the same bits as
     its tiles of >= 64 rows (wgmma too; its 16-row tiles add a K block's products in another order).
@@ -2737,12 +2761,9 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
     _check(block_n in (128, 256), lambda: f"grouped_gemm_wgmma: block_n {block_n} is not 128 or 256")
     gated = w3 is not None
     out_n = block_n // 2 if gated else block_n
-    wl = gl.NVMMASharedLayout.get_default_for([block_n // 2, QBLOCK], gl.float8e4nv)
-    x_desc = GluonDescriptor.from_tensor(x, [BLOCK_M, QBLOCK], gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, QBLOCK], gl.float8e4nv))
-    w_desc, w3_desc = (GluonDescriptor.from_tensor(t.view(E * N, K), [block_n // 2, QBLOCK], wl)
-                       for t in (w, w3 if gated else w))
-    out_desc = GluonDescriptor.from_tensor(out, [BLOCK_M // 2, 64], gl.NVMMASharedLayout(128, 16))
+    x_desc = GluonDescriptor.from_tensor(x, [BLOCK_M, QBLOCK], _fp8_box_layout(BLOCK_M))
+    w_desc, w3_desc = (_weight_desc(t, block_n // 2) for t in (w, w3 if gated else w))
+    out_desc = GluonDescriptor.from_tensor(out, [BLOCK_M // 2, 64], _OUT_BOX_LAYOUT)
     total = (triton.cdiv(M, BLOCK_M) + E) * triton.cdiv(N, out_n)  # worst case over any split of M rows into E experts
     _grouped_wgmma_prefill[(min(total, _sms()),)](
         x_desc, x, row_off if row_idx is None else row_idx, x.stride(0), w_desc, w3_desc, out_desc, sx, sw,
@@ -3076,41 +3097,15 @@ def _moe_decode_down_kernel(
 
 
 @triton.jit
-def _combine_store(acc, ys_row, out_row, cols, col_ok, SHARED: tl.constexpr):
-    """A combine's token row: bf(acc) as bf16, or SHARED: f32(bf(acc)) + f32(ys) in fp32 (the shared expert's
-    output added at the rounding point of moe_experts_ref)."""
-    r = _bf16_round(acc)
-    if SHARED:
-        tl.store(out_row + cols, r + tl.load(ys_row + cols, mask=col_ok, other=0.0).to(tl.float32), mask=col_ok)
-    else:
-        tl.store(out_row + cols, r.to(tl.bfloat16), mask=col_ok)
-
-
-@triton.jit
-def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, D, y_stride, out_stride,
-                        TOPK: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = bf( sum over slots j = 0..k-1 in order (one fp32 accumulator) of f32(Y[inv[t, j]]) * w[t, j] ),
-    skipping slots whose expert lives on another rank (id < 0); SHARED: out[t] = f32(that) + f32(ys[t]) in fp32."""
-    _pdl_enter(PDL)
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = cols < D
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        local = tl.load(ids_ptr + t * TOPK + j) >= 0
-        r = tl.load(inv_ptr + t * TOPK + j).to(tl.int64)
-        y = tl.load(y_ptr + r * y_stride + cols, mask=col_ok & local, other=0.0).to(tl.float32)
-        acc = acc + y * tl.load(wts_ptr + t * TOPK + j)
-    _combine_store(acc, ys_ptr + t.to(tl.int64) * D, out_ptr + t * out_stride, cols, col_ok, SHARED=SHARED)
-
-
-@triton.jit
-def _moe_decode_combine_kernel(y_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, cnt_ptr, D, E, first_expert, NC,
-                               TOPK: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-                               BLOCK_C: tl.constexpr = 0):
-    """out[t] = bf( sum over local slots j = 0..k-1 in order (one fp32 accumulator) of f32(y[t*k + j]) * w[t, j] );
-    SHARED: out[t] = f32(that) + f32(ys[t]) in fp32. BLOCK_C > 0: program (0, 0) zeroes the NC arrival counters of
-    the expert kernels (after the wait: the down grid, the last to read them, has completed)."""
+def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, cnt_ptr, D, E, first_expert, NC,
+                        TOPK: tl.constexpr, SHARED: tl.constexpr, SORTED: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PDL: tl.constexpr, BLOCK_C: tl.constexpr = 0):
+    """out[t] = bf( sum over local slots j = 0..k-1 in order (one fp32 accumulator) of f32(y[row]) * w[t, j] ), a
+    slot's row of y [*, D] being inv[t*k + j] (SORTED: prefill's rows sorted by expert) or t*k + j (decode); slot
+    (t, j) is local iff first_expert <= ids[t, j] < first_expert + E. SHARED: out[t] = f32(that) + f32(ys[t]) in
+    fp32 (the shared expert's output added at moe_experts_ref's rounding point). BLOCK_C > 0: program (0, 0) zeroes
+    the NC arrival counters of the decode expert kernels (after the wait: the down grid, the last to read them, has
+    completed)."""
     _pdl_enter(PDL)
     t = tl.program_id(0)
     if BLOCK_C > 0:
@@ -3123,9 +3118,99 @@ def _moe_decode_combine_kernel(y_ptr, ids_ptr, wts_ptr, ys_ptr, out_ptr, cnt_ptr
     for j in tl.static_range(TOPK):
         loc = tl.load(ids_ptr + t * TOPK + j) - first_expert
         local = (loc >= 0) & (loc < E)
-        y = tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * D + cols, mask=col_ok & local, other=0.0).to(tl.float32)
+        row = tl.load(inv_ptr + t * TOPK + j) if SORTED else t * TOPK + j
+        y = tl.load(y_ptr + row.to(tl.int64) * D + cols, mask=col_ok & local, other=0.0).to(tl.float32)
         acc = acc + y * tl.load(wts_ptr + t * TOPK + j)
-    _combine_store(acc, ys_ptr + t.to(tl.int64) * D, out_ptr + t.to(tl.int64) * D, cols, col_ok, SHARED=SHARED)
+    r = _bf16_round(acc)
+    out_row = out_ptr + t.to(tl.int64) * D
+    if SHARED:
+        ys = tl.load(ys_ptr + t.to(tl.int64) * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(out_row + cols, r + ys, mask=col_ok)
+    else:
+        tl.store(out_row + cols, r.to(tl.bfloat16), mask=col_ok)
+
+
+def moe_dispatch_ref(ids, first_expert, E):
+    """Prefill's MoE dispatch: the T*k (token, slot) pairs of ids [T, k] int64 sorted by local expert, stably (slot
+    order within an expert), slots of other ranks' experts last -> (row_off [E+1] int32: expert e owns sorted rows
+    row_off[e] .. row_off[e+1]-1, so row_off[E] rows are local; tok [T*k] int32: the token of each sorted row;
+    inv [T*k] int32: the sorted row of each flat slot t*k + j)."""
+    loc = ids.flatten() - first_expert
+    key = torch.where((loc >= 0) & (loc < E), loc, E)
+    order = torch.sort(key, stable=True)[1]  # sorted row -> flat slot
+    row_off = torch.searchsorted(key[order], torch.arange(E + 1, device=ids.device), out_int32=True)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=ids.device)
+    return row_off, (order // ids.shape[1]).to(torch.int32), inv.to(torch.int32)
+
+
+# The dispatch as a counting sort in two launches (in place of ~10 torch ops around a sort): the slots are cut into
+# SEGMENTS segments; program (e, s) of the first counts the slots of segment s whose key (local expert, or E for the
+# other ranks' experts) is e; program (e, s) of the second finds its first row from those counts (every key below e,
+# then key e in earlier segments) and numbers its slots in slot order. Both grids are fixed by E; N and the segment
+# length are unspecialised, so every prefill length shares one compiled pair.
+DISPATCH_SEGMENTS = 32
+
+
+@triton.jit
+def _dispatch_key(ids_ptr, s, ok, first_expert, E):
+    loc = tl.load(ids_ptr + s, mask=ok, other=0) - first_expert
+    return tl.where((loc >= 0) & (loc < E), loc, E)
+
+
+@triton.jit(do_not_specialize=["N", "SEG"])
+def _moe_count_kernel(ids_ptr, cnt_ptr, N, SEG, first_expert, E, SEGMENTS: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
+    """cnt[e, s] = the slots of segment s (SEG slots from s * SEG) with key e."""
+    _pdl_enter(PDL)
+    e, seg = tl.program_id(0), tl.program_id(1)
+    n = tl.zeros((BLOCK,), dtype=tl.int32)
+    for s0 in range(seg * SEG, tl.minimum(seg * SEG + SEG, N), BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        ok = (s < N) & (s < seg * SEG + SEG)
+        n += (ok & (_dispatch_key(ids_ptr, s, ok, first_expert, E) == e)).to(tl.int32)
+    tl.store(cnt_ptr + e * SEGMENTS + seg, tl.sum(n, axis=0))
+
+
+@triton.jit(do_not_specialize=["N", "SEG"])
+def _moe_place_kernel(ids_ptr, cnt_ptr, row_off_ptr, tok_ptr, inv_ptr, N, SEG, first_expert, E, TOPK: tl.constexpr,
+                      SEGMENTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Rows of the slots of segment s with key e: from row_off[e] (program (e, 0) stores it) plus key e's slots in
+    earlier segments, in slot order; tok[row] = the slot's token, inv[slot] = row."""
+    _pdl_enter(PDL)
+    e, seg = tl.program_id(0), tl.program_id(1)
+    ke, ks = tl.arange(0, BLOCK_E)[:, None], tl.arange(0, SEGMENTS)[None, :]
+    cnt = tl.load(cnt_ptr + ke * SEGMENTS + ks, mask=ke <= E, other=0)  # [BLOCK_E, SEGMENTS]
+    first = tl.sum(tl.sum(tl.where(ke < e, cnt, 0), axis=1), axis=0)
+    if seg == 0:
+        tl.store(row_off_ptr + e, first)
+    row = first + tl.sum(tl.sum(tl.where((ke == e) & (ks < seg), cnt, 0), axis=1), axis=0)
+    for s0 in range(seg * SEG, tl.minimum(seg * SEG + SEG, N), BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        ok = (s < N) & (s < seg * SEG + SEG)
+        hit = ok & (_dispatch_key(ids_ptr, s, ok, first_expert, E) == e)
+        rows = row + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        tl.store(tok_ptr + rows, (s // TOPK).to(tl.int32), mask=hit)
+        tl.store(inv_ptr + s, rows, mask=hit)
+        row += tl.sum(hit.to(tl.int32), axis=0)
+
+
+def moe_dispatch_triton(ids, first_expert, E):
+    """Triton moe_dispatch_ref (_moe_count_kernel, _moe_place_kernel): the same three tensors, bit for bit."""
+    _check_tensor("ids", ids, torch.int64, ndim=2)
+    N, dev = ids.numel(), ids.device
+    row_off = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    tok, inv = torch.empty(N, dtype=torch.int32, device=dev), torch.empty(N, dtype=torch.int32, device=dev)
+    if not N:
+        return row_off.zero_(), tok, inv
+    cnt = torch.empty(E + 1, DISPATCH_SEGMENTS, dtype=torch.int32, device=dev)
+    seg, grid = triton.cdiv(N, DISPATCH_SEGMENTS), (E + 1, DISPATCH_SEGMENTS)
+    _moe_count_kernel[grid](ids, cnt, N, seg, int(first_expert), E, SEGMENTS=DISPATCH_SEGMENTS, BLOCK=1024,
+                            num_warps=4, **_pdl())
+    _moe_place_kernel[grid](ids, cnt, row_off, tok, inv, N, seg, int(first_expert), E, TOPK=ids.shape[1],
+                            SEGMENTS=DISPATCH_SEGMENTS, BLOCK_E=triton.next_power_of_2(E + 1), BLOCK=1024,
+                            num_warps=4, **_pdl())
+    return row_off, tok, inv
 
 
 def _moe_check(x, ids, weights, w1, w3, w2, s1, s3, s2):
@@ -3172,7 +3257,7 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     """Triton moe_experts_ref for prefill: only routed rows are computed, one launch per GEMM for all local experts.
 
     Steps, all on the device with static shapes (no .item()): sort the T*k (token, slot) pairs by local expert
-    (remote slots last), per-expert row offsets by searchsorted on the sorted keys; quantise x once per token (FP8);
+    (remote slots last) with per-expert row offsets (moe_dispatch_triton); quantise x once per token (FP8);
     gate+up GEMM reading token rows through the sort order, SwiGLU in its epilogue; quantise; down GEMM; slot-order
     combine.
     The shared expert (if given) runs as torch GEMMs and swiglu_triton; the combine adds its output in fp32.
@@ -3183,15 +3268,7 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     out = torch.empty(T, D, dtype=torch.bfloat16 if shared is None else torch.float32, device=x.device)
     if T == 0:
         return out
-    loc = ids - first_expert
-    ids = torch.where((loc >= 0) & (loc < E), loc, -1)  # local ids, -1 for remote (the combine reads ids >= 0)
-    key = torch.where(ids >= 0, ids, E).flatten()  # [T*k]; remote slots get key E and sort last
-    skey, order = torch.sort(key, stable=True)  # order: sorted row -> flat slot t*k + j
-    # expert e's rows start at the first sorted key >= e (torch.bincount would sync with the host on CUDA)
-    row_off = torch.searchsorted(skey, torch.arange(E + 1, device=x.device), out_int32=True)
-    tok = (order // k).to(torch.int32)  # [T*k] sorted row -> token
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=x.device)  # flat slot -> sorted row
+    row_off, tok, inv = moe_dispatch_triton(ids, first_expert, E)
     if fp8:
         xq, sx = _x_quant(x, xq)  # once per token, not per (token, expert)
         a = grouped_gemm_triton(xq, sx, w1, s1, row_off, row_idx=tok, w3=w3, sw3=s3, limit=limit)  # [T*k, F]
@@ -3202,8 +3279,8 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         y = grouped_gemm_triton(a, None, w2, None, row_off)
     ys = y if shared is None else _shared_expert(x, shared, swiglu_triton)  # [T, D] bf16 (ys unread without it)
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
-    _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, inv, ids, weights, ys, out, D, y.stride(0), out.stride(0),
-                                                      TOPK=k, SHARED=shared is not None, BLOCK_D=BLOCK_D,
+    _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, inv, ids, weights, ys, out, out, D, E, int(first_expert), 0,
+                                                      TOPK=k, SHARED=shared is not None, SORTED=True, BLOCK_D=BLOCK_D,
                                                       num_warps=4, **_NO_FMA, **_pdl())
     return out
 
@@ -3318,9 +3395,9 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         BLOCK_N=bn[1], TMA=tma[1], EARLY=early, UP_N=bn[0],
         num_warps=nw[1], num_stages=ns[1], **common, **regs[1], **_pdl())
     BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
-    _moe_decode_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](
-        y, ids, weights, ys, out, cnt, D, E, int(first_expert), ranks + sh, TOPK=k, SHARED=sh, BLOCK_D=BLOCK_D,
-        BLOCK_C=triton.next_power_of_2(ranks + sh) if early else 0, num_warps=4, **_NO_FMA, **_pdl())
+    _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](
+        y, ids, ids, weights, ys, out, cnt, D, E, int(first_expert), ranks + sh, TOPK=k, SHARED=sh, SORTED=False,
+        BLOCK_D=BLOCK_D, BLOCK_C=triton.next_power_of_2(ranks + sh) if early else 0, num_warps=4, **_NO_FMA, **_pdl())
     return out
 
 

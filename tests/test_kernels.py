@@ -133,6 +133,34 @@ def test_moe_experts_matches_dense_reference(fp8, T, D, F, E, k):
         assert d.max() <= 2e-2 * ref.float().abs().max()
 
 
+@pytest.mark.parametrize("T,k,E,first", [(0, 2, 4, 0), (3, 2, 4, 0), (700, 3, 5, 2), (20, 4, 6, 100),
+                                         (5000, 8, 2, 1)])
+def test_moe_dispatch_matches_reference(T, k, E, first):
+    """The counting sort gives the stable sort's rows, offsets and inverse bit for bit: no slots, fewer slots than
+    segments, slots of other ranks' experts (ids below and above this rank's range, sorted last), experts with no
+    rows, a rank whose experts nobody picked, segments of more than one block (40000 slots)."""
+    ids = torch.randint(0, 3 * E, (T, k), generator=_gen(T)).to(DEV)
+    got, ref = K.moe_dispatch_triton(ids, first, E), K.moe_dispatch_ref(ids, first, E)
+    for name, a, b in zip(("row_off", "tok", "inv"), got, ref):
+        assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), name
+
+
+def test_weight_descriptor_is_kept_on_the_weight_and_freed_with_it():
+    """The expert GEMM's weight descriptors are built once per weight tensor and block, rebuilt for another block, and
+    do not keep a dropped weight alive (host side only: this runs on any machine)."""
+    import gc
+    import weakref
+    w = torch.zeros(2, 256, 128, dtype=K.FP8)
+    d = K._weight_desc(w, 128)
+    assert K._weight_desc(w, 128) is d and d.base.data_ptr() == w.data_ptr()
+    assert list(d.shape) == [512, 128] and list(d.strides) == [128, 1] and list(d.block_shape) == [128, 128]
+    assert list(K._weight_desc(w, 64).block_shape) == [64, 128]
+    alive = weakref.ref(w)
+    del w, d
+    gc.collect()
+    assert alive() is None
+
+
 def test_grouped_gemm_fp8_ragged_k_and_partial_n():
     """One launch over experts with 0, 1 and many rows, K=192 (half a scale block), N=200 (not a multiple of 64)."""
     E, N, Kd = 3, 200, 192
@@ -953,6 +981,15 @@ def test_route_ties_to_the_lower_id():
 
 # ---------------------------------------------------------------------------------------------------------------
 # real shapes on a GPU (TP = 8 local sizes)
+
+
+@gpu
+@pytest.mark.parametrize("T", [17, 4096, 16384])
+def test_gpu_moe_dispatch_real_shape(T):
+    """One EP=8 rank's dispatch (44 of 352 experts, top-8) at prefill chunk lengths: the stable sort's bits."""
+    ids = torch.stack([torch.randperm(352, generator=_gen(t))[:8] for t in range(T)]).to(DEV)
+    for a, b in zip(K.moe_dispatch_triton(ids, 88, 44), K.moe_dispatch_ref(ids, 88, 44)):
+        assert torch.equal(a, b)
 
 
 @gpu
