@@ -705,15 +705,14 @@ def one_batch(s: Session) -> list:
     E.check_same_on_all_ranks(out, s.dev)
     if s.rank == 0 and stream is None:
         report(out, s.tok, n_tok, s.eos, a.print_ids, a.as_json)
-    elif stream is not None:
-        stream.close(a.print_ids)
     return out
 
 
 def generate_and_report(s: Session, reqs: list, stream=None, interrupt: "Interrupt | None" = None,
                         stoppable: bool = False):
-    """Run the requests on the engine (streaming the first one when `stream`), then the speed line on rank 0:
-    prefill as the prompt tokens computed (reused ones excluded) up to the last first token, decode after it.
+    """Run the requests on the engine (streaming the first one when `stream`, whose text then ends before the speed
+    line: the two share the terminal), then the speed line on rank 0: prefill as the prompt tokens computed (reused
+    ones excluded) up to the last first token, decode after it.
     stoppable (every rank): after each step rank 0 says whether Ctrl-C (its `interrupt`) cancels the requests."""
     t0 = time.perf_counter()
 
@@ -734,6 +733,8 @@ def generate_and_report(s: Session, reqs: list, stream=None, interrupt: "Interru
     if s.dev.type == "cuda":
         torch.cuda.synchronize()
     t2 = time.perf_counter()
+    if stream is not None:
+        stream.close(s.a.print_ids)
     t1 = max([r.t_first for r in reqs if r.t_first is not None] + [t0])
     computed = sum(len(r.ids) - r.cached for r in reqs)
     n_dec = sum(max(len(r.out) - 1, 0) for r in reqs)
@@ -873,10 +874,8 @@ def interactive(s: Session) -> list:
             if intr is not None:
                 intr.clear()
             generate_and_report(s, [req], stream, intr, stoppable=True)
-            if stream is not None:
-                stream.close(a.print_ids)
-                if req.finish == "cancelled":
-                    say("(stopped)")
+            if req.finish == "cancelled":
+                say("(stopped)")
             answer = broadcast(s.tok.decode([t for t in req.out if t not in s.eos], skip_special_tokens=False)
                                if s.rank == 0 else None, group=s.ctl)
             content = IMAGE_MARKER * n_images + text

@@ -793,12 +793,16 @@ def test_interactive_turns_reuse_the_cache_and_reset_refuse_and_stop(converted):
 
 
 def test_streamed_text_is_the_json_completion(converted):
-    """A single request's text streams to stdout as it is decoded; it is the --json document's completion."""
+    """A single request's text streams to stdout as it is decoded; it is the --json document's completion, and on a
+    terminal (stdout and stderr on one file) its line ends before the speed line."""
     d = converted("bf16_text", 1)
-    r = torchrun(1, "--tp-dir", d, "--prompt", "请介绍一下张量并行。", "--max-new-tokens", 12, "--ignore-eos")
-    j = torchrun(1, "--tp-dir", d, "--prompt", "请介绍一下张量并行。", "--max-new-tokens", 12, "--ignore-eos", "--json")
-    assert r.returncode == 0 and j.returncode == 0, (r.stderr + j.stderr)[-3000:]
-    assert r.stdout == json.loads(j.stdout)["completion"] + "\n"
+    args = ["--tp-dir", d, "--prompt", "请介绍一下张量并行。", "--max-new-tokens", 12, "--ignore-eos"]
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=1", "generate.py", *map(str, args)], cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+    j = torchrun(1, *args, "--json")
+    assert r.returncode == 0 and j.returncode == 0, (r.stdout + j.stderr)[-3000:]
+    text = json.loads(j.stdout)["completion"]
+    assert r.stdout.count(text + "\nprefill: ") == 1, r.stdout[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------- hardening
