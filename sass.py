@@ -10,6 +10,15 @@ its loop's instructions per K block; but counts only guide: a shorter loop has m
 
     python sass.py "x = torch.randn(1, 4096).bfloat16(); w = torch.randn(352, 4096).bfloat16()
     K.route_triton(x, w, torch.zeros(352), 8, 3.0, quant=True)" [--tune KEY=VALUE] [--only NAME] [--dump DIR]
+
+A kernel change that should not change the machine code (a move, a merge behind a constexpr, a renamed argument) is
+checked without a GPU: save the SASS of every launch of the interpreted model run (tests/interpreted_run.py, ~5
+minutes) before and after, then compare (launches paired by kernel name, after --rename OLD=NEW, and by the
+constexprs they share; instructions compared as text, then again without the constant-bank offsets of the
+arguments):
+
+    python sass.py --save DIR_BEFORE; ...; python sass.py --save DIR_AFTER
+    python sass.py --compare DIR_BEFORE DIR_AFTER [--rename OLD=NEW]
 """
 import argparse
 import collections
@@ -218,31 +227,110 @@ def summary(sass: str) -> str:
     return "\n".join(out)
 
 
+def cuobjdump(*args) -> str:
+    import triton  # its wheel carries the CUDA binary tools
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return subprocess.run([tool, *args], capture_output=True, text=True, check=True).stdout
+
+
+def save(out_dir: str):
+    """The model run's launches built for sm90: out_dir/index.json (each launch's record and file) and
+    out_dir/<i>.sass (its instructions, the function's name left out)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import interpreted_run
+    os.makedirs(out_dir, exist_ok=True)
+    run = os.path.join(out_dir, "model_run.pt")
+    interpreted_run.main(run)
+    launches = list(torch.load(run, weights_only=False)[2].values())
+    index = []
+    for i, (r, b) in enumerate(zip(launches, build(launches, out_dir))):
+        entry = {"record": r, **b}
+        if "error" not in b:
+            cubin = os.path.join(out_dir, f"{i}.cubin")
+            lines = [ln for ln in cuobjdump("-sass", cubin).splitlines() if LINE.match(ln)]
+            open(os.path.join(out_dir, f"{i}.sass"), "w").write("\n".join(lines) + "\n")
+            os.remove(cubin)
+            entry["file"] = f"{i}.sass"
+        index.append(entry)
+    json.dump(index, open(os.path.join(out_dir, "index.json"), "w"), indent=1)
+    print(f"sass.py: {len(index)} launches of {len({e['record']['name'] for e in index})} kernels in {out_dir}")
+
+
+def compare(before: str, after: str, renames: dict) -> bool:
+    """Pairs each launch saved in `before` with one in `after` (same kernel name after renames, same options, and
+    the after launch's constexprs including the before one's) and prints how their instructions compare; True when
+    every launch is paired and identical but for argument offsets."""
+    def load(d):
+        return [(e, open(os.path.join(d, e["file"])).read() if "file" in e else None)
+                for e in json.load(open(os.path.join(d, "index.json")))]
+    olds, news = load(before), load(after)
+    free, ok = list(range(len(news))), True
+
+    def bare(sass):  # instructions without addresses, encodings and the constant-bank offsets of arguments
+        return [re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[arg]", ln.split("*/", 1)[1].split(";")[0]).strip()
+                for ln in sass.splitlines()]
+    for e, sass in olds:
+        r = e["record"]
+        name = renames.get(r["name"], r["name"])
+        match = [j for j in free if news[j][0]["record"]["name"] == name
+                 and news[j][0]["record"]["options"] == r["options"]
+                 and all(json.dumps(news[j][0]["record"]["constexprs"].get(k)) == json.dumps(v)  # True is not 1
+                         for k, v in r["constexprs"].items())]
+        exact = [j for j in match if news[j][0]["record"]["signature"] == r["signature"]]
+        what = f"{r['name']} {json.dumps({k: v for k, v in r['constexprs'].items() if not isinstance(v, dict)})}"
+        if not match:
+            print(f"only before: {what}")
+            ok = False
+            continue
+        j = (exact or match)[0]
+        free.remove(j)
+        new = news[j][1]
+        if sass is None or new is None:
+            verdict = "a build failed"
+        elif new == sass:
+            verdict = "identical"
+        elif bare(new) == bare(sass):
+            verdict = "identical but for argument offsets"
+        else:
+            verdict = f"DIFFERENT ({len(bare(sass))} -> {len(bare(new))} instructions)"
+        ok &= verdict.startswith("identical")
+        print(f"{verdict}: {what}")
+    for j in free:
+        print(f"only after: {news[j][0]['record']['name']}")
+    return ok and not free
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("snippet", help="Python run with torch and K (= kernel) in scope, on CPU tensors")
+    ap.add_argument("snippet", nargs="?", help="Python run with torch and K (= kernel) in scope, on CPU tensors")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="set kernel.TUNING[KEY] to a Python literal first (repeatable)")
     ap.add_argument("--only", help="report only the kernels whose name contains this")
     ap.add_argument("--dump", help="also write each launch's SASS to DIR/<i>_<kernel>.sass")
+    ap.add_argument("--save", metavar="DIR", help="save the SASS of every launch of the interpreted model run")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two --save directories")
+    ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
+                    help="--compare: a kernel of BEFORE is AFTER's NEW (repeatable)")
     a = ap.parse_args()
+    if a.compare:
+        same = compare(*a.compare, dict(r.split("=", 1) for r in a.rename))
+        sys.exit(0 if same else 1)
+    if (a.snippet is None) == (a.save is None):
+        ap.error("give a snippet, or --save DIR, or --compare BEFORE AFTER")
     if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter must be on before triton is imported
         os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, TRITON_INTERPRET="1"))
+    if a.save:
+        return save(a.save)
     launches = [r for r in record(a.snippet, a.tune) if not a.only or a.only in r["name"]]
     if not launches:
         sys.exit("sass.py: the snippet launched no kernel of kernel.py" + (f" matching {a.only!r}" if a.only else ""))
-    import triton  # its wheel carries the CUDA binary tools
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         for i, (r, b) in enumerate(zip(launches, build(launches, tmp))):
             if "error" in b:
                 print(f"[{i}] {r['name']}: the sm90 build failed: {b['error']}")
                 continue
-            sass = subprocess.run([cuobjdump, "-sass", os.path.join(tmp, f"{i}.cubin")], capture_output=True,
-                                  text=True, check=True).stdout
-            res = subprocess.run([cuobjdump, "--dump-resource-usage", os.path.join(tmp, f"{i}.cubin")],
-                                 capture_output=True, text=True, check=True).stdout
-            regs = re.search(r"REG:(\d+)", res)
+            sass = cuobjdump("-sass", os.path.join(tmp, f"{i}.cubin"))
+            regs = re.search(r"REG:(\d+)", cuobjdump("--dump-resource-usage", os.path.join(tmp, f"{i}.cubin")))
             if a.dump:
                 os.makedirs(a.dump, exist_ok=True)
                 open(os.path.join(a.dump, f"{i}_{r['name']}.sass"), "w").write(sass)

@@ -85,6 +85,33 @@ def test_sass_summary_counts_mma_chains_and_wgmma_waits():
     assert "loop 0x10-0x60: 6 instructions (mma.sync chain 3, wgmma waits 1)" in out, out
 
 
+def test_sass_compare_pairs_launches_and_tells_offsets_from_code(tmp_path):
+    """sass.compare on two hand-written --save directories: a kernel renamed and given a new constexpr pairs with its
+    old launch; the same instructions with other argument offsets pass, a changed instruction or an unpaired launch
+    fails."""
+    import sass
+
+    def saved(d, launches):
+        os.makedirs(d)
+        index = []
+        for i, (name, cons, lines) in enumerate(launches):
+            open(os.path.join(d, f"{i}.sass"), "w").write("".join(
+                f"        /*{16 * j:04x}*/                   {s} ;   /* 0x{j:016x} */\n" for j, s in enumerate(lines)))
+            index.append({"record": {"name": name, "constexprs": cons, "signature": {}, "options": {}},
+                          "file": f"{i}.sass"})
+        json.dump(index, open(os.path.join(d, "index.json"), "w"))
+        return d
+    a = saved(tmp_path / "a", [("_old", {"B": 1}, ["LDC R1, c[0x0][0x210]", "EXIT"]),
+                               ("_k", {"B": 2}, ["MOV R1, RZ", "EXIT"])])
+    b = saved(tmp_path / "b", [("_k", {"B": 2}, ["MOV R1, RZ", "EXIT"]),
+                               ("_new", {"B": 1, "SORTED": False}, ["LDC R1, c[0x0][0x218]", "EXIT"])])
+    assert sass.compare(a, b, {"_old": "_new"})
+    c = saved(tmp_path / "c", [("_k", {"B": 2}, ["MOV R2, RZ", "EXIT"]),
+                               ("_new", {"B": 1, "SORTED": False}, ["LDC R1, c[0x0][0x218]", "EXIT"])])
+    assert not sass.compare(a, c, {"_old": "_new"})  # a changed register
+    assert not sass.compare(a, b, {})  # _old has no partner
+
+
 GLUON_BUILD = """
 import json, subprocess, sys
 import triton
