@@ -1,5 +1,6 @@
 """Fixtures shared by tests/ and test_vision.py."""
 import os
+import signal
 import sys
 
 # The Triton interpreter must be chosen before any @triton.jit decorates a kernel (kernel.py is imported by several
@@ -9,6 +10,12 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the scripts, and the tests' shared helpers (invariants.py)
 
 import pytest  # noqa: E402
+
+# A background job (`cmd &` without job control, e.g. under nohup) starts with SIGINT ignored, and its children inherit
+# that: the tests that press Ctrl-C on convert.py / generate.py would see nothing happen. A handler here resets to the
+# default in every child (exec keeps an ignored signal ignored, but not a handler).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Tiny checkpoints shared by the test files, each written once per session on first use. TINY_SEED_OFFSET shifts
 # every kind's seed: the suite must pass on checkpoints it was not written against (e.g. TINY_SEED_OFFSET=10).
