@@ -3155,6 +3155,7 @@ DISPATCH_SEGMENTS = 32
 
 @triton.jit
 def _dispatch_key(ids_ptr, s, ok, first_expert, E):
+    """The key of slots s: the slot's local expert, or E for another rank's."""
     loc = tl.load(ids_ptr + s, mask=ok, other=0) - first_expert
     return tl.where((loc >= 0) & (loc < E), loc, E)
 
