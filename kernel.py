@@ -57,6 +57,7 @@ def _triton(x: torch.Tensor) -> bool:
 TUNING = {
     "sliding_warps": (8, 4),  # warps of the sliding decode attention, (grid < SMs, grid >= SMs)
     "sparse_block_n": 64,  # key slots per sparse attention tile
+    "dense_tiles": 4.0,  # prefill queries below this many (topk + 1) * blk positions take dense tiles (dense_tiles_end)
     "router_block_e": 32,  # experts per router-logits program
     "router_parts": 4,  # MMA chains over the router logits' one K step
     "moe_block_n": ((32, 64), (64, 128)),  # decode expert tile columns, (T == 1, T > 1) of (gate/up, down)
@@ -148,12 +149,14 @@ def prefill_warm_lengths(max_context: int, chunk: int, blk: int, topk: int) -> l
     kernels' integer classes and the decode experts' slot blocks), each power of two above (the launch choices of
     _launch_rows), the chunk; then 16, 64 and 256 queries at contexts in each size class of the region selection
     (prefill's tiles of the scores and the selection: indexer_scores_triton, select_regions_triton; the first passes'
-    queries select every region: dense_prefix)."""
+    queries select every region and those below dense_tiles_end take dense_prefix's tiles, the rest the per-query
+    sparse attention)."""
     top = min(chunk, max_context)
     ns = sorted({n for n in [1 << i for i in range(top.bit_length())] + [top] if n <= top})
     out = [(0, n) for n in ns]
     regions = max_context // blk
-    for r in (topk // 2, 2 * topk, 4096 + 2 * topk, 8192 + 2 * topk, 16384 + 2 * topk, 32768 + 8 * topk):
+    for r in sorted({topk // 2, 2 * topk, dense_tiles_end(topk, blk) // blk, 4096 + 2 * topk, 8192 + 2 * topk,
+                     16384 + 2 * topk, 32768 + 8 * topk}):
         for n in sorted({min(16, top), min(64, top), min(256, top)}):
             if (r + 1) * blk + n <= max_context and r < regions:
                 out.append((r * blk, n))
@@ -1770,7 +1773,7 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, gate_ptr, T, G, HG,
 
 _sparse_attn_prefill = _unspecialised(_sparse_attn_kernel, "T", "NKV", "NSEL", "q_stride_s", "id_stride_s",
                                       "id_stride_g", "id_stride_t", "va_stride_s", "va_stride_g", "va_stride_t",
-                                      unaligned=("pos_ptr",))
+                                      unaligned=("pos_ptr", "ids_ptr", "valid_ptr"))
 
 
 def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, block_n=None, gate=None,
@@ -1855,14 +1858,17 @@ def every_region(pos, G, blk):
     return ids, ids < (pos // blk)[:, None, :, None]
 
 
-def dense_prefix_ref(q, k, v, p0, blk, scale, gate=None):
-    """sparse_attention_ref for queries that select every history region (p // blk <= topk: the spec's dense-equivalence
-    regime, STEP5_TEXT 5.7), so no scores or selection are needed: q [S, T, G, Hg, hd] at positions p0 .. p0 + T - 1,
-    k, v [S, N, G, hd] -> [S, T, G, Hg, hd] bf16. The same keys in the same order: every history region ascending,
-    then the current region."""
+def dense_prefix_ref(q, k, v, p0, blk, scale, gate=None, ids=None, valid=None):
+    """sparse_attention_ref of prefill queries q [S, T, G, Hg, hd] at positions p0 .. p0 + T - 1 over k, v [S, N, G,
+    hd] -> [S, T, G, Hg, hd] bf16, for the kernel that reads their keys in dense tiles (dense_prefix_triton). ids,
+    valid [S, G, T, K]: their selection (select_regions); None: every history region (p // blk <= topk: the spec's
+    dense-equivalence regime, STEP5_TEXT 5.7, where no scores or selection are needed). The same keys in the same
+    order: the selected history regions ascending, then the current region."""
     S, T, G = q.shape[:3]
     pos = torch.arange(p0, p0 + T, device=q.device).expand(S, T)
-    return sparse_attention_ref(q, k, v, *every_region(pos, G, blk), pos, blk, scale, gate)
+    if ids is None:
+        ids, valid = every_region(pos, G, blk)
+    return sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate)
 
 
 @triton.jit
@@ -1887,17 +1893,19 @@ def _dense_tile(qa, qb, k_ptr, v_ptr, ks, k_ok, ok, g, skv_n, skv_g, scale, m_i,
     return m_new, l_i, tl.dot(pr, va, acc_a * alpha[:, None]), tl.dot(pr, vb, acc_b * alpha[:, None])
 
 
-@triton.jit(do_not_specialize=["T", "p0"])
-def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, p0, scale, sq_t, sq_g, sq_h, skv_n, skv_g, so_t, so_g, so_h,
-                         HG: tl.constexpr, HGP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, QB: tl.constexpr,
-                         CUR: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, BLOCK_DB: tl.constexpr,
-                         DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "p0", "ssel_g", "ssel_t"])
+def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sel_ptr, T, p0, scale, sq_t, sq_g, sq_h, skv_n, skv_g, so_t, so_g,
+                         so_h, ssel_g, ssel_t, HG: tl.constexpr, HGP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr,
+                         QB: tl.constexpr, CUR: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr,
+                         BLOCK_DB: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
+                         SELECT: tl.constexpr = False):
     """_sparse_attn_kernel's arithmetic for queries that select every history region, QB queries (whole regions:
     they share their history) x HG heads of KV group g as the rows of one tile, so each key tile is loaded once for
     them all. Row r: query position first + r // HGP, head r % HGP. Keys in the per-query kernel's order and tiles:
     history keys 0 .. blk * floor(p / blk) - 1 in tiles of BLOCK_N from key 0 (each row's own history masked), then
     one tile of CUR keys holding the block's current regions (each row's keys blk * floor(p / blk) .. p). head_dim in
-    two power-of-two pieces DA + BLOCK_DB (192 = 128 + 64)."""
+    two power-of-two pieces DA + BLOCK_DB (192 = 128 + 64). SELECT: a history key is live only where its region is
+    selected, sel[g, t, region] != 0 (a query's own selection; uint8 [G, T, regions])."""
     _pdl_enter(PDL)
     b = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest histories start first
     g = tl.program_id(1)
@@ -1922,8 +1930,11 @@ def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, p0, scale, sq_t, sq_g, s
     last = tl.minimum(first + QB - BLK, (p0 + T - 1) // BLK * BLK)
     for k0 in range(0, last, BLOCK_N):
         ks = k0 + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc_a, acc_b = _dense_tile(qa, qb, k_ptr, v_ptr, ks, ks < last,
-                                             (ks[None, :] < hist[:, None]) & row_ok[:, None], g, skv_n, skv_g, scale,
+        ok = (ks[None, :] < hist[:, None]) & row_ok[:, None]
+        if SELECT:
+            ok = ok & (tl.load(sel_ptr + g * ssel_g + t.to(tl.int64)[:, None] * ssel_t + (ks // BLK)[None, :], mask=ok,
+                               other=0) != 0)
+        m_i, l_i, acc_a, acc_b = _dense_tile(qa, qb, k_ptr, v_ptr, ks, ks < last, ok, g, skv_n, skv_g, scale,
                                              m_i, l_i, acc_a, acc_b, da, db, db_ok, DOT_DTYPE)
     ks = first + tl.arange(0, CUR)
     ok = (ks[None, :] >= hist[:, None]) & (ks[None, :] <= p[:, None]) & row_ok[:, None]
@@ -1937,10 +1948,11 @@ def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, p0, scale, sq_t, sq_g, s
     tl.store(orow + db[None, :], ob.to(tl.bfloat16), mask=row_ok[:, None] & db_ok[None, :])
 
 
-def dense_prefix_triton(q, k, v, p0, blk, scale, block_n=None, num_warps=8):
+def dense_prefix_triton(q, k, v, p0, blk, scale, ids=None, valid=None, block_n=None, num_warps=8):
     """Triton dense_prefix_ref (_dense_prefix_kernel) for one sequence: q [1, T, G, Hg, hd] at positions p0 ..
-    p0 + T - 1, k, v [1, N, G, hd] (N >= p0 + T) -> [1, T, G, Hg, hd] bf16. Within sparse_attention_triton's distance
-    of the reference (the same tiles of block_n keys, default TUNING["sparse_block_n"])."""
+    p0 + T - 1, k, v [1, N, G, hd] (N >= p0 + T), ids, valid [1, G, T, K] or None -> [1, T, G, Hg, hd] bf16. Within
+    sparse_attention_triton's distance of the reference (tiles of block_n keys, default TUNING["sparse_block_n"]: the
+    per-query kernel's own on every region's keys)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5, contiguous=False)
     _check_tensor("k", k, torch.bfloat16, ndim=4, contiguous=False)
     _check_tensor("v", v, torch.bfloat16, ndim=4, contiguous=False)
@@ -1951,29 +1963,49 @@ def dense_prefix_triton(q, k, v, p0, blk, scale, block_n=None, num_warps=8):
     out = torch.empty(T, G, HG, D, dtype=torch.bfloat16, device=q.device)
     if T == 0:
         return out[None]
+    sel = out
+    if ids is not None:
+        _check(ids.dtype == torch.int64 and valid.dtype == torch.bool and ids.shape == valid.shape and ids.dim() == 4
+               and tuple(ids.shape[:3]) == (1, G, T), lambda: f"dense prefix attention: ids and valid must be int64 and "
+               f"bool [1, G={G}, T={T}, K], got {ids.dtype} {tuple(ids.shape)}, {valid.dtype} {tuple(valid.shape)}")
+        # sel [G, T, W]: 1 at each query's selected regions; valid ids are < p // blk <= W - 2, so the invalid slots
+        # (id R) land in column W - 1, which no query reads
+        W = (p0 + T - 1) // blk + 1
+        sel = torch.zeros(G, T, W, dtype=torch.uint8, device=q.device)
+        sel.view(G * T, W).scatter_(1, torch.where(valid, ids, W - 1)[0].reshape(G * T, -1), 1)
     HGP = triton.next_power_of_2(HG)
     QB = blk * max(1, 64 // (HGP * blk))  # whole regions, 64 rows a tile where the heads allow
     BLOCK_N = block_n or TUNING["sparse_block_n"]
     DA = 1 << (D - 1).bit_length() - 1  # head_dim = DA + the rest (192 = 128 + 64)
     first = p0 // blk * blk
     _dense_prefix_kernel[(triton.cdiv(p0 + T - first, QB), G)](
-        q[0], k[0], v[0], out, T, int(p0), float(scale), q.stride(1), q.stride(2), q.stride(3), k.stride(1),
-        k.stride(2), out.stride(0), out.stride(1), out.stride(2), HG=HG, HGP=HGP, D=D, BLK=blk, QB=QB,
-        CUR=max(16, triton.next_power_of_2(QB)), BLOCK_N=BLOCK_N, DA=DA,
-        BLOCK_DB=max(1, triton.next_power_of_2(D - DA)), DOT_DTYPE=_DOT, num_warps=num_warps,
+        q[0], k[0], v[0], out, sel, T, int(p0), float(scale), q.stride(1), q.stride(2), q.stride(3), k.stride(1),
+        k.stride(2), out.stride(0), out.stride(1), out.stride(2), sel.stride(0), sel.stride(1), HG=HG, HGP=HGP, D=D,
+        BLK=blk, QB=QB, CUR=max(16, triton.next_power_of_2(QB)), BLOCK_N=BLOCK_N, DA=DA,
+        BLOCK_DB=max(1, triton.next_power_of_2(D - DA)), DOT_DTYPE=_DOT, SELECT=ids is not None, num_warps=num_warps,
         num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
     return out[None]
 
 
-def dense_prefix(q, k, v, p0, blk, scale, gate=None):
-    """Attention of prefill queries that select every history region (see dense_prefix_ref); the reference in chunks
-    of 256 queries (it gathers every query's keys)."""
+def dense_prefix(q, k, v, p0, blk, scale, gate=None, ids=None, valid=None):
+    """Attention of prefill queries at positions p0 .. p0 + T - 1 over every history region (ids None) or their
+    selection (see dense_prefix_ref); the reference in chunks of 256 queries (it gathers every query's keys)."""
     if _triton(q):
-        out = dense_prefix_triton(q, k, v, p0, blk, scale)
+        out = dense_prefix_triton(q, k, v, p0, blk, scale, ids, valid)
         return out if gate is None else gate_heads(out, gate)
     T = q.shape[1]
     return torch.cat([dense_prefix_ref(q[:, c:c + 256], k, v, p0 + c, blk, scale,
-                                       None if gate is None else gate[c:c + 256]) for c in range(0, T, 256)], 1)
+                                       None if gate is None else gate[c:c + 256],
+                                       None if ids is None else ids[:, :, c:c + 256],
+                                       None if valid is None else valid[:, :, c:c + 256]) for c in range(0, T, 256)], 1)
+
+
+def dense_tiles_end(topk: int, blk: int) -> int:
+    """Prefill queries at positions below this read their selected keys through dense_prefix's tiles, the rest
+    through the per-query sparse kernel: a tile of 8 queries x 8 heads loads each history key once for them all but
+    computes every history key, so its work grows with the history where the per-query kernel's is (topk + 1) * blk
+    keys. TUNING["dense_tiles"] such spans (the two kernels' measured rates: PERF_LOG 2026-12-05)."""
+    return int(TUNING["dense_tiles"] * (topk + 1) * blk)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ def run_model(lm):
     """A batched prefill, a prefill chunk on cached keys, a one-token step, a three-token step, and a one-token step
     with the launch shapes of a grid that fills the GPU (one SM), on the references (decisions recorded) and then on
     the Triton kernels (the interpreter, an H200's launch shapes; decisions replayed, every launch recorded). DSA
-    top-2 instead of the checkpoint's 4, so that these short prompts reach both prefill paths (queries that select
-    every region, and the scores, selection and sparse attention past them) and real selections in decode.
+    top-2 instead of the checkpoint's 4 and dense tiles up to position 26, so that these short prompts reach the three
+    prefill paths (queries that select every region; the scores and selection, then dense tiles masked by it or the
+    per-query sparse attention) and real selections in decode.
     -> (reference logits [2, 7, V], Triton logits [2, 7, V], {launch key: launch record})"""
     import pytest
     import torch
@@ -42,6 +43,7 @@ def run_model(lm):
 
     with torch.inference_mode(), pytest.MonkeyPatch.context() as top:
         top.setattr(lm.cfg.sparse, "topk", 2)
+        top.setitem(kernel.TUNING, "dense_tiles", 1.1)  # positions 24, 25: dense tiles, masked; from 26: per query
         with pinned(lm, M.Pins()) as rec:
             ref = run(None)
         with pytest.MonkeyPatch.context() as mp, pinned(lm, M.Pins(rec.data)), launch_records({}) as seen:

@@ -938,6 +938,35 @@ def test_dense_prefix_is_sparse_attention_over_every_history_region(G, Hg, hd, b
         K.dense_prefix_triton(q, k[:, :p0 + T - 1], v[:, :p0 + T - 1], p0, blk, 1.0)
 
 
+@pytest.mark.parametrize("G,Hg,hd,blk,topk", [(2, 2, 48, 8, 3), (1, 3, 32, 4, 5)] if INTERPRET else
+                         [(1, 8, 192, 8, 4), (2, 4, 64, 8, 3)])
+@pytest.mark.parametrize("p0,T", [(13, 60), (75, 9), (90, 1)])
+def test_dense_prefix_over_a_selection_is_sparse_attention(G, Hg, hd, blk, topk, p0, T):
+    """Prefill queries past the dense regime through the dense tiles, each history key masked by its query's own
+    selection (exact top-k of random scores, so queries of one tile select different regions): within the sparse
+    kernel's distance of the reference, and the dispatcher on the reference path is the reference."""
+    N = p0 + T + 5
+    q, k, v = randn(1, T, G, Hg, hd, seed=p0 + T), randn(1, N, G, hd, seed=1), randn(1, N, G, hd, seed=2)
+    pos = torch.arange(p0, p0 + T, device=DEV)[None]
+    R = (p0 + T) // blk
+    scores = torch.randn(1, G, T, R, generator=torch.Generator().manual_seed(T)).to(DEV)
+    ids, valid = K.select_regions_ref(scores, pos, topk, blk)
+    assert (valid.sum(-1) < (pos // blk)[:, None]).any()  # queries that select part of their history
+    ref = K.sparse_attention_ref(q, k, v, ids, valid, pos, blk, hd ** -0.5)
+    assert torch.equal(K.dense_prefix_ref(q, k, v, p0, blk, hd ** -0.5, ids=ids, valid=valid), ref)
+    for block_n in (16, 64):
+        out = K.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5, ids, valid, block_n=block_n)
+        d = report(f"dense prefix over a selection block_n={block_n}", out, ref)
+        assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
+    # a selection that differs from every region changes the result: the mask is read
+    every = K.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5)
+    assert not torch.equal(out, every)
+    gate = randn(T, G * Hg, seed=7)
+    if not K._triton(q):
+        assert torch.equal(K.dense_prefix(q, k, v, p0, blk, hd ** -0.5, gate, ids, valid),
+                           K.gate_heads(ref, gate))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # router
 
