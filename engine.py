@@ -17,6 +17,7 @@ that do not decode in the step and write only where their slot's next token woul
 GPUs.
 """
 import contextlib
+import hashlib
 import itertools
 import os
 import threading
@@ -25,7 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
+import triton
 
+import kernel
 import model as M
 
 PREFILL_CHUNK = 16384  # prefill tokens per engine step (packed over requests); PERF_LOG 2026-12-02: 16k vs 8k / 32k
@@ -436,8 +439,15 @@ class Engine:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             threads = min(16, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if self.dev.type == "cuda" else 0
         passes = m.warm_lengths(self.max_context, self.config.prefill_chunk)
-        ahead = threads > 1 and bool(passes)
-        if ahead:  # the warm-up passes from threads, before the caches exist: their launches are the passes' own
+        # the warm-up passes from threads, before the caches exist (their launches are the passes' own), unless a
+        # start-up has built them into Triton's disk cache: then the builds only read it and the threads only contend
+        # for the GIL, slower than the warm-up in order. Every rank takes one answer (the warm-up in order runs
+        # collectives): from threads if any rank lacks the marker.
+        marker = self._built_marker(passes) if threads > 1 and passes else None
+        ahead = marker is not None and not os.path.exists(marker)
+        if M.world_size > 1:
+            ahead = bool(M.tp_gather(torch.tensor([int(ahead)], device=self.dev)).max())
+        if ahead:
             self._build_ahead(passes, threads)
         self._replan(agree=True)  # on what the builds left free (library workspaces and loaded kernels stay behind)
         in_order = [] if ahead else m.warm_lengths(self.max_context, self.config.prefill_chunk)  # the agreed context's
@@ -461,6 +471,11 @@ class Engine:
         for c in self.mtps:
             c.lengths.zero_()
         self.timing = {"build_s": tb - t0, "warmup_s": t1 - tb, "capture_s": t2 - t1}
+        if marker is not None and not os.path.exists(marker):
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            with open(f"{marker}.{os.getpid()}.tmp", "w") as f:
+                f.write("a start-up built every kernel of its warm-up passes into this cache\n")
+            os.replace(f"{marker}.{os.getpid()}.tmp", marker)
         self.say("start-up: " + (f"kernels built ahead from {threads} threads in {tb - t0:.1f} s, " if ahead
                                   else f"warm-up {t1 - tb:.1f} s, ")
                  + (f"{sum(len(g) for g in self.graphs.values())} CUDA graphs captured in {t2 - t1:.1f} s"
@@ -486,16 +501,7 @@ class Engine:
                 ready.wait_for(lambda: room[0] >= need)
                 room[0] -= need
             try:
-                if cuda:
-                    torch.cuda.set_device(self.dev)
-                stream = torch.cuda.Stream(self.dev) if cuda else None
-                with torch.inference_mode(), M.alone(), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                    cache = m.new_cache(1, p0 + n, slack=self.slack)
-                    mtps = m.new_mtp_caches(1, p0 + n, slack=self.slack) if self.k else []
-                    self._warm(p0, n, cache, mtps)
-                    if cuda:
-                        stream.synchronize()
-                    del cache, mtps
+                self._warm_alone(p0, n)
             finally:
                 with ready:
                     room[0] += need
@@ -507,6 +513,32 @@ class Engine:
             torch.cuda.synchronize(self.dev)
             torch._C._cuda_clearCublasWorkspaces()  # one per thread's stream
             torch.cuda.empty_cache()  # the passes' blocks back to the device, for the caches
+
+    def _warm_alone(self, p0: int, n: int):
+        """A warm-up pass in a cache of its own (one slot, as long as the pass needs), on a stream of its own, with this
+        rank's collectives left out (model.alone); its results are discarded."""
+        cuda = self.dev.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(self.dev)
+        stream = torch.cuda.Stream(self.dev) if cuda else None
+        with torch.inference_mode(), M.alone(), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            cache = self.model.new_cache(1, p0 + n, slack=self.slack)
+            mtps = self.model.new_mtp_caches(1, p0 + n, slack=self.slack) if self.k else []
+            self._warm(p0, n, cache, mtps)
+            if cuda:
+                stream.synchronize()
+
+    def _built_marker(self, passes: list) -> str:
+        """A file in Triton's cache directory that says a start-up of this rank built every kernel of these warm-up
+        passes: named by a hash of the code that makes the launches (kernel.py, model.py, engine.py), the passes, the
+        model's config and TP size, Triton's version and the device."""
+        h = hashlib.sha256()
+        for f in (kernel.__file__, M.__file__, __file__):
+            with open(f, "rb") as src:
+                h.update(src.read())
+        dev = torch.cuda.get_device_name(self.dev) if self.dev.type == "cuda" else "cpu"
+        h.update(repr((passes, self.model.cfg, M.world_size, triton.__version__, dev)).encode())
+        return os.path.join(triton.knobs.cache.dir, f"step5-built-{h.hexdigest()[:24]}")
 
     def _warm(self, p0: int, n: int, cache=None, mtps=None):
         """A prefill pass of n tokens at position p0 of slot 0 (whatever its cache holds), and of every MTP layer:

@@ -6,6 +6,7 @@ Two runs that differ in batch composition or in what a prefill pass holds round 
 GEMM row counts); the comparisons pin one run's routing and region decisions into the other (model.Pins, keyed by
 request id) and accept a token difference only at a measured near-tie (tests/invariants.py).
 """
+import os
 import random
 import threading
 
@@ -207,7 +208,44 @@ def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, 
 
 
 @torch.inference_mode()
-def test_start_up_builds_ahead_from_threads_every_launch_of_the_warm_up_in_order(tp1_models, gpu_launches, monkeypatch):
+def test_start_up_builds_from_threads_until_a_start_up_has_built_its_kernels(tp1_models, gpu_launches, monkeypatch,
+                                                                             tmp_path):
+    """The builds from threads are for a Triton cache that lacks the warm-up's kernels: a start-up leaves a marker in
+    Triton's cache directory, and the next start-up of the same code, passes, config and device warms up in order
+    (its builds would only read the disk cache, the threads contending for the GIL); other passes (another context)
+    or another cache directory build from threads again; without threads nothing is marked."""
+    import triton
+
+    import sass
+    lm = tp1_models("fp8_text")
+    built = []
+    monkeypatch.setattr(E.Engine, "_build_ahead", lambda self, passes, threads: built.append(len(passes)))
+    warm = E.Engine._warm
+    in_order = []
+
+    def counted_warm(self, p0, n, cache=None, mtps=None):
+        in_order.append(cache is None)
+        return warm(self, p0, n, cache, mtps)
+    monkeypatch.setattr(E.Engine, "_warm", counted_warm)
+
+    def start(context, cache_dir, threads=2):
+        monkeypatch.setattr(triton.knobs.cache, "dir", str(cache_dir))
+        in_order.clear()
+        with sass.launch_keys(set(), execute=False):  # the warm-up's launches recorded, not interpreted
+            E.Engine(lm, E.EngineConfig(max_batch=1, max_context=context, prefill_chunk=64,
+                                        build_threads=threads)).start()
+        return len(in_order)
+    assert start(256, tmp_path / "a") == 0 and len(built) == 1  # from threads (stubbed here), then marked
+    assert [f.startswith("step5-built-") for f in os.listdir(tmp_path / "a")] == [True]
+    assert start(256, tmp_path / "a") > 0 and len(built) == 1  # marked: in order
+    assert start(200, tmp_path / "a") == 0 and len(built) == 2  # other passes: threads
+    assert start(256, tmp_path / "b") == 0 and len(built) == 3  # another cache: threads
+    assert start(256, tmp_path / "c", threads=0) > 0 and not (tmp_path / "c").exists()
+
+
+@torch.inference_mode()
+def test_start_up_builds_ahead_from_threads_every_launch_of_the_warm_up_in_order(tp1_models, gpu_launches, monkeypatch,
+                                                                                 tmp_path):
     """Start-up's parallel kernel builds make every launch of the warm-up passes in order, which they replace: each
     pass run from a thread, in a cache of its own as long as the pass needs (not the engine's), makes the launches
     the same pass makes on the engine's cache."""
@@ -228,6 +266,8 @@ def test_start_up_builds_ahead_from_threads_every_launch_of_the_warm_up_in_order
             return run_warm(self, p0, n)
     monkeypatch.setattr(E.Engine, "_build_ahead", recorded_build)
     monkeypatch.setattr(E.Engine, "_warm", recorded_warm)
+    import triton
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))  # no start-up has built into it
     for n in (0, 3):  # the warm-up in order, then the builds from threads
         eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=640, prefill_chunk=256, build_threads=n))
         with sass.launch_keys(set(), execute=False):  # the decode graphs' launches too: recorded, not interpreted
