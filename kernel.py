@@ -50,8 +50,9 @@ def _triton(x: torch.Tensor) -> bool:
     return _backend["triton"] and x.is_cuda
 
 
-# Launch choices, each the winner of whole decode steps timed on the H200 (bench_decode.py --whole-rank --candidates
-# re-times the step with the other values); an argument passed to a launcher overrides them. The numbers behind each
+# Launch choices: the decode step's each the winner of whole steps timed on the H200 (bench_decode.py --whole-rank
+# --candidates re-times the step with the other values), prefill's dense_tiles set from its two kernels' rates
+# (bench_prefill.py --tune sweeps it); an argument passed to a launcher overrides them. The numbers behind each
 # value: PERF_LOG.md, "kernel.TUNING, key by key". A tuple's axis is named on its line; the decode experts' entries
 # are (T == 1, T > 1) of the decode step's T tokens, each a (gate/up kernel, down kernel) pair where both have one.
 TUNING = {
@@ -556,15 +557,16 @@ def banded_attention_ref(q, k, v, off, window, scale):
 
 
 @triton.jit
-def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, L, off, W, scale, sq_h, sq_t, sk_g, sk_t, sv_g, sv_t, so_h, so_t,
-                        HG: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DA: tl.constexpr, BLOCK_DB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISE: tl.constexpr,
-                        PDL: tl.constexpr):
+def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, g_ptr, n, L, off, W, scale, sq_h, sq_t, sk_g, sk_t, sv_g, sv_t,
+                        so_h, so_t, sg_t, HG: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                        BLOCK_N: tl.constexpr, DA: tl.constexpr, BLOCK_DB: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                        PRECISE: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = False):
     """Queries [q0, q0 + BLOCK_Q) of KV group g with all its HG heads as the rows of one tile (row r: query
     q0 + r // HG, head g * HG + r % HG), so each key block is loaded once for HG heads; only the key blocks of the
     band are visited. head_dim in two power-of-two pieces, DA + BLOCK_DB (192 = 128 + 64: no padding to 256). The
     arithmetic of _sliding_attn_kernel: online softmax of fp32 logits (q.k) * scale, P.V with the fp32
-    probabilities (on GPUs as bf16 hi + lo halves), one bf16 rounding of acc / l."""
+    probabilities (on GPUs as bf16 hi + lo halves), one bf16 rounding of acc / l. GATE: then the output gate,
+    bf(o * bf(sigmoid(logit))) with the logit of (query, head) at g_ptr + query * sg_t + head (gate_heads)."""
     _pdl_enter(PDL)
     q0 = tl.program_id(0) * BLOCK_Q
     g = tl.program_id(1)
@@ -618,17 +620,23 @@ def _banded_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, L, off, W, scale, sq_h, s
     inv = tl.where(row_ok, l_i, 1.0)[:, None]
     orow = o_ptr + head.to(tl.int64)[:, None] * so_h + qi.to(tl.int64)[:, None] * so_t
     oa = _bf16_round(tl.math.div_rn(acc_a, inv * tl.full(acc_a.shape, 1.0, tl.float32)))
-    tl.store(orow + da[None, :], oa.to(tl.bfloat16), mask=row_ok[:, None])
     ob = _bf16_round(tl.math.div_rn(acc_b, inv * tl.full(acc_b.shape, 1.0, tl.float32)))
+    if GATE:  # bf16 x bf16: the product is exact in fp32, rounded once
+        logit = tl.load(g_ptr + qi.to(tl.int64) * sg_t + head, mask=row_ok, other=0.0).to(tl.float32)
+        gate = _gate_bf16(logit, PRECISE)[:, None]
+        oa, ob = _bf16_round(oa * gate), _bf16_round(ob * gate)
+    tl.store(orow + da[None, :], oa.to(tl.bfloat16), mask=row_ok[:, None])
     tl.store(orow + db[None, :], ob.to(tl.bfloat16), mask=row_ok[:, None] & db_ok[None, :])
 
 
-_banded_attn_prefill = _unspecialised(_banded_attn_kernel, "n", "L", "off", "sk_g", "sv_g", "so_h")
+# g_ptr: a column slice of the packed projection, whose rows' alignment varies with a span's first token
+_banded_attn_prefill = _unspecialised(_banded_attn_kernel, "n", "L", "off", "sk_g", "sv_g", "so_h",
+                                      unaligned=("g_ptr",))
 
 
-def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4):
-    """Triton banded_attention_ref (_banded_attn_kernel): within 2 bf16 steps of it (online softmax; CPU tests).
-    block_n 32: the sm90 build at one TP=8 rank's shapes (64-row tiles, head_dim 128 + 64) keeps 204 registers
+def banded_attention_triton(q, k, v, off, window, scale, gate=None, out=None, block_n=32, num_warps=4):
+    """Triton banded_attention (_banded_attn_kernel): within 2 bf16 steps of the reference (online softmax; CPU
+    tests). block_n 32: the sm90 build at one TP=8 rank's shapes (64-row tiles, head_dim 128 + 64) keeps 204 registers
     without spills (64-key blocks spill). GPU: block_n and head_dim's pieces of at least 16 (tl.dot's smallest)."""
     _check_tensor("q", q, torch.bfloat16, ndim=3, contiguous=False)
     _check_tensor("k", k, torch.bfloat16, ndim=3, contiguous=False)
@@ -638,7 +646,15 @@ def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4
     _check(v.shape == k.shape and k.shape[2] == D and H % G == 0 and 0 <= off and off + n <= L,
            lambda: f"banded attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, off {off}")
     _check(q.stride(2) == k.stride(2) == v.stride(2) == 1, "banded attention: rows of q, k, v must be contiguous")
-    out = torch.empty(H, n, D, dtype=torch.bfloat16, device=q.device)
+    if out is None:
+        out = torch.empty(H, n, D, dtype=torch.bfloat16, device=q.device)
+    _check_tensor("out", out, torch.bfloat16, ndim=3, contiguous=False)
+    _check(out.shape == q.shape and out.stride(2) == 1,
+           lambda: f"banded attention: out must be [{H}, {n}, {D}] with contiguous rows, got {tuple(out.shape)}")
+    if gate is not None:
+        _check_tensor("gate", gate, torch.bfloat16, ndim=2, contiguous=False)
+        _check(tuple(gate.shape) == (n, H) and gate.stride(1) == 1,
+               lambda: f"banded attention: gate must be [n={n}, H={H}] with unit head stride, got {tuple(gate.shape)}")
     HG = H // G
     _check(HG & (HG - 1) == 0 or not _GPU_LAUNCH,
            lambda: f"banded attention: {HG} query heads per KV group (GPU: a power of 2)")
@@ -647,24 +663,26 @@ def banded_attention_triton(q, k, v, off, window, scale, block_n=32, num_warps=4
     DA = 1 << (D - 1).bit_length() - 1
     if n:
         _banded_attn_prefill[(triton.cdiv(n, BLOCK_Q), G)](
-            q, k, v, out, n, L, int(off), int(window), float(scale), q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), HG=HG, D=D, BLOCK_Q=BLOCK_Q,
-            BLOCK_N=block_n, DA=DA, BLOCK_DB=max(1, triton.next_power_of_2(D - DA)), DOT_DTYPE=_DOT,
-            PRECISE=_PRECISE, num_warps=num_warps, num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
+            q, k, v, out, gate if gate is not None else out, n, L, int(off), int(window), float(scale), q.stride(0),
+            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            gate.stride(0) if gate is not None else 0, HG=HG, D=D, BLOCK_Q=BLOCK_Q, BLOCK_N=block_n, DA=DA,
+            BLOCK_DB=max(1, triton.next_power_of_2(D - DA)), DOT_DTYPE=_DOT, PRECISE=_PRECISE, GATE=gate is not None,
+            num_warps=num_warps, num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
     return out
 
 
-def banded_attention(q, k, v, off, window, scale):
-    """banded_attention_triton on the Triton path (8k tokens 0.21 ms against SDPA's math path's 5.78, PERF_LOG
-    2026-12-01), else banded_attention_ref in chunks of 2048 queries, so that its [queries, keys] mask and logits stay
-    small."""
+def banded_attention(q, k, v, off, window, scale, gate=None, out=None):
+    """banded_attention_ref's attention (q [H, n, hd]), then with gate [n, H] (the bf16 logits) the output gate
+    (gate_heads), written into out [H, n, hd] (e.g. a transposed view of the layer's [T, H, hd] output; default new).
+    The Triton kernel on the Triton path (8k tokens 0.21 ms against SDPA's math path's 5.78, PERF_LOG 2026-12-01),
+    else the reference in chunks of 2048 queries, so that its [queries, keys] mask and logits stay small."""
     if _triton(q):
-        return banded_attention_triton(q, k, v, off, window, scale)
-    out = torch.empty_like(q)
+        return banded_attention_triton(q, k, v, off, window, scale, gate, out)
+    out = torch.empty_like(q) if out is None else out
     for c0 in range(0, q.shape[1], 2048):  # query c0 + i sees keys (off + c0 + i - window, off + c0 + i]
         c1, k0 = min(q.shape[1], c0 + 2048), max(0, off + c0 - window + 1)
-        out[:, c0:c1] = banded_attention_ref(q[:, c0:c1], k[:, k0:off + c1], v[:, k0:off + c1], off + c0 - k0,
-                                             window, scale)
+        o = banded_attention_ref(q[:, c0:c1], k[:, k0:off + c1], v[:, k0:off + c1], off + c0 - k0, window, scale)
+        out[:, c0:c1] = o if gate is None else gate_heads(o.transpose(0, 1), gate[c0:c1]).transpose(0, 1)
     return out
 
 
@@ -1665,21 +1683,22 @@ def sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate=None, rows=N
 
 @triton.jit
 def _sparse_attn_kernel(
-    q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, pos_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr,
+    q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, pos_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr, gate_ptr,
     T, G, HG, NKV, NSEL, SPLIT_LEN, scale,
     q_stride_s, q_stride_t, q_stride_g, q_stride_h, kv_stride_s, kv_stride_n, kv_stride_g,
-    id_stride_s, id_stride_g, id_stride_t, va_stride_s, va_stride_g, va_stride_t,
+    id_stride_s, id_stride_g, id_stride_t, va_stride_s, va_stride_g, va_stride_t, gate_stride,
     HEAD_DIM: tl.constexpr, BLK: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
-    ROWS: tl.constexpr = False,
+    ROWS: tl.constexpr = False, GATE: tl.constexpr = False, PRECISE: tl.constexpr = False,
 ):
     """Online-softmax attention of one (sequence, query, KV group) over its key slots, all Hg heads at once.
 
     Key slot j < NSEL*blk is token ids[j // blk]*blk + j % blk (live iff valid); slot NSEL*blk + i is token
     blk*floor(p/blk) + i of the current region (live iff <= p). Per tile of BLOCK_N slots: s = (q.k) * scale in
     fp32, dead slots -inf, running max m and sum l in fp32, p = exp(s - m) rounded to bf16 before P.V (fp32 acc).
-    SPLITS == 1: writes bf(acc / l). Otherwise program_id(1) takes slots [split*SPLIT_LEN, +SPLIT_LEN) and writes
-    its unnormalised acc, m and l for _attn_merge_kernel. ROWS: sequence s's keys are cache row rows[s].
+    SPLITS == 1: writes bf(acc / l), and with GATE then the output gate (_attn_merge_kernel's GATE). Otherwise
+    program_id(1) takes slots [split*SPLIT_LEN, +SPLIT_LEN) and writes its unnormalised acc, m and l for
+    _attn_merge_kernel. ROWS: sequence s's keys are cache row rows[s].
     """
     _pdl_enter(PDL)
     row = tl.program_id(0)
@@ -1726,9 +1745,13 @@ def _sparse_attn_kernel(
         acc = tl.dot(_bf16_round(pr).to(DOT_DTYPE), vt, acc * alpha[:, None])
         m_i = m_new
     if SPLITS == 1:
-        o = tl.math.div_rn(acc, tl.maximum(l_i, 1e-30)[:, None])  # no live key -> zeros (acc is 0)
+        o = _bf16_round(tl.math.div_rn(acc, tl.maximum(l_i, 1e-30)[:, None]))  # no live key -> zeros (acc is 0)
+        if GATE:  # bf16 x bf16: the product is exact in fp32, rounded once
+            logit = tl.load(gate_ptr + (s * T + t).to(tl.int64) * gate_stride + g * HG + heads, mask=h_ok,
+                            other=0.0).to(tl.float32)
+            o = _bf16_round(o * _gate_bf16(logit, PRECISE)[:, None])
         tl.store(out_ptr + s * q_stride_s + t * q_stride_t + g * q_stride_g + heads[:, None] * q_stride_h
-                 + dims[None, :], _bf16_round(o).to(tl.bfloat16), mask=h_ok[:, None] & d_ok[None, :])
+                 + dims[None, :], o.to(tl.bfloat16), mask=h_ok[:, None] & d_ok[None, :])
     else:
         part = (row * SPLITS + split).to(tl.int64)
         tl.store(po_ptr + (part * BLOCK_H + heads[:, None]) * HEAD_DIM + dims[None, :], acc,
@@ -1773,17 +1796,18 @@ def _attn_merge_kernel(po_ptr, pml_ptr, out_ptr, gate_ptr, T, G, HG,
 
 _sparse_attn_prefill = _unspecialised(_sparse_attn_kernel, "T", "NKV", "NSEL", "q_stride_s", "id_stride_s",
                                       "id_stride_g", "id_stride_t", "va_stride_s", "va_stride_g", "va_stride_t",
-                                      unaligned=("pos_ptr", "ids_ptr", "valid_ptr"))
+                                      unaligned=("pos_ptr", "ids_ptr", "valid_ptr", "gate_ptr"))
 
 
 def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, block_n=None, gate=None,
-                            num_stages=2, rows=None, prefill=False):
+                            num_stages=2, rows=None, prefill=False, out=None):
     """Triton sparse_attention_ref for decode (T = 1) and prefill (T queries). `splits` (default: enough programs
-    to fill the GPU) divides each query's key slots over programs merged by log-sum-exp (which applies the gate,
-    else torch does: gate_heads); other split boundaries give tolerance-level differences. block_n: key slots per
-    tile (default TUNING["sparse_block_n"]). num_stages: of the GPU launches (3 or 4: within 0.3% of the step).
+    to fill the GPU) divides each query's key slots over programs merged by log-sum-exp (which applies the gate, as
+    one split's program does itself); other split boundaries give tolerance-level differences. block_n: key slots
+    per tile (default TUNING["sparse_block_n"]). num_stages: of the GPU launches (3 or 4: within 0.3% of the step).
     rows [S] int64: the cache row of each sequence (default: row s). prefill: one split and the unspecialised kernel,
-    so no length of a prompt compiles a launch of its own (a prefill launch has hundreds of query rows)."""
+    so no length of a prompt compiles a launch of its own (a prefill launch has hundreds of query rows). out: written
+    in place (q's shape and strides; default new) and returned."""
     _check_tensor("q", q, torch.bfloat16, ndim=5)
     S, T, G, HG, hd = q.shape
     for name, t_ in (("k", k), ("v", v)):
@@ -1805,7 +1829,11 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
         _check_tensor("gate", gate, torch.bfloat16, ndim=2, contiguous=False)
         _check(tuple(gate.shape) == (S * T, G * HG) and gate.stride(1) == 1,
                lambda: f"gate must be [S*T={S * T}, G*Hg={G * HG}] with unit column stride, got {tuple(gate.shape)}")
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    _check(out.dtype == torch.bfloat16 and out.shape == q.shape
+           and all(a == b for a, b, n in zip(out.stride(), q.stride(), q.shape) if n > 1),
+           lambda: f"out must be bf16 with q's shape {tuple(q.shape)} and strides, got {tuple(out.shape)}")
     NSEL = ids.shape[-1]
     J = NSEL * blk + blk
     BLOCK_N = block_n or TUNING["sparse_block_n"]
@@ -1824,13 +1852,15 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
         pml = torch.empty(n_rows * splits * 2 * BLOCK_H, dtype=torch.float32, device=q.device)
     else:
         po = pml = out
+    gated = gate is not None and splits == 1  # else the merge applies it
     (_sparse_attn_prefill if prefill else _sparse_attn_kernel)[(n_rows, splits)](
-        q, k, v, ids, va, pos, rows if rows is not None else out, out, po, pml, T, G, HG,
+        q, k, v, ids, va, pos, rows if rows is not None else out, out, po, pml, gate if gated else out, T, G, HG,
         k.shape[1], NSEL, split_len, float(scale),
         q.stride(0), q.stride(1), q.stride(2), q.stride(3), k.stride(0), k.stride(1), k.stride(2),
         ids.stride(0), ids.stride(1), ids.stride(2), va.stride(0), va.stride(1), va.stride(2),
-        HEAD_DIM=hd, BLK=blk, SPLITS=splits, BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd),
-        BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, ROWS=rows is not None, num_warps=4,
+        gate.stride(0) if gated else 0, HEAD_DIM=hd, BLK=blk, SPLITS=splits, BLOCK_H=BLOCK_H,
+        BLOCK_D=triton.next_power_of_2(hd), BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, ROWS=rows is not None,
+        **({"GATE": True, "PRECISE": _PRECISE} if gated else {}), num_warps=4,
         num_stages=num_stages if _GPU_LAUNCH else 1, **_pdl())
     if splits > 1:
         _attn_merge_kernel[(n_rows, HG)](po, pml, out, gate if gate is not None else out, T, G, HG, q.stride(0),
@@ -1838,15 +1868,16 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
                                        HEAD_DIM=hd, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
                                        BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd), GATE=gate is not None,
                                        PRECISE=_PRECISE, num_warps=4, **_pdl())
-    elif gate is not None:
-        out = gate_heads(out, gate)
     return out
 
 
-def sparse_attention(q, k, v, ids, valid, pos, blk, scale, gate=None, rows=None, prefill=False):
+def sparse_attention(q, k, v, ids, valid, pos, blk, scale, gate=None, rows=None, prefill=False, out=None):
+    """sparse_attention_ref (then the gate), written into out (q's shape and strides) when given."""
     if _triton(q):
-        return sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, gate=gate, rows=rows, prefill=prefill)
-    return sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate, rows)
+        return sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, gate=gate, rows=rows, prefill=prefill,
+                                       out=out)
+    o = sparse_attention_ref(q, k, v, ids, valid, pos, blk, scale, gate, rows)
+    return o if out is None else out.copy_(o)
 
 
 def every_region(pos, G, blk):
@@ -1893,19 +1924,21 @@ def _dense_tile(qa, qb, k_ptr, v_ptr, ks, k_ok, ok, g, skv_n, skv_g, scale, m_i,
     return m_new, l_i, tl.dot(pr, va, acc_a * alpha[:, None]), tl.dot(pr, vb, acc_b * alpha[:, None])
 
 
-@triton.jit(do_not_specialize=["T", "p0", "ssel_g", "ssel_t"])
-def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sel_ptr, T, p0, scale, sq_t, sq_g, sq_h, skv_n, skv_g, so_t, so_g,
-                         so_h, ssel_g, ssel_t, HG: tl.constexpr, HGP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr,
-                         QB: tl.constexpr, CUR: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr,
-                         BLOCK_DB: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
-                         SELECT: tl.constexpr = False):
+@triton.jit(do_not_specialize=["T", "p0", "ssel_g", "ssel_t"], do_not_specialize_on_alignment=["g_ptr"])
+def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sel_ptr, g_ptr, T, p0, scale, sq_t, sq_g, sq_h, skv_n, skv_g, so_t,
+                         so_g, so_h, ssel_g, ssel_t, sg_t, HG: tl.constexpr, HGP: tl.constexpr, D: tl.constexpr,
+                         BLK: tl.constexpr, QB: tl.constexpr, CUR: tl.constexpr, BLOCK_N: tl.constexpr,
+                         DA: tl.constexpr, BLOCK_DB: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
+                         SELECT: tl.constexpr = False, GATE: tl.constexpr = False, PRECISE: tl.constexpr = False):
     """_sparse_attn_kernel's arithmetic for queries that select every history region, QB queries (whole regions:
     they share their history) x HG heads of KV group g as the rows of one tile, so each key tile is loaded once for
     them all. Row r: query position first + r // HGP, head r % HGP. Keys in the per-query kernel's order and tiles:
     history keys 0 .. blk * floor(p / blk) - 1 in tiles of BLOCK_N from key 0 (each row's own history masked), then
     one tile of CUR keys holding the block's current regions (each row's keys blk * floor(p / blk) .. p). head_dim in
     two power-of-two pieces DA + BLOCK_DB (192 = 128 + 64). SELECT: a history key is live only where its region is
-    selected, sel[g, t, region] != 0 (a query's own selection; uint8 [G, T, regions])."""
+    selected, sel[g, t, region] != 0 (a query's own selection; uint8 [G, T, regions]). GATE: then the output gate,
+    bf(o * bf(sigmoid(logit))), the logit of (t, head g * HG + h) at g_ptr + t * sg_t + g * HG + h (gate_heads; its
+    rows' alignment varies with a span's first token)."""
     _pdl_enter(PDL)
     b = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest histories start first
     g = tl.program_id(1)
@@ -1943,16 +1976,21 @@ def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sel_ptr, T, p0, scale, sq_t
     den = tl.maximum(l_i, 1e-30)[:, None]
     orow = o_ptr + t.to(tl.int64)[:, None] * so_t + g * so_g + h[:, None] * so_h
     oa = _bf16_round(tl.math.div_rn(acc_a, den * tl.full(acc_a.shape, 1.0, tl.float32)))
-    tl.store(orow + da[None, :], oa.to(tl.bfloat16), mask=row_ok[:, None])
     ob = _bf16_round(tl.math.div_rn(acc_b, den * tl.full(acc_b.shape, 1.0, tl.float32)))
+    if GATE:  # bf16 x bf16: the product is exact in fp32, rounded once
+        logit = tl.load(g_ptr + t.to(tl.int64) * sg_t + g * HG + h, mask=row_ok, other=0.0).to(tl.float32)
+        gate = _gate_bf16(logit, PRECISE)[:, None]
+        oa, ob = _bf16_round(oa * gate), _bf16_round(ob * gate)
+    tl.store(orow + da[None, :], oa.to(tl.bfloat16), mask=row_ok[:, None])
     tl.store(orow + db[None, :], ob.to(tl.bfloat16), mask=row_ok[:, None] & db_ok[None, :])
 
 
-def dense_prefix_triton(q, k, v, p0, blk, scale, ids=None, valid=None, block_n=None, num_warps=8):
-    """Triton dense_prefix_ref (_dense_prefix_kernel) for one sequence: q [1, T, G, Hg, hd] at positions p0 ..
-    p0 + T - 1, k, v [1, N, G, hd] (N >= p0 + T), ids, valid [1, G, T, K] or None -> [1, T, G, Hg, hd] bf16. Within
-    sparse_attention_triton's distance of the reference (tiles of block_n keys, default TUNING["sparse_block_n"]: the
-    per-query kernel's own on every region's keys)."""
+def dense_prefix_triton(q, k, v, p0, blk, scale, ids=None, valid=None, gate=None, out=None, block_n=None,
+                        num_warps=8):
+    """Triton dense_prefix (_dense_prefix_kernel) for one sequence: q [1, T, G, Hg, hd] at positions p0 ..
+    p0 + T - 1, k, v [1, N, G, hd] (N >= p0 + T), ids, valid [1, G, T, K] or None, gate [T, G*Hg] or None, out like q
+    or None -> out. Within sparse_attention_triton's distance of the reference (tiles of block_n keys, default
+    TUNING["sparse_block_n"]: the per-query kernel's own on every region's keys)."""
     _check_tensor("q", q, torch.bfloat16, ndim=5, contiguous=False)
     _check_tensor("k", k, torch.bfloat16, ndim=4, contiguous=False)
     _check_tensor("v", v, torch.bfloat16, ndim=4, contiguous=False)
@@ -1960,9 +1998,18 @@ def dense_prefix_triton(q, k, v, p0, blk, scale, ids=None, valid=None, block_n=N
     _check(S == 1 and k.shape[0] == 1 and k.shape[2:] == (G, D) and v.shape == k.shape and k.stride() == v.stride()
            and k.shape[1] >= p0 + T and q.stride(-1) == k.stride(-1) == 1,
            lambda: f"dense prefix attention: q {tuple(q.shape)} at p0 {p0}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    out = torch.empty(T, G, HG, D, dtype=torch.bfloat16, device=q.device)
+    if out is None:
+        out = torch.empty(1, T, G, HG, D, dtype=torch.bfloat16, device=q.device)
+    _check_tensor("out", out, torch.bfloat16, ndim=5, contiguous=False)
+    _check(out.shape == q.shape and out.stride(-1) == 1,
+           lambda: f"dense prefix attention: out must be like q {tuple(q.shape)}, got {tuple(out.shape)}")
+    if gate is not None:
+        _check_tensor("gate", gate, torch.bfloat16, ndim=2, contiguous=False)
+        _check(tuple(gate.shape) == (T, G * HG) and gate.stride(1) == 1,
+               lambda: f"dense prefix attention: gate must be [T={T}, G*Hg={G * HG}] with unit column stride, got "
+               f"{tuple(gate.shape)}")
     if T == 0:
-        return out[None]
+        return out
     sel = out
     if ids is not None:
         _check(ids.dtype == torch.int64 and valid.dtype == torch.bool and ids.shape == valid.shape and ids.dim() == 4
@@ -1979,25 +2026,27 @@ def dense_prefix_triton(q, k, v, p0, blk, scale, ids=None, valid=None, block_n=N
     DA = 1 << (D - 1).bit_length() - 1  # head_dim = DA + the rest (192 = 128 + 64)
     first = p0 // blk * blk
     _dense_prefix_kernel[(triton.cdiv(p0 + T - first, QB), G)](
-        q[0], k[0], v[0], out, sel, T, int(p0), float(scale), q.stride(1), q.stride(2), q.stride(3), k.stride(1),
-        k.stride(2), out.stride(0), out.stride(1), out.stride(2), sel.stride(0), sel.stride(1), HG=HG, HGP=HGP, D=D,
-        BLK=blk, QB=QB, CUR=max(16, triton.next_power_of_2(QB)), BLOCK_N=BLOCK_N, DA=DA,
-        BLOCK_DB=max(1, triton.next_power_of_2(D - DA)), DOT_DTYPE=_DOT, SELECT=ids is not None, num_warps=num_warps,
-        num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
-    return out[None]
+        q[0], k[0], v[0], out[0], sel, gate if gate is not None else out, T, int(p0), float(scale), q.stride(1),
+        q.stride(2), q.stride(3), k.stride(1), k.stride(2), out.stride(1), out.stride(2), out.stride(3),
+        sel.stride(0), sel.stride(1), gate.stride(0) if gate is not None else 0, HG=HG, HGP=HGP, D=D, BLK=blk,
+        QB=QB, CUR=max(16, triton.next_power_of_2(QB)), BLOCK_N=BLOCK_N, DA=DA,
+        BLOCK_DB=max(1, triton.next_power_of_2(D - DA)), DOT_DTYPE=_DOT, SELECT=ids is not None,
+        GATE=gate is not None, PRECISE=_PRECISE, num_warps=num_warps, num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
+    return out
 
 
-def dense_prefix(q, k, v, p0, blk, scale, gate=None, ids=None, valid=None):
-    """Attention of prefill queries at positions p0 .. p0 + T - 1 over every history region (ids None) or their
-    selection (see dense_prefix_ref); the reference in chunks of 256 queries (it gathers every query's keys)."""
+def dense_prefix(q, k, v, p0, blk, scale, gate=None, ids=None, valid=None, out=None):
+    """Attention of prefill queries q [1, T, G, Hg, hd] at positions p0 .. p0 + T - 1 over every history region (ids
+    None) or their selection (see dense_prefix_ref), then the output gate (gate [T, G*Hg] logits: gate_heads),
+    written into out (like q; default new). The reference in chunks of 256 queries (it gathers every query's keys)."""
     if _triton(q):
-        out = dense_prefix_triton(q, k, v, p0, blk, scale, ids, valid)
-        return out if gate is None else gate_heads(out, gate)
+        return dense_prefix_triton(q, k, v, p0, blk, scale, ids, valid, gate, out)
     T = q.shape[1]
-    return torch.cat([dense_prefix_ref(q[:, c:c + 256], k, v, p0 + c, blk, scale,
-                                       None if gate is None else gate[c:c + 256],
-                                       None if ids is None else ids[:, :, c:c + 256],
-                                       None if valid is None else valid[:, :, c:c + 256]) for c in range(0, T, 256)], 1)
+    o = torch.cat([dense_prefix_ref(q[:, c:c + 256], k, v, p0 + c, blk, scale,
+                                    None if gate is None else gate[c:c + 256],
+                                    None if ids is None else ids[:, :, c:c + 256],
+                                    None if valid is None else valid[:, :, c:c + 256]) for c in range(0, T, 256)], 1)
+    return o if out is None else out.copy_(o)
 
 
 def dense_tiles_end(topk: int, blk: int) -> int:

@@ -370,18 +370,17 @@ class Attention(nn.Module):
         q, k, v, g, *idx = self.project(h)
         q, k, idx = self._norm_rope(q, k, idx, at.pos, rope)
         v = v.view(T, G, hd)
-        if self.dsa:  # the output gate applied by the sparse attention's merge
+        if self.dsa:  # the output gate applied by the attention kernels
             o = self._dsa(idx, q, k, v, g, at, cache, req)
         else:
-            o = self._sliding_prefill(q, k, v, at.spans, cache)
-            o = kernel.gate_heads(o, g)
+            o = self._sliding_prefill(q, k, v, g, at.spans, cache)
         return linear(o.reshape(T, H * hd), self.o_proj.weight)  # this rank's bf16 partial: Block reduces it
 
     # ---- sliding window
-    def _sliding_prefill(self, q, k, v, spans, cache):
+    def _sliding_prefill(self, q, k, v, g, spans, cache):
         """Each request's chunk of n tokens at positions p0.. sees the last W-1 cached keys and its own (causal, banded);
         the ring (R >= W slots, position p in slot p mod R) then keeps the chunk's last R keys. q [T, H, hd], k/v
-        [T, G, hd]."""
+        [T, G, hd], g [T, H] the gate logits -> the gated output [T, H, hd]."""
         W, R, out = self.cfg.sliding_window, cache.k.shape[2], torch.empty_like(q)
         for b, s, n, p0 in spans:
             qb, kb, vb = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [H|G, n, hd]
@@ -389,7 +388,8 @@ class Attention(nn.Module):
             if m:
                 kb, vb = (torch.cat([ring[b][:, r0:r0 + ln] for r0, _, ln in _ring_runs(p0 - m, m, R)] + [t], 1)
                           for ring, t in ((cache.k, kb), (cache.v, vb)))
-            out[s:s + n] = kernel.banded_attention(qb, kb, vb, m, W, self.scale).transpose(0, 1)  # query i: key m + i
+            # query i's own key is key m + i; the gated output straight into its rows of out
+            kernel.banded_attention(qb, kb, vb, m, W, self.scale, gate=g[s:s + n], out=out[s:s + n].transpose(0, 1))
             L = min(n, R)  # the ring keeps the chunk's last L positions, p0+n-L .. p0+n-1 (key m+n-L ..)
             for r0, o, ln in _ring_runs(p0 + n - L, L, R):
                 cache.k[b, :, r0:r0 + ln] = kb[:, m + n - L + o:m + n - L + o + ln]
@@ -467,9 +467,8 @@ class Attention(nn.Module):
             if nd:
                 if self.pins is not None:  # the decisions recorded as a selection would make them
                     self._pin_every_region(req[s:s + 1], at.pos[s:s + nd][None], G)
-                out[s:s + nd] = kernel.dense_prefix(q[None, s:s + nd], cache.k[b:b + 1, :p0 + nd],
-                                                    cache.v[b:b + 1, :p0 + nd], p0, blk, self.scale,
-                                                    gate=g[s:s + nd])[0]
+                kernel.dense_prefix(q[None, s:s + nd], cache.k[b:b + 1, :p0 + nd], cache.v[b:b + 1, :p0 + nd], p0, blk,
+                                    self.scale, gate=g[s:s + nd], out=out[None, s:s + nd])
             nr = end // blk  # every region completed so far; a query at p selects among regions < p // blk
             ne = min(n, max(nd, kernel.dense_tiles_end(sp.topk, blk) - p0))  # [nd, ne): dense tiles, masked
             step = kernel.dsa_query_chunk(q, G, nr)
@@ -484,15 +483,14 @@ class Attention(nn.Module):
                     ids, valid = self.pins.regions(self.layer_id, req[s:s + 1], pb, self.group0, ids, valid, nr)
                 cm = min(max(ne, c0), c1)  # queries c0 .. cm - 1 take the dense tiles
                 if cm > c0:
-                    out[s + c0:s + cm] = kernel.dense_prefix(q[None, s + c0:s + cm], cache.k[b:b + 1, :p0 + cm],
-                                                             cache.v[b:b + 1, :p0 + cm], p0 + c0, blk, self.scale,
-                                                             gate=g[s + c0:s + cm], ids=ids[:, :, :cm - c0],
-                                                             valid=valid[:, :, :cm - c0])[0]
+                    kernel.dense_prefix(q[None, s + c0:s + cm], cache.k[b:b + 1, :p0 + cm], cache.v[b:b + 1, :p0 + cm],
+                                        p0 + c0, blk, self.scale, gate=g[s + c0:s + cm], ids=ids[:, :, :cm - c0],
+                                        valid=valid[:, :, :cm - c0], out=out[None, s + c0:s + cm])
                 if c1 > cm:
-                    out[s + cm:s + c1] = kernel.sparse_attention(q[None, s + cm:s + c1], cache.k[b:b + 1, :end],
-                                                                 cache.v[b:b + 1, :end], ids[:, :, cm - c0:],
-                                                                 valid[:, :, cm - c0:], pb[:, cm - c0:], blk,
-                                                                 self.scale, gate=g[s + cm:s + c1], prefill=True)[0]
+                    kernel.sparse_attention(q[None, s + cm:s + c1], cache.k[b:b + 1, :end], cache.v[b:b + 1, :end],
+                                            ids[:, :, cm - c0:], valid[:, :, cm - c0:], pb[:, cm - c0:], blk,
+                                            self.scale, gate=g[s + cm:s + c1], prefill=True,
+                                            out=out[None, s + cm:s + c1])
         return out.view(T, H, hd)
 
     def _pin_every_region(self, req, pos, G: int):

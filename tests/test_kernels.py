@@ -673,8 +673,23 @@ def test_banded_attention_matches_reference(H, G, hd, off, n, W):
         out = K.banded_attention_triton(q, k, v, off, W, hd ** -0.5, block_n=bn)
         ulps = ((out.float() - ref.float()).abs() / bf16_ulp(ref.float().abs().amax(-1, keepdim=True))).max().item()
         assert ulps <= 2.0, (bn, ulps)
+    # the output gate (logits a strided column slice, as in the packed projection) applied in the kernel and the
+    # result written into a transposed view of a [n, H, hd] output: gate_heads of the ungated kernel's output
+    packed = randn(n, H + 3, seed=5)
+    gate, rows = packed[:, 2:2 + H], torch.zeros(n, H, hd, dtype=torch.bfloat16, device=DEV)
+    got = K.banded_attention_triton(q, k, v, off, W, hd ** -0.5, gate=gate, out=rows.transpose(0, 1))
+    want = K.gate_heads(K.banded_attention_triton(q, k, v, off, W, hd ** -0.5).transpose(0, 1), gate)
+    assert got.data_ptr() == rows.data_ptr()
+    assert torch.equal(rows, want) if INTERPRET else (rows.float() - want.float()).abs().max() <= (
+        2 ** -7 * want.float().abs().max())
+    if not K._triton(q):  # the dispatcher on the reference path: the reference, then the gate
+        rows.zero_()
+        K.banded_attention(q, k, v, off, W, hd ** -0.5, gate=gate, out=rows.transpose(0, 1))
+        assert torch.equal(rows, K.gate_heads(ref.transpose(0, 1), gate))
     with pytest.raises(ValueError, match="banded attention"):
         K.banded_attention_triton(q, k[:, :-1], v[:, :-1], off, W, 1.0)
+    with pytest.raises(ValueError, match="gate must be"):
+        K.banded_attention_triton(q, k, v, off, W, 1.0, gate=gate.t())
 
 
 def test_set_tuning_parses_values_and_names_bad_ones(monkeypatch):
@@ -907,6 +922,12 @@ def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
         d = report(f"sparse attention rows prefill={prefill}", out,
                    K.sparse_attention_ref(q, big_k, big_v, *rest, gate=gate, rows=rows))
         assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
+    if S == 1:  # prefill's one split applies the gate itself, written into rows of a larger output as in the model
+        wide = torch.zeros(T + 2, G, Hg, hd, dtype=torch.bfloat16, device=DEV)
+        K.sparse_attention_triton(q, big_k, big_v, *rest, gate=gate, rows=rows, prefill=True, out=wide[None, 1:T + 1])
+        assert torch.equal(wide[None, 1:T + 1], out) and not wide[0].any() and not wide[-1].any()
+        with pytest.raises(ValueError, match="out must be"):
+            K.sparse_attention_triton(q, big_k, big_v, *rest, rows=rows, out=wide[None, :T].transpose(3, 4))
 
 
 @pytest.mark.parametrize("G,Hg,hd,blk", [(2, 2, 48, 8), (1, 3, 32, 4)] if INTERPRET else
@@ -961,7 +982,15 @@ def test_dense_prefix_over_a_selection_is_sparse_attention(G, Hg, hd, blk, topk,
     # a selection that differs from every region changes the result: the mask is read
     every = K.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5)
     assert not torch.equal(out, every)
-    gate = randn(T, G * Hg, seed=7)
+    # the output gate (logits a strided column slice, as in the packed projection) applied in the kernel, written
+    # into a slice of a larger output: gate_heads of the ungated kernel's output
+    gate = randn(T, G * Hg + 3, seed=7)[:, 1:1 + G * Hg]
+    rows = torch.zeros(1, T + 2, G, Hg, hd, dtype=torch.bfloat16, device=DEV)
+    K.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5, ids, valid, gate=gate, out=rows[:, 1:T + 1])
+    want = K.gate_heads(out, gate)
+    assert torch.equal(rows[:, 1:T + 1], want) if INTERPRET else (rows[:, 1:T + 1].float() - want.float()).abs().max() \
+        <= 2 ** -7 * want.float().abs().max()
+    assert not rows[:, 0].any() and not rows[:, -1].any()
     if not K._triton(q):
         assert torch.equal(K.dense_prefix(q, k, v, p0, blk, hd ** -0.5, gate, ids, valid),
                            K.gate_heads(ref, gate))
