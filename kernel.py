@@ -1936,7 +1936,8 @@ def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sel_ptr, g_ptr, T, p0, scal
     history keys 0 .. blk * floor(p / blk) - 1 in tiles of BLOCK_N from key 0 (each row's own history masked), then
     one tile of CUR keys holding the block's current regions (each row's keys blk * floor(p / blk) .. p). head_dim in
     two power-of-two pieces DA + BLOCK_DB (192 = 128 + 64). SELECT: a history key is live only where its region is
-    selected, sel[g, t, region] != 0 (a query's own selection; uint8 [G, T, regions]). GATE: then the output gate,
+    selected: bit region % 32 of sel[g, t, region // 32] (a query's own selection; int32 [G, T, words]; a tile's
+    BLOCK_N // BLK regions, a power of two up to 32, sit in one word). GATE: then the output gate,
     bf(o * bf(sigmoid(logit))), the logit of (t, head g * HG + h) at g_ptr + t * sg_t + g * HG + h (gate_heads; its
     rows' alignment varies with a span's first token)."""
     _pdl_enter(PDL)
@@ -1964,9 +1965,9 @@ def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sel_ptr, g_ptr, T, p0, scal
     for k0 in range(0, last, BLOCK_N):
         ks = k0 + tl.arange(0, BLOCK_N)
         ok = (ks[None, :] < hist[:, None]) & row_ok[:, None]
-        if SELECT:
-            ok = ok & (tl.load(sel_ptr + g * ssel_g + t.to(tl.int64)[:, None] * ssel_t + (ks // BLK)[None, :], mask=ok,
-                               other=0) != 0)
+        if SELECT:  # the tile's regions share one word of each row's selection bits: one load a row
+            word = tl.load(sel_ptr + g * ssel_g + t.to(tl.int64) * ssel_t + k0 // BLK // 32, mask=row_ok, other=0)
+            ok = ok & (((word[:, None] >> (ks // BLK % 32)[None, :]) & 1) != 0)
         m_i, l_i, acc_a, acc_b = _dense_tile(qa, qb, k_ptr, v_ptr, ks, ks < last, ok, g, skv_n, skv_g, scale,
                                              m_i, l_i, acc_a, acc_b, da, db, db_ok, DOT_DTYPE)
     ks = first + tl.arange(0, CUR)
@@ -2013,16 +2014,22 @@ def dense_prefix_triton(q, k, v, p0, blk, scale, ids=None, valid=None, gate=None
     sel = out
     if ids is not None:
         _check(ids.dtype == torch.int64 and valid.dtype == torch.bool and ids.shape == valid.shape and ids.dim() == 4
-               and tuple(ids.shape[:3]) == (1, G, T), lambda: f"dense prefix attention: ids and valid must be int64 and "
-               f"bool [1, G={G}, T={T}, K], got {ids.dtype} {tuple(ids.shape)}, {valid.dtype} {tuple(valid.shape)}")
-        # sel [G, T, W]: 1 at each query's selected regions; valid ids are < p // blk <= W - 2, so the invalid slots
-        # (id R) land in column W - 1, which no query reads
-        W = (p0 + T - 1) // blk + 1
-        sel = torch.zeros(G, T, W, dtype=torch.uint8, device=q.device)
-        sel.view(G * T, W).scatter_(1, torch.where(valid, ids, W - 1)[0].reshape(G * T, -1), 1)
+               and tuple(ids.shape[:3]) == (1, G, T),
+               lambda: f"dense prefix attention: ids and valid must be int64 and bool [1, G={G}, T={T}, K], got "
+               f"{ids.dtype} {tuple(ids.shape)}, {valid.dtype} {tuple(valid.shape)}")
+        # sel [G, T, words]: bit id % 32 of word id // 32 set for each selected region (distinct bits: their sum is
+        # their OR); the invalid slots add 0 to a spare word
+        words = ((p0 + T - 1) // blk + 31) // 32
+        bits = torch.zeros(G * T, words + 1, dtype=torch.int64, device=q.device)
+        bits.scatter_add_(1, torch.where(valid, ids // 32, words)[0].reshape(G * T, -1),
+                          torch.where(valid, 1 << ids % 32, 0)[0].reshape(G * T, -1))
+        sel = bits.to(torch.int32).view(G, T, words + 1)  # bit 31 wraps to the sign: the kernel reads bits
     HGP = triton.next_power_of_2(HG)
     QB = blk * max(1, 64 // (HGP * blk))  # whole regions, 64 rows a tile where the heads allow
     BLOCK_N = block_n or TUNING["sparse_block_n"]
+    _check(ids is None or (BLOCK_N % blk == 0 and 32 % (BLOCK_N // blk) == 0),
+           lambda: f"dense prefix attention: a tile of {BLOCK_N} keys must hold a power of two of regions of {blk}, "
+           "at most 32")
     DA = 1 << (D - 1).bit_length() - 1  # head_dim = DA + the rest (192 = 128 + 64)
     first = p0 // blk * blk
     _dense_prefix_kernel[(triton.cdiv(p0 + T - first, QB), G)](

@@ -961,7 +961,7 @@ def test_dense_prefix_is_sparse_attention_over_every_history_region(G, Hg, hd, b
 
 @pytest.mark.parametrize("G,Hg,hd,blk,topk", [(2, 2, 48, 8, 3), (1, 3, 32, 4, 5)] if INTERPRET else
                          [(1, 8, 192, 8, 4), (2, 4, 64, 8, 3)])
-@pytest.mark.parametrize("p0,T", [(13, 60), (75, 9), (90, 1)])
+@pytest.mark.parametrize("p0,T", [(13, 60), (75, 9), (90, 1), (250, 20)])
 def test_dense_prefix_over_a_selection_is_sparse_attention(G, Hg, hd, blk, topk, p0, T):
     """Prefill queries past the dense regime through the dense tiles, each history key masked by its query's own
     selection (exact top-k of random scores, so queries of one tile select different regions): within the sparse
@@ -971,6 +971,7 @@ def test_dense_prefix_over_a_selection_is_sparse_attention(G, Hg, hd, blk, topk,
     pos = torch.arange(p0, p0 + T, device=DEV)[None]
     R = (p0 + T) // blk
     scores = torch.randn(1, G, T, R, generator=torch.Generator().manual_seed(T)).to(DEV)
+    scores[..., 31::32] = 10.0  # regions 31, 63, ... selected: the sign bit of each word of selection bits
     ids, valid = K.select_regions_ref(scores, pos, topk, blk)
     assert (valid.sum(-1) < (pos // blk)[:, None]).any()  # queries that select part of their history
     ref = K.sparse_attention_ref(q, k, v, ids, valid, pos, blk, hd ** -0.5)
