@@ -11,7 +11,7 @@ the DSA layer at the largest N the time of the sparse-attention pieces of its la
 over the whole prompt (printed too: it includes the Triton compiles); best of --reps.
 
     python bench_prefill.py [--tokens 8192 32768 131072] [--chunk 16384] [--layers sliding dsa] [--profile]
-                            [--tune KEY=VALUE]
+                            [--tune KEY=VALUE] [--sweep KEY=V1,V2,...]
 """
 import argparse
 import cProfile
@@ -117,15 +117,23 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
               for c0, c1 in subs]  # [1, G, step, R] each
     sel = [kernel.select_regions(s, pos[None, c0:c1], sp.topk, blk) for s, (c0, c1) in zip(scores, subs)]
     q = torch.randn(1, C, a.n_groups, a.n_heads // a.n_groups, cfg.head_dim, device="cuda").bfloat16()
+    ne = kernel.dense_tiles_end(sp.topk, blk) - p0  # queries before it: the dense tiles over their selection
+
+    def attention(i, v, c0, c1):  # model._dsa's split of a query chunk
+        cm = min(max(ne, c0), c1)
+        if cm > c0:
+            kernel.dense_prefix(q[:, c0:cm], lc.k[:1, :p0 + cm], lc.v[:1, :p0 + cm], p0 + c0, blk, a.scale,
+                                ids=i[:, :, :cm - c0], valid=v[:, :, :cm - c0])
+        if c1 > cm:
+            kernel.sparse_attention(q[:, cm:c1], lc.k[:1, :N], lc.v[:1, :N], i[:, :, cm - c0:], v[:, :, cm - c0:],
+                                    pos[None, cm:c1], blk, a.scale, prefill=True)
     pieces = {
         "indexer proj+summ": indexer,
         "scores": lambda: [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale, q_e4m3=True)
                            for c0, c1 in subs],
         "selection": lambda: [kernel.select_regions(s, pos[None, c0:c1], sp.topk, blk)
                               for s, (c0, c1) in zip(scores, subs)],
-        "sparse attention": lambda: [kernel.sparse_attention(q[:, c0:c1], lc.k[:1, :N], lc.v[:1, :N], i, v,
-                                                             pos[None, c0:c1], blk, a.scale)
-                                     for (i, v), (c0, c1) in zip(sel, subs)],
+        "attention": lambda: [attention(i, v, c0, c1) for (i, v), (c0, c1) in zip(sel, subs)],
         # the whole layer on that chunk again (rewrites the same cache rows with the same values)
         "whole layer chunk": lambda: chunk(block, lc, rope, res, p0, C),
     }
@@ -218,11 +226,21 @@ if __name__ == "__main__":
                     help="the last chunk's device time per kernel and its host time per Python call (cProfile)")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="set kernel.TUNING[KEY] for the run (e.g. --tune sparse_block_n=32; repeatable)")
+    ap.add_argument("--sweep", metavar="KEY=V1,V2,...",
+                    help="the whole run once per value of kernel.TUNING[KEY] (e.g. --sweep dense_tiles=0,2,4,6), in "
+                    "one process: kernels compiled once")
     a = ap.parse_args()
+    key, _, values = (a.sweep or "").partition("=")
     try:
         kernel.set_tuning(a.tune)
+        for v in values.split(",") if a.sweep else []:
+            kernel.set_tuning([f"{key}={v}"])  # checked before any run
     except ValueError as e:
         raise SystemExit(str(e))
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill.py needs a CUDA device")
-    main(a.tokens, a.chunk, a.layers, a.reps, a.profile)
+    for v in values.split(",") if a.sweep else [None]:
+        if v is not None:
+            kernel.set_tuning([f"{key}={v}"])
+            print(f"--- {key}={v}", flush=True)
+        main(a.tokens, a.chunk, a.layers, a.reps, a.profile)
