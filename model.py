@@ -470,7 +470,7 @@ class Attention(nn.Module):
                 kernel.dense_prefix(q[None, s:s + nd], cache.k[b:b + 1, :p0 + nd], cache.v[b:b + 1, :p0 + nd], p0, blk,
                                     self.scale, gate=g[s:s + nd], out=out[None, s:s + nd])
             nr = end // blk  # every region completed so far; a query at p selects among regions < p // blk
-            ne = min(n, max(nd, kernel.dense_tiles_end(sp.topk, blk) - p0))  # [nd, ne): dense tiles, masked
+            ne = min(n, max(nd, kernel.dense_tiles_end(sp.topk, blk) - p0))  # queries nd .. ne - 1: dense tiles
             step = kernel.dsa_query_chunk(q, G, nr)
             for c0 in range(nd, n, step):  # query chunks bound the scores (and the reference's gathered keys)
                 c1 = min(n, c0 + step)
