@@ -233,10 +233,13 @@ if __name__ == "__main__":
     key, _, values = (a.sweep or "").partition("=")
     try:
         kernel.set_tuning(a.tune)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    try:
         for v in values.split(",") if a.sweep else []:
             kernel.set_tuning([f"{key}={v}"])  # checked before any run
     except ValueError as e:
-        raise SystemExit(str(e))
+        raise SystemExit(str(e).replace("--tune", "--sweep", 1))
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill.py needs a CUDA device")
     for v in values.split(",") if a.sweep else [None]:
