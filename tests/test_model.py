@@ -275,10 +275,16 @@ def test_model_on_the_triton_kernels_matches_the_references(interpreted_model_ru
     """The whole model with every Triton kernel (the interpreter on CPU, the GPU's launch shapes) against the PyTorch
     references (conftest.interpreted_model_run): a batched prefill, a prefill chunk on top of it, one-token steps
     (the fused sliding-window kernel, the sort-free MoE path, the DSA cache-write and selection kernels) and a
-    three-token step; the sliding prefill through the banded Triton kernel. GPU time is scarce: this is what catches
-    a kernel wired in with the wrong strides, shapes or offsets before a GPU run. Decisions pinned; rounding noise
-    only."""
-    ref, got, _ = interpreted_model_run
+    three-token step; the sliding prefill through the banded Triton kernel; the DSA prefill's three paths (every
+    region, dense tiles over a selection, per query), each applying the output gate itself. GPU time is scarce: this is
+    what catches a kernel wired in with the wrong strides, shapes or offsets before a GPU run. Decisions pinned;
+    rounding noise only."""
+    ref, got, seen = interpreted_model_run
+    kinds = {(r["name"], r["constexprs"].get("SELECT"), r["constexprs"].get("GATE")) for r in seen.values()}
+    assert {("_dense_prefix_kernel", False, True), ("_dense_prefix_kernel", True, True),
+            ("_banded_attn_kernel", None, True)} <= kinds, kinds
+    assert any(r["name"] == "_sparse_attn_kernel" and r["constexprs"]["SPLITS"] == 1 and r["constexprs"]["GATE"]
+               and not r["constexprs"]["ROWS"] for r in seen.values())  # prefill's per-query launch (decode's: rows)
     assert got.shape == ref.shape and ref.shape[1] == 7
     d = (got - ref).abs().amax(-1) / ref.std(-1)
     assert d.max() < NOISE["fp8"], d
