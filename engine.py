@@ -472,10 +472,14 @@ class Engine:
             c.lengths.zero_()
         self.timing = {"build_s": tb - t0, "warmup_s": t1 - tb, "capture_s": t2 - t1}
         if marker is not None and not os.path.exists(marker):
-            os.makedirs(os.path.dirname(marker), exist_ok=True)
-            with open(f"{marker}.{os.getpid()}.tmp", "w") as f:
-                f.write("a start-up built every kernel of its warm-up passes into this cache\n")
-            os.replace(f"{marker}.{os.getpid()}.tmp", marker)
+            try:  # best effort: a read-only cache (copied from another node) only means the next start builds again
+                os.makedirs(os.path.dirname(marker), exist_ok=True)
+                with open(f"{marker}.{os.getpid()}.tmp", "w") as f:
+                    f.write("a start-up built every kernel of its warm-up passes into this cache\n")
+                os.replace(f"{marker}.{os.getpid()}.tmp", marker)
+            except OSError as e:
+                self.say(f"start-up: could not mark Triton's cache as built ({e}); the next start-up builds from "
+                         "threads again")
         self.say("start-up: " + (f"kernels built ahead from {threads} threads in {tb - t0:.1f} s, " if ahead
                                   else f"warm-up {t1 - tb:.1f} s, ")
                  + (f"{sum(len(g) for g in self.graphs.values())} CUDA graphs captured in {t2 - t1:.1f} s"

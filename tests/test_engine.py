@@ -241,6 +241,8 @@ def test_start_up_builds_from_threads_until_a_start_up_has_built_its_kernels(tp1
     assert start(200, tmp_path / "a") == 0 and len(built) == 2  # other passes: threads
     assert start(256, tmp_path / "b") == 0 and len(built) == 3  # another cache: threads
     assert start(256, tmp_path / "c", threads=0) > 0 and not (tmp_path / "c").exists()
+    (tmp_path / "ro").write_text("a file where the cache directory would be")  # an unwritable cache: not marked
+    assert start(256, tmp_path / "ro" / "cache") == 0 and len(built) == 4
 
 
 @torch.inference_mode()
