@@ -156,8 +156,15 @@ def prefill_warm_lengths(max_context: int, chunk: int, blk: int, topk: int) -> l
     ns = sorted({n for n in [1 << i for i in range(top.bit_length())] + [top] if n <= top})
     out = [(0, n) for n in ns]
     regions = max_context // blk
-    for r in sorted({topk // 2, 2 * topk, dense_tiles_end(topk, blk) // blk, 4096 + 2 * topk, 8192 + 2 * topk,
-                     16384 + 2 * topk, 32768 + 8 * topk}):
+
+    def fits(r):
+        return (r + 1) * blk + min(16, top) <= max_context and r < regions
+    rs = {topk // 2, 2 * topk, 4096 + 2 * topk, 8192 + 2 * topk, 16384 + 2 * topk, 32768 + 8 * topk}
+    end = dense_tiles_end(topk, blk) // blk
+    for lo, hi in ((topk + 1, end), (end, regions)):  # the dense tiles over a selection, then the per-query kernel:
+        if lo < hi and not any(lo <= r < hi and fits(r) for r in rs):  # a pass at its first history, if none does
+            rs.add(lo)
+    for r in sorted(rs):
         for n in sorted({min(16, top), min(64, top), min(256, top)}):
             if (r + 1) * blk + n <= max_context and r < regions:
                 out.append((r * blk, n))
@@ -1689,7 +1696,7 @@ def _sparse_attn_kernel(
     id_stride_s, id_stride_g, id_stride_t, va_stride_s, va_stride_g, va_stride_t, gate_stride,
     HEAD_DIM: tl.constexpr, BLK: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
-    ROWS: tl.constexpr = False, GATE: tl.constexpr = False, PRECISE: tl.constexpr = False,
+    ROWS: tl.constexpr = False, GATE: tl.constexpr = False, PRECISE: tl.constexpr = True,
 ):
     """Online-softmax attention of one (sequence, query, KV group) over its key slots, all Hg heads at once.
 
@@ -1859,9 +1866,8 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
         q.stride(0), q.stride(1), q.stride(2), q.stride(3), k.stride(0), k.stride(1), k.stride(2),
         ids.stride(0), ids.stride(1), ids.stride(2), va.stride(0), va.stride(1), va.stride(2),
         gate.stride(0) if gated else 0, HEAD_DIM=hd, BLK=blk, SPLITS=splits, BLOCK_H=BLOCK_H,
-        BLOCK_D=triton.next_power_of_2(hd), BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, ROWS=rows is not None,
-        **({"GATE": True, "PRECISE": _PRECISE} if gated else {}), num_warps=4,
-        num_stages=num_stages if _GPU_LAUNCH else 1, **_pdl())
+        BLOCK_D=triton.next_power_of_2(hd), BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, ROWS=rows is not None, GATE=gated,
+        PRECISE=_PRECISE, num_warps=4, num_stages=num_stages if _GPU_LAUNCH else 1, **_pdl())
     if splits > 1:
         _attn_merge_kernel[(n_rows, HG)](po, pml, out, gate if gate is not None else out, T, G, HG, q.stride(0),
                                        q.stride(1), q.stride(2), q.stride(3), gate.stride(0) if gate is not None else 0,
