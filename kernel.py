@@ -123,6 +123,17 @@ def _sms() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host ints. Launchers use this and _pow2, not triton.cdiv / triton.next_power_of_2: those are
+    ConstexprFunctions (~3 us a call on the host) and a prefill pass makes thousands of such calls."""
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= n (0 for n = 0), as triton.next_power_of_2."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def _unspecialised(kernel, *names, unaligned=(), jit=triton.jit):
     """The same kernel with its length-like arguments `names` unspecialised. Triton compiles a kernel once per set of
     constexprs and integer classes (== 1, divisible by 16, other) and pointer alignments, so a prefill whose lengths
@@ -141,7 +152,7 @@ PREFILL_ROWS = 16
 
 
 def _launch_rows(n: int) -> int:
-    return n if n <= PREFILL_ROWS else triton.next_power_of_2(n)
+    return n if n <= PREFILL_ROWS else _pow2(n)
 
 
 def prefill_warm_lengths(max_context: int, chunk: int, blk: int, topk: int) -> list:
@@ -193,13 +204,15 @@ def _check(cond, msg):
 
 
 def _check_tensor(name, t, dtype, ndim=None, contiguous=True):
+    """ValueError naming `name` unless t is a dtype tensor (of ndim dims; contiguous). One test on the way through and
+    the message built only on failure: a prefill pass makes thousands of these checks."""
+    if (isinstance(t, torch.Tensor) and t.dtype == dtype and (ndim is None or t.dim() == ndim)
+            and (not contiguous or t.is_contiguous())):
+        return
     _check(isinstance(t, torch.Tensor), lambda: f"{name} must be a tensor, got {type(t).__name__}")
     _check(t.dtype == dtype, lambda: f"{name} must be {dtype}, got {t.dtype}")
-    if ndim is not None:
-        _check(t.dim() == ndim, lambda: f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if contiguous:
-        _check(t.is_contiguous(), lambda: f"{name} must be contiguous (shape {tuple(t.shape)}, strides "
-                                          f"{t.stride()})")
+    _check(ndim is None or t.dim() == ndim, lambda: f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    _check(False, lambda: f"{name} must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
 
 
 @triton.jit
@@ -310,7 +323,7 @@ def rms_norm_triton(x, w, eps, out_dtype=None):
     out = torch.empty((T, D), dtype=out_dtype, device=x.device)
     if T:
         _rms_norm_kernel[(T,)](x, w, out, D, x.stride(0), out.stride(0), float(eps),
-                               OUT_BF16=out_dtype == torch.bfloat16, BLOCK_D=triton.next_power_of_2(D),
+                               OUT_BF16=out_dtype == torch.bfloat16, BLOCK_D=_pow2(D),
                                num_warps=8 if D >= 2048 else 4, **_pdl())
     return out
 
@@ -499,8 +512,8 @@ def _norm_rope_launch(x, weight, cos, sin, bias, pos):
            f"{tuple(sin.shape)}")
     out = torch.empty((T, NH, D), dtype=x.dtype, device=x.device)
     args = (x, weight, bias if bias is not None else weight, cos, sin, out, T * NH, NH, x.stride(0))
-    shapes = (D, half, bias is not None, triton.next_power_of_2(D), triton.next_power_of_2(max(half, 1)),
-              triton.next_power_of_2(D - 2 * half) if D > 2 * half else 0)
+    shapes = (D, half, bias is not None, _pow2(D), _pow2(max(half, 1)),
+              _pow2(D - 2 * half) if D > 2 * half else 0)
     return args, shapes
 
 
@@ -520,7 +533,7 @@ def norm_rope_jobs_triton(jobs, eps, pos, e4m3=()):
     launches = [_norm_rope_launch(x, w, c, s_, b, pos) for x, w, c, s_, b in jobs]
     ends, args, shapes = [], [], []
     for a, sh in launches:
-        ends.append((ends[-1] if ends else 0) + triton.cdiv(a[6], _NORM_ROPE_ROWS))
+        ends.append((ends[-1] if ends else 0) + _cdiv(a[6], _NORM_ROPE_ROWS))
         args += a
         shapes += sh
     pad = 4 - len(jobs)  # unused slots: the first job's arguments, no programs
@@ -665,15 +678,15 @@ def banded_attention_triton(q, k, v, off, window, scale, gate=None, out=None, bl
     HG = H // G
     _check(HG & (HG - 1) == 0 or not _GPU_LAUNCH,
            lambda: f"banded attention: {HG} query heads per KV group (GPU: a power of 2)")
-    BLOCK_Q = max(1, 64 // HG) if _GPU_LAUNCH else triton.next_power_of_2(max(1, 16 // HG))
+    BLOCK_Q = max(1, 64 // HG) if _GPU_LAUNCH else _pow2(max(1, 16 // HG))
     # head_dim = DA + the rest, each piece a power of two (192 = 128 + 64; 128 = 64 + 64: tl.dot's K is at least 16)
     DA = 1 << (D - 1).bit_length() - 1
     if n:
-        _banded_attn_prefill[(triton.cdiv(n, BLOCK_Q), G)](
+        _banded_attn_prefill[(_cdiv(n, BLOCK_Q), G)](
             q, k, v, out, gate if gate is not None else out, n, L, int(off), int(window), float(scale), q.stride(0),
             q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             gate.stride(0) if gate is not None else 0, HG=HG, D=D, BLOCK_Q=BLOCK_Q, BLOCK_N=block_n, DA=DA,
-            BLOCK_DB=max(1, triton.next_power_of_2(D - DA)), DOT_DTYPE=_DOT, PRECISE=_PRECISE, GATE=gate is not None,
+            BLOCK_DB=max(1, _pow2(D - DA)), DOT_DTYPE=_DOT, PRECISE=_PRECISE, GATE=gate is not None,
             num_warps=num_warps, num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
     return out
 
@@ -1026,7 +1039,7 @@ def _sliding_merge_kernel(po_ptr, pml_ptr, qkvg_ptr, out_ptr, G, stride_t,
 def _heads_block(HG: int) -> int:
     """The head axis of the decode attention tiles (the M side of their dots): 8 at TP = 8's 8 heads per group, where
     16 padded every q norm, RoPE and softmax element twice (Triton pads an MMA's M on NVIDIA GPUs itself)."""
-    return max(8, triton.next_power_of_2(HG))
+    return max(8, _pow2(HG))
 
 
 def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, sin, eps, scale, window, n_heads,
@@ -1068,16 +1081,16 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
     if T == 0:
         return out
     HG = H // G
-    splits = triton.cdiv(R, split_len)
+    splits = _cdiv(R, split_len)
     po = torch.empty(T * G * splits * HG * hd, dtype=torch.float32, device=qkvg.device)
     pml = torch.empty(T * G * splits * 2 * HG, dtype=torch.float32, device=qkvg.device)
     rest = hd - 2 * half
     # no FMA: the norms' sums of squares and the softmax round their products separately, as the references do
-    blocks = dict(D=hd, HALF=half, BLOCK_D=triton.next_power_of_2(hd),
-                  BLOCK_HALF=max(16, triton.next_power_of_2(half)),
-                  BLOCK_REST=max(16, triton.next_power_of_2(rest)) if rest else 0, num_warps=4, **_NO_FMA)
+    blocks = dict(D=hd, HALF=half, BLOCK_D=_pow2(hd),
+                  BLOCK_HALF=max(16, _pow2(half)),
+                  BLOCK_REST=max(16, _pow2(rest)) if rest else 0, num_warps=4, **_NO_FMA)
     warps = TUNING["sliding_warps"][T * G * splits >= _sms()]
-    block_n = max(16, min(64, triton.next_power_of_2(split_len)))
+    block_n = max(16, min(64, _pow2(split_len)))
     if Q > 1:
         _sliding_write_kernel[(T * G,)](qkvg, pos, rows, ring_k, ring_v, k_norm_w, cos, sin, G, R, Q, H,
                                         qkvg.stride(0), float(eps), **blocks, **_pdl())
@@ -1088,7 +1101,7 @@ def sliding_decode_triton(qkvg, pos, ring_k, ring_v, q_norm_w, k_norm_w, cos, si
         DOT_DTYPE=_DOT, PRECISE=_PRECISE, HOIST=Q == 1 and split_len <= block_n,
         **dict(blocks, num_warps=num_warps or warps), **_pdl())
     _sliding_merge_kernel[(T * G, HG)](po, pml, qkvg, out, G, qkvg.stride(0), HG=HG, D=hd, SPLITS=splits,
-                                       BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
+                                       BLOCK_S=_pow2(splits), BLOCK_D=blocks["BLOCK_D"],
                                        PRECISE=_PRECISE, num_warps=4, **_pdl())
     return out
 
@@ -1167,8 +1180,8 @@ def region_summary_triton(k, z):
     N, blk, P = k.shape
     out = torch.empty(N, P, dtype=torch.uint8, device=k.device)
     if N:
-        _region_summary_kernel[(N,)](k, z, out, P, blk * P, BLK=blk, BLOCK_T=triton.next_power_of_2(blk),
-                                    BLOCK_P=triton.next_power_of_2(P), PRECISE=_PRECISE, num_warps=2, **_NO_FMA,
+        _region_summary_kernel[(N,)](k, z, out, P, blk * P, BLK=blk, BLOCK_T=_pow2(blk),
+                                    BLOCK_P=_pow2(P), PRECISE=_PRECISE, num_warps=2, **_NO_FMA,
                                     **_pdl())
     return out.view(FP8)
 
@@ -1263,8 +1276,8 @@ def dsa_cache_write_triton(k, v, ki, zi, pos, ck, cv, pk, pz, summ, rows=None):
         _dsa_cache_write_kernel[(B,)](k, v, ki, zi, pos, rows, ck, cv, pk, pz, summ, k.stride(0), v.stride(0),
                                       ki.stride(0), zi.stride(0), pos.stride(0), ck.shape[1], summ.shape[1], P,
                                       GHD=G * hd,
-                                      BLK=pk.shape[1], BLOCK_GHD=triton.next_power_of_2(G * hd),
-                                      BLOCK_P=triton.next_power_of_2(P), PRECISE=_PRECISE, num_warps=2, **_NO_FMA,
+                                      BLK=pk.shape[1], BLOCK_GHD=_pow2(G * hd),
+                                      BLOCK_P=_pow2(P), PRECISE=_PRECISE, num_warps=2, **_NO_FMA,
                                       **_pdl())
 
 
@@ -1388,15 +1401,15 @@ def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, n
     # prefill 64 x 128 tiles (a 1M-token chunk: 248 us, 414 at 64 x 64); decode 64-region tiles, or 128 once those
     # would be more than two programs per SM at a 32k-token history (16 requests x 4100 regions: 14.8 us against
     # 20.0); the same bits. Tiles past every history exit, so a cache's capacity past 32k tokens does not count.
-    many = S * G * triton.cdiv(min(R, 4096), 64) > 2 * _sms()
+    many = S * G * _cdiv(min(R, 4096), 64) > 2 * _sms()
     BLOCK_R = block_r or ((128 if many else 64) if T <= 16 and _GPU_LAUNCH and not prefill else 128)
     if out.numel():
-        grid = (S * G, triton.cdiv(T, BLOCK_T), triton.cdiv(R, BLOCK_R))
+        grid = (S * G, _cdiv(T, BLOCK_T), _cdiv(R, BLOCK_R))
         kern = _indexer_scores_prefill if prefill else _indexer_scores_kernel
         kern[grid](q, w, summ, out, rows if rows is not None else out, n_hist if n_hist is not None else out, T, G, R,
                    P, int(blk), float(w_scale), q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                    summ.stride(0), n_hist.stride(0) if n_hist is not None else 0, HG=HG, BLOCK_T=BLOCK_T,
-                   BLOCK_R=BLOCK_R, BLOCK_P=triton.next_power_of_2(P), BLOCK_PC=block_pc or triton.next_power_of_2(P),
+                   BLOCK_R=BLOCK_R, BLOCK_P=_pow2(P), BLOCK_PC=block_pc or _pow2(P),
                    DOT_DTYPE=_DOT, Q_E4M3=q_e4m3, ROWS=rows is not None, SKIP=n_hist is not None,
                    num_warps=num_warps, **_NO_FMA, **_pdl())
     return out
@@ -1603,15 +1616,15 @@ def select_regions_triton(scores, n_hist, topk, blk=1, chunk=4096, prefill=False
     rows = S * G * T
     if rows == 0 or K == 0:
         return ids, valid
-    chunk = max(chunk, 4 * triton.next_power_of_2(topk if prefill else K))  # >= 2K entries: each level halves
-    block_k = triton.next_power_of_2(topk if prefill else K)
+    chunk = max(chunk, 4 * _pow2(topk if prefill else K))  # >= 2K entries: each level halves
+    block_k = _pow2(topk if prefill else K)
     kern = _select_regions_prefill if prefill else _select_regions_kernel
     src, src_id, n, n0 = scores, scores, R, None
     while True:
         # few rows (decode): chunks of 4096 (a row of 16384: 16 us, 19 / 21 in chunks of 2048 / 8192, 36 whole); a row
         # per SM already (prefill): whole rows, as splitting only adds work; rows past 16384 always split (registers)
-        C = triton.cdiv(n, chunk) if n > chunk and (rows < 128 or n > 16384) else 1
-        BLOCK = triton.next_power_of_2(triton.cdiv(n, C))
+        C = _cdiv(n, chunk) if n > chunk and (rows < 128 or n > 16384) else 1
+        BLOCK = _pow2(_cdiv(n, C))
         BLOCK = max(BLOCK, chunk) if prefill else BLOCK
         final = C == 1
         n0 = n // C if n0 is None else n0  # the first launch's chunk 0: [0, n // C)
@@ -1850,9 +1863,9 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
         return out
     if splits is None:  # about two programs per SM, down to one tile per split (batch 1, 4104 keys: 9.7 us at 65
         # splits, 18.6 at 17)
-        splits = 1 if prefill else max(1, min(triton.cdiv(264, n_rows), triton.cdiv(J, BLOCK_N)))
-    split_len = triton.cdiv(triton.cdiv(J, splits), BLOCK_N) * BLOCK_N
-    splits = triton.cdiv(J, split_len)
+        splits = 1 if prefill else max(1, min(_cdiv(264, n_rows), _cdiv(J, BLOCK_N)))
+    split_len = _cdiv(_cdiv(J, splits), BLOCK_N) * BLOCK_N
+    splits = _cdiv(J, split_len)
     va = valid.view(torch.uint8)
     if splits > 1:
         po = torch.empty(n_rows * splits * BLOCK_H * hd, dtype=torch.float32, device=q.device)
@@ -1866,13 +1879,13 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
         q.stride(0), q.stride(1), q.stride(2), q.stride(3), k.stride(0), k.stride(1), k.stride(2),
         ids.stride(0), ids.stride(1), ids.stride(2), va.stride(0), va.stride(1), va.stride(2),
         gate.stride(0) if gated else 0, HEAD_DIM=hd, BLK=blk, SPLITS=splits, BLOCK_H=BLOCK_H,
-        BLOCK_D=triton.next_power_of_2(hd), BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, ROWS=rows is not None, GATE=gated,
+        BLOCK_D=_pow2(hd), BLOCK_N=BLOCK_N, DOT_DTYPE=_DOT, ROWS=rows is not None, GATE=gated,
         PRECISE=_PRECISE, num_warps=4, num_stages=num_stages if _GPU_LAUNCH else 1, **_pdl())
     if splits > 1:
         _attn_merge_kernel[(n_rows, HG)](po, pml, out, gate if gate is not None else out, T, G, HG, q.stride(0),
                                        q.stride(1), q.stride(2), q.stride(3), gate.stride(0) if gate is not None else 0,
-                                       HEAD_DIM=hd, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-                                       BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(hd), GATE=gate is not None,
+                                       HEAD_DIM=hd, SPLITS=splits, BLOCK_S=_pow2(splits),
+                                       BLOCK_H=BLOCK_H, BLOCK_D=_pow2(hd), GATE=gate is not None,
                                        PRECISE=_PRECISE, num_warps=4, **_pdl())
     return out
 
@@ -2030,7 +2043,7 @@ def dense_prefix_triton(q, k, v, p0, blk, scale, ids=None, valid=None, gate=None
         bits.scatter_add_(1, torch.where(valid, ids // 32, words)[0].reshape(G * T, -1),
                           torch.where(valid, 1 << ids % 32, 0)[0].reshape(G * T, -1))
         sel = bits.to(torch.int32).view(G, T, words + 1)  # bit 31 wraps to the sign: the kernel reads bits
-    HGP = triton.next_power_of_2(HG)
+    HGP = _pow2(HG)
     QB = blk * max(1, 64 // (HGP * blk))  # whole regions, 64 rows a tile where the heads allow
     BLOCK_N = block_n or TUNING["sparse_block_n"]
     _check(ids is None or (BLOCK_N % blk == 0 and 32 % (BLOCK_N // blk) == 0),
@@ -2038,12 +2051,12 @@ def dense_prefix_triton(q, k, v, p0, blk, scale, ids=None, valid=None, gate=None
            "at most 32")
     DA = 1 << (D - 1).bit_length() - 1  # head_dim = DA + the rest (192 = 128 + 64)
     first = p0 // blk * blk
-    _dense_prefix_kernel[(triton.cdiv(p0 + T - first, QB), G)](
+    _dense_prefix_kernel[(_cdiv(p0 + T - first, QB), G)](
         q[0], k[0], v[0], out[0], sel, gate if gate is not None else out, T, int(p0), float(scale), q.stride(1),
         q.stride(2), q.stride(3), k.stride(1), k.stride(2), out.stride(1), out.stride(2), out.stride(3),
         sel.stride(0), sel.stride(1), gate.stride(0) if gate is not None else 0, HG=HG, HGP=HGP, D=D, BLK=blk,
-        QB=QB, CUR=max(16, triton.next_power_of_2(QB)), BLOCK_N=BLOCK_N, DA=DA,
-        BLOCK_DB=max(1, triton.next_power_of_2(D - DA)), DOT_DTYPE=_DOT, SELECT=ids is not None,
+        QB=QB, CUR=max(16, _pow2(QB)), BLOCK_N=BLOCK_N, DA=DA,
+        BLOCK_DB=max(1, _pow2(D - DA)), DOT_DTYPE=_DOT, SELECT=ids is not None,
         GATE=gate is not None, PRECISE=_PRECISE, num_warps=num_warps, num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
     return out
 
@@ -2215,31 +2228,31 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False, hoist=None):
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     wts = torch.empty(T, k, dtype=torch.float32, device=x.device)
     xq = torch.empty(T, D, dtype=torch.uint8, device=x.device) if quant else ids
-    sx = torch.empty(T, triton.cdiv(D, QBLOCK), dtype=torch.float32, device=x.device) if quant else wts
+    sx = torch.empty(T, _cdiv(D, QBLOCK), dtype=torch.float32, device=x.device) if quant else wts
     done = (ids, wts, (xq.view(FP8), sx)) if quant else (ids, wts)
     if T == 0:
         return done
     BLOCK_T, BLOCK_E, BLOCK_K = 16, (TUNING["router_block_e"] if _GPU_LAUNCH else 128), (128 if _GPU_LAUNCH else 256)
     # split K until the GEMM has ~2 programs per SM; partial sums are added in a fixed order (deterministic); prefill
     # rows as the power of two above them (_launch_rows)
-    tiles = triton.cdiv(_launch_rows(T), BLOCK_T) * triton.cdiv(E, BLOCK_E)
-    k_splits = max(1, min(triton.cdiv(264, tiles), triton.cdiv(D, 4 * BLOCK_K), 16))
-    split_len = triton.cdiv(triton.cdiv(D, k_splits), BLOCK_K) * BLOCK_K
-    k_splits = triton.cdiv(D, split_len)
+    tiles = _cdiv(_launch_rows(T), BLOCK_T) * _cdiv(E, BLOCK_E)
+    k_splits = max(1, min(_cdiv(264, tiles), _cdiv(D, 4 * BLOCK_K), 16))
+    split_len = _cdiv(_cdiv(D, k_splits), BLOCK_K) * BLOCK_K
+    k_splits = _cdiv(D, split_len)
     part = torch.empty(k_splits, T, E, dtype=torch.float32, device=x.device)
     # one K step of split_len columns, its weight tile (<= 32 KB on a GPU) held in registers across the wait
     if hoist is None:
-        hoist = split_len == triton.next_power_of_2(split_len) and (split_len * BLOCK_E <= 16384 or not _GPU_LAUNCH)
+        hoist = split_len == _pow2(split_len) and (split_len * BLOCK_E <= 16384 or not _GPU_LAUNCH)
     prefill = T > PREFILL_ROWS
-    (_router_logits_prefill if prefill else _router_logits_kernel)[(triton.cdiv(T, BLOCK_T), triton.cdiv(E, BLOCK_E),
+    (_router_logits_prefill if prefill else _router_logits_kernel)[(_cdiv(T, BLOCK_T), _cdiv(E, BLOCK_E),
                                                                     k_splits)](
         x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
-        BLOCK_K=split_len if hoist else BLOCK_K, QUANT=bool(quant), QUANT_T=min(BLOCK_T, triton.next_power_of_2(T)),
+        BLOCK_K=split_len if hoist else BLOCK_K, QUANT=bool(quant), QUANT_T=min(BLOCK_T, _pow2(T)),
         DOT_DTYPE=_DOT, HOIST=hoist, PARTS=TUNING["router_parts"] if hoist else 1, num_warps=4,
         num_stages=3 if _GPU_LAUNCH else 1, **_pdl())
     (_router_select_prefill if prefill else _router_select_kernel)[(T,)](
         part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
-                                BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
+                                BLOCK_E=_pow2(E), BLOCK_TOPK=_pow2(k),
                                 PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **_pdl())
     return done
 
@@ -2303,7 +2316,7 @@ def swiglu_triton(g, u, limit):
     n = g.numel()
     BLOCK = 2048
     if n:
-        (_swiglu_kernel if g.shape[0] <= PREFILL_ROWS else _swiglu_prefill)[(triton.cdiv(n, BLOCK),)](
+        (_swiglu_kernel if g.shape[0] <= PREFILL_ROWS else _swiglu_prefill)[(_cdiv(n, BLOCK),)](
             g, u, out, n, float(limit) if limit is not None else 0.0,
                                                  HAS_LIMIT=limit is not None, BLOCK=BLOCK, PRECISE=_PRECISE,
                                                  num_warps=4, **_pdl())
@@ -2365,12 +2378,12 @@ def act_quant_triton(x, end=None):
     device tensor whose first entry bounds the rows quantised (the rest stay unwritten; no host sync)."""
     _check_tensor("x", x, torch.bfloat16, ndim=2)
     M, K = x.shape
-    kb = triton.cdiv(K, QBLOCK)
+    kb = _cdiv(K, QBLOCK)
     q = torch.empty(M, K, dtype=torch.uint8, device=x.device)
     s = torch.empty(M, kb, dtype=torch.float32, device=x.device)
     BLOCK_M = 32
     if M > 0:
-        (_act_quant_kernel if M <= PREFILL_ROWS else _act_quant_prefill)[(triton.cdiv(M, BLOCK_M), kb)](
+        (_act_quant_kernel if M <= PREFILL_ROWS else _act_quant_prefill)[(_cdiv(M, BLOCK_M), kb)](
             x, q, s, s if end is None else end, M, K, x.stride(0),
                                                          q.stride(0), s.stride(0), BLOCK_M=BLOCK_M, QBLOCK=QBLOCK,
                                                          HAS_END=end is not None, num_warps=4, **_pdl())
@@ -2540,12 +2553,12 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
     _check(row_off.numel() == E + 1, lambda: f"row_off must have E+1={E + 1} entries, got {row_off.numel()}")
     if fp8:
         _check_tensor("sw", sw, torch.float32, ndim=3)
-        _check(tuple(sw.shape) == (E, triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK)),
+        _check(tuple(sw.shape) == (E, _cdiv(N, QBLOCK), _cdiv(K, QBLOCK)),
                lambda: f"sw must be [E, ceil(N/128), ceil(K/128)] = "
-               f"{(E, triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK))}, got {tuple(sw.shape)}")
+               f"{(E, _cdiv(N, QBLOCK), _cdiv(K, QBLOCK))}, got {tuple(sw.shape)}")
         _check_tensor("sx", sx, torch.float32, ndim=2)
-        _check(tuple(sx.shape) == (x.shape[0], triton.cdiv(K, QBLOCK)), lambda: f"sx shape {tuple(sx.shape)} != "
-               f"{(x.shape[0], triton.cdiv(K, QBLOCK))}")
+        _check(tuple(sx.shape) == (x.shape[0], _cdiv(K, QBLOCK)), lambda: f"sx shape {tuple(sx.shape)} != "
+               f"{(x.shape[0], _cdiv(K, QBLOCK))}")
     if w3 is not None:
         _check(w3.shape == w.shape and w3.dtype == w.dtype and w3.is_contiguous(), "w3 must match w")
         if fp8:
@@ -2577,11 +2590,11 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
         if w3 is not None or BLOCK_M == 64:
             block_n = 64
         else:
-            block_n = 32 if min(M, E) * triton.cdiv(N, 128) < 264 else 128
+            block_n = 32 if min(M, E) * _cdiv(N, 128) < 264 else 128
     BLOCK_N = block_n or 64
     BLOCK_K = QBLOCK  # one FP8 scale block per K step
     # worst case over any split of M rows into E experts (no host sync: the true tile count stays on the device)
-    grid = (min(triton.cdiv(M, BLOCK_M) + E, M) * triton.cdiv(N, BLOCK_N),)
+    grid = (min(_cdiv(M, BLOCK_M) + E, M) * _cdiv(N, BLOCK_N),)
     descs = [None] * 3  # x, w, w3: TMA copies whole tiles (zeros past the tensor's end) into shared memory
     if tma:
         descs = [None if row_idx is not None else TensorDescriptor.from_tensor(x, [BLOCK_M, QBLOCK])] + [
@@ -2595,7 +2608,7 @@ def grouped_gemm_triton(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, 
         x.stride(0), sx.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
         sw.stride(0) if fp8 else 0, sw.stride(1) if fp8 else 0, out.stride(0),
         FP8=fp8, GATED=w3 is not None, GATHER=row_idx is not None, HAS_LIMIT=limit is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=_pow2(E),
         DOT_DTYPE=_DOT, PRECISE=_PRECISE, TMA=bool(tma),
         num_warps=num_warps or (8 if BLOCK_M >= 128 else 4),  # bf16 tiles: twice the shared memory of e4m3
         num_stages=(num_stages or (4 if fp8 else 2)) if _GPU_LAUNCH else 1, **_pdl())
@@ -2859,13 +2872,13 @@ def grouped_gemm_wgmma(x, sx, w, sw, row_off, row_idx=None, w3=None, sw3=None, l
     x_desc = GluonDescriptor.from_tensor(x, [BLOCK_M, QBLOCK], _fp8_box_layout(BLOCK_M))
     w_desc, w3_desc = (_weight_desc(t, block_n // 2) for t in (w, w3 if gated else w))
     out_desc = GluonDescriptor.from_tensor(out, [BLOCK_M // 2, 64], _OUT_BOX_LAYOUT)
-    total = (triton.cdiv(M, BLOCK_M) + E) * triton.cdiv(N, out_n)  # worst case over any split of M rows into E experts
+    total = (_cdiv(M, BLOCK_M) + E) * _cdiv(N, out_n)  # worst case over any split of M rows into E experts
     _grouped_wgmma_prefill[(min(total, _sms()),)](
         x_desc, x, row_off if row_idx is None else row_idx, x.stride(0), w_desc, w3_desc, out_desc, sx, sw,
         sw3 if gated else sw, out, row_off, N, K, E, total,
         float(limit) if limit is not None else 0.0, sx.stride(0), sw.stride(0), sw.stride(1), out.stride(0),
         GATED=gated, GATHER=row_idx is not None, HAS_LIMIT=limit is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_E=triton.next_power_of_2(E), STAGES=stages, PRECISE=_PRECISE, MATH_REGS=232, num_warps=4)
+        BLOCK_E=_pow2(E), STAGES=stages, PRECISE=_PRECISE, MATH_REGS=232, num_warps=4)
     return out
 
 
@@ -3300,11 +3313,11 @@ def moe_dispatch_triton(ids, first_expert, E):
     if not N:
         return row_off.zero_(), tok, inv
     cnt = torch.empty(E + 1, DISPATCH_SEGMENTS, dtype=torch.int32, device=dev)
-    seg, grid = triton.cdiv(N, DISPATCH_SEGMENTS), (E + 1, DISPATCH_SEGMENTS)
+    seg, grid = _cdiv(N, DISPATCH_SEGMENTS), (E + 1, DISPATCH_SEGMENTS)
     _moe_count_kernel[grid](ids, cnt, N, seg, int(first_expert), E, SEGMENTS=DISPATCH_SEGMENTS, BLOCK=1024,
                             num_warps=4, **_pdl())
     _moe_place_kernel[grid](ids, cnt, row_off, tok, inv, N, seg, int(first_expert), E, TOPK=ids.shape[1],
-                            SEGMENTS=DISPATCH_SEGMENTS, BLOCK_E=triton.next_power_of_2(E + 1), BLOCK=1024,
+                            SEGMENTS=DISPATCH_SEGMENTS, BLOCK_E=_pow2(E + 1), BLOCK=1024,
                             num_warps=4, **_pdl())
     return row_off, tok, inv
 
@@ -3343,7 +3356,7 @@ def _x_quant(x, xq):
         return act_quant_triton(x)
     q, sx = xq
     _check(q.dtype == FP8 and q.shape == x.shape and sx.dtype == torch.float32
-           and tuple(sx.shape) == (x.shape[0], triton.cdiv(x.shape[1], QBLOCK)) and q.is_contiguous()
+           and tuple(sx.shape) == (x.shape[0], _cdiv(x.shape[1], QBLOCK)) and q.is_contiguous()
            and sx.is_contiguous(), lambda: f"xq must be (e4m3 {tuple(x.shape)}, fp32 [T, D/128]) as act_quant_triton's")
     return q, sx
 
@@ -3374,8 +3387,8 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         a = grouped_gemm_triton(x, None, w1, None, row_off, row_idx=tok, w3=w3, limit=limit)
         y = grouped_gemm_triton(a, None, w2, None, row_off)
     ys = y if shared is None else _shared_expert(x, shared, swiglu_triton)  # [T, D] bf16 (ys unread without it)
-    BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
-    _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](y, inv, ids, weights, ys, out, out, D, E, int(first_expert), 0,
+    BLOCK_D = 1024 if D >= 1024 else _pow2(D)
+    _moe_combine_kernel[(T, _cdiv(D, BLOCK_D))](y, inv, ids, weights, ys, out, out, D, E, int(first_expert), 0,
                                                       TOPK=k, SHARED=shared is not None, SORTED=True, BLOCK_D=BLOCK_D,
                                                       num_warps=4, **_NO_FMA, **_pdl())
     return out
@@ -3455,7 +3468,7 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     nw, ns = (4, 4), TUNING["moe_stages"][many] if gpu else (1, 1)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     # k_unroll: FP8 only (BF16 tiles' 4 stages of 4 K blocks need 240 KB of shared memory; an H200 block has 227)
-    nkb, nkf = triton.cdiv(D, QBLOCK), triton.cdiv(F, QBLOCK)
+    nkb, nkf = _cdiv(D, QBLOCK), _cdiv(F, QBLOCK)
     tuned = TUNING["moe_unroll"][many] if fp8 and gpu else (1, 1)
     ku = k_unroll or tuple(u if n % u == 0 else 1 for u, n in zip(tuned, (nkb, nkf)))
     _check(nkb % ku[0] == 0 and nkf % ku[1] == 0,
@@ -3465,9 +3478,9 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     regs = [{"maxnreg": r} if r and gpu else {} for r in TUNING["moe_maxnreg"][many]]
     dummy = y
     common = dict(TOPK=k, SHARED=sh, FP8=fp8, BLOCK_M=16, BLOCK_K=QBLOCK, ZERO_GUARD=T == 1,
-                  BLOCK_TK=max(16, triton.next_power_of_2(T * k)), BLOCK_E=triton.next_power_of_2(E),
+                  BLOCK_TK=max(16, _pow2(T * k)), BLOCK_E=_pow2(E),
                   DOT_DTYPE=_DOT, PRECISE=_PRECISE)
-    grid1 = (max(triton.cdiv(F, bn[0]), 2 * triton.cdiv(Fs, bn[0])), ranks + sh)
+    grid1 = (max(_cdiv(F, bn[0]), 2 * _cdiv(Fs, bn[0])), ranks + sh)
     xqt, sxt = _x_quant(x, xq) if fp8 else (x, dummy)
     tma = [fp8 and bool(u) and T <= 16 for u in (TUNING["moe_tma"][many] if tma is None else (tma, tma))]
     descs, up_first = (None, None, None), False
@@ -3481,19 +3494,19 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0, w1.stride(0),
         s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, K_UNROLL=ku[0],
         BLOCK_N=bn[0], SHARED_PARTS=TUNING["shared_parts"][many], TMA=tma[0], UP_FIRST=up_first,
-        TOPK_P2=triton.next_power_of_2(k), EARLY=early, num_warps=nw[0], num_stages=ns[0], **common, **regs[0],
+        TOPK_P2=_pow2(k), EARLY=early, num_warps=nw[0], num_stages=ns[0], **common, **regs[0],
         **_pdl())
-    _moe_decode_down_kernel[(triton.cdiv(D, bn[1]), ranks + sh)](
+    _moe_decode_down_kernel[(_cdiv(D, bn[1]), ranks + sh)](
         a, ids, w2, s2 if fp8 else dummy, y, gu, wd, ys, descs[2], cnt,
         T, D, F, Fs, E, int(first_expert), float(limit) if limit is not None else 0.0,
         float(limit_s) if limit_s is not None else 0.0, w2.stride(0), s2.stride(0) if fp8 else 0,
         s2.stride(1) if fp8 else 0, HAS_LIMIT=limit is not None, HAS_LIMIT_S=limit_s is not None, K_UNROLL=ku[1],
         BLOCK_N=bn[1], TMA=tma[1], EARLY=early, UP_N=bn[0],
         num_warps=nw[1], num_stages=ns[1], **common, **regs[1], **_pdl())
-    BLOCK_D = 1024 if D >= 1024 else triton.next_power_of_2(D)
-    _moe_combine_kernel[(T, triton.cdiv(D, BLOCK_D))](
+    BLOCK_D = 1024 if D >= 1024 else _pow2(D)
+    _moe_combine_kernel[(T, _cdiv(D, BLOCK_D))](
         y, ids, ids, weights, ys, out, cnt, D, E, int(first_expert), ranks + sh, TOPK=k, SHARED=sh, SORTED=False,
-        BLOCK_D=BLOCK_D, BLOCK_C=triton.next_power_of_2(ranks + sh) if early else 0, num_warps=4, **_NO_FMA, **_pdl())
+        BLOCK_D=BLOCK_D, BLOCK_C=_pow2(ranks + sh) if early else 0, num_warps=4, **_NO_FMA, **_pdl())
     return out
 
 
@@ -3610,7 +3623,7 @@ def skinny_linear_triton(x, w, block_n=None, block_k=None, num_stages=None, num_
     bn, bk, ns = (64, 128, 6) if N >= 6400 else (*mid, st) if N >= 3200 else (*small, st)
     block_n, block_k, num_stages = block_n or bn, block_k or bk, num_stages or ns
     if M and N:
-        _skinny_linear_kernel[(triton.cdiv(N, block_n),)](
+        _skinny_linear_kernel[(_cdiv(N, block_n),)](
             x, w, out, M, N, K, x.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_DTYPE=_DOT, PARTS=TUNING["skinny_parts"], num_warps=num_warps or TUNING["skinny_warps"],
             num_stages=num_stages if _GPU_LAUNCH else 1, **_pdl())
@@ -3707,7 +3720,7 @@ def add_norm_triton(res, parts, w, eps):
         (_add_norm_kernel if T <= PREFILL_ROWS else _add_norm_prefill)[(T,)](
             res, parts, w if w is not None else res, out, h if h is not None else out,
                                parts.shape[0], T, D, float(eps), PARTS_BF16=parts.dtype == torch.bfloat16,
-                               NORM=w is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4,
+                               NORM=w is not None, BLOCK_D=_pow2(D), num_warps=8 if D >= 2048 else 4,
                                **_pdl())
     return out, h
 
@@ -3774,5 +3787,5 @@ def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0,
         _peer_add_norm_kernel[(T,)](res, bufs, pads, w if w is not None else res, out, h if h is not None else out,
                                     rank, D, slot_off, flag_off, float(eps), W=W,
                                     PARTS_BF16=parts_dtype == torch.bfloat16, NORM=w is not None,
-                                    BLOCK_D=triton.next_power_of_2(D), num_warps=8 if D >= 2048 else 4, **_pdl())
+                                    BLOCK_D=_pow2(D), num_warps=8 if D >= 2048 else 4, **_pdl())
     return out, h
