@@ -180,27 +180,29 @@ class Graph:
         self.fn, self.inputs, self.use_graph, self.state, self.pool = fn, inputs, use_graph, state, pool
         self.graph = self.out = None
 
+    def warm(self):
+        """fn once, eagerly on the current stream (its launches compile), the state put back."""
+        saved = [s.clone() for s in self.state()]
+        self.fn(*self.inputs)
+        for s, v in zip(self.state(), saved):
+            s.copy_(v)
+
     def capture(self):
         """Warm-up and capture (without graphs: the warm-up alone, so start-up has run every step's launches)."""
-        saved = [s.clone() for s in self.state()]
-
-        def restore():
-            for s, v in zip(self.state(), saved):
-                s.copy_(v)
         if not self.use_graph:
-            self.fn(*self.inputs)
-            restore()
+            self.warm()
             return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compilation and library workspaces happen outside capture
-            self.fn(*self.inputs)
+            self.warm()
         torch.cuda.current_stream().wait_stream(side)
-        restore()
+        saved = [s.clone() for s in self.state()]
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=self.pool):  # collectives are captured with the rest
             self.out = self.fn(*self.inputs)
-        restore()
+        for s, v in zip(self.state(), saved):
+            s.copy_(v)
 
     def __call__(self):
         if not self.use_graph:
@@ -463,7 +465,10 @@ class Engine:
             pool = torch.cuda.graph_pool_handle() if self.use_graph else None
             for b in buckets(B):
                 self.graphs[b] = self.spec.graphs(b, pool) if self.spec else self._plain_graph(b, pool)
-                for g in self.graphs[b]:
+            if ahead:
+                self._warm_graphs_ahead(threads)
+            for gs in self.graphs.values():
+                for g in gs:
                     g.capture()
             sync()
         t2 = time.perf_counter()
@@ -517,6 +522,35 @@ class Engine:
             torch.cuda.synchronize(self.dev)
             torch._C._cuda_clearCublasWorkspaces()  # one per thread's stream
             torch.cuda.empty_cache()  # the passes' blocks back to the device, for the caches
+
+    def _warm_graphs_ahead(self, threads: int):
+        """Each batch bucket's decode step(s) once, eagerly, from a pool of threads (a bucket a thread, on a stream of
+        its own, collectives left out: model.alone), so their kernels compile side by side and the captures after
+        only capture. The steps write at the first slots' next positions, as a capture's warm-up does; the threads'
+        steps overlap on the same slots, so what they write is garbage the slots' first real steps overwrite, and the
+        lengths they advanced are zeroed after them (start-up forgets the slots)."""
+        cuda = self.dev.type == "cuda"
+
+        def one(graphs: list):
+            if cuda:
+                torch.cuda.set_device(self.dev)
+            stream = torch.cuda.Stream(self.dev) if cuda else None
+            with torch.inference_mode(), M.alone(), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                for g in graphs:
+                    g.warm()
+                if cuda:
+                    stream.synchronize()
+        if cuda:
+            torch.cuda.synchronize(self.dev)  # the caches' zeroing done before the threads' streams read them
+        with ThreadPoolExecutor(min(threads, len(self.graphs)), thread_name_prefix="build") as pool:
+            for f in [pool.submit(one, gs) for gs in self.graphs.values()]:
+                f.result()
+        if cuda:
+            torch.cuda.synchronize(self.dev)
+            torch._C._cuda_clearCublasWorkspaces()  # one per thread's stream
+            torch.cuda.empty_cache()  # blocks cached for the threads' streams, back before the graphs' pool grows
+        for c in [self.cache, *self.mtps]:
+            c.lengths.zero_()
 
     def _warm_alone(self, p0: int, n: int):
         """A warm-up pass in a cache of its own (one slot, as long as the pass needs), on a stream of its own, with this

@@ -78,7 +78,8 @@ def tp_reduce_add(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None = N
     if x.shape[0] > rows:
         out = [tp_reduce_add(r, c, w, eps) for r, c in zip(res.split(rows), x.split(rows))]
         return torch.cat([o[0] for o in out]), None if w is None else torch.cat([o[1] for o in out])
-    if _one_shot is not None and world_size > 1 and x.is_cuda and x.numel() <= _one_shot.slot:
+    if (_one_shot is not None and world_size > 1 and x.is_cuda and x.numel() <= _one_shot.slot
+            and not getattr(_thread, "alone", False)):  # its peers wait for this rank's copy
         return _one_shot(res, x, w, eps)
     return kernel.add_norm(res, tp_gather(x), w, eps)
 

@@ -279,3 +279,42 @@ def test_start_up_builds_ahead_from_threads_every_launch_of_the_warm_up_in_order
     assert not missed, "warm-up launches the parallel builds did not make:\n" + "\n".join(
         map(str, sorted(missed, key=str)))
     assert len(warm) > 20
+
+
+@torch.inference_mode()
+def test_start_up_builds_the_decode_steps_from_threads_before_capturing_them(tp1_models, gpu_launches, monkeypatch,
+                                                                             tmp_path):
+    """A start-up that builds from threads also runs each batch bucket's decode step once from a thread (a bucket a
+    thread) before the captures: the captures, on the start-up's thread, make no launch the threads did not make,
+    and the slots hold nothing after start-up."""
+    import triton
+
+    import sass
+    lm = tp1_models("fp8_text")
+    monkeypatch.setattr(E.Engine, "_build_ahead", lambda self, passes, threads: None)  # the prefill passes' builds
+    ahead, captured, warmed_on = set(), set(), set()
+    warm_graphs, capture, warm = E.Engine._warm_graphs_ahead, E.Graph.capture, E.Graph.warm
+
+    def recorded_warm_graphs(self, threads):
+        with sass.launch_keys(ahead, execute=False):
+            warm_graphs(self, threads)
+
+    def recorded_capture(self):
+        with sass.launch_keys(captured, execute=False):
+            capture(self)
+
+    def noted_warm(self):
+        warmed_on.add(threading.get_ident())
+        warm(self)
+    monkeypatch.setattr(E.Engine, "_warm_graphs_ahead", recorded_warm_graphs)
+    monkeypatch.setattr(E.Graph, "capture", recorded_capture)
+    monkeypatch.setattr(E.Graph, "warm", noted_warm)
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))  # no start-up has built into it
+    eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=256, prefill_chunk=64, build_threads=3))
+    with sass.launch_keys(set(), execute=False):  # the prefill warm-ups' launches: recorded, not interpreted
+        eng.start()
+    assert list(eng.graphs) == [1, 2, 4] and len(warmed_on - {threading.get_ident()}) > 1
+    missed = captured - ahead
+    assert captured and not missed, "decode launches the threads did not make:\n" + "\n".join(
+        map(str, sorted(missed, key=str)))
+    assert not eng.cache.lengths.any()
