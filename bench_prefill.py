@@ -117,23 +117,15 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
               for c0, c1 in subs]  # [1, G, step, R] each
     sel = [kernel.select_regions(s, pos[None, c0:c1], sp.topk, blk) for s, (c0, c1) in zip(scores, subs)]
     q = torch.randn(1, C, a.n_groups, a.n_heads // a.n_groups, cfg.head_dim, device="cuda").bfloat16()
-    ne = kernel.dense_tiles_end(sp.topk, blk) - p0  # queries before it: the dense tiles over their selection
-
-    def attention(i, v, c0, c1):  # model._dsa's split of a query chunk
-        cm = min(max(ne, c0), c1)
-        if cm > c0:
-            kernel.dense_prefix(q[:, c0:cm], lc.k[:1, :p0 + cm], lc.v[:1, :p0 + cm], p0 + c0, blk, a.scale,
-                                ids=i[:, :, :cm - c0], valid=v[:, :, :cm - c0])
-        if c1 > cm:
-            kernel.sparse_attention(q[:, cm:c1], lc.k[:1, :N], lc.v[:1, :N], i[:, :, cm - c0:], v[:, :, cm - c0:],
-                                    pos[None, cm:c1], blk, a.scale, prefill=True)
     pieces = {
         "indexer proj+summ": indexer,
         "scores": lambda: [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale, q_e4m3=True)
                            for c0, c1 in subs],
         "selection": lambda: [kernel.select_regions(s, pos[None, c0:c1], sp.topk, blk)
                               for s, (c0, c1) in zip(scores, subs)],
-        "attention": lambda: [attention(i, v, c0, c1) for (i, v), (c0, c1) in zip(sel, subs)],
+        "attention": lambda: [kernel.selected_attention(q[:, c0:c1], lc.k[:1, :N], lc.v[:1, :N], p0 + c0, i, v,
+                                                        pos[None, c0:c1], blk, sp.topk, a.scale)
+                              for (i, v), (c0, c1) in zip(sel, subs)],
         # the whole layer on that chunk again (rewrites the same cache rows with the same values)
         "whole layer chunk": lambda: chunk(block, lc, rope, res, p0, C),
     }

@@ -180,12 +180,18 @@ class Graph:
         self.fn, self.inputs, self.use_graph, self.state, self.pool = fn, inputs, use_graph, state, pool
         self.graph = self.out = None
 
-    def warm(self):
-        """fn once, eagerly on the current stream (its launches compile), the state put back."""
+    @contextlib.contextmanager
+    def _state_kept(self):
+        """The state as it was before the block, put back after it (outside a capture: the copies are not recorded)."""
         saved = [s.clone() for s in self.state()]
-        self.fn(*self.inputs)
+        yield
         for s, v in zip(self.state(), saved):
             s.copy_(v)
+
+    def warm(self):
+        """fn once, eagerly on the current stream (its launches compile), the state put back."""
+        with self._state_kept():
+            self.fn(*self.inputs)
 
     def capture(self):
         """Warm-up and capture (without graphs: the warm-up alone, so start-up has run every step's launches)."""
@@ -197,12 +203,9 @@ class Graph:
         with torch.cuda.stream(side):  # warm-up: Triton compilation and library workspaces happen outside capture
             self.warm()
         torch.cuda.current_stream().wait_stream(side)
-        saved = [s.clone() for s in self.state()]
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):  # collectives are captured with the rest
+        with self._state_kept(), torch.cuda.graph(self.graph, pool=self.pool):  # collectives captured with the rest
             self.out = self.fn(*self.inputs)
-        for s, v in zip(self.state(), saved):
-            s.copy_(v)
 
     def __call__(self):
         if not self.use_graph:
@@ -498,7 +501,7 @@ class Engine:
         leaves the GIL for most of its time, so the passes' kernels compile side by side. Passes wait for device
         memory: their caches and workspaces stay within what the plan leaves beside the caches it has yet to
         allocate. The results are discarded."""
-        m, cuda = self.model, self.dev.type == "cuda"
+        m = self.model
         m._capacity(self.max_context + self.slack)  # RoPE tables for every pass, built before any thread reads them
         total = self.plan.caches + self.plan.prefill + self.plan.graphs if self.plan.free >= 0 else 1 << 62
         room, ready = [total], threading.Condition()
@@ -515,56 +518,54 @@ class Engine:
                 with ready:
                     room[0] += need
                     ready.notify_all()
-        with ThreadPoolExecutor(threads, thread_name_prefix="build") as pool:
-            for f in [pool.submit(one, p0, n) for p0, n in sorted(passes, key=lambda pn: -pn[1])]:
-                f.result()
-        if cuda:
-            torch.cuda.synchronize(self.dev)
-            torch._C._cuda_clearCublasWorkspaces()  # one per thread's stream
-            torch.cuda.empty_cache()  # the passes' blocks back to the device, for the caches
+        self._from_threads(threads, one, sorted(passes, key=lambda pn: -pn[1]))
 
     def _warm_graphs_ahead(self, threads: int):
-        """Each batch bucket's decode step(s) once, eagerly, from a pool of threads (a bucket a thread, on a stream of
-        its own, collectives left out: model.alone), so their kernels compile side by side and the captures after
-        only capture. The steps write at the first slots' next positions, as a capture's warm-up does; the threads'
-        steps overlap on the same slots, so what they write is garbage the slots' first real steps overwrite, and the
-        lengths they advanced are zeroed after them (start-up forgets the slots)."""
-        cuda = self.dev.type == "cuda"
+        """Each batch bucket's decode step(s) once, eagerly, from a pool of threads (a bucket a thread), so their
+        kernels compile side by side and the captures after only capture. The steps write at the first slots' next
+        positions, as a capture's warm-up does; the threads' steps overlap on the same slots, so what they write is
+        garbage the slots' first real steps overwrite (start-up forgets the slots)."""
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)  # the caches' zeroing done before the threads' streams read them
 
         def one(graphs: list):
-            if cuda:
-                torch.cuda.set_device(self.dev)
-            stream = torch.cuda.Stream(self.dev) if cuda else None
-            with torch.inference_mode(), M.alone(), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            with self._alone():
                 for g in graphs:
                     g.warm()
-                if cuda:
-                    stream.synchronize()
-        if cuda:
-            torch.cuda.synchronize(self.dev)  # the caches' zeroing done before the threads' streams read them
-        with ThreadPoolExecutor(min(threads, len(self.graphs)), thread_name_prefix="build") as pool:
-            for f in [pool.submit(one, gs) for gs in self.graphs.values()]:
-                f.result()
-        if cuda:
-            torch.cuda.synchronize(self.dev)
-            torch._C._cuda_clearCublasWorkspaces()  # one per thread's stream
-            torch.cuda.empty_cache()  # blocks cached for the threads' streams, back before the graphs' pool grows
-        for c in [self.cache, *self.mtps]:
-            c.lengths.zero_()
+        self._from_threads(threads, one, [(gs,) for gs in self.graphs.values()])
 
-    def _warm_alone(self, p0: int, n: int):
-        """A warm-up pass in a cache of its own (one slot, as long as the pass needs), on a stream of its own, with this
-        rank's collectives left out (model.alone); its results are discarded."""
+    def _from_threads(self, threads: int, fn, calls: list):
+        """fn(*args) for each args of calls from a pool of threads, then the threads' leftovers given back: their
+        cuBLAS workspaces (one per thread's stream) and the blocks cached for their streams."""
+        with ThreadPoolExecutor(min(threads, len(calls)), thread_name_prefix="build") as pool:
+            for f in [pool.submit(fn, *args) for args in calls]:
+                f.result()
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+            torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+
+    @contextlib.contextmanager
+    def _alone(self):
+        """This thread's launches on a stream of its own, with this rank's collectives left out (model.alone):
+        start-up's parallel builds, whose threads take turns in another order on every rank. Waits for the stream at
+        the end."""
         cuda = self.dev.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.dev)
         stream = torch.cuda.Stream(self.dev) if cuda else None
         with torch.inference_mode(), M.alone(), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            yield
+            if cuda:
+                stream.synchronize()
+
+    def _warm_alone(self, p0: int, n: int):
+        """A warm-up pass in a cache of its own (one slot, as long as the pass needs), in this thread's own stream
+        without collectives (_alone); its results are discarded."""
+        with self._alone():
             cache = self.model.new_cache(1, p0 + n, slack=self.slack)
             mtps = self.model.new_mtp_caches(1, p0 + n, slack=self.slack) if self.k else []
             self._warm(p0, n, cache, mtps)
-            if cuda:
-                stream.synchronize()
 
     def _built_marker(self, passes: list) -> str:
         """A file in Triton's cache directory that says a start-up of this rank built every kernel of these warm-up

@@ -2083,6 +2083,25 @@ def dense_tiles_end(topk: int, blk: int) -> int:
     return int(TUNING["dense_tiles"] * (topk + 1) * blk)
 
 
+def selected_attention(q, k, v, p0, ids, valid, pos, blk, topk, scale, gate=None, out=None):
+    """Prefill queries q [1, T, G, Hg, hd] at positions p0 .. p0 + T - 1 (pos [1, T]) over their selection (ids,
+    valid [1, G, T, K] from select_regions) in the cache k, v [1, >= p0 + T, G, hd], then the output gate (gate [T,
+    G*Hg] logits), written into out (like q; default new): the queries below dense_tiles_end through dense_prefix's
+    tiles, the rest per query (sparse_attention). The split follows the positions only, so a chunked prefill splits
+    as a one-shot one does."""
+    T = q.shape[1]
+    out = torch.empty_like(q) if out is None else out
+    cm = min(max(dense_tiles_end(topk, blk) - p0, 0), T)  # queries 0 .. cm - 1: the dense tiles
+    if cm:
+        dense_prefix(q[:, :cm], k[:, :p0 + cm], v[:, :p0 + cm], p0, blk, scale,
+                     gate=None if gate is None else gate[:cm], ids=ids[:, :, :cm], valid=valid[:, :, :cm],
+                     out=out[:, :cm])
+    if T > cm:
+        sparse_attention(q[:, cm:], k, v, ids[:, :, cm:], valid[:, :, cm:], pos[:, cm:], blk, scale,
+                         gate=None if gate is None else gate[cm:], prefill=True, out=out[:, cm:])
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # Router and MoE: routing, SwiGLU, activation quantisation, prefill expert GEMMs, decode experts, combine
 

@@ -471,7 +471,6 @@ class Attention(nn.Module):
                 kernel.dense_prefix(q[None, s:s + nd], cache.k[b:b + 1, :p0 + nd], cache.v[b:b + 1, :p0 + nd], p0, blk,
                                     self.scale, gate=g[s:s + nd], out=out[None, s:s + nd])
             nr = end // blk  # every region completed so far; a query at p selects among regions < p // blk
-            ne = min(n, max(nd, kernel.dense_tiles_end(sp.topk, blk) - p0))  # queries nd .. ne - 1: dense tiles
             step = kernel.dsa_query_chunk(q, G, nr)
             for c0 in range(nd, n, step):  # query chunks bound the scores (and the reference's gathered keys)
                 c1 = min(n, c0 + step)
@@ -482,16 +481,9 @@ class Attention(nn.Module):
                 ids, valid = kernel.select_regions(scores, pb, sp.topk, blk, prefill=True)
                 if self.pins is not None:
                     ids, valid = self.pins.regions(self.layer_id, req[s:s + 1], pb, self.group0, ids, valid, nr)
-                cm = min(max(ne, c0), c1)  # queries c0 .. cm - 1 take the dense tiles
-                if cm > c0:
-                    kernel.dense_prefix(q[None, s + c0:s + cm], cache.k[b:b + 1, :p0 + cm], cache.v[b:b + 1, :p0 + cm],
-                                        p0 + c0, blk, self.scale, gate=g[s + c0:s + cm], ids=ids[:, :, :cm - c0],
-                                        valid=valid[:, :, :cm - c0], out=out[None, s + c0:s + cm])
-                if c1 > cm:
-                    kernel.sparse_attention(q[None, s + cm:s + c1], cache.k[b:b + 1, :end], cache.v[b:b + 1, :end],
-                                            ids[:, :, cm - c0:], valid[:, :, cm - c0:], pb[:, cm - c0:], blk,
-                                            self.scale, gate=g[s + cm:s + c1], prefill=True,
-                                            out=out[None, s + cm:s + c1])
+                kernel.selected_attention(q[None, s + c0:s + c1], cache.k[b:b + 1, :end], cache.v[b:b + 1, :end],
+                                          p0 + c0, ids, valid, pb, blk, sp.topk, self.scale, gate=g[s + c0:s + c1],
+                                          out=out[None, s + c0:s + c1])
         return out.view(T, H, hd)
 
     def _pin_every_region(self, req, pos, G: int):
