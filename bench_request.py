@@ -195,7 +195,7 @@ def prefill_profile(eng: E.Engine, P: int, seed: int) -> dict:
 
 
 def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill_chunk: int, profile: list,
-         dump: str | None, build_threads: int | None):
+         dump: str | None, build_threads: int | None, graph_prefill: int | None = None):
     counters = Counters()
     t0 = time.perf_counter()
     m = build()
@@ -204,7 +204,8 @@ def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill
           f"({torch.cuda.memory_allocated() / 2 ** 30:.1f} GiB)", flush=True)
     with torch.inference_mode():
         c0 = counters.snapshot()
-        eng = E.Engine(m, E.EngineConfig(max_batch, max_context, prefill_chunk, build_threads=build_threads), print)
+        eng = E.Engine(m, E.EngineConfig(max_batch, max_context, prefill_chunk, build_threads=build_threads,
+                                         graph_prefill=graph_prefill), print)
         t0 = time.perf_counter()
         eng.start()
         t_start = time.perf_counter() - t0
@@ -249,6 +250,8 @@ if __name__ == "__main__":
                     help="prefill profiles by kernel family of one request of P tokens each")
     ap.add_argument("--dump", help="write the profiles' per-kernel times to this JSON file")
     ap.add_argument("--build-threads", type=int, default=None, help="start-up's parallel kernel builds (0: off)")
+    ap.add_argument("--graph-prefill", type=int, default=None, metavar="N",
+                    help=f"fresh prompts of up to N tokens prefill as CUDA graphs (default {E.GRAPH_PREFILL}; 0: eagerly)")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="set kernel.TUNING[KEY] (a Python literal) for the run, e.g. --tune "
                     "sparse_block_n=32; repeatable")
@@ -258,4 +261,4 @@ if __name__ == "__main__":
     except ValueError as e:
         raise SystemExit(str(e))
     main([tuple(map(int, c.split("x"))) for c in a.cases.split(",") if c], a.new, a.max_batch, a.max_context,
-         a.prefill_chunk, a.profile, a.dump, a.build_threads)
+         a.prefill_chunk, a.profile, a.dump, a.build_threads, a.graph_prefill)

@@ -32,6 +32,9 @@ import kernel
 import model as M
 
 PREFILL_CHUNK = 16384  # prefill tokens per engine step (packed over requests); PERF_LOG 2026-12-02: 16k vs 8k / 32k
+# Fresh prompts up to this many tokens prefill as a CUDA graph: an eager pass of <= 4k tokens is bound by the host's
+# launches (~0.11-0.21 s a pass on the H200 machines, 0.047 s of kernels at 1k; PERF_LOG 2026-12-05)
+GRAPH_PREFILL = 4096
 REWIND = 64  # positions a slot's prefix may be rewound by to reuse it (sliding rings carry that many spare slots)
 
 
@@ -332,6 +335,9 @@ class EngineConfig:
     cuda_graph: bool = True
     build_threads: int | None = None  # start-up's parallel kernel builds (None: the rank's share of the CPU cores, at
     # most 16; 0 or 1: the warm-up passes in order)
+    graph_prefill: int | None = None  # a fresh prompt of up to this many tokens, alone in its prefill pass, runs as
+    # the CUDA graph of its padded length (None: GRAPH_PREFILL where the decode graphs run, else 0; on the CPU the
+    # padded passes run eagerly, for tests)
 
 
 @dataclass
@@ -373,6 +379,7 @@ class Engine:
         self.inflight = None  # (requests, host copy) of the decode step whose tokens the host has not read yet
         self.spec = Speculator(self) if self.k else None
         self.graphs = {}
+        self.prefill_graphs, self.staging = {}, None  # padded length -> Graph (_prefill_graph), and their cache row
         self.timing = {}
         self.progress = None  # progress(first token, tokens, longest prompt, layer, layers) during prefills
 
@@ -409,6 +416,9 @@ class Engine:
             free, weights = -1, sum(t.numel() * t.element_size() for t in m.state_dict().values())
         prefill = prefill_workspace(cfg, c.prefill_chunk)
         graphs = (256 << 20) * len(buckets(c.max_batch)) if self.use_graph else 0
+        sizes = self._prefill_sizes(c)
+        if sizes:  # the padded passes' staging row and their graphs' workspace
+            graphs += self._staging_bytes(sizes[-1]) + (prefill_workspace(cfg, sizes[-1]) if self.use_graph else 0)
         headroom = 2 * GIB if self.dev.type == "cuda" else 0
         ctx = c.max_context
         if ctx is None:
@@ -423,6 +433,28 @@ class Engine:
         if not 1 <= ctx <= limit:
             raise ValueError(f"max_context {ctx} must be in [1, max_position_embeddings={limit}]")
         return MemoryPlan(weights, self._cache_bytes(ctx), prefill, graphs, headroom, free), ctx
+
+    def _prefill_sizes(self, c: EngineConfig) -> list:
+        """The padded lengths of the prefill graphs: powers of two from 32 up to the first that holds
+        c.graph_prefill tokens, within the prefill chunk and the context (none with speculative decoding, whose MTP
+        layers absorb the prefill rows)."""
+        top = c.graph_prefill if c.graph_prefill is not None else GRAPH_PREFILL if self.use_graph else 0
+        ctx = c.max_context or self.model.cfg.max_position_embeddings
+        top = min(top, c.prefill_chunk, ctx)
+        if self.k or top < 1:
+            return []
+        sizes = [32]
+        while sizes[-1] < top:
+            sizes.append(2 * sizes[-1])
+        return [n for n in sizes if n <= ctx]
+
+    def _staging_bytes(self, n: int) -> int:
+        return sum(t.numel() * t.element_size() for lc in self._staging(n, "meta").layers for t in vars(lc).values())
+
+    def _staging(self, n: int, device=None) -> M.Cache:
+        """The padded passes' cache: one row of n positions whose sliding rings hold all n (ring slot = position), so
+        that the real tokens' last keys can be picked from it (_adopt)."""
+        return self.model.new_cache(1, n, slack=n, device=device)
 
     def _cache_bytes(self, ctx: int, B: int | None = None) -> int:
         """Bytes of the caches for B (default max_batch) slots of ctx positions (built on the meta device: nothing
@@ -460,6 +492,8 @@ class Engine:
         self.cache = m.new_cache(B, self.max_context, slack=self.slack)
         self.cap = self.cache.cap
         self.mtps = m.new_mtp_caches(B, self.max_context, slack=self.slack) if self.k else []
+        sizes = self._prefill_sizes(replace(self.config, max_context=self.max_context))
+        self.staging = self._staging(sizes[-1]) if sizes else None  # before any capture: it may extend RoPE's tables
         with torch.inference_mode():
             for p0, n in in_order:
                 self._warm(p0, n)
@@ -473,6 +507,7 @@ class Engine:
             for gs in self.graphs.values():
                 for g in gs:
                     g.capture()
+            self._capture_prefill_graphs(sizes)
             sync()
         t2 = time.perf_counter()
         self.cache.lengths.zero_()  # the warm-ups wrote garbage at the first positions of slots: nothing is held
@@ -490,8 +525,66 @@ class Engine:
                          "threads again")
         self.say("start-up: " + (f"kernels built ahead from {threads} threads in {tb - t0:.1f} s, " if ahead
                                   else f"warm-up {t1 - tb:.1f} s, ")
-                 + (f"{sum(len(g) for g in self.graphs.values())} CUDA graphs captured in {t2 - t1:.1f} s"
-                    if self.use_graph else "decode steps run eagerly") + f" (batch buckets {list(self.graphs)})")
+                 + (f"{sum(len(g) for g in self.graphs.values()) + len(self.prefill_graphs)} CUDA graphs captured in "
+                    f"{t2 - t1:.1f} s" if self.use_graph else "decode steps run eagerly")
+                 + f" (batch buckets {list(self.graphs)}"
+                 + (f"; fresh prompts of <= {max(self.prefill_graphs)} tokens prefill padded to "
+                    f"{list(self.prefill_graphs)}" if self.prefill_graphs else "") + ")")
+
+    def _capture_prefill_graphs(self, sizes: list):
+        """A prefill graph per padded length. One that cannot be captured (a host read on the prefill path) leaves
+        fresh prompts to the eager prefill, said once."""
+        pool = torch.cuda.graph_pool_handle() if self.use_graph else None
+        try:
+            for n in sizes:
+                self.prefill_graphs[n] = g = self._prefill_graph(n, pool)
+                g.capture()
+        except RuntimeError as e:
+            if not self.use_graph:
+                raise
+            self.prefill_graphs = {}
+            self.say(f"start-up: a prefill graph could not be captured ({str(e).splitlines()[0]}); fresh prompts "
+                     "prefill eagerly")
+
+    def _prefill_graph(self, n: int, pool) -> Graph:
+        """A fresh prompt's prefill padded to n tokens in the staging row, then adopted by its slot. Inputs: the ids
+        [n] (padded with token 0), the real tokens [1], the slot [1]; -> this rank's logits [1, V/tp] of the last real
+        token. Padding follows the real tokens, so no real token attends to it (causal) or shares a decision with it
+        (routing and region selection are per token); the real rows are an n-token pass's but for the GEMMs' row
+        counts (their accumulation order may differ in last bits, as between prefill chunkings)."""
+        m, st = self.model, self.staging
+        ids = torch.zeros(n, dtype=torch.long, device=self.dev)
+        real = torch.full((1,), n, dtype=torch.long, device=self.dev)
+        slot = torch.zeros(1, dtype=torch.long, device=self.dev)
+
+        def prefill(ids, real, slot):
+            st.requests.copy_(self.cache.requests.index_select(0, slot))  # the request, for installed Pins
+            res = m.forward_rows(ids, st, [n], rows=[0], held=[0], real=real)  # [n, D]
+            self._adopt(slot, real, n)
+            return m.logits(res.index_select(0, real - 1))
+        return Graph(prefill, [ids, real, slot], self.use_graph, state=lambda: (self.cache.lengths,), pool=pool)
+
+    def _adopt(self, slot, real, n: int):
+        """The staging row after a padded pass of n tokens into cache row slot [1], by index tensors (no host read):
+        DSA K/V of the n positions, the summaries of the regions they complete and the pending rows; ring slot j of a
+        sliding layer <- the last real position in slot j (mod R), which the staging ring holds at slot = position
+        (padding's writes past `real` are overwritten by later steps before they are read, as a decode step's)."""
+        src = {}
+        for lc, sc in zip(self.cache.layers, self.staging.layers):
+            if getattr(lc, "summ", None) is not None:
+                done = n // sc.pk.shape[1]
+                for name in ("k", "v"):
+                    getattr(lc, name)[:, :n].index_copy_(0, slot, getattr(sc, name)[:, :n])
+                lc.summ[:, :done].index_copy_(0, slot, sc.summ[:, :done])
+                lc.pk.index_copy_(0, slot, sc.pk)
+                lc.pz.index_copy_(0, slot, sc.pz)
+                continue
+            R = lc.k.shape[2]
+            if R not in src:  # [R]: the staging slot (= position) each ring slot takes; 0 where no real position is
+                src[R] = ((real - 1) - (real - 1 - torch.arange(R, device=real.device)) % R).clamp(min=0)
+            for name in ("k", "v"):
+                getattr(lc, name).index_copy_(0, slot, getattr(sc, name).index_select(2, src[R]))
+        self.cache.lengths.index_copy_(0, slot, real)
 
     def _build_ahead(self, passes: list, threads: int):
         """The warm-up prefill passes from a pool of threads, before the caches exist: each pass in a cache of its own
@@ -720,22 +813,13 @@ class Engine:
                 break
             pieces.append((r, r.prefilled, n))
             budget -= n
-        ids = torch.tensor([t for r, a, n in pieces for t in r.ids[a:a + n]], dtype=torch.long, device=self.dev)
-        rows = [r.slot for r, _, _ in pieces]
-        lens = [n for _, _, n in pieces]
-        embeds = None
-        if any(r.features is not None for r, _, _ in pieces):
-            embeds = torch.cat([r.embeds(self.model, a, a + n) if r.features is not None else
-                                self.model.embed(ids[o:o + n]) for (r, a, n), o in zip(pieces, itertools.accumulate(
-                                    [0] + lens))])
-        hook = None
-        if self.progress is not None:
-            first, longest = pieces[0][1], max(len(r.ids) for r, _, _ in pieces)
-            hook = (lambda i, layers: self.progress(first, sum(lens), longest, i, layers))
-        if self.spec:
-            logits = self.spec.prefill(pieces, ids, embeds, hook)
+        r0, a0, n0 = pieces[0]  # a whole fresh text prompt alone in the pass: the graph of its padded length
+        whole = len(pieces) == 1 and a0 == 0 and n0 == len(r0.ids) and r0.features is None
+        padded = next((p for p in self.prefill_graphs if p >= n0), None) if whole else None
+        if padded is not None:
+            logits = self._padded_prefill(r0, padded)
         else:
-            logits = self.model.forward(ids, self.cache, lens, embeds, hook, rows=rows)
+            logits = self._eager_prefill(pieces)
         for r, a, n in pieces:
             r.prefilled = a + n
             self.slots[r.slot].held = r.key[:r.prefilled]
@@ -751,6 +835,36 @@ class Engine:
             self.spec.first_drafts(rs, slots)
         for r, t in zip(rs, tok.tolist()):  # a host read: the prompt's first token is reported at once
             self._take(r, [t], out, "its prefill")
+
+    def _eager_prefill(self, pieces: list) -> torch.Tensor:
+        """One pass over the pieces (request, first position, tokens), packed -> the logits [pieces, V/tp] of each
+        piece's last token."""
+        ids = torch.tensor([t for r, a, n in pieces for t in r.ids[a:a + n]], dtype=torch.long, device=self.dev)
+        rows = [r.slot for r, _, _ in pieces]
+        lens = [n for _, _, n in pieces]
+        embeds = None
+        if any(r.features is not None for r, _, _ in pieces):
+            embeds = torch.cat([r.embeds(self.model, a, a + n) if r.features is not None else
+                                self.model.embed(ids[o:o + n]) for (r, a, n), o in zip(pieces, itertools.accumulate(
+                                    [0] + lens))])
+        hook = None
+        if self.progress is not None:
+            first, longest = pieces[0][1], max(len(r.ids) for r, _, _ in pieces)
+            hook = (lambda i, layers: self.progress(first, sum(lens), longest, i, layers))
+        if self.spec:
+            return self.spec.prefill(pieces, ids, embeds, hook)
+        return self.model.forward(ids, self.cache, lens, embeds, hook, rows=rows, held=[a for _, a, _ in pieces])
+
+    def _padded_prefill(self, r: Request, n: int) -> torch.Tensor:
+        """A fresh prompt's prefill by the graph of padded length n -> this rank's logits [1, V/tp]."""
+        g = self.prefill_graphs[n]
+        pinned = self.dev.type == "cuda"
+        ids = torch.zeros(n, dtype=torch.long, pin_memory=pinned)
+        ids[:len(r.ids)] = torch.tensor(r.ids)
+        g.inputs[0].copy_(ids, non_blocking=pinned)
+        g.inputs[1].copy_(torch.tensor([len(r.ids)], pin_memory=pinned), non_blocking=pinned)
+        g.inputs[2].copy_(torch.tensor([r.slot], pin_memory=pinned), non_blocking=pinned)
+        return g()
 
     def _choose(self, logits, reqs, slots) -> torch.Tensor:
         """Tokens [B] for logits rows [B, V/tp] of requests (greedy, or each row's sampling at its slot's count)."""
@@ -886,7 +1000,8 @@ class Speculator:
         the last row's logits of each piece."""
         e, k, m = self.e, self.e.k, self.e.model
         lens, rows = [n for _, _, n in pieces], [r.slot for r, _, _ in pieces]
-        hidden = m.forward_rows(ids, e.cache, lens, embeds, rows=rows, progress=hook)  # [T, D]
+        hidden = m.forward_rows(ids, e.cache, lens, embeds, rows=rows, progress=hook,
+                                held=[a for _, a, _ in pieces])  # [T, D]
         starts = list(itertools.accumulate([0] + lens))
         src = {}  # piece -> (first position, rows) of the previous depth computed in this pass
         for i, ((r, a, n), s) in enumerate(zip(pieces, starts)):

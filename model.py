@@ -209,11 +209,14 @@ class Cache:
 class Placement:
     """Where one forward call's tokens go. Prefill: spans (cache row, start in the packed tokens, n tokens, first
     position p0) per row that gets tokens. Decode: rows [B'] (the cache row of each batch row, a device tensor; no
-    host read) and Q tokens per row. pos [T]: each token's absolute position."""
+    host read) and Q tokens per row. pos [T]: each token's absolute position. real: in a padded prefill (one span
+    at position 0 whose tokens past `real` [1] (a device count) are padding: a CUDA graph's static length), the
+    layers keep the real tokens' state where a later step reads it (the DSA pending rows)."""
     pos: torch.Tensor
     spans: list | None = None
     rows: torch.Tensor | None = None
     Q: int = 1
+    real: torch.Tensor | None = None
 
 
 class Pins:
@@ -462,6 +465,10 @@ class Attention(nn.Module):
                                                                     zr[:done * blk].view(done, blk, P)).view(torch.uint8)
             tail = q0 + n - done * blk
             cache.pk[b, :tail], cache.pz[b, :tail] = kr[done * blk:], zr[done * blk:]
+            if at.real is not None:  # padded: pending rows of the real tokens' last region (q0 = 0); its rows past
+                # `real` hold padding, which decode steps overwrite before the region completes
+                last = (at.real // blk * blk + torch.arange(blk, device=kr.device)).clamp(max=n - 1)
+                cache.pk[b], cache.pz[b] = kr[last], zr[last]
             # queries at p < (topk + 1) * blk select every history region (the spec's dense-equivalence regime): no
             # scores or selection, and their attention in tiles of whole regions' queries
             nd = min(n, max(0, (sp.topk + 1) * blk - p0))
@@ -755,11 +762,13 @@ class Step5ForCausalLM(nn.Module):
             raise ValueError("image features given to a text-only model")
         return self.embed(ids)
 
-    def _place(self, cache: Cache, seq_lens: list | None, rows, dev, Q: int = 1, live=None) -> Placement:
+    def _place(self, cache: Cache, seq_lens: list | None, rows, dev, Q: int = 1, live=None, held=None,
+               real=None) -> Placement:
         """Where this call's tokens go, and the cache lengths advanced past them.
 
         Prefill (seq_lens): seq_lens[i] tokens for cache row rows[i] (default: row i of every row), packed, on top of
-        what each row holds (a host read of the lengths: prefill only); rows with 0 tokens are skipped. Decode: Q
+        what each row holds: held[i] positions when the caller keeps count, else a host read of the lengths; rows
+        with 0 tokens are skipped; real: Placement's (the row's length becomes real). Decode: Q
         tokens per row of `rows` [B'] (a device tensor; default every row), T = B' * Q row-major, the lengths
         advanced on the device (by Q, or by Q * live for rows with live [B'] 0/1), so the step replays as a CUDA
         graph."""
@@ -772,15 +781,20 @@ class Step5ForCausalLM(nn.Module):
         rows = list(range(cache.lengths.shape[0])) if rows is None else list(rows)
         if len(seq_lens) != len(rows):
             raise ValueError(f"{len(seq_lens)} prompts for {len(rows)} cache rows")
-        p0 = cache.lengths[torch.tensor(rows, device=cache.lengths.device)].tolist()
+        p0 = list(held) if held is not None else cache.lengths[torch.tensor(rows, device=dev)].tolist()
         if any(p + n > cache.cap for p, n in zip(p0, seq_lens)):
             raise ValueError(f"prefill of {seq_lens} tokens on {p0} cached ones exceeds the cache of {cache.cap}")
         starts = [e - n for e, n in zip(itertools.accumulate(seq_lens), seq_lens)]
         spans = [(r, s, n, p) for r, s, n, p in zip(rows, starts, seq_lens, p0) if n]
-        pos = torch.cat([torch.arange(p, p + n) for _, _, n, p in spans]).to(dev)
+        if real is not None and [p for *_, p in spans] != [0]:
+            raise ValueError(f"a padded prefill is one span at position 0, not {spans}")
+        pos = torch.cat([torch.arange(p, p + n, device=dev) for _, _, n, p in spans])  # no host copy (CUDA graphs)
         for r, _, n, _ in spans:
-            cache.lengths[r] += n
-        return Placement(pos, spans=spans)
+            if real is None:
+                cache.lengths[r] += n
+            else:
+                cache.lengths[r:r + 1] = real
+        return Placement(pos, spans=spans, real=real)
 
     def _requests(self, cache: Cache, at: Placement):
         """Each token's request [T] (cache.requests of its row), for installed Pins only."""
@@ -788,11 +802,11 @@ class Step5ForCausalLM(nn.Module):
             return cache.requests[at.rows].repeat_interleave(at.Q)
         return torch.cat([cache.requests[r].expand(n) for r, _, n, _ in at.spans])
 
-    def _trunk(self, ids, cache: Cache, seq_lens, embeds, progress, rows=None, live=None):
+    def _trunk(self, ids, cache: Cache, seq_lens, embeds, progress, rows=None, live=None, held=None, real=None):
         """The main layers -> the residual stream [T, D] fp32 of every token (before the final norm). Decode: ids
         [B] (one token per row) or [B, Q] (Q tokens per row, e.g. a speculative verify step)."""
         Q = ids.shape[1] if seq_lens is None and ids.dim() == 2 else 1
-        at = self._place(cache, seq_lens, rows, ids.device, Q, live)
+        at = self._place(cache, seq_lens, rows, ids.device, Q, live, held, real)
         req = self._requests(cache, at) if self.pins is not None else None
         res = (self.embed(ids.flatten()) if embeds is None else embeds).float()
         L = self.cfg.num_hidden_layers
@@ -809,25 +823,26 @@ class Step5ForCausalLM(nn.Module):
         return linear(h, out).float()
 
     def forward(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None, progress=None, rows=None,
-                live=None):
+                live=None, held=None):
         """Prefill (seq_lens given: ids [T], the next seq_lens[i] tokens of cache row rows[i] packed, on top of what
         the row holds: a whole prompt, or one chunk of it; 0 for rows without tokens in this call) or decode (ids
         [B'], one token per row of `rows` (default: every cache row), or [B', Q]: Q tokens per row; live: _place's).
         Returns this rank's logits window of the last token of each row that received tokens: [B', V/tp] fp32;
         [B', Q, V/tp] for ids [B', Q]. progress(i, n), if given, is called after each of the n layers of a prefill
-        (long prompts report from it)."""
-        res = self._trunk(ids, cache, seq_lens, embeds, progress, rows, live)
+        (long prompts report from it). held: each prefill row's cached positions as the caller counts them (_place)."""
+        res = self._trunk(ids, cache, seq_lens, embeds, progress, rows, live, held)
         if seq_lens is not None:
             ends = [e - 1 for e, n in zip(itertools.accumulate(seq_lens), seq_lens) if n]
             res = res[torch.tensor(ends, device=ids.device)]
         return self.logits(res).view(*ids.shape[:2] if seq_lens is None else res.shape[:1], -1)
 
     def forward_rows(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None, rows=None,
-                     live=None, progress=None) -> torch.Tensor:
+                     live=None, progress=None, held=None, real=None) -> torch.Tensor:
         """forward that keeps every row: the residual of every token [T, D] fp32 (before the final norm), for a
         prefill-style extend (seq_lens) or a decode step of ids [B', Q] (static shapes: a speculative verify step).
-        Speculative decoding feeds it to the MTP layers and takes `logits` of the rows it needs."""
-        return self._trunk(ids, cache, seq_lens, embeds, progress, rows, live)
+        Speculative decoding feeds it to the MTP layers and takes `logits` of the rows it needs; a padded prefill
+        (held, real: _place's) the logits of its last real row."""
+        return self._trunk(ids, cache, seq_lens, embeds, progress, rows, live, held, real)
 
     def warm_lengths(self, max_context: int, chunk: int) -> list:
         """(first position, tokens) of prefill passes into one cache row that reach every launch variant the prefill

@@ -120,6 +120,69 @@ def test_a_cancelled_request_frees_its_slot_for_a_waiting_one(lm):
     assert short.finish == "length" and len(short.out) == 3 and short.slot == long.slot
 
 
+@torch.inference_mode()
+def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(lm, monkeypatch):
+    """A fresh prompt alone in its prefill pass runs as the pass of its padded length (32, 64, 128: CUDA graphs on a
+    GPU, eager here) in the staging row, adopted by its slot: the tokens of an engine that prefills it as it is,
+    for prompts within a ring (5, 33), past the ring and across DSA regions (100 tokens, padded to 128), on the
+    second slot, and a next turn that reuses a padded prompt's cache; a prompt past the largest padded length (130)
+    and a prompt packed with another prefill eagerly."""
+    eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=256, graph_prefill=128))
+    eng.start()
+    assert list(eng.prefill_graphs) == [32, 64, 128]
+    assert eng.cache.layers[0].k.shape[2] < 100 < 128  # a sliding ring shorter than the 100-token prompt
+    padded = []
+    run = E.Engine._padded_prefill
+    monkeypatch.setattr(E.Engine, "_padded_prefill", lambda self, r, n: padded.append((len(r.ids), n)) or run(self, r, n))
+    ps = [ids(5, 30), ids(33, 31), ids(100, 32), ids(130, 33)]
+    with pinned(lm, M.Pins()) as rec:
+        outs = [eng.run([E.Request(p, 5)])[0] for p in ps[:3]]
+        t2 = ps[2] + outs[2].out + ids(6, 36)  # the 100-token prompt's next turn, on the slot that holds it
+        turn = eng.run([E.Request(t2, 5)])[0]
+        outs.append(eng.run([E.Request(ps[3], 5)])[0])
+        busy = E.Request(ids(70, 34), 12)  # on one slot while the next prompt takes the other
+        eng.submit(busy)
+        eng.step()
+        second = eng.run([E.Request(ids(45, 35), 5)])[0]
+    assert padded == [(5, 32), (33, 64), (100, 128), (70, 128), (45, 64)], padded
+    assert second.slot != busy.slot and turn.cached > 0 and busy.finish == "length"
+    for p, r in [*zip(ps, outs), (busy.ids, busy), (second.ids, second)]:
+        tokens_agree_up_to_near_tie(lm, p, solo(lm, p, len(r.out), rec, r.rid), r.out)
+    rec.data.update({(k[0], k[1], turn.rid, *k[3:]): v for k, v in list(rec.data.items())
+                     if k[2] == outs[2].rid and k[3] < turn.cached})
+    tokens_agree_up_to_near_tie(lm, t2, solo(lm, t2, 5, rec, turn.rid), turn.out)
+
+
+@torch.inference_mode()
+def test_a_padded_prefill_reads_nothing_back_to_the_host(lm, monkeypatch):
+    """A CUDA graph cannot hold a host read or a host-to-device copy: the padded pass (as captured, here run on the
+    CPU) makes no op that would (a tensor's value read on the host, a data-dependent shape, a tensor from host
+    data). The eager prefill, which reads the cache lengths unless told them, is caught reading."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t, f=torch.Tensor.tolist: seen.append("tolist") or f(t))
+    eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=256, graph_prefill=64))
+    eng.start()
+    g = eng.prefill_graphs[64]
+    g.inputs[1].fill_(45)
+    g.inputs[2].fill_(1)
+    banned = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.lift_fresh.default",
+              "aten.masked_select.default", "aten.unique_consecutive.default", "aten._unique2.default"}
+    seen = []
+
+    class Host(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) in banned:
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+    with Host():
+        logits = g()
+    assert not seen, f"host reads in the padded prefill: {sorted(set(seen))}"
+    assert logits.shape == (1, lm.lm_head.weight.shape[0]) and int(eng.cache.lengths[1]) == 45
+    with Host():
+        lm.forward(g.inputs[0], eng.cache, [64], rows=[0])
+    assert "tolist" in seen and "aten.lift_fresh.default" in seen
+
+
 def test_requests_that_do_not_fit_are_refused_naming_the_context(lm):
     eng = E.Engine(lm, E.EngineConfig(max_batch=1, max_context=64))
     with pytest.raises(ValueError, match="max_context=64"):
@@ -182,15 +245,17 @@ def gpu_launches(monkeypatch):
     monkeypatch.setattr(M.Step5ForCausalLM, "warm_lengths", triton_warm_lengths)
 
 
+@pytest.mark.parametrize("graph_prefill", [0, 256])
 @torch.inference_mode()
-def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, gpu_launches):
+def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, gpu_launches, graph_prefill):
     """Nothing compiles on the request path: every Triton launch of requests of other prompt lengths and batch sizes
     is one that start-up made, each launch keyed as Triton compiles it (sass.launch_key: constexprs, each integer's
-    class, each pointer's alignment). bench_request.py counts real compilations on the GPU."""
+    class, each pointer's alignment), with fresh prompts prefilled eagerly or padded (graph_prefill).
+    bench_request.py counts real compilations on the GPU."""
     import sass
     lm = tp1_models("fp8_text")
     warm, seen = set(), set()
-    eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=640, prefill_chunk=256))
+    eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=640, prefill_chunk=256, graph_prefill=graph_prefill))
     with sass.launch_keys(warm, execute=False):
         eng.start()
     with sass.launch_keys(seen, execute=False):

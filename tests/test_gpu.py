@@ -70,6 +70,20 @@ def test_cuda_graph_decode_equals_eager(tp1_models):
     assert graph_eos == eager_eos and len(graph_eos[1]) <= 4
 
 
+@cuda
+def test_prefill_graphs_replay_the_padded_passes(tp1_models):
+    """A fresh prompt's prefill graph replays the very kernels of its padded pass run eagerly: identical tokens, for
+    prompts padded to 32 and 64 (tests/test_engine.py compares padded passes with unpadded ones on the CPU)."""
+    gpu = tp1_models("fp8_text", "cuda")
+    runs = {}
+    for graph in (False, True):
+        eng = engine.Engine(gpu, engine.EngineConfig(max_batch=2, max_context=256, cuda_graph=graph, graph_prefill=64))
+        eng.start()
+        assert list(eng.prefill_graphs) == [32, 64] and all(g.use_graph == graph for g in eng.prefill_graphs.values())
+        runs[graph] = [eng.run([engine.Request(p, 8)])[0].out for p in PROMPTS]
+    assert runs[True] == runs[False]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2 or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="needs 2 CUDA devices and TRITON_INTERPRET=0")
 @pytest.mark.parametrize("kind", ["fp8_text", "bf16_text"])
