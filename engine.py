@@ -487,12 +487,14 @@ class Engine:
         if ahead:
             self._build_ahead(passes, threads)
         self._replan(agree=True)  # on what the builds left free (library workspaces and loaded kernels stay behind)
-        in_order = [] if ahead else m.warm_lengths(self.max_context, self.config.prefill_chunk)  # the agreed context's
+        sizes = self._prefill_sizes(replace(self.config, max_context=self.max_context))
+        # the agreed context's passes; a prefill graph's capture runs its own pass (the same launches) first
+        in_order = [] if ahead else [(p0, n) for p0, n in m.warm_lengths(self.max_context, self.config.prefill_chunk)
+                                     if p0 or n not in sizes]
         tb = time.perf_counter()
         self.cache = m.new_cache(B, self.max_context, slack=self.slack)
         self.cap = self.cache.cap
         self.mtps = m.new_mtp_caches(B, self.max_context, slack=self.slack) if self.k else []
-        sizes = self._prefill_sizes(replace(self.config, max_context=self.max_context))
         self.staging = self._staging(sizes[-1]) if sizes else None  # before any capture: it may extend RoPE's tables
         with torch.inference_mode():
             for p0, n in in_order:

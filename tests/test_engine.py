@@ -153,32 +153,45 @@ def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(
     tokens_agree_up_to_near_tie(lm, t2, solo(lm, t2, 5, rec, turn.rid), turn.out)
 
 
+@pytest.mark.parametrize("path", ["references", "triton launchers"])
 @torch.inference_mode()
-def test_a_padded_prefill_reads_nothing_back_to_the_host(lm, monkeypatch):
+def test_a_padded_prefill_reads_nothing_back_to_the_host(tp1_models, monkeypatch, request, path):
     """A CUDA graph cannot hold a host read or a host-to-device copy: the padded pass (as captured, here run on the
     CPU) makes no op that would (a tensor's value read on the host, a data-dependent shape, a tensor from host
-    data). The eager prefill, which reads the cache lengths unless told them, is caught reading."""
+    data), through the references or through the Triton launchers (their launches recorded, not run, as
+    gpu_launches makes them, then the references). The eager prefill, which reads the cache lengths unless told
+    them, is caught reading."""
+    import contextlib
+    import sass
     from torch.utils._python_dispatch import TorchDispatchMode
+    lm = tp1_models("fp8_text")
+    launchers = path == "triton launchers"
+    if launchers:
+        request.getfixturevalue("gpu_launches")
+    seen = []
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t, f=torch.Tensor.tolist: seen.append("tolist") or f(t))
     eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=256, graph_prefill=64))
-    eng.start()
+    with sass.launch_keys(set(), execute=False) if launchers else contextlib.nullcontext():
+        eng.start()
     g = eng.prefill_graphs[64]
     g.inputs[1].fill_(45)
     g.inputs[2].fill_(1)
     banned = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.lift_fresh.default",
               "aten.masked_select.default", "aten.unique_consecutive.default", "aten._unique2.default"}
-    seen = []
+    seen.clear()
 
     class Host(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if str(func) in banned:
                 seen.append(str(func))
             return func(*args, **(kwargs or {}))
-    with Host():
+    keys = set()
+    with sass.launch_keys(keys, execute=False) if launchers else contextlib.nullcontext(), Host():
         logits = g()
     assert not seen, f"host reads in the padded prefill: {sorted(set(seen))}"
     assert logits.shape == (1, lm.lm_head.weight.shape[0]) and int(eng.cache.lengths[1]) == 45
-    with Host():
+    assert (len(keys) > 10) == launchers  # the Triton launchers ran (their launches recorded)
+    with sass.launch_keys(set(), execute=False) if launchers else contextlib.nullcontext(), Host():
         lm.forward(g.inputs[0], eng.cache, [64], rows=[0])
     assert "tolist" in seen and "aten.lift_fresh.default" in seen
 
