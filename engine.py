@@ -815,11 +815,9 @@ class Engine:
                 break
             pieces.append((r, r.prefilled, n))
             budget -= n
-        r0, a0, n0 = pieces[0]  # a whole fresh text prompt alone in the pass: the graph of its padded length
-        whole = len(pieces) == 1 and a0 == 0 and n0 == len(r0.ids) and r0.features is None
-        padded = next((p for p in self.prefill_graphs if p >= n0), None) if whole else None
-        if padded is not None:
-            logits = self._padded_prefill(r0, padded)
+        padded = self._padded_lengths(pieces)
+        if padded:  # one graph replay per prompt (each output read before the next replay)
+            logits = torch.cat([self._padded_prefill(r, p).clone() for (r, _, _), p in zip(pieces, padded)])
         else:
             logits = self._eager_prefill(pieces)
         for r, a, n in pieces:
@@ -837,6 +835,20 @@ class Engine:
             self.spec.first_drafts(rs, slots)
         for r, t in zip(rs, tok.tolist()):  # a host read: the prompt's first token is reported at once
             self._take(r, [t], out, "its prefill")
+
+    def _padded_lengths(self, pieces: list) -> list | None:
+        """The prefill graphs' lengths for the pieces when every piece is a whole fresh text prompt and their padded
+        lengths add up to at most the largest graph's (their replays then cost about one such pass of kernels, no
+        more than an eager pass of that size costs the host); else None: one eager pass."""
+        if not self.prefill_graphs:
+            return None
+        out = []
+        for r, a, n in pieces:
+            p = next((p for p in self.prefill_graphs if p >= n), None)
+            if p is None or a or n < len(r.ids) or r.features is not None:
+                return None
+            out.append(p)
+        return out if sum(out) <= max(self.prefill_graphs) else None
 
     def _eager_prefill(self, pieces: list) -> torch.Tensor:
         """One pass over the pieces (request, first position, tokens), packed -> the logits [pieces, V/tp] of each

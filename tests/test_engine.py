@@ -122,11 +122,12 @@ def test_a_cancelled_request_frees_its_slot_for_a_waiting_one(lm):
 
 @torch.inference_mode()
 def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(lm, monkeypatch):
-    """A fresh prompt alone in its prefill pass runs as the pass of its padded length (32, 64, 128: CUDA graphs on a
-    GPU, eager here) in the staging row, adopted by its slot: the tokens of an engine that prefills it as it is,
-    for prompts within a ring (5, 33), past the ring and across DSA regions (100 tokens, padded to 128), on the
-    second slot, and a next turn that reuses a padded prompt's cache; a prompt past the largest padded length (130)
-    and a prompt packed with another prefill eagerly."""
+    """A fresh prompt runs as the pass of its padded length (32, 64, 128: CUDA graphs on a GPU, eager here) in the
+    staging row, adopted by its slot: the tokens of an engine that prefills it as it is, for prompts within a ring
+    (5, 33), past the ring and across DSA regions (100 tokens, padded to 128), on the second slot, two that arrive
+    together (padded 32 + 64 <= 128: one replay each), and a next turn that reuses a padded prompt's cache. A prompt
+    past the largest padded length (130) and two whose padded lengths add up past it (100 + 45) prefill eagerly,
+    packed."""
     eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=256, graph_prefill=128))
     eng.start()
     assert list(eng.prefill_graphs) == [32, 64, 128]
@@ -144,9 +145,11 @@ def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(
         eng.submit(busy)
         eng.step()
         second = eng.run([E.Request(ids(45, 35), 5)])[0]
-    assert padded == [(5, 32), (33, 64), (100, 128), (70, 128), (45, 64)], padded
+        pair = eng.run([E.Request(ids(9, 37), 4), E.Request(ids(40, 38), 4)])
+        packed = eng.run([E.Request(ids(100, 39), 4), E.Request(ids(45, 40), 4)])
+    assert padded == [(5, 32), (33, 64), (100, 128), (70, 128), (45, 64), (9, 32), (40, 64)], padded
     assert second.slot != busy.slot and turn.cached > 0 and busy.finish == "length"
-    for p, r in [*zip(ps, outs), (busy.ids, busy), (second.ids, second)]:
+    for p, r in [*zip(ps, outs), (busy.ids, busy), (second.ids, second), *((r.ids, r) for r in pair + packed)]:
         tokens_agree_up_to_near_tie(lm, p, solo(lm, p, len(r.out), rec, r.rid), r.out)
     rec.data.update({(k[0], k[1], turn.rid, *k[3:]): v for k, v in list(rec.data.items())
                      if k[2] == outs[2].rid and k[3] < turn.cached})
