@@ -14,7 +14,8 @@ step is queued, so the device never waits for it.
 
 The decode step is one static-shape function of the slot of each row (padding rows of a batch bucket point at slots
 that do not decode in the step and write only where their slot's next token would go), replayed as a CUDA graph on
-GPUs.
+GPUs. So is a fresh prompt's prefill, padded to a power of two in a staging row that its slot then adopts
+(_prefill_graph): an eager pass of a few thousand tokens costs the host more than its kernels take.
 """
 import contextlib
 import hashlib
