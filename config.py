@@ -5,6 +5,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+# The shards' layout version, stored under the metadata key "step4_tp_layout" (convert.py writes it, model.py checks
+# it): the key keeps the structure's release name, which every existing shard carries.
 LAYOUT_VERSION = "gqa-provider-shared-tp-v2"
 TEXT_MODEL_TYPES = ("step5", "step4")  # step4: the release's/preview mirrors' spelling of the same structure
 VL_MODEL_TYPES = ("step5_vl", "step3p5v")
