@@ -70,9 +70,13 @@ def build(seed: int = 0) -> M.Step5ForCausalLM:
     return m
 
 
-def run_case(eng: E.Engine, batch: int, P: int, new: int, seed: int) -> dict:
+def run_case(eng: E.Engine, batch: int, P: int, new: int, seed: int, after: E.Request | None = None) -> dict:
+    """batch requests of P random tokens (after: one request, the next turn of that one's conversation: its prompt
+    and answer, then P new tokens)."""
     g = torch.Generator().manual_seed(seed)
     reqs = [E.Request(torch.randint(11, 100000, (P,), generator=g).tolist(), new) for _ in range(batch)]
+    if after is not None:
+        reqs = [E.Request(after.ids + after.out + reqs[0].ids, new)]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     eng.run(reqs)
@@ -80,7 +84,8 @@ def run_case(eng: E.Engine, batch: int, P: int, new: int, seed: int) -> dict:
     t2 = time.perf_counter()
     t1 = max(r.t_first for r in reqs)
     n_dec = sum(len(r.out) - 1 for r in reqs)
-    return {"ttft": t1 - t0, "decode_s": t2 - t1, "tok_s": n_dec / (t2 - t1) / batch, "agg": n_dec / (t2 - t1)}
+    return {"ttft": t1 - t0, "decode_s": t2 - t1, "tok_s": n_dec / (t2 - t1) / batch, "agg": n_dec / (t2 - t1),
+            "reqs": reqs}
 
 
 def step_time(eng: E.Engine, b: int) -> float:
@@ -195,7 +200,7 @@ def prefill_profile(eng: E.Engine, P: int, seed: int) -> dict:
 
 
 def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill_chunk: int, profile: list,
-         dump: str | None, build_threads: int | None, graph_prefill: int | None = None):
+         dump: str | None, build_threads: int | None, graph_prefill: int | None = None, turn: int = 0):
     counters = Counters()
     t0 = time.perf_counter()
     m = build()
@@ -218,14 +223,19 @@ def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill
         print(f"{'batch':>5} {'prompt':>7} {'new':>4} | {'TTFT s':>7} {'decode tok/s':>12} {'(per req)':>9} | "
               f"{'step ms':>7} {'ceiling tok/s':>13} {'seen/ceil':>9} | compiles captures")
         for i, (b, P) in enumerate(cases):
-            c0 = counters.snapshot()
-            r = run_case(eng, b, P, new, seed=i)
-            c1 = counters.snapshot()
-            bucket = next(x for x in eng.graphs if x >= b)
-            st = step_time(eng, bucket)
-            print(f"{b:5d} {P:7d} {new:4d} | {r['ttft']:7.3f} {r['agg']:12.1f} {r['tok_s']:9.1f} | {st * 1e3:7.3f} "
-                  f"{b / st:13.1f} {r['agg'] / (b / st):9.1%} | {c1[0] - c0[0]:8d} {c1[1] - c0[1]:8d}"
-                  + (f"  compiled: {sorted(set(counters.names[c0[0]:]))}" if c1[0] > c0[0] else ""), flush=True)
+            prev = None
+            for P_, after in [(P, None)] + ([(turn, True)] if turn and b == 1 else []):
+                c0 = counters.snapshot()
+                r = run_case(eng, b, P_, new, seed=i, after=prev)
+                c1 = counters.snapshot()
+                prev = r["reqs"][0]
+                bucket = next(x for x in eng.graphs if x >= b)
+                st = step_time(eng, bucket)
+                label = f"{b:5d} {P_:7d}" if after is None else f"{'turn':>5} {f'+{P_}':>7}"
+                print(f"{label} {new:4d} | {r['ttft']:7.3f} {r['agg']:12.1f} {r['tok_s']:9.1f} | {st * 1e3:7.3f} "
+                      f"{b / st:13.1f} {r['agg'] / (b / st):9.1%} | {c1[0] - c0[0]:8d} {c1[1] - c0[1]:8d}"
+                      + (f"  compiled: {sorted(set(counters.names[c0[0]:]))}" if c1[0] > c0[0] else "")
+                      + (f"  (cached {prev.cached})" if after else ""), flush=True)
         prof = []
         for i, P in enumerate(profile):
             c0 = counters.snapshot()
@@ -252,6 +262,8 @@ if __name__ == "__main__":
     ap.add_argument("--build-threads", type=int, default=None, help="start-up's parallel kernel builds (0: off)")
     ap.add_argument("--graph-prefill", type=int, default=None, metavar="N",
                     help=f"fresh prompts of up to N tokens prefill as CUDA graphs (default {E.GRAPH_PREFILL}; 0: eagerly)")
+    ap.add_argument("--turn", type=int, default=0, metavar="N",
+                    help="after each one-request case, its conversation's next turn of N new tokens (prefix reused)")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="set kernel.TUNING[KEY] (a Python literal) for the run, e.g. --tune "
                     "sparse_block_n=32; repeatable")
@@ -261,4 +273,4 @@ if __name__ == "__main__":
     except ValueError as e:
         raise SystemExit(str(e))
     main([tuple(map(int, c.split("x"))) for c in a.cases.split(",") if c], a.new, a.max_batch, a.max_context,
-         a.prefill_chunk, a.profile, a.dump, a.build_threads, a.graph_prefill)
+         a.prefill_chunk, a.profile, a.dump, a.build_threads, a.graph_prefill, a.turn)

@@ -15,7 +15,8 @@ step is queued, so the device never waits for it.
 The decode step is one static-shape function of the slot of each row (padding rows of a batch bucket point at slots
 that do not decode in the step and write only where their slot's next token would go), replayed as a CUDA graph on
 GPUs. So is a fresh prompt's prefill, padded to a power of two in a staging row that its slot then adopts
-(_prefill_graph): an eager pass of a few thousand tokens costs the host more than its kernels take.
+(_prefill_graph), and a short next turn, as one decode step of several tokens for its slot (_extend_graph): an
+eager pass of a few thousand tokens costs the host more than its kernels take.
 """
 import contextlib
 import hashlib
@@ -36,6 +37,9 @@ PREFILL_CHUNK = 16384  # prefill tokens per engine step (packed over requests); 
 # Fresh prompts up to this many tokens prefill as a CUDA graph: an eager pass of <= 4k tokens is bound by the host's
 # launches (~0.11-0.21 s a pass on the H200 machines, 0.047 s of kernels at 1k; PERF_LOG 2026-12-05)
 GRAPH_PREFILL = 4096
+# ... and so does a conversation's next turn of up to 64 new tokens, as a decode step of that many tokens per row
+# (padded to one of these; the sliding rings' spare slots bound it: _extend_sizes)
+EXTEND = (16, 32, 64)
 REWIND = 64  # positions a slot's prefix may be rewound by to reuse it (sliding rings carry that many spare slots)
 
 
@@ -381,6 +385,7 @@ class Engine:
         self.spec = Speculator(self) if self.k else None
         self.graphs = {}
         self.prefill_graphs, self.staging = {}, None  # padded length -> Graph (_prefill_graph), and their cache row
+        self.extend_graphs = {}  # padded length -> Graph (_extend_graph)
         self.timing = {}
         self.progress = None  # progress(first token, tokens, longest prompt, layer, layers) during prefills
 
@@ -418,8 +423,9 @@ class Engine:
         prefill = prefill_workspace(cfg, c.prefill_chunk)
         graphs = (256 << 20) * len(buckets(c.max_batch)) if self.use_graph else 0
         sizes = self._prefill_sizes(c)
-        if sizes:  # the padded passes' staging row and their graphs' workspace
+        if sizes:  # the padded passes' staging row and their graphs' workspace; the extensions' graphs
             graphs += self._staging_bytes(sizes[-1]) + (prefill_workspace(cfg, sizes[-1]) if self.use_graph else 0)
+            graphs += (256 << 20) * len(EXTEND) if self.use_graph else 0
         headroom = 2 * GIB if self.dev.type == "cuda" else 0
         ctx = c.max_context
         if ctx is None:
@@ -505,6 +511,7 @@ class Engine:
             pool = torch.cuda.graph_pool_handle() if self.use_graph else None
             for b in buckets(B):
                 self.graphs[b] = self.spec.graphs(b, pool) if self.spec else self._plain_graph(b, pool)
+            self.extend_graphs = {q: self._extend_graph(q, pool) for q in self._extend_sizes(sizes)}
             if ahead:
                 self._warm_graphs_ahead(threads)
             for gs in self.graphs.values():
@@ -535,19 +542,50 @@ class Engine:
                     f"{list(self.prefill_graphs)}" if self.prefill_graphs else "") + ")")
 
     def _capture_prefill_graphs(self, sizes: list):
-        """A prefill graph per padded length. One that cannot be captured (a host read on the prefill path) leaves
-        fresh prompts to the eager prefill, said once."""
+        """The extension graphs, and a prefill graph per padded length. One that cannot be captured (a host read on
+        the prefill path) leaves prompts to the eager prefill, said once."""
         pool = torch.cuda.graph_pool_handle() if self.use_graph else None
         try:
+            for g in self.extend_graphs.values():
+                g.capture()
             for n in sizes:
                 self.prefill_graphs[n] = g = self._prefill_graph(n, pool)
                 g.capture()
         except RuntimeError as e:
             if not self.use_graph:
                 raise
-            self.prefill_graphs = {}
-            self.say(f"start-up: a prefill graph could not be captured ({str(e).splitlines()[0]}); fresh prompts "
-                     "prefill eagerly")
+            self.prefill_graphs, self.extend_graphs = {}, {}
+            self.say(f"start-up: a prefill graph could not be captured ({str(e).splitlines()[0]}); prompts prefill "
+                     "eagerly")
+
+    def _extend_sizes(self, sizes: list) -> list:
+        """The extension graphs' token counts (with the prefill graphs): at most what the sliding rings' spare slots
+        let one decode step write before its queries read (a ring of R slots and window W takes W + Q - 1 <= R)."""
+        if not sizes:
+            return []
+        W = self.model.cfg.sliding_window
+        spare = min((lc.k.shape[2] - W + 1 for lc in self.cache.layers if getattr(lc, "summ", None) is None),
+                    default=max(EXTEND))
+        return [q for q in EXTEND if q <= min(spare, self.max_context)]
+
+    def _extend_graph(self, q: int, pool) -> Graph:
+        """A next turn's prefill of up to q tokens on top of what its slot holds, as one decode step of q tokens for
+        that row (the positions, the slot and the real count are device inputs: any turn of up to q tokens replays
+        it). Inputs: the ids [1, q] (padded with token 0), the real tokens [1], the slot [1]; -> this rank's logits
+        [1, V/tp] of the last real token. The padding's writes past the real tokens are those of a speculative step's
+        rejected rows: rewritten by later steps before anything reads them; the slot's length becomes its own plus
+        the real count."""
+        m, cache = self.model, self.cache
+        ids = torch.zeros(1, q, dtype=torch.long, device=self.dev)
+        real = torch.full((1,), q, dtype=torch.long, device=self.dev)
+        slot = torch.zeros(1, dtype=torch.long, device=self.dev)
+
+        def extend(ids, real, slot):
+            held = cache.lengths.index_select(0, slot)
+            res = m.forward_rows(ids, cache, rows=slot)  # [q, D]
+            cache.lengths.index_copy_(0, slot, held + real)
+            return m.logits(res.index_select(0, real - 1))
+        return Graph(extend, [ids, real, slot], self.use_graph, state=lambda: (cache.lengths,), pool=pool)
 
     def _prefill_graph(self, n: int, pool) -> Graph:
         """A fresh prompt's prefill padded to n tokens in the staging row, then adopted by its slot. Inputs: the ids
@@ -628,7 +666,8 @@ class Engine:
             with self._alone():
                 for g in graphs:
                     g.warm()
-        self._from_threads(threads, one, [(gs,) for gs in self.graphs.values()])
+        self._from_threads(threads, one, [(gs,) for gs in self.graphs.values()]
+                           + [([g],) for g in self.extend_graphs.values()])
 
     def _from_threads(self, threads: int, fn, calls: list):
         """fn(*args) for each args of calls from a pool of threads, then the threads' leftovers given back: their
@@ -816,9 +855,9 @@ class Engine:
                 break
             pieces.append((r, r.prefilled, n))
             budget -= n
-        padded = self._padded_lengths(pieces)
-        if padded:  # one graph replay per prompt (each output read before the next replay)
-            logits = torch.cat([self._padded_prefill(r, p).clone() for (r, _, _), p in zip(pieces, padded)])
+        graphs = self._prefill_graphs_for(pieces)
+        if graphs:  # one graph replay per piece (each output read before the next replay)
+            logits = torch.cat([self._replay_prefill(g, *piece).clone() for (g, _), piece in zip(graphs, pieces)])
         else:
             logits = self._eager_prefill(pieces)
         for r, a, n in pieces:
@@ -837,19 +876,21 @@ class Engine:
         for r, t in zip(rs, tok.tolist()):  # a host read: the prompt's first token is reported at once
             self._take(r, [t], out, "its prefill")
 
-    def _padded_lengths(self, pieces: list) -> list | None:
-        """The prefill graphs' lengths for the pieces when every piece is a whole fresh text prompt and their padded
-        lengths add up to at most the largest graph's (their replays then cost about one such pass of kernels, no
-        more than an eager pass of that size costs the host); else None: one eager pass."""
+    def _prefill_graphs_for(self, pieces: list) -> list | None:
+        """A graph per piece when every piece is the whole rest of a text prompt (a fresh prompt: the prefill graph of
+        its padded length; on top of a cached prefix: the extension graph) and their padded lengths add up to at most
+        the largest prefill graph's (their replays then cost about one such pass of kernels, no more than an eager
+        pass of that size costs the host); else None: one eager pass."""
         if not self.prefill_graphs:
             return None
         out = []
         for r, a, n in pieces:
-            p = next((p for p in self.prefill_graphs if p >= n), None)
-            if p is None or a or n < len(r.ids) or r.features is not None:
+            sizes = self.extend_graphs if a else self.prefill_graphs
+            p = next((p for p in sizes if p >= n), None)
+            if p is None or a + n < len(r.ids) or r.features is not None:
                 return None
-            out.append(p)
-        return out if sum(out) <= max(self.prefill_graphs) else None
+            out.append((sizes[p], p))
+        return out if sum(p for _, p in out) <= max(self.prefill_graphs) else None
 
     def _eager_prefill(self, pieces: list) -> torch.Tensor:
         """One pass over the pieces (request, first position, tokens), packed -> the logits [pieces, V/tp] of each
@@ -870,14 +911,14 @@ class Engine:
             return self.spec.prefill(pieces, ids, embeds, hook)
         return self.model.forward(ids, self.cache, lens, embeds, hook, rows=rows, held=[a for _, a, _ in pieces])
 
-    def _padded_prefill(self, r: Request, n: int) -> torch.Tensor:
-        """A fresh prompt's prefill by the graph of padded length n -> this rank's logits [1, V/tp]."""
-        g = self.prefill_graphs[n]
+    def _replay_prefill(self, g: Graph, r: Request, a: int, n: int) -> torch.Tensor:
+        """Prompt tokens a..a+n-1 of r (the rest of its prompt) by a prefill or extension graph (inputs: the ids,
+        padded; the real count; the slot) -> this rank's logits [1, V/tp] of its last token."""
         pinned = self.dev.type == "cuda"
-        ids = torch.zeros(n, dtype=torch.long, pin_memory=pinned)
-        ids[:len(r.ids)] = torch.tensor(r.ids)
-        g.inputs[0].copy_(ids, non_blocking=pinned)
-        g.inputs[1].copy_(torch.tensor([len(r.ids)], pin_memory=pinned), non_blocking=pinned)
+        ids = torch.zeros(g.inputs[0].numel(), dtype=torch.long, pin_memory=pinned)
+        ids[:n] = torch.tensor(r.ids[a:a + n])
+        g.inputs[0].copy_(ids.view(g.inputs[0].shape), non_blocking=pinned)
+        g.inputs[1].copy_(torch.tensor([n], pin_memory=pinned), non_blocking=pinned)
         g.inputs[2].copy_(torch.tensor([r.slot], pin_memory=pinned), non_blocking=pinned)
         return g()
 

@@ -123,22 +123,24 @@ def test_a_cancelled_request_frees_its_slot_for_a_waiting_one(lm):
 @torch.inference_mode()
 def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(lm, monkeypatch):
     """A fresh prompt runs as the pass of its padded length (32, 64, 128: CUDA graphs on a GPU, eager here) in the
-    staging row, adopted by its slot: the tokens of an engine that prefills it as it is, for prompts within a ring
-    (5, 33), past the ring and across DSA regions (100 tokens, padded to 128), on the second slot, two that arrive
-    together (padded 32 + 64 <= 128: one replay each), and a next turn that reuses a padded prompt's cache. A prompt
-    past the largest padded length (130) and two whose padded lengths add up past it (100 + 45) prefill eagerly,
-    packed."""
+    staging row, adopted by its slot, and a next turn of up to 64 tokens as a decode step of 16, 32 or 64 tokens on
+    its slot: the tokens of an engine that prefills them as they are, for prompts within a ring (5, 33), past the
+    ring and across DSA regions (100 tokens, padded to 128), on the second slot, two that arrive together (padded 32
+    + 64 <= 128: one replay each), and a next turn of 36 tokens across five regions on top of a padded prompt's
+    cache. A prompt past the largest padded length (130) and two whose padded lengths add up past it (100 + 45)
+    prefill eagerly, packed."""
     eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=256, graph_prefill=128))
     eng.start()
     assert list(eng.prefill_graphs) == [32, 64, 128]
     assert eng.cache.layers[0].k.shape[2] < 100 < 128  # a sliding ring shorter than the 100-token prompt
     padded = []
-    run = E.Engine._padded_prefill
-    monkeypatch.setattr(E.Engine, "_padded_prefill", lambda self, r, n: padded.append((len(r.ids), n)) or run(self, r, n))
+    run = E.Engine._replay_prefill
+    monkeypatch.setattr(E.Engine, "_replay_prefill",
+                        lambda self, g, r, a, n: padded.append((a, n, g.inputs[0].numel())) or run(self, g, r, a, n))
     ps = [ids(5, 30), ids(33, 31), ids(100, 32), ids(130, 33)]
     with pinned(lm, M.Pins()) as rec:
         outs = [eng.run([E.Request(p, 5)])[0] for p in ps[:3]]
-        t2 = ps[2] + outs[2].out + ids(6, 36)  # the 100-token prompt's next turn, on the slot that holds it
+        t2 = ps[2] + outs[2].out + ids(35, 36)  # the 100-token prompt's next turn, on the slot that holds it
         turn = eng.run([E.Request(t2, 5)])[0]
         outs.append(eng.run([E.Request(ps[3], 5)])[0])
         busy = E.Request(ids(70, 34), 12)  # on one slot while the next prompt takes the other
@@ -147,7 +149,8 @@ def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(
         second = eng.run([E.Request(ids(45, 35), 5)])[0]
         pair = eng.run([E.Request(ids(9, 37), 4), E.Request(ids(40, 38), 4)])
         packed = eng.run([E.Request(ids(100, 39), 4), E.Request(ids(45, 40), 4)])
-    assert padded == [(5, 32), (33, 64), (100, 128), (70, 128), (45, 64), (9, 32), (40, 64)], padded
+    assert padded == [(0, 5, 32), (0, 33, 64), (0, 100, 128), (104, 36, 64), (0, 70, 128), (0, 45, 64), (0, 9, 32),
+                      (0, 40, 64)], padded
     assert second.slot != busy.slot and turn.cached > 0 and busy.finish == "length"
     for p, r in [*zip(ps, outs), (busy.ids, busy), (second.ids, second), *((r.ids, r) for r in pair + packed)]:
         tokens_agree_up_to_near_tie(lm, p, solo(lm, p, len(r.out), rec, r.rid), r.out)
@@ -159,8 +162,8 @@ def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(
 @pytest.mark.parametrize("path", ["references", "triton launchers"])
 @torch.inference_mode()
 def test_a_padded_prefill_reads_nothing_back_to_the_host(tp1_models, monkeypatch, request, path):
-    """A CUDA graph cannot hold a host read or a host-to-device copy: the padded pass (as captured, here run on the
-    CPU) makes no op that would (a tensor's value read on the host, a data-dependent shape, a tensor from host
+    """A CUDA graph cannot hold a host read or a host-to-device copy: the padded pass and the extension step (as
+    captured, here run on the CPU) make no op that would (a tensor's value read on the host, a data-dependent shape, a tensor from host
     data), through the references or through the Triton launchers (their launches recorded, not run, as
     gpu_launches makes them, then the references). The eager prefill, which reads the cache lengths unless told
     them, is caught reading."""
@@ -188,11 +191,15 @@ def test_a_padded_prefill_reads_nothing_back_to_the_host(tp1_models, monkeypatch
             if str(func) in banned:
                 seen.append(str(func))
             return func(*args, **(kwargs or {}))
+    x = eng.extend_graphs[32]
+    x.inputs[1].fill_(20)
+    x.inputs[2].fill_(1)
     keys = set()
     with sass.launch_keys(keys, execute=False) if launchers else contextlib.nullcontext(), Host():
         logits = g()
+        turn = x()
     assert not seen, f"host reads in the padded prefill: {sorted(set(seen))}"
-    assert logits.shape == (1, lm.lm_head.weight.shape[0]) and int(eng.cache.lengths[1]) == 45
+    assert logits.shape == turn.shape == (1, lm.lm_head.weight.shape[0]) and int(eng.cache.lengths[1]) == 65
     assert (len(keys) > 10) == launchers  # the Triton launchers ran (their launches recorded)
     with sass.launch_keys(set(), execute=False) if launchers else contextlib.nullcontext(), Host():
         lm.forward(g.inputs[0], eng.cache, [64], rows=[0])
@@ -278,7 +285,8 @@ def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, 
         eng.run([E.Request(ids(7, 20), 3)])
         eng.run([E.Request(ids(300, 21), 2), E.Request(ids(23, 22), 4), E.Request(ids(1, 23), 2)])
         eng.run([E.Request(ids(29, 24), 3), E.Request(ids(290, 25), 3)])
-        eng.run([E.Request(ids(50, 26), 2)])  # a few queries past those that select every region
+        r = eng.run([E.Request(ids(50, 26), 2)])[0]  # a few queries past those that select every region
+        eng.run([E.Request(r.ids + r.out + ids(20, 27), 2)])  # a next turn on top of its cache
     new = seen - warm
 
     def differs(k):  # the arguments in which a new launch differs from every start-up launch of its kernel
