@@ -640,11 +640,11 @@ def test_sliding_decode_addresses_its_ring_rows(Q):
 
 
 @pytest.mark.parametrize("B,first,Q,R", [(B, first, Q, R) for B, first in ((1, [0]), (2, [5, 30]))
-                                         for Q, R in ((3, 10), (4, 13))] + [(1, [30], 16, 23)])
+                                         for Q, R in ((3, 10), (4, 13))] + [(1, [30], 8, 15)])
 def test_sliding_decode_multi_token(B, first, Q, R):
-    """Q tokens per ring row (a speculative verify step, or a next turn's extension step of 16): the keys are written
+    """Q tokens per ring row (a speculative verify step, or a next turn's extension step): the keys are written
     by their own launch, then each query sees the window of its own position; rows starting at 0, inside the first
-    window and wrapped; a ring of exactly W + Q - 1 slots (R = 10 at Q = 3, 23 at Q = 16) and a larger one."""
+    window and wrapped; a ring of exactly W + Q - 1 slots (R = 10 at Q = 3, 15 at Q = 8) and a larger one."""
     H, G, hd, half, W = 4, 2, 32, 8, 8
     pos = [p + j for p in first for j in range(Q)]
     args = _sliding_case(B, H, G, hd, half, W, R, pos, seed=B * 7 + Q + R, Q=Q)
