@@ -15,7 +15,7 @@ step is queued, so the device never waits for it.
 The decode step is one static-shape function of the slot of each row (padding rows of a batch bucket point at slots
 that do not decode in the step and write only where their slot's next token would go), replayed as a CUDA graph on
 GPUs. So is a fresh prompt's prefill, padded to a power of two in a staging row that its slot then adopts
-(_prefill_graph), and a short next turn, as one decode step of several tokens for its slot (_extend_graph): an
+(_prefill_graph), and a short next turn, as decode steps of several tokens for its slot (_extend_graph): an
 eager pass of a few thousand tokens costs the host more than its kernels take.
 """
 import contextlib
@@ -37,9 +37,11 @@ PREFILL_CHUNK = 16384  # prefill tokens per engine step (packed over requests); 
 # Fresh prompts up to this many tokens prefill as a CUDA graph: an eager pass of <= 4k tokens is bound by the host's
 # launches (~0.11-0.21 s a pass on the H200 machines, 0.047 s of kernels at 1k; PERF_LOG 2026-12-05)
 GRAPH_PREFILL = 4096
-# ... and so does a conversation's next turn of up to 64 new tokens, as a decode step of that many tokens per row
-# (padded to one of these; the sliding rings' spare slots bound it: _extend_sizes)
+# ... and so does a conversation's next turn of up to EXTEND_TURN new tokens, as decode steps of up to 64 tokens for
+# its row (each padded to one of EXTEND; the sliding rings' spare slots bound a step: _extend_sizes). A 64-token step
+# reads most of a rank's experts, so a few of them stay below an eager pass's host time, not many.
 EXTEND = (16, 32, 64)
+EXTEND_TURN = 256
 REWIND = 64  # positions a slot's prefix may be rewound by to reuse it (sliding rings carry that many spare slots)
 
 
@@ -855,9 +857,10 @@ class Engine:
                 break
             pieces.append((r, r.prefilled, n))
             budget -= n
-        graphs = self._prefill_graphs_for(pieces)
-        if graphs:  # one graph replay per piece (each output read before the next replay)
-            logits = torch.cat([self._replay_prefill(g, *piece).clone() for (g, _), piece in zip(graphs, pieces)])
+        plan = self._prefill_graphs_for(pieces)
+        if plan:  # each piece's replays in order; its last one's output read before the next replay
+            logits = torch.cat([[self._replay_prefill(g, r, a, n) for g, a, n in steps][-1].clone()
+                                for steps, (r, _, _) in zip(plan, pieces)])
         else:
             logits = self._eager_prefill(pieces)
         for r, a, n in pieces:
@@ -877,20 +880,27 @@ class Engine:
             self._take(r, [t], out, "its prefill")
 
     def _prefill_graphs_for(self, pieces: list) -> list | None:
-        """A graph per piece when every piece is the whole rest of a text prompt (a fresh prompt: the prefill graph of
-        its padded length; on top of a cached prefix: the extension graph) and their padded lengths add up to at most
-        the largest prefill graph's (their replays then cost about one such pass of kernels, no more than an eager
-        pass of that size costs the host); else None: one eager pass."""
+        """Per piece, its graph replays [(graph, first token, tokens)], when every piece is the whole rest of a text
+        prompt: a fresh prompt of up to the largest prefill graph's length, the prefill graph of its padded length; up
+        to EXTEND_TURN tokens on top of a cached prefix, extension steps of up to 64 tokens each. And only when their
+        padded lengths add up to at most the largest prefill graph's (their replays then cost about one such pass of
+        kernels, no more than an eager pass of that size costs the host); else None: one eager pass."""
         if not self.prefill_graphs:
             return None
-        out = []
+        plan, total = [], 0
         for r, a, n in pieces:
-            sizes = self.extend_graphs if a else self.prefill_graphs
-            p = next((p for p in sizes if p >= n), None)
-            if p is None or a + n < len(r.ids) or r.features is not None:
+            if a + n < len(r.ids) or r.features is not None or (a and (not self.extend_graphs or n > EXTEND_TURN)):
                 return None
-            out.append((sizes[p], p))
-        return out if sum(p for _, p in out) <= max(self.prefill_graphs) else None
+            sizes, step = (self.extend_graphs, max(self.extend_graphs)) if a else (self.prefill_graphs, n)
+            steps = []
+            for o in range(0, n, step):
+                p = next((p for p in sizes if p >= min(step, n - o)), None)
+                if p is None:
+                    return None
+                steps.append((sizes[p], a + o, min(step, n - o)))
+                total += p
+            plan.append(steps)
+        return plan if total <= max(self.prefill_graphs) else None
 
     def _eager_prefill(self, pieces: list) -> torch.Tensor:
         """One pass over the pieces (request, first position, tokens), packed -> the logits [pieces, V/tp] of each

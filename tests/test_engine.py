@@ -28,9 +28,9 @@ def lm(tp1_models):
     return tp1_models("bf16_text")
 
 
-def solo(lm, prompt, new, rec=None, rid=0, stop=()):
+def solo(lm, prompt, new, rec=None, rid=0, stop=(), context=256):
     """A fresh engine's tokens for one request (with another run's decisions of request `rid` pinned)."""
-    eng = E.Engine(lm, E.EngineConfig(max_batch=1, max_context=256))
+    eng = E.Engine(lm, E.EngineConfig(max_batch=1, max_context=context))
     eng.start()
     req = E.Request(prompt, new, frozenset(stop))
     if rec is None:
@@ -122,41 +122,46 @@ def test_a_cancelled_request_frees_its_slot_for_a_waiting_one(lm):
 
 @torch.inference_mode()
 def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(lm, monkeypatch):
-    """A fresh prompt runs as the pass of its padded length (32, 64, 128: CUDA graphs on a GPU, eager here) in the
-    staging row, adopted by its slot, and a next turn of up to 64 tokens as a decode step of 16, 32 or 64 tokens on
-    its slot: the tokens of an engine that prefills them as they are, for prompts within a ring (5, 33), past the
-    ring and across DSA regions (100 tokens, padded to 128), on the second slot, two that arrive together (padded 32
-    + 64 <= 128: one replay each), and a next turn of 36 tokens across five regions on top of a padded prompt's
-    cache. A prompt past the largest padded length (130) and two whose padded lengths add up past it (100 + 45)
-    prefill eagerly, packed."""
-    eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=256, graph_prefill=128))
+    """A fresh prompt runs as the pass of its padded length (32 ... 256: CUDA graphs on a GPU, eager here) in the
+    staging row, adopted by its slot, and a next turn as decode steps of up to 64 tokens (16, 32 or 64) on its slot:
+    the tokens of an engine that prefills them as they are, for prompts within a ring (5, 33), past the ring and
+    across DSA regions (100 tokens, padded to 128), on the second slot, two that arrive together (padded 32 + 64:
+    one replay each), a next turn of 36 tokens across five regions on top of a padded prompt's cache, and a turn of
+    ~145 tokens as three extension steps. A prompt past the largest padded length (260) and two whose padded
+    lengths add up past it (200 + 45: 256 + 64) prefill eagerly, packed."""
+    eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=384, graph_prefill=256))
     eng.start()
-    assert list(eng.prefill_graphs) == [32, 64, 128]
+    assert list(eng.prefill_graphs) == [32, 64, 128, 256] and list(eng.extend_graphs) == [16, 32, 64]
     assert eng.cache.layers[0].k.shape[2] < 100 < 128  # a sliding ring shorter than the 100-token prompt
     padded = []
     run = E.Engine._replay_prefill
     monkeypatch.setattr(E.Engine, "_replay_prefill",
                         lambda self, g, r, a, n: padded.append((a, n, g.inputs[0].numel())) or run(self, g, r, a, n))
-    ps = [ids(5, 30), ids(33, 31), ids(100, 32), ids(130, 33)]
+    ps = [ids(5, 30), ids(33, 31), ids(100, 32), ids(260, 33)]
     with pinned(lm, M.Pins()) as rec:
         outs = [eng.run([E.Request(p, 5)])[0] for p in ps[:3]]
         t2 = ps[2] + outs[2].out + ids(35, 36)  # the 100-token prompt's next turn, on the slot that holds it
         turn = eng.run([E.Request(t2, 5)])[0]
+        t3 = t2 + turn.out + ids(140, 41)  # a longer turn: extension steps of 64, 64 and the rest
+        turn3 = eng.run([E.Request(t3, 5)])[0]
         outs.append(eng.run([E.Request(ps[3], 5)])[0])
         busy = E.Request(ids(70, 34), 12)  # on one slot while the next prompt takes the other
         eng.submit(busy)
         eng.step()
         second = eng.run([E.Request(ids(45, 35), 5)])[0]
         pair = eng.run([E.Request(ids(9, 37), 4), E.Request(ids(40, 38), 4)])
-        packed = eng.run([E.Request(ids(100, 39), 4), E.Request(ids(45, 40), 4)])
-    assert padded == [(0, 5, 32), (0, 33, 64), (0, 100, 128), (104, 36, 64), (0, 70, 128), (0, 45, 64), (0, 9, 32),
-                      (0, 40, 64)], padded
+        packed = eng.run([E.Request(ids(200, 39), 4), E.Request(ids(45, 40), 4)])
+    c3, n3 = turn3.cached, len(t3) - turn3.cached
+    assert padded == [(0, 5, 32), (0, 33, 64), (0, 100, 128), (104, 36, 64), (c3, 64, 64), (c3 + 64, 64, 64),
+                      (c3 + 128, n3 - 128, 16 if n3 <= 144 else 32), (0, 70, 128), (0, 45, 64), (0, 9, 32),
+                      (0, 40, 64)], padded  # 260 tokens and 200 + 45 (256 + 64 > 256) eagerly
     assert second.slot != busy.slot and turn.cached > 0 and busy.finish == "length"
     for p, r in [*zip(ps, outs), (busy.ids, busy), (second.ids, second), *((r.ids, r) for r in pair + packed)]:
-        tokens_agree_up_to_near_tie(lm, p, solo(lm, p, len(r.out), rec, r.rid), r.out)
-    rec.data.update({(k[0], k[1], turn.rid, *k[3:]): v for k, v in list(rec.data.items())
-                     if k[2] == outs[2].rid and k[3] < turn.cached})
-    tokens_agree_up_to_near_tie(lm, t2, solo(lm, t2, 5, rec, turn.rid), turn.out)
+        tokens_agree_up_to_near_tie(lm, p, solo(lm, p, len(r.out), rec, r.rid, context=384), r.out)
+    for prev, r, t in ((outs[2], turn, t2), (turn, turn3, t3)):  # the reused positions' decisions under the turn's id
+        rec.data.update({(k[0], k[1], r.rid, *k[3:]): v for k, v in list(rec.data.items())
+                         if k[2] == prev.rid and k[3] < r.cached})
+        tokens_agree_up_to_near_tie(lm, t, solo(lm, t, 5, rec, r.rid, context=384), r.out)
 
 
 @pytest.mark.parametrize("path", ["references", "triton launchers"])
