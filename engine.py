@@ -574,18 +574,16 @@ class Engine:
         """A next turn's prefill of up to q tokens on top of what its slot holds, as one decode step of q tokens for
         that row (the positions, the slot and the real count are device inputs: any turn of up to q tokens replays
         it). Inputs: the ids [1, q] (padded with token 0), the real tokens [1], the slot [1]; -> this rank's logits
-        [1, V/tp] of the last real token. The padding's writes past the real tokens are those of a speculative step's
-        rejected rows: rewritten by later steps before anything reads them; the slot's length becomes its own plus
-        the real count."""
+        [1, V/tp] of the last real token. The padding's writes past the real tokens are rewritten by later steps before
+        anything reads them, but for the pending DSA rows it overwrites past a region boundary, which the layers put
+        back (Placement.real); the slot's length advances by the real count."""
         m, cache = self.model, self.cache
         ids = torch.zeros(1, q, dtype=torch.long, device=self.dev)
         real = torch.full((1,), q, dtype=torch.long, device=self.dev)
         slot = torch.zeros(1, dtype=torch.long, device=self.dev)
 
         def extend(ids, real, slot):
-            held = cache.lengths.index_select(0, slot)
-            res = m.forward_rows(ids, cache, rows=slot)  # [q, D]
-            cache.lengths.index_copy_(0, slot, held + real)
+            res = m.forward_rows(ids, cache, rows=slot, real=real)  # [q, D]; the slot's length advances by real
             return m.logits(res.index_select(0, real - 1))
         return Graph(extend, [ids, real, slot], self.use_graph, state=lambda: (cache.lengths,), pool=pool)
 

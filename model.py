@@ -209,9 +209,10 @@ class Cache:
 class Placement:
     """Where one forward call's tokens go. Prefill: spans (cache row, start in the packed tokens, n tokens, first
     position p0) per row that gets tokens. Decode: rows [B'] (the cache row of each batch row, a device tensor; no
-    host read) and Q tokens per row. pos [T]: each token's absolute position. real: in a padded prefill (one span
-    at position 0 whose tokens past `real` [1] (a device count) are padding: a CUDA graph's static length), the
-    layers keep the real tokens' state where a later step reads it (the DSA pending rows)."""
+    host read) and Q tokens per row. pos [T]: each token's absolute position. real: in a padded pass (a CUDA
+    graph's static length: one prefill span at position 0, or a decode step of Q tokens per row) the device count of
+    real tokens [1], the rest padding; the layers keep the real tokens' state where a later step reads it (the DSA
+    pending rows, which padding past a region boundary would overwrite)."""
     pos: torch.Tensor
     spans: list | None = None
     rows: torch.Tensor | None = None
@@ -435,11 +436,15 @@ class Attention(nn.Module):
             Q, rows = at.Q, at.rows
             B = T // Q
             pq = at.pos.view(B, Q)
+            if at.real is not None:  # padded: the pending rows as they were, for the real tokens' region (below)
+                kept = cache.pk.index_select(0, rows), cache.pz.index_select(0, rows)  # [B, blk, P]
             for j in range(Q):  # token by token: a region completed by token j is summarised before later queries
                 # K/V rows, the pending indexer row and, when it completes a region, the region's summary
                 kernel.dsa_cache_write(k.view(B, Q, G, hd)[:, j], v.view(B, Q, G, hd)[:, j], ki.view(B, Q, P)[:, j],
                                        zi.view(B, Q, P)[:, j], pq[:, j], cache.k, cache.v, cache.pk, cache.pz,
                                        cache.summ, rows=rows)
+            if at.real is not None:
+                self._real_pending(cache, rows, pq[:, 0], at.real, ki.view(B, Q, P), zi.view(B, Q, P), kept)
             # scores of regions past every query's history are skipped: the step's cost follows the rows' contexts
             scores = kernel.indexer_scores(qi.view(B, Q, *qi.shape[1:]), wi.view(B, Q, *wi.shape[1:]),
                                            cache.summ.view(kernel.FP8), self.w_scale, q_e4m3=True, rows=rows,
@@ -492,6 +497,19 @@ class Attention(nn.Module):
                                           p0 + c0, ids, valid, pb, blk, sp.topk, self.scale, gate=g[s + c0:s + c1],
                                           out=out[None, s + c0:s + c1])
         return out.view(T, H, hd)
+
+    def _real_pending(self, cache, rows, start, real, ki, zi, kept):
+        """After a padded decode step of Q tokens per row from positions start [B] with `real` [1] of them real: the
+        pending rows of the region that holds the last real token get back what padding past a region boundary
+        overwrote: row j holds position p = that region's first + j: from before the step (kept) if p < start, else
+        the step's own indexer key/z of p (rows past the real tokens are rewritten before the region completes).
+        Regions completed by real tokens were summarised before any padding was written."""
+        blk, Q, P = cache.pk.shape[1], ki.shape[1], ki.shape[2]
+        p = (start + real - 1)[:, None] // blk * blk + torch.arange(blk, device=start.device)  # [B, blk]
+        j = (p - start[:, None]).clamp(0, Q - 1)[..., None].expand(-1, -1, P)
+        before = (p < start[:, None])[..., None]
+        cache.pk.index_copy_(0, rows, torch.where(before, kept[0], ki.gather(1, j)))
+        cache.pz.index_copy_(0, rows, torch.where(before, kept[1], zi.gather(1, j)))
 
     def _pin_every_region(self, req, pos, G: int):
         """Installed Pins (tests): record the selection of every history region for queries pos [1, T] that skip the
@@ -768,7 +786,7 @@ class Step5ForCausalLM(nn.Module):
 
         Prefill (seq_lens): seq_lens[i] tokens for cache row rows[i] (default: row i of every row), packed, on top of
         what each row holds: held[i] positions when the caller keeps count, else a host read of the lengths; rows
-        with 0 tokens are skipped; real: Placement's (the row's length becomes real). Decode: Q
+        with 0 tokens are skipped. real: Placement's (the rows' lengths advance by it). Decode: Q
         tokens per row of `rows` [B'] (a device tensor; default every row), T = B' * Q row-major, the lengths
         advanced on the device (by Q, or by Q * live for rows with live [B'] 0/1), so the step replays as a CUDA
         graph."""
@@ -776,8 +794,8 @@ class Step5ForCausalLM(nn.Module):
             rows = torch.arange(cache.lengths.shape[0], device=dev) if rows is None else rows
             p0 = cache.lengths[rows]
             pos = (p0[:, None] + torch.arange(Q, device=dev)).flatten()
-            cache.lengths[rows] = p0 + (Q if live is None else Q * live)
-            return Placement(pos, rows=rows, Q=Q)
+            cache.lengths[rows] = p0 + (Q if live is None else Q * live) if real is None else p0 + real
+            return Placement(pos, rows=rows, Q=Q, real=real)
         rows = list(range(cache.lengths.shape[0])) if rows is None else list(rows)
         if len(seq_lens) != len(rows):
             raise ValueError(f"{len(seq_lens)} prompts for {len(rows)} cache rows")

@@ -164,6 +164,31 @@ def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(
         tokens_agree_up_to_near_tie(lm, t, solo(lm, t, 5, rec, r.rid, context=384), r.out)
 
 
+@torch.inference_mode()
+def test_a_padded_decode_step_keeps_the_pending_rows_its_padding_overwrites(lm):
+    """An extension step of 3 real tokens padded to 16 (positions 58..73) writes padding past two region boundaries
+    (regions of 8), over the pending indexer rows of the region its real tokens end in (56..63). The layers put them
+    back: when later tokens complete that region, its summary is the one of a step without padding, and so are the
+    logits of queries that select among regions past it (unpadded: the region's summary built from padding keys)."""
+    blk = lm.cfg.sparse.block
+    assert blk == 8
+    prompt, x = ids(58, 50), ids(9, 51)
+    dsa = [i for i, lc in enumerate(lm.new_cache(1, 8).layers) if getattr(lc, "summ", None) is not None]
+    caches = [lm.new_cache(1, 128, slack=16) for _ in range(2)]
+    for c in caches:
+        lm.forward(torch.tensor(prompt), c, [58])
+    row = torch.tensor([0])
+    lm.forward_rows(torch.tensor([x[:3] + [7] * 13]), caches[0], rows=row, real=torch.tensor([3]))
+    lm.forward_rows(torch.tensor([x[:3]]), caches[1], rows=row)
+    assert [int(c.lengths[0]) for c in caches] == [61, 61]
+    for t in x[3:]:  # positions 61..66: region 7 completes at 63, then queries select among 8 regions (topk 4)
+        out = [lm.forward(torch.tensor([t]), c) for c in caches]
+    for i in dsa:
+        same = (caches[0].layers[i].summ[0, 7] == caches[1].layers[i].summ[0, 7]).float().mean().item()
+        assert same > 0.9, f"layer {i}: region 7's summary agrees on {same:.0%} of its bytes"
+    assert ((out[0] - out[1]).abs().max() / out[1].std()).item() < NOISE["bf16"]
+
+
 @pytest.mark.parametrize("path", ["references", "triton launchers"])
 @torch.inference_mode()
 def test_a_padded_prefill_reads_nothing_back_to_the_host(tp1_models, monkeypatch, request, path):
