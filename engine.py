@@ -342,9 +342,9 @@ class EngineConfig:
     cuda_graph: bool = True
     build_threads: int | None = None  # start-up's parallel kernel builds (None: the rank's share of the CPU cores, at
     # most 16; 0 or 1: the warm-up passes in order)
-    graph_prefill: int | None = None  # a fresh prompt of up to this many tokens, alone in its prefill pass, runs as
-    # the CUDA graph of its padded length (None: GRAPH_PREFILL where the decode graphs run, else 0; on the CPU the
-    # padded passes run eagerly, for tests)
+    graph_prefill: int | None = None  # prefill graphs up to this padded length, and with them the extension graphs
+    # (_prefill_graphs_for; None: GRAPH_PREFILL where the decode graphs run, else 0; 0: none; on the CPU the padded
+    # passes run eagerly, for tests)
 
 
 @dataclass
@@ -537,11 +537,11 @@ class Engine:
                          "threads again")
         self.say("start-up: " + (f"kernels built ahead from {threads} threads in {tb - t0:.1f} s, " if ahead
                                   else f"warm-up {t1 - tb:.1f} s, ")
-                 + (f"{sum(len(g) for g in self.graphs.values()) + len(self.prefill_graphs)} CUDA graphs captured in "
-                    f"{t2 - t1:.1f} s" if self.use_graph else "decode steps run eagerly")
+                 + (f"{sum(map(len, (*self.graphs.values(), self.prefill_graphs, self.extend_graphs)))} CUDA graphs "
+                    f"captured in {t2 - t1:.1f} s" if self.use_graph else "decode steps run eagerly")
                  + f" (batch buckets {list(self.graphs)}"
-                 + (f"; fresh prompts of <= {max(self.prefill_graphs)} tokens prefill padded to "
-                    f"{list(self.prefill_graphs)}" if self.prefill_graphs else "") + ")")
+                 + (f"; prefills padded to {list(self.prefill_graphs)}, turns in steps of {list(self.extend_graphs)}"
+                    if self.prefill_graphs else "") + ")")
 
     def _capture_prefill_graphs(self, sizes: list):
         """The extension graphs, and a prefill graph per padded length. One that cannot be captured (a host read on
@@ -655,10 +655,10 @@ class Engine:
         self._from_threads(threads, one, sorted(passes, key=lambda pn: -pn[1]))
 
     def _warm_graphs_ahead(self, threads: int):
-        """Each batch bucket's decode step(s) once, eagerly, from a pool of threads (a bucket a thread), so their
-        kernels compile side by side and the captures after only capture. The steps write at the first slots' next
-        positions, as a capture's warm-up does; the threads' steps overlap on the same slots, so what they write is
-        garbage the slots' first real steps overwrite (start-up forgets the slots)."""
+        """Each batch bucket's decode step(s) and each extension step once, eagerly, from a pool of threads (one a
+        thread), so their kernels compile side by side and the captures after only capture. The steps write at the
+        first slots' next positions, as a capture's warm-up does; the threads' steps overlap on the same slots, so what
+        they write is garbage the slots' first real steps overwrite (start-up forgets the slots)."""
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)  # the caches' zeroing done before the threads' streams read them
 

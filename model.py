@@ -470,10 +470,9 @@ class Attention(nn.Module):
                                                                     zr[:done * blk].view(done, blk, P)).view(torch.uint8)
             tail = q0 + n - done * blk
             cache.pk[b, :tail], cache.pz[b, :tail] = kr[done * blk:], zr[done * blk:]
-            if at.real is not None:  # padded: pending rows of the real tokens' last region (q0 = 0); its rows past
-                # `real` hold padding, which decode steps overwrite before the region completes
-                last = (at.real // blk * blk + torch.arange(blk, device=kr.device)).clamp(max=n - 1)
-                cache.pk[b], cache.pz[b] = kr[last], zr[last]
+            if at.real is not None:  # padded (p0 = 0): the pending rows of the real tokens' last region
+                self._real_pending(cache, at.pos.new_full((1,), b), at.pos.new_zeros(1), at.real, kr[None], zr[None],
+                                   (cache.pk[b:b + 1], cache.pz[b:b + 1]))
             # queries at p < (topk + 1) * blk select every history region (the spec's dense-equivalence regime): no
             # scores or selection, and their attention in tiles of whole regions' queries
             nd = min(n, max(0, (sp.topk + 1) * blk - p0))
@@ -499,11 +498,12 @@ class Attention(nn.Module):
         return out.view(T, H, hd)
 
     def _real_pending(self, cache, rows, start, real, ki, zi, kept):
-        """After a padded decode step of Q tokens per row from positions start [B] with `real` [1] of them real: the
-        pending rows of the region that holds the last real token get back what padding past a region boundary
-        overwrote: row j holds position p = that region's first + j: from before the step (kept) if p < start, else
-        the step's own indexer key/z of p (rows past the real tokens are rewritten before the region completes).
-        Regions completed by real tokens were summarised before any padding was written."""
+        """After a padded pass (a decode step, or a prefill from position 0) of Q tokens per row of `rows` [B] from
+        positions start [B], `real` [1] of them real, with indexer keys/z ki, zi [B, Q, P]: the pending rows of the
+        region that holds the last real token get back what padding past a region boundary overwrote. Row j holds
+        position p = that region's first + j: from before the pass (kept [B, blk, P] x 2) if p < start, else the
+        pass's own row of p (rows past the real tokens are rewritten before the region completes). Regions completed
+        by real tokens were summarised before any padding was written."""
         blk, Q, P = cache.pk.shape[1], ki.shape[1], ki.shape[2]
         p = (start + real - 1)[:, None] // blk * blk + torch.arange(blk, device=start.device)  # [B, blk]
         j = (p - start[:, None]).clamp(0, Q - 1)[..., None].expand(-1, -1, P)

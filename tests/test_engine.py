@@ -193,10 +193,10 @@ def test_a_padded_decode_step_keeps_the_pending_rows_its_padding_overwrites(lm):
 @torch.inference_mode()
 def test_a_padded_prefill_reads_nothing_back_to_the_host(tp1_models, monkeypatch, request, path):
     """A CUDA graph cannot hold a host read or a host-to-device copy: the padded pass and the extension step (as
-    captured, here run on the CPU) make no op that would (a tensor's value read on the host, a data-dependent shape, a tensor from host
-    data), through the references or through the Triton launchers (their launches recorded, not run, as
-    gpu_launches makes them, then the references). The eager prefill, which reads the cache lengths unless told
-    them, is caught reading."""
+    captured, here run on the CPU) make no op that would (a tensor's value read on the host, a data-dependent shape,
+    a tensor from host data), through the references or through the Triton launchers (their launches recorded, not
+    run, as gpu_launches makes them, then the references). The eager prefill, which reads the cache lengths unless
+    told them, is caught reading."""
     import contextlib
     import sass
     from torch.utils._python_dispatch import TorchDispatchMode
