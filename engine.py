@@ -38,8 +38,9 @@ PREFILL_CHUNK = 16384  # prefill tokens per engine step (packed over requests); 
 # launches (~0.11-0.21 s a pass on the H200 machines, 0.047 s of kernels at 1k; PERF_LOG 2026-12-05)
 GRAPH_PREFILL = 4096
 # ... and so does a conversation's next turn of up to EXTEND_TURN new tokens, as decode steps of up to 64 tokens for
-# its row (each padded to one of EXTEND; the sliding rings' spare slots bound a step: _extend_sizes). A 64-token step
-# reads most of a rank's experts, so a few of them stay below an eager pass's host time, not many.
+# its row (each padded to one of EXTEND; the sliding rings' spare slots bound a step: _extend_sizes). The bound of 4
+# steps is chosen, not measured: a 64-token step reads most of a rank's experts, so many would cost more kernel time
+# than one eager pass costs the host (bench_request.py --turn measures it).
 EXTEND = (16, 32, 64)
 EXTEND_TURN = 256
 REWIND = 64  # positions a slot's prefix may be rewound by to reuse it (sliding rings carry that many spare slots)
