@@ -470,7 +470,7 @@ class Engine:
         """Bytes of the caches for B (default max_batch) slots of ctx positions (built on the meta device: nothing
         allocated)."""
         m, B = self.model, B or self.config.max_batch
-        caches = [m.new_cache(B, ctx, slack=self.slack, device="meta")]
+        caches = [m.new_cache(B, ctx, slack=self.slack, device="meta", verify=self.k and self.k + 1)]
         if self.k:
             caches += m.new_mtp_caches(B, ctx, slack=self.slack, device="meta")
         return sum(t.numel() * t.element_size() for c in caches for lc in c.layers for t in vars(lc).values())
@@ -502,7 +502,7 @@ class Engine:
         in_order = [] if ahead else [(p0, n) for p0, n in m.warm_lengths(self.max_context, self.config.prefill_chunk)
                                      if p0 or n not in sizes]
         tb = time.perf_counter()
-        self.cache = m.new_cache(B, self.max_context, slack=self.slack)
+        self.cache = m.new_cache(B, self.max_context, slack=self.slack, verify=self.k and self.k + 1)
         self.cap = self.cache.cap
         self.mtps = m.new_mtp_caches(B, self.max_context, slack=self.slack) if self.k else []
         self.staging = self._staging(sizes[-1]) if sizes else None  # before any capture: it may extend RoPE's tables
@@ -1132,12 +1132,14 @@ class Speculator:
 
         def verify(slots, live):  # -> residuals [b*(k+1), D], logits [b*(k+1), V/tp], greedy ids [b, k+1]
             fed = torch.cat([e.next_tok[slots][:, None], self.drafts[slots]], 1)  # [b, k+1]
-            h = m.forward_rows(fed, e.cache, rows=slots, live=live)
+            h = m.forward_rows(fed, e.cache, rows=slots, live=live, verify=True)
             lg = m.logits(h)
             return h, lg, greedy(lg).view(b, k + 1)
 
         def draft(slots, kept, start, h, toks):
-            """The verify rows into the rings (toks[j]: the token after position start + j), then the drafts."""
+            """The DSA pending rows of the kept tokens put back, the verify rows into the rings (toks[j]: the token
+            after position start + j), then the drafts."""
+            m.keep_pending(e.cache, slots, start, kept - start + 1)
             steps = start[:, None] + torch.arange(k + 1, device=dev)  # [b, k+1]: positions of the verify rows
             self.h[0][slots[:, None], steps % S] = h.view(b, k + 1, D)
             self.tok[slots[:, None], (steps + 1) % S] = toks
