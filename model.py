@@ -502,6 +502,7 @@ class Attention(nn.Module):
                                                cache.summ[b:b + 1, :nr].view(kernel.FP8), self.w_scale,
                                                q_e4m3=True, n_hist=pb, blk=blk, prefill=True)
                 ids, valid = kernel.select_regions(scores, pb, sp.topk, blk, prefill=True)
+                del scores  # its room (dsa_query_chunk's bound) serves the attention's selection bookkeeping
                 if self.pins is not None:
                     ids, valid = self.pins.regions(self.layer_id, req[s:s + 1], pb, self.group0, ids, valid, nr)
                 kernel.selected_attention(q[None, s + c0:s + c1], cache.k[b:b + 1, :end], cache.v[b:b + 1, :end],

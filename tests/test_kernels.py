@@ -997,11 +997,34 @@ def test_dense_prefix_over_a_selection_is_sparse_attention(G, Hg, hd, blk, topk,
                            K.gate_heads(ref, gate))
 
 
+def test_block_union_lists_each_blocks_selected_regions_and_each_querys_bits():
+    """_block_union (the dense tiles' view of a selection): each block's list is the ascending union of its queries'
+    selected regions, and a query's bits mark exactly its own regions' places in that list (union places past 31:
+    bit 31, the sign of an int32 word, included)."""
+    blk, QB, p0, T, topk = 8, 16, 1003, 70, 40
+    pos = torch.arange(p0, p0 + T)[None]
+    scores = torch.randn(1, 2, T, (p0 + T) // blk, generator=_gen(3))
+    ids, valid = K.select_regions_ref(scores, pos, topk, blk)
+    valid[0, 1, 5, ::3] = False  # some invalid slots
+    sel, lst, cnt = K._block_union(ids[0], valid[0], p0, blk, QB)
+    lead = p0 % blk
+    assert int(cnt.max()) > 64
+    for g in range(2):
+        for b in range(cnt.shape[1]):
+            qs = range(max(0, b * QB - lead), min(T, (b + 1) * QB - lead))
+            want = sorted({int(i) for t in qs for i, ok in zip(ids[0, g, t], valid[0, g, t]) if ok})
+            assert lst[g, b, :int(cnt[g, b])].tolist() == want
+            for t in qs:
+                words = sel[g, t].tolist()
+                marked = [want[u] for u in range(len(want)) if (words[u // 32] >> (u % 32)) & 1]
+                assert marked == sorted(int(i) for i, ok in zip(ids[0, g, t], valid[0, g, t]) if ok)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # router
 
 
-@pytest.mark.parametrize("T,D,E,k", [(1, 192, 12, 3), (3, 192, 12, 3), (20, 256, 40, 8)])
+@pytest.mark.parametrize("T,D,E,k", [(1, 192, 12, 3), (3, 192, 12, 3), (20, 256, 40, 8), (80, 128, 24, 4)])
 @pytest.mark.parametrize("parts", [1, 4])
 def test_route(T, D, E, k, parts, monkeypatch):
     monkeypatch.setitem(K.TUNING, "router_parts", parts)  # the hoisted K step in 1 or 4 MMA chains
