@@ -2118,9 +2118,10 @@ def dense_prefix(q, k, v, p0, blk, scale, gate=None, ids=None, valid=None, out=N
 
 def dense_tiles_end(topk: int, blk: int) -> int:
     """Prefill queries at positions below this read their selected keys through dense_prefix's tiles, the rest
-    through the per-query sparse kernel: a tile of 8 queries x 8 heads loads each history key once for them all but
-    computes every history key, so its work grows with the history where the per-query kernel's is (topk + 1) * blk
-    keys. TUNING["dense_tiles"] such spans (the two kernels' measured rates: PERF_LOG 2026-12-05)."""
+    through the per-query sparse kernel: a tile of 8 queries x 8 heads loads each key of the union of their
+    selections once for them all but computes every such key for every row, where the per-query kernel computes
+    (topk + 1) * blk keys a query in tiles half of whose rows are padding. TUNING["dense_tiles"] such spans (the two
+    kernels' measured rates: PERF_LOG)."""
     return int(TUNING["dense_tiles"] * (topk + 1) * blk)
 
 
