@@ -429,6 +429,7 @@ class Engine:
         if sizes:  # the padded passes' staging row and their graphs' workspace; the extensions' graphs
             graphs += self._staging_bytes(sizes[-1]) + (prefill_workspace(cfg, sizes[-1]) if self.use_graph else 0)
             graphs += (256 << 20) * len(EXTEND) if self.use_graph else 0
+            graphs += 2 * sizes[-1] * cfg.hidden_size * 4 if self.k else 0  # their residual rows kept as outputs
         headroom = 2 * GIB if self.dev.type == "cuda" else 0
         ctx = c.max_context
         if ctx is None:
@@ -446,12 +447,11 @@ class Engine:
 
     def _prefill_sizes(self, c: EngineConfig) -> list:
         """The padded lengths of the prefill graphs: powers of two from 32 up to the first that holds
-        c.graph_prefill tokens, within the prefill chunk and the context (none with speculative decoding, whose MTP
-        layers absorb the prefill rows)."""
+        c.graph_prefill tokens, within the prefill chunk and the context."""
         top = c.graph_prefill if c.graph_prefill is not None else GRAPH_PREFILL if self.use_graph else 0
         ctx = c.max_context or self.model.cfg.max_position_embeddings
         top = min(top, c.prefill_chunk, ctx)
-        if self.k or top < 1:
+        if top < 1:
             return []
         sizes = [32]
         while sizes[-1] < top:
@@ -498,9 +498,10 @@ class Engine:
             self._build_ahead(passes, threads)
         self._replan(agree=True)  # on what the builds left free (library workspaces and loaded kernels stay behind)
         sizes = self._prefill_sizes(replace(self.config, max_context=self.max_context))
-        # the agreed context's passes; a prefill graph's capture runs its own pass (the same launches) first
+        # the agreed context's passes; a prefill graph's capture runs its own pass (the same launches) first, but not
+        # the MTP layers' absorb of its rows
         in_order = [] if ahead else [(p0, n) for p0, n in m.warm_lengths(self.max_context, self.config.prefill_chunk)
-                                     if p0 or n not in sizes]
+                                     if p0 or n not in sizes or self.k]
         tb = time.perf_counter()
         self.cache = m.new_cache(B, self.max_context, slack=self.slack, verify=self.k and self.k + 1)
         self.cap = self.cache.cap
@@ -575,9 +576,10 @@ class Engine:
         """A next turn's prefill of up to q tokens on top of what its slot holds, as one decode step of q tokens for
         that row (the positions, the slot and the real count are device inputs: any turn of up to q tokens replays
         it). Inputs: the ids [1, q] (padded with token 0), the real tokens [1], the slot [1]; -> this rank's logits
-        [1, V/tp] of the last real token. The padding's writes past the real tokens are rewritten by later steps before
-        anything reads them, but for the pending DSA rows it overwrites past a region boundary, which the layers put
-        back (Placement.real); the slot's length advances by the real count."""
+        [1, V/tp] of the last real token (with speculative decoding, and the residual rows [q, D] for the MTP
+        layers). The padding's writes past the real tokens are rewritten by later steps before anything reads them, but
+        for the pending DSA rows it overwrites past a region boundary, which the layers put back (Placement.real); the
+        slot's length advances by the real count."""
         m, cache = self.model, self.cache
         ids = torch.zeros(1, q, dtype=torch.long, device=self.dev)
         real = torch.full((1,), q, dtype=torch.long, device=self.dev)
@@ -585,13 +587,14 @@ class Engine:
 
         def extend(ids, real, slot):
             res = m.forward_rows(ids, cache, rows=slot, real=real)  # [q, D]; the slot's length advances by real
-            return m.logits(res.index_select(0, real - 1))
+            lg = m.logits(res.index_select(0, real - 1))
+            return (lg, res) if self.spec else lg
         return Graph(extend, [ids, real, slot], self.use_graph, state=lambda: (cache.lengths,), pool=pool)
 
     def _prefill_graph(self, n: int, pool) -> Graph:
         """A fresh prompt's prefill padded to n tokens in the staging row, then adopted by its slot. Inputs: the ids
         [n] (padded with token 0), the real tokens [1], the slot [1]; -> this rank's logits [1, V/tp] of the last real
-        token. Padding follows the real tokens, so no real token attends to it (causal) or shares a decision with it
+        token (with speculative decoding, and the residual rows [n, D] for the MTP layers). Padding follows the real tokens, so no real token attends to it (causal) or shares a decision with it
         (routing and region selection are per token); the real rows are an n-token pass's but for the GEMMs' row
         counts (their accumulation order may differ in last bits, as between prefill chunkings)."""
         m, st = self.model, self.staging
@@ -603,7 +606,8 @@ class Engine:
             st.requests.copy_(self.cache.requests.index_select(0, slot))  # the request, for installed Pins
             res = m.forward_rows(ids, st, [n], rows=[0], held=[0], real=real)  # [n, D]
             self._adopt(slot, real, n)
-            return m.logits(res.index_select(0, real - 1))
+            lg = m.logits(res.index_select(0, real - 1))
+            return (lg, res) if self.spec else lg
         return Graph(prefill, [ids, real, slot], self.use_graph, state=lambda: (self.cache.lengths,), pool=pool)
 
     def _adopt(self, slot, real, n: int):
@@ -922,14 +926,19 @@ class Engine:
 
     def _replay_prefill(self, g: Graph, r: Request, a: int, n: int) -> torch.Tensor:
         """Prompt tokens a..a+n-1 of r (the rest of its prompt) by a prefill or extension graph (inputs: the ids,
-        padded; the real count; the slot) -> this rank's logits [1, V/tp] of its last token."""
+        padded; the real count; the slot) -> this rank's logits [1, V/tp] of its last token. With speculative
+        decoding the MTP layers then absorb the graph's real rows."""
         pinned = self.dev.type == "cuda"
         ids = torch.zeros(g.inputs[0].numel(), dtype=torch.long, pin_memory=pinned)
         ids[:n] = torch.tensor(r.ids[a:a + n])
         g.inputs[0].copy_(ids.view(g.inputs[0].shape), non_blocking=pinned)
         g.inputs[1].copy_(torch.tensor([n], pin_memory=pinned), non_blocking=pinned)
         g.inputs[2].copy_(torch.tensor([r.slot], pin_memory=pinned), non_blocking=pinned)
-        return g()
+        if not self.spec:
+            return g()
+        lg, res = g()
+        self.spec.absorb([(r, a, n)], g.inputs[0].view(-1)[:n], res[:n])
+        return lg
 
     def _choose(self, logits, reqs, slots) -> torch.Tensor:
         """Tokens [B] for logits rows [B, V/tp] of requests (greedy, or each row's sampling at its slot's count)."""
@@ -1060,14 +1069,23 @@ class Speculator:
         ring[slot, at] = rows[-keep:]
 
     def prefill(self, pieces, ids, embeds, hook):
-        """A prefill pass of the main model (every row kept), then each depth absorbs the pass's rows whose next
-        tokens are prompt tokens and that drafting will not recompute (depth j: positions p < len - 1 - K - j) ->
-        the last row's logits of each piece."""
-        e, k, m = self.e, self.e.k, self.e.model
+        """A prefill pass of the main model (every row kept), absorbed by the MTP layers -> the last row's logits of
+        each piece."""
+        m = self.e.model
         lens, rows = [n for _, _, n in pieces], [r.slot for r, _, _ in pieces]
-        hidden = m.forward_rows(ids, e.cache, lens, embeds, rows=rows, progress=hook,
+        hidden = m.forward_rows(ids, self.e.cache, lens, embeds, rows=rows, progress=hook,
                                 held=[a for _, a, _ in pieces])  # [T, D]
+        self.absorb(pieces, ids, hidden)
         starts = list(itertools.accumulate([0] + lens))
+        ends = torch.tensor([s + n - 1 for (_, _, n), s in zip(pieces, starts)], device=self.e.dev)
+        return m.logits(hidden[ends])
+
+    def absorb(self, pieces, ids, hidden):
+        """The main model's rows of a prefill pass (hidden [T, D], ids [T]: the pieces' tokens, packed) into the
+        rings, then each depth absorbs those whose next tokens are prompt tokens and that drafting will not recompute
+        (depth j: positions p < len - 1 - K - j)."""
+        e, k, m = self.e, self.e.k, self.e.model
+        starts = list(itertools.accumulate([0] + [n for _, _, n in pieces]))
         src = {}  # piece -> (first position, rows) of the previous depth computed in this pass
         for i, ((r, a, n), s) in enumerate(zip(pieces, starts)):
             self._put(self.h[0], r.slot, a, hidden[s:s + n])
@@ -1093,8 +1111,6 @@ class Speculator:
                 src[i] = (have, res[o:o + stop - have])
                 self._put(self.h[j + 1], r.slot, have, src[i][1])
                 o += stop - have
-        ends = torch.tensor([s + n - 1 for (_, _, n), s in zip(pieces, starts)], device=e.dev)
-        return m.logits(hidden[ends])
 
     def first_drafts(self, reqs, slots):
         """After a prompt's last chunk and its first token (next_tok): the drafts of every depth, as after a verify

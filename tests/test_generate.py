@@ -654,21 +654,30 @@ def test_speculative_cli_and_bad_flags(mtp_out, converted, tmp_path):
     assert all(rc == 0 for rc, _, _ in sampled), sampled[0][2][-3000:]  # the ranks agreed on every token
 
 
+@pytest.mark.parametrize("graph_prefill", [0, 128])
 @torch.inference_mode()
-def test_speculative_mtp_caches_equal_one_pass_absorb(mtp_model, monkeypatch):
+def test_speculative_mtp_caches_equal_one_pass_absorb(mtp_model, monkeypatch, graph_prefill):
     """Rollback of the MTP caches: after speculative rounds whose drafts are all rejected (every round leaves each
     depth j >= 1 with j provisional rows that read drafts), every final row of every depth equals the row a one-pass
-    absorb of the final tokens writes, and so does every completed DSA region summary of the main cache. The main model's decisions of the speculative run are pinned into the one-pass
+    absorb of the final tokens writes, and so does every completed DSA region summary of the main cache; with the
+    prompts prefilled eagerly or as padded passes (graph_prefill: CUDA graphs on a GPU), whose real rows the MTP
+    layers absorb after each replay. The main model's decisions of the speculative run are pinned into the one-pass
     reference (its residual rows round differently in last bits); the tolerance is rounding noise, while a row that
     kept a rejected draft's token differs by O(1)."""
     m, k, new = mtp_model, 2, 8
     ref = engine.generate(m, PROMPTS[:2], new, [])[0]
     force_drafts(monkeypatch, ref, PROMPTS[:2], 1)
-    eng = engine.Engine(m, engine.EngineConfig(max_batch=2, max_context=256, speculative=k))
+    eng = engine.Engine(m, engine.EngineConfig(max_batch=2, max_context=256, speculative=k,
+                                               graph_prefill=graph_prefill))
     eng.start()
+    replays = []
+    orig = engine.Engine._replay_prefill
+    monkeypatch.setattr(engine.Engine, "_replay_prefill",
+                        lambda self, g, r, a, n: replays.append((a, n)) or orig(self, g, r, a, n))
     reqs = [engine.Request(p, new) for p in PROMPTS[:2]]
     with pinned(m, M.Pins()) as rec:
         eng.run(reqs)
+    assert replays == ([(0, len(p)) for p in PROMPTS[:2]] if graph_prefill else [])
     W = m.cfg.sliding_window
     for b, (p, r) in enumerate(zip(PROMPTS[:2], reqs)):
         seq = p + r.out  # final tokens; the last one was never fed
@@ -696,6 +705,35 @@ def test_speculative_mtp_caches_equal_one_pass_absorb(mtp_model, monkeypatch):
             for pos in range(max(0, done + j - W), done):
                 a, w = got[:, pos % got.shape[1]].float(), want[:, pos % want.shape[1]].float()
                 assert (a - w).abs().max() <= 0.1 * w.abs().max() + 1e-3, (b, j, pos)
+
+
+@torch.inference_mode()
+def test_speculative_prompts_and_next_turns_by_padded_passes_are_plain_greedy(mtp_model, monkeypatch):
+    """With speculative decoding, fresh prompts prefill as padded passes and a next turn as an extension step (CUDA
+    graphs on a GPU, eager here), the MTP layers absorbing each replay's real rows: plain greedy's tokens (an eager
+    plain engine's decisions pinned; rows a draft reads differ only in last bits)."""
+    m = mtp_model
+    turn = PROMPTS[1] + ids_prompt(30, 7)  # on the 45-token prompt's slot: 40 positions reused, 35 new
+
+    def run(cfg, pins):
+        eng = engine.Engine(m, cfg)
+        eng.start()
+        with pinned(m, pins):
+            first = eng.run([engine.Request(p, SPEC_NEW) for p in PROMPTS[:2]])
+            nxt = eng.run([engine.Request(turn, SPEC_NEW)])[0]
+        return [r.out for r in first] + [nxt.out], nxt.cached
+    rec = M.Pins()
+    want, cached = run(engine.EngineConfig(max_batch=2, max_context=256), rec)
+    replays = []
+    orig = engine.Engine._replay_prefill
+    monkeypatch.setattr(engine.Engine, "_replay_prefill",
+                        lambda self, g, r, a, n: replays.append((a, n, g.inputs[0].numel())) or orig(self, g, r, a, n))
+    got, spec_cached = run(engine.EngineConfig(max_batch=2, max_context=256, speculative=2, graph_prefill=128),
+                           M.Pins(rec.data, strict=False))
+    assert cached == spec_cached == 40
+    assert replays == [(0, 12, 32), (0, 45, 64), (40, 35, 64)]
+    for p, o, w in zip(PROMPTS[:2] + [turn], got, want):
+        tokens_agree_up_to_near_tie(m, p, o, w)
 
 
 # ---------------------------------------------------------------------------------------------- --interactive, streaming
