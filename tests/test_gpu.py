@@ -226,19 +226,29 @@ def test_cuda_speculative_and_chunked_prefill_give_plain_greedy(converted, monke
 
 @cuda
 def test_cuda_speculative_graphs_equal_eager(converted):
-    """The speculative verify and draft steps replayed as CUDA graphs (through a request's EOS: a smaller bucket)
-    give the eager run's tokens and acceptance exactly: same device, same kernels, same shapes."""
+    """The speculative verify and draft steps, the prompts' padded prefills and a next turn's extension step replayed
+    as CUDA graphs (through a request's EOS: a smaller bucket) give the eager run's tokens and acceptance exactly:
+    same device, same kernels, same shapes (graph_prefill: the eager engine pads its prompts too)."""
     import config
     d = converted("bf16_text", 1, keep_mtp=True)
     cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
     gpu = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg, "cuda")
-    eager, st = engine.generate(gpu, PROMPTS, 12, [], speculative=2, cuda_graph=False)
-    graph, sg = engine.generate(gpu, PROMPTS, 12, [], speculative=2, cuda_graph=True)
-    assert graph == eager and sg["accepted"] == st["accepted"]
-    eos = [next(t for t in eager[1][2:8] if t not in eager[1][:2] + eager[0] + eager[2])]  # request 1 stops early
-    eager, st = engine.generate(gpu, PROMPTS, 12, eos, speculative=2, cuda_graph=False)
-    graph, sg = engine.generate(gpu, PROMPTS, 12, eos, speculative=2, cuda_graph=True)
-    assert len(eager[1]) < 12 and graph == eager and sg["accepted"] == st["accepted"]
+
+    def run(graph, eos=()):
+        eng = engine.Engine(gpu, engine.EngineConfig(max_batch=len(PROMPTS), max_context=256, speculative=2,
+                                                     cuda_graph=graph, graph_prefill=128))
+        eng.start()
+        assert list(eng.prefill_graphs) == [32, 64, 128]
+        outs = [r.out for r in eng.run([engine.Request(p, 12, frozenset(eos)) for p in PROMPTS])]
+        turn = eng.run([engine.Request(PROMPTS[1] + outs[1] + list(range(60, 90)), 12)])[0]
+        assert turn.cached > 0
+        return outs + [turn.out], list(eng.spec.stats["accepted"])
+    eager, graph = run(False), run(True)
+    assert graph == eager
+    out = eager[0]
+    eos = [next(t for t in out[1][2:8] if t not in out[1][:2] + out[0] + out[2])]  # request 1 stops early
+    eager, graph = run(False, eos), run(True, eos)
+    assert len(eager[0][1]) < 12 and graph == eager
 
 
 @cuda
