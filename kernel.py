@@ -58,10 +58,10 @@ def _triton(x: torch.Tensor) -> bool:
 TUNING = {
     "sliding_warps": (8, 4),  # warps of the sliding decode attention, (grid < SMs, grid >= SMs)
     "sparse_block_n": 64,  # key slots per sparse attention tile
-    "dense_tiles": 4.0,  # prefill queries below this many (topk + 1) * blk positions take dense tiles (dense_tiles_end)
+    "dense_tiles": 6.0,  # prefill queries below this many (topk + 1) * blk positions take dense tiles (dense_tiles_end)
     "router_block_e": 32,  # experts per router-logits program
     "router_parts": 4,  # MMA chains over the router logits' one K step
-    "router_prefill": (64, 128, 64, 4, 3),  # prefill router logits tile: (rows, experts, K block, warps, stages)
+    "router_prefill": (128, 128, 64, 8, 3),  # prefill router logits tile: (rows, experts, K block, warps, stages)
     "moe_block_n": ((32, 64), (64, 128)),  # decode expert tile columns, (T == 1, T > 1) of (gate/up, down)
     "moe_stages": ((3, 3), (4, 3)),  # decode expert pipeline stages, (T == 1, T > 1) of (gate/up, down)
     "moe_unroll": ((4, 1), (1, 1)),  # FP8 decode expert K blocks per iteration, (T == 1, T > 1) of (gate/up, down)
@@ -655,11 +655,12 @@ _banded_attn_prefill = _unspecialised(_banded_attn_kernel, "n", "L", "off", "sk_
                                       unaligned=("g_ptr",))
 
 
-def banded_attention_triton(q, k, v, off, window, scale, gate=None, out=None, block_n=32, num_warps=4, rows=64,
+def banded_attention_triton(q, k, v, off, window, scale, gate=None, out=None, block_n=64, num_warps=8, rows=128,
                             num_stages=2):
     """Triton banded_attention (_banded_attn_kernel): within 2 bf16 steps of the reference (online softmax; CPU
-    tests). block_n 32: the sm90 build at one TP=8 rank's shapes (64-row tiles, head_dim 128 + 64) keeps 204 registers
-    without spills (64-key blocks spill). GPU: block_n and head_dim's pieces of at least 16 (tl.dot's smallest)."""
+    tests). rows: the tile's query rows (queries x heads of a group); 128 rows, 64-key blocks, 8 warps: 1.2-1.3x
+    faster than 64 / 32 / 4 at 4k and 16k tokens (H100, PERF_LOG 2026-12-05 (night)). GPU: block_n and head_dim's
+    pieces of at least 16 (tl.dot's smallest)."""
     _check_tensor("q", q, torch.bfloat16, ndim=3, contiguous=False)
     _check_tensor("k", k, torch.bfloat16, ndim=3, contiguous=False)
     _check_tensor("v", v, torch.bfloat16, ndim=3, contiguous=False)
@@ -1826,7 +1827,8 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
     """Triton sparse_attention_ref for decode (T = 1) and prefill (T queries). `splits` (default: enough programs
     to fill the GPU) divides each query's key slots over programs merged by log-sum-exp (which applies the gate, as
     one split's program does itself); other split boundaries give tolerance-level differences. block_n: key slots
-    per tile (default TUNING["sparse_block_n"]). num_stages: of the GPU launches (3 or 4: within 0.3% of the step).
+    per tile (default: TUNING["sparse_block_n"] for decode, whose step chose it; 32 for prefill, 7% faster than 64 at
+    4,096 queries of 8k-128k contexts: PERF_LOG 2026-12-05 (night)). num_stages: of the GPU launches (3 or 4: within 0.3% of the step).
     rows [S] int64: the cache row of each sequence (default: row s). prefill: one split and the unspecialised kernel,
     so no length of a prompt compiles a launch of its own (a prefill launch has hundreds of query rows). out: written
     in place (q's shape and strides; default new) and returned."""
@@ -1858,7 +1860,7 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
            lambda: f"out must be bf16 with q's shape {tuple(q.shape)} and strides, got {tuple(out.shape)}")
     NSEL = ids.shape[-1]
     J = NSEL * blk + blk
-    BLOCK_N = block_n or TUNING["sparse_block_n"]
+    BLOCK_N = block_n or (32 if prefill else TUNING["sparse_block_n"])
     BLOCK_H = _heads_block(HG)
     n_rows = S * T * G
     if n_rows == 0:
@@ -1945,11 +1947,9 @@ def _dense_tile(qa, qb, k_ptr, v_ptr, ks, k_ok, ok, g, skv_n, skv_g, scale, m_i,
     return m_new, l_i, tl.dot(pr, va, acc_a * alpha[:, None]), tl.dot(pr, vb, acc_b * alpha[:, None])
 
 
-@triton.jit(do_not_specialize=["T", "p0", "ssel_g", "ssel_t", "slst_g", "slst_b", "scnt_g"],
-            do_not_specialize_on_alignment=["g_ptr", "sel_ptr"])
-def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sel_ptr, lst_ptr, cnt_ptr, g_ptr, T, p0, scale, sq_t, sq_g, sq_h,
-                         skv_n, skv_g, so_t, so_g, so_h, ssel_g, ssel_t, slst_g, slst_b, scnt_g, sg_t,
-                         HG: tl.constexpr, HGP: tl.constexpr, D: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "p0", "ssel_g", "ssel_t"], do_not_specialize_on_alignment=["g_ptr"])
+def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sel_ptr, g_ptr, T, p0, scale, sq_t, sq_g, sq_h, skv_n, skv_g, so_t,
+                         so_g, so_h, ssel_g, ssel_t, sg_t, HG: tl.constexpr, HGP: tl.constexpr, D: tl.constexpr,
                          BLK: tl.constexpr, QB: tl.constexpr, CUR: tl.constexpr, BLOCK_N: tl.constexpr,
                          DA: tl.constexpr, BLOCK_DB: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
                          SELECT: tl.constexpr = False, GATE: tl.constexpr = False, PRECISE: tl.constexpr = False):
@@ -1958,11 +1958,9 @@ def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sel_ptr, lst_ptr, cnt_ptr, 
     them all. Row r: query position first + r // HGP, head r % HGP. Keys in the per-query kernel's order and tiles:
     history keys 0 .. blk * floor(p / blk) - 1 in tiles of BLOCK_N from key 0 (each row's own history masked), then
     one tile of CUR keys holding the block's current regions (each row's keys blk * floor(p / blk) .. p). head_dim in
-    two power-of-two pieces DA + BLOCK_DB (192 = 128 + 64). SELECT: the history is the union of the block's
-    selections instead, cnt[g, b] regions in ascending order at lst[g, b, :] (int32), BLOCK_N // BLK regions a tile
-    (gathered), and a key is live where its row's query selected its region: bit u % 32 of sel[g, t, u // 32] for
-    union index u (int32 [G, T, words]; a tile's regions, a power of two up to 32, share a word). GATE: then the
-    output gate,
+    two power-of-two pieces DA + BLOCK_DB (192 = 128 + 64). SELECT: a history key is live only where its region is
+    selected: bit region % 32 of sel[g, t, region // 32] (a query's own selection; int32 [G, T, words]; a tile's
+    BLOCK_N // BLK regions, a power of two up to 32, sit in one word). GATE: then the output gate,
     bf(o * bf(sigmoid(logit))), the logit of (t, head g * HG + h) at g_ptr + t * sg_t + g * HG + h (gate_heads; its
     rows' alignment varies with a span's first token)."""
     _pdl_enter(PDL)
@@ -1987,23 +1985,14 @@ def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sel_ptr, lst_ptr, cnt_ptr, 
     acc_b = tl.zeros((QB * HGP, BLOCK_DB), dtype=tl.float32)
     # the history of the block's last query (keys [0, last)); masked loads past it: 0 * garbage could be NaN
     last = tl.minimum(first + QB - BLK, (p0 + T - 1) // BLK * BLK)
-    if SELECT:
-        n_u = tl.load(cnt_ptr + g * scnt_g + b)
-        kk = tl.arange(0, BLOCK_N)
-        for u0 in range(0, n_u, BLOCK_N // BLK):
-            u = u0 + kk // BLK  # [BLOCK_N]: each key's union index
-            u_ok = u < n_u
-            ks = tl.load(lst_ptr + g * slst_g + b * slst_b + u, mask=u_ok, other=0) * BLK + kk % BLK
-            word = tl.load(sel_ptr + g * ssel_g + t.to(tl.int64) * ssel_t + u0 // 32, mask=row_ok, other=0)
-            ok = (((word[:, None] >> (u % 32)[None, :]) & 1) != 0) & u_ok[None, :] & row_ok[:, None]
-            m_i, l_i, acc_a, acc_b = _dense_tile(qa, qb, k_ptr, v_ptr, ks, u_ok, ok, g, skv_n, skv_g, scale,
-                                                 m_i, l_i, acc_a, acc_b, da, db, db_ok, DOT_DTYPE)
-    else:
-        for k0 in range(0, last, BLOCK_N):
-            ks = k0 + tl.arange(0, BLOCK_N)
-            ok = (ks[None, :] < hist[:, None]) & row_ok[:, None]
-            m_i, l_i, acc_a, acc_b = _dense_tile(qa, qb, k_ptr, v_ptr, ks, ks < last, ok, g, skv_n, skv_g, scale,
-                                                 m_i, l_i, acc_a, acc_b, da, db, db_ok, DOT_DTYPE)
+    for k0 in range(0, last, BLOCK_N):
+        ks = k0 + tl.arange(0, BLOCK_N)
+        ok = (ks[None, :] < hist[:, None]) & row_ok[:, None]
+        if SELECT:  # the tile's regions share one word of each row's selection bits: one load a row
+            word = tl.load(sel_ptr + g * ssel_g + t.to(tl.int64) * ssel_t + k0 // BLK // 32, mask=row_ok, other=0)
+            ok = ok & (((word[:, None] >> (ks // BLK % 32)[None, :]) & 1) != 0)
+        m_i, l_i, acc_a, acc_b = _dense_tile(qa, qb, k_ptr, v_ptr, ks, ks < last, ok, g, skv_n, skv_g, scale,
+                                             m_i, l_i, acc_a, acc_b, da, db, db_ok, DOT_DTYPE)
     ks = first + tl.arange(0, CUR)
     ok = (ks[None, :] >= hist[:, None]) & (ks[None, :] <= p[:, None]) & row_ok[:, None]
     m_i, l_i, acc_a, acc_b = _dense_tile(qa, qb, k_ptr, v_ptr, ks, ks < p0 + T, ok, g, skv_n, skv_g, scale, m_i, l_i,
@@ -2020,12 +2009,13 @@ def _dense_prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sel_ptr, lst_ptr, cnt_ptr, 
     tl.store(orow + db[None, :], ob.to(tl.bfloat16), mask=row_ok[:, None] & db_ok[None, :])
 
 
-def dense_prefix_triton(q, k, v, p0, blk, scale, ids=None, valid=None, gate=None, out=None, block_n=None,
-                        num_warps=8):
+def dense_prefix_triton(q, k, v, p0, blk, scale, ids=None, valid=None, gate=None, out=None, block_n=32,
+                        num_warps=4):
     """Triton dense_prefix (_dense_prefix_kernel) for one sequence: q [1, T, G, Hg, hd] at positions p0 ..
     p0 + T - 1, k, v [1, N, G, hd] (N >= p0 + T), ids, valid [1, G, T, K] or None, gate [T, G*Hg] or None, out like q
-    or None -> out. Within sparse_attention_triton's distance of the reference (tiles of block_n keys, default
-    TUNING["sparse_block_n"]: the per-query kernel's own on every region's keys)."""
+    or None -> out. Within sparse_attention_triton's distance of the reference (tiles of block_n keys: on every
+    region's keys, the per-query prefill kernel's own). 32 keys and 4 warps: 1.4x faster than 64 and 8 at 8k and 16k
+    positions (H100, PERF_LOG 2026-12-05 (night))."""
     _check_tensor("q", q, torch.bfloat16, ndim=5, contiguous=False)
     _check_tensor("k", k, torch.bfloat16, ndim=4, contiguous=False)
     _check_tensor("v", v, torch.bfloat16, ndim=4, contiguous=False)
@@ -2045,61 +2035,35 @@ def dense_prefix_triton(q, k, v, p0, blk, scale, ids=None, valid=None, gate=None
                f"{tuple(gate.shape)}")
     if T == 0:
         return out
-    HGP = _pow2(HG)
-    QB = blk * max(1, 64 // (HGP * blk))  # whole regions, 64 rows a tile where the heads allow
-    sel = lst = cnt = out
+    sel = out
     if ids is not None:
         _check(ids.dtype == torch.int64 and valid.dtype == torch.bool and ids.shape == valid.shape and ids.dim() == 4
                and tuple(ids.shape[:3]) == (1, G, T),
                lambda: f"dense prefix attention: ids and valid must be int64 and bool [1, G={G}, T={T}, K], got "
                f"{ids.dtype} {tuple(ids.shape)}, {valid.dtype} {tuple(valid.shape)}")
-        sel, lst, cnt = _block_union(ids[0], valid[0], p0, blk, QB)
-    BLOCK_N = block_n or TUNING["sparse_block_n"]
+        # sel [G, T, words]: bit id % 32 of word id // 32 set for each selected region (distinct bits: their sum is
+        # their OR); the invalid slots add 0 to a spare word
+        words = ((p0 + T - 1) // blk + 31) // 32
+        bits = torch.zeros(G * T, words + 1, dtype=torch.int64, device=q.device)
+        bits.scatter_add_(1, torch.where(valid, ids // 32, words)[0].reshape(G * T, -1),
+                          torch.where(valid, 1 << ids % 32, 0)[0].reshape(G * T, -1))
+        sel = bits.to(torch.int32).view(G, T, words + 1)  # bit 31 wraps to the sign: the kernel reads bits
+    HGP = _pow2(HG)
+    QB = blk * max(1, 64 // (HGP * blk))  # whole regions, 64 rows a tile where the heads allow
+    BLOCK_N = block_n
     _check(ids is None or (BLOCK_N % blk == 0 and 32 % (BLOCK_N // blk) == 0),
            lambda: f"dense prefix attention: a tile of {BLOCK_N} keys must hold a power of two of regions of {blk}, "
            "at most 32")
     DA = 1 << (D - 1).bit_length() - 1  # head_dim = DA + the rest (192 = 128 + 64)
     first = p0 // blk * blk
     _dense_prefix_kernel[(_cdiv(p0 + T - first, QB), G)](
-        q[0], k[0], v[0], out[0], sel, lst, cnt, gate if gate is not None else out, T, int(p0), float(scale),
-        q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2), out.stride(1), out.stride(2), out.stride(3),
-        sel.stride(0), sel.stride(1), lst.stride(0), lst.stride(1) if lst.dim() > 1 else 0, cnt.stride(0),
-        gate.stride(0) if gate is not None else 0, HG=HG, HGP=HGP, D=D, BLK=blk,
+        q[0], k[0], v[0], out[0], sel, gate if gate is not None else out, T, int(p0), float(scale), q.stride(1),
+        q.stride(2), q.stride(3), k.stride(1), k.stride(2), out.stride(1), out.stride(2), out.stride(3),
+        sel.stride(0), sel.stride(1), gate.stride(0) if gate is not None else 0, HG=HG, HGP=HGP, D=D, BLK=blk,
         QB=QB, CUR=max(16, _pow2(QB)), BLOCK_N=BLOCK_N, DA=DA,
         BLOCK_DB=max(1, _pow2(D - DA)), DOT_DTYPE=_DOT, SELECT=ids is not None,
         GATE=gate is not None, PRECISE=_PRECISE, num_warps=num_warps, num_stages=2 if _GPU_LAUNCH else 1, **_pdl())
     return out
-
-
-def _block_union(ids, valid, p0: int, blk: int, QB: int):
-    """The union of the selections of each block of QB queries (whole regions from the region holding p0, as
-    _dense_prefix_kernel takes them): ids, valid [G, T, K] (select_regions) -> (sel int32 [G, T, W + 1]: bit u % 32
-    of word u // 32 set where the query selected the union's region u, lst int32 [G, NB, 32 W]: each block's union in
-    ascending order, cnt int32 [G, NB]: its size). Device ops only, no host read; int32 throughout (~5 tensors of
-    T x K x 4 bytes)."""
-    G, T, K = ids.shape
-    lead = p0 % blk  # the first block's queries before p0
-    NB = _cdiv(lead + T, QB)
-    big = (p0 + T) // blk + 1  # past every region id: sorts last
-    x = torch.full((G, NB * QB, K), big, dtype=torch.int32, device=ids.device)
-    x[:, lead:lead + T] = torch.where(valid, ids, big)
-    srt = x.view(G, NB, QB * K).sort(-1).values
-    new = torch.ones_like(srt, dtype=torch.bool)
-    new[..., 1:] = srt[..., 1:] != srt[..., :-1]
-    new &= srt < big  # each block's distinct selected regions, first occurrences
-    W = _cdiv(min(QB * K, big), 32)
-    L = G * NB * 32 * W
-    at = torch.arange(0, L, 32 * W, dtype=torch.int32, device=ids.device).view(G, NB, 1) + new.cumsum(-1,
-                                                                                                  dtype=torch.int32)
-    lst = torch.full((L + 1,), big, dtype=torch.int32, device=ids.device)  # + 1: a spare slot for the repeats
-    lst = lst.scatter_(0, torch.where(new, at - 1, L).flatten().long(), srt.flatten())[:L].view(G * NB, 32 * W)
-    u = torch.searchsorted(lst, x.view(G * NB, QB * K), out_int32=True).view(G, NB * QB, K)  # ascending rows
-    ok = x < big
-    # distinct regions of a query set distinct bits, so their sum is their OR (bit 31 included: int32 wraps to the
-    # same bits); the invalid slots add 0 to a spare word
-    bits = torch.zeros(G, NB * QB, W + 1, dtype=torch.int32, device=ids.device)
-    bits.scatter_add_(2, torch.where(ok, u // 32, W).long(), torch.where(ok, 1 << u % 32, 0).int())
-    return bits[:, lead:lead + T].contiguous(), lst.view(G, NB, 32 * W), new.sum(-1, dtype=torch.int32)
 
 
 def dense_prefix(q, k, v, p0, blk, scale, gate=None, ids=None, valid=None, out=None):
@@ -2118,10 +2082,9 @@ def dense_prefix(q, k, v, p0, blk, scale, gate=None, ids=None, valid=None, out=N
 
 def dense_tiles_end(topk: int, blk: int) -> int:
     """Prefill queries at positions below this read their selected keys through dense_prefix's tiles, the rest
-    through the per-query sparse kernel: a tile of 8 queries x 8 heads loads each key of the union of their
-    selections once for them all but computes every such key for every row, where the per-query kernel computes
-    (topk + 1) * blk keys a query in tiles half of whose rows are padding. TUNING["dense_tiles"] such spans (the two
-    kernels' measured rates: PERF_LOG)."""
+    through the per-query sparse kernel: a tile of 8 queries x 8 heads loads each history key once for them all but
+    computes every history key, so its work grows with the history where the per-query kernel's is (topk + 1) * blk
+    keys. TUNING["dense_tiles"] such spans (the two kernels' measured rates: PERF_LOG 2026-12-05 (night))."""
     return int(TUNING["dense_tiles"] * (topk + 1) * blk)
 
 

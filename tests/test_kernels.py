@@ -987,7 +987,7 @@ def test_dense_prefix_over_a_selection_is_sparse_attention(G, Hg, hd, blk, topk,
     # into a slice of a larger output: gate_heads of the ungated kernel's output
     gate = randn(T, G * Hg + 3, seed=7)[:, 1:1 + G * Hg]
     rows = torch.zeros(1, T + 2, G, Hg, hd, dtype=torch.bfloat16, device=DEV)
-    K.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5, ids, valid, gate=gate, out=rows[:, 1:T + 1])
+    K.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5, ids, valid, gate=gate, out=rows[:, 1:T + 1], block_n=block_n)
     want = K.gate_heads(out, gate)
     assert torch.equal(rows[:, 1:T + 1], want) if INTERPRET else (rows[:, 1:T + 1].float() - want.float()).abs().max() \
         <= 2 ** -7 * want.float().abs().max()
@@ -995,29 +995,6 @@ def test_dense_prefix_over_a_selection_is_sparse_attention(G, Hg, hd, blk, topk,
     if not K._triton(q):
         assert torch.equal(K.dense_prefix(q, k, v, p0, blk, hd ** -0.5, gate, ids, valid),
                            K.gate_heads(ref, gate))
-
-
-def test_block_union_lists_each_blocks_selected_regions_and_each_querys_bits():
-    """_block_union (the dense tiles' view of a selection): each block's list is the ascending union of its queries'
-    selected regions, and a query's bits mark exactly its own regions' places in that list (union places past 31:
-    bit 31, the sign of an int32 word, included)."""
-    blk, QB, p0, T, topk = 8, 16, 1003, 70, 40
-    pos = torch.arange(p0, p0 + T)[None]
-    scores = torch.randn(1, 2, T, (p0 + T) // blk, generator=_gen(3))
-    ids, valid = K.select_regions_ref(scores, pos, topk, blk)
-    valid[0, 1, 5, ::3] = False  # some invalid slots
-    sel, lst, cnt = K._block_union(ids[0], valid[0], p0, blk, QB)
-    lead = p0 % blk
-    assert int(cnt.max()) > 64
-    for g in range(2):
-        for b in range(cnt.shape[1]):
-            qs = range(max(0, b * QB - lead), min(T, (b + 1) * QB - lead))
-            want = sorted({int(i) for t in qs for i, ok in zip(ids[0, g, t], valid[0, g, t]) if ok})
-            assert lst[g, b, :int(cnt[g, b])].tolist() == want
-            for t in qs:
-                words = sel[g, t].tolist()
-                marked = [want[u] for u in range(len(want)) if (words[u // 32] >> (u % 32)) & 1]
-                assert marked == sorted(int(i) for i, ok in zip(ids[0, g, t], valid[0, g, t]) if ok)
 
 
 # ---------------------------------------------------------------------------------------------------------------
