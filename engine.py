@@ -369,6 +369,9 @@ class Engine:
         if c.speculative and not 1 <= c.speculative <= cfg.mtp_layers_kept:
             raise ValueError(f"speculative decoding with {c.speculative} drafts needs {c.speculative} MTP layers; "
                              f"the shards keep {cfg.mtp_layers_kept} (convert.py --keep-mtp)")
+        if c.speculative and cfg.sparse and c.speculative + 1 > cfg.sparse.block:  # Model.keep_pending's bound
+            raise ValueError(f"speculative decoding with {c.speculative} drafts writes more than a DSA region of "
+                             f"{cfg.sparse.block} tokens per step")
         self.model, self.config, self.say = model, c, say
         self.dev = model.lm_head.weight.device
         self.k = c.speculative
@@ -470,7 +473,7 @@ class Engine:
         """Bytes of the caches for B (default max_batch) slots of ctx positions (built on the meta device: nothing
         allocated)."""
         m, B = self.model, B or self.config.max_batch
-        caches = [m.new_cache(B, ctx, slack=self.slack, device="meta", verify=self.k and self.k + 1)]
+        caches = [m.new_cache(B, ctx, slack=self.slack, device="meta", verify=bool(self.k))]
         if self.k:
             caches += m.new_mtp_caches(B, ctx, slack=self.slack, device="meta")
         return sum(t.numel() * t.element_size() for c in caches for lc in c.layers for t in vars(lc).values())
@@ -503,7 +506,7 @@ class Engine:
         in_order = [] if ahead else [(p0, n) for p0, n in m.warm_lengths(self.max_context, self.config.prefill_chunk)
                                      if p0 or n not in sizes or self.k]
         tb = time.perf_counter()
-        self.cache = m.new_cache(B, self.max_context, slack=self.slack, verify=self.k and self.k + 1)
+        self.cache = m.new_cache(B, self.max_context, slack=self.slack, verify=bool(self.k))
         self.cap = self.cache.cap
         self.mtps = m.new_mtp_caches(B, self.max_context, slack=self.slack) if self.k else []
         self.staging = self._staging(sizes[-1]) if sizes else None  # before any capture: it may extend RoPE's tables
@@ -1148,7 +1151,8 @@ class Speculator:
 
         def verify(slots, live):  # -> residuals [b*(k+1), D], logits [b*(k+1), V/tp], greedy ids [b, k+1]
             fed = torch.cat([e.next_tok[slots][:, None], self.drafts[slots]], 1)  # [b, k+1]
-            h = m.forward_rows(fed, e.cache, rows=slots, live=live, verify=True)
+            m.hold_pending(e.cache, slots)  # the DSA pending rows, for keep_pending after acceptance
+            h = m.forward_rows(fed, e.cache, rows=slots, live=live)
             lg = m.logits(h)
             return h, lg, greedy(lg).view(b, k + 1)
 

@@ -189,9 +189,7 @@ def rope_tables(c: Step5Config, n_pos: int, device) -> list:
 class LayerCache:
     """Per-layer decode state of B cache rows (slots). Sliding: ring K/V [B, G, R, hd] (token p in slot p mod R).
     DSA: K/V [B, cap, G, hd], region summaries [B, R, P] e4m3, pending indexer key/z of the unfinished region
-    [B, blk, P] bf16; for speculative verify steps of Q tokens, what a verify step leaves for `Model.keep_pending`:
-    the pending rows before the step (undo_pk, undo_pz [B, blk, P]) and the step's indexer rows (step_k, step_z
-    [B, Q, P])."""
+    [B, blk, P] bf16 (views into the Cache's `pending`)."""
 
     def __init__(self, **bufs):
         self.__dict__.update(bufs)
@@ -199,12 +197,22 @@ class LayerCache:
 
 class Cache:
     """Static-shape caches for B rows (slots) of at most `cap` positions; `lengths` [B] (positions each row holds)
-    is shared by all layers. `requests` [B]: the request each row serves, for installed Pins only."""
+    is shared by all layers. `requests` [B]: the request each row serves, for installed Pins only. `pending`: the DSA
+    layers' pending indexer keys and z stacked ([n_dsa, B, blk, P] x 2; each DSA LayerCache's pk, pz is one layer's
+    view), so that a speculative step keeps and restores them in a few launches for all layers (`held`: their copy
+    from before a verify step, Model.hold_pending)."""
 
-    def __init__(self, layers: list, B: int, cap: int, device):
+    def __init__(self, layers: list, B: int, cap: int, device, verify: bool = False):
         self.layers, self.cap = layers, cap
         self.lengths = torch.zeros(B, dtype=torch.long, device=device)
         self.requests = torch.arange(B, device=device)
+        dsa = [lc for lc in layers if getattr(lc, "summ", None) is not None]
+        self.pending = self.held = None
+        if dsa:
+            self.pending = tuple(torch.stack([getattr(lc, n) for lc in dsa]) for n in ("pk", "pz"))
+            for i, lc in enumerate(dsa):
+                lc.pk, lc.pz = self.pending[0][i], self.pending[1][i]
+            self.held = tuple(torch.zeros_like(t) for t in self.pending) if verify else None
 
 
 @dataclass
@@ -214,14 +222,12 @@ class Placement:
     host read) and Q tokens per row. pos [T]: each token's absolute position. real: in a padded pass (a CUDA
     graph's static length: one prefill span at position 0, or a decode step of Q tokens per row) the device count of
     real tokens [1], the rest padding; the layers keep the real tokens' state where a later step reads it (the DSA
-    pending rows, which padding past a region boundary would overwrite). verify: a speculative verify step, whose
-    kept count is known after it: the DSA layers keep what `Model.keep_pending` needs to put those rows back."""
+    pending rows, which padding past a region boundary would overwrite)."""
     pos: torch.Tensor
     spans: list | None = None
     rows: torch.Tensor | None = None
     Q: int = 1
     real: torch.Tensor | None = None
-    verify: bool = False
 
 
 class Pins:
@@ -345,10 +351,9 @@ class Attention(nn.Module):
         """h [T, D] bf16 -> the packed projections' column slices [q, k, v, gate (, indexer q, k, z, w)], bf16."""
         return (kernel.skinny_linear if self.dsa else linear)(h, self.wpack).split(self.split, dim=-1)
 
-    def new_cache(self, B: int, cap: int, device, slack: int = 0, verify: int = 0) -> LayerCache:
+    def new_cache(self, B: int, cap: int, device, slack: int = 0) -> LayerCache:
         """slack: extra ring slots, so that rows written past the kept length (rejected speculative rows, rolled back
-        by resetting the lengths) never overwrite a key that a kept row's window still needs. verify: the tokens per
-        row of a speculative verify step (DSA: room for what it leaves to `Model.keep_pending`)."""
+        by resetting the lengths) never overwrite a key that a kept row's window still needs."""
         G, hd = self.n_groups, self.cfg.head_dim
         if not self.dsa:
             # with spare slots, R rounded up to a multiple of 16: on the H200 the whole rank's 1-token step took
@@ -359,10 +364,7 @@ class Attention(nn.Module):
             return LayerCache(k=torch.zeros(B, G, R, hd, dtype=torch.bfloat16, device=device),
                               v=torch.zeros(B, G, R, hd, dtype=torch.bfloat16, device=device))
         sp = self.cfg.sparse
-        undo = {} if not verify else {n: torch.zeros(B, q, sp.proxy_dim, dtype=torch.bfloat16, device=device)
-                                      for n, q in (("undo_pk", sp.block), ("undo_pz", sp.block), ("step_k", verify),
-                                                   ("step_z", verify))}
-        return LayerCache(**undo, k=torch.zeros(B, cap, G, hd, dtype=torch.bfloat16, device=device),
+        return LayerCache(k=torch.zeros(B, cap, G, hd, dtype=torch.bfloat16, device=device),
                           v=torch.zeros(B, cap, G, hd, dtype=torch.bfloat16, device=device),
                           # e4m3 bytes kept as uint8: index_put / where are not implemented for float8 on every backend
                           summ=torch.zeros(B, cap // sp.block, sp.proxy_dim, dtype=torch.uint8, device=device),
@@ -444,7 +446,7 @@ class Attention(nn.Module):
             Q, rows = at.Q, at.rows
             B = T // Q
             pq = at.pos.view(B, Q)
-            if at.real is not None or at.verify:  # the pending rows as they were, for the kept tokens' region
+            if at.real is not None:  # padded: the pending rows as they were, for the real tokens' region (below)
                 kept = cache.pk.index_select(0, rows), cache.pz.index_select(0, rows)  # [B, blk, P]
             for j in range(Q):  # token by token: a region completed by token j is summarised before later queries
                 # K/V rows, the pending indexer row and, when it completes a region, the region's summary
@@ -453,10 +455,6 @@ class Attention(nn.Module):
                                        cache.summ, rows=rows)
             if at.real is not None:
                 self.keep_pending(cache, rows, pq[:, 0], at.real, ki.view(B, Q, P), zi.view(B, Q, P), kept)
-            elif at.verify:  # the kept count is known after acceptance: Model.keep_pending
-                for buf, t in zip((cache.undo_pk, cache.undo_pz, cache.step_k, cache.step_z),
-                                  (*kept, ki.view(B, Q, P), zi.view(B, Q, P))):
-                    buf.index_copy_(0, rows, t)
             # scores of regions past every query's history are skipped: the step's cost follows the rows' contexts
             scores = kernel.indexer_scores(qi.view(B, Q, *qi.shape[1:]), wi.view(B, Q, *wi.shape[1:]),
                                            cache.summ.view(kernel.FP8), self.w_scale, q_e4m3=True, rows=rows,
@@ -511,14 +509,14 @@ class Attention(nn.Module):
         return out.view(T, H, hd)
 
     def keep_pending(self, cache, rows, start, real, ki, zi, kept):
-        """After a pass of Q tokens per row of `rows` [B] from positions start [B] (a padded decode step or prefill
-        from position 0, or a speculative verify step) of which only the first `real` ([1] or [B]) count, with indexer
-        keys/z ki, zi [B, Q, P]: the pending rows of the region that holds the last real token get back what the
-        tokens past them (padding, rejected drafts) overwrote past a region boundary. Row j holds
+        """After a padded pass (a decode step, or a prefill from position 0) of Q tokens per row of `rows` [B] from
+        positions start [B], `real` [1] of them real, with indexer keys/z ki, zi [B, Q, P]: the pending rows of the
+        region that holds the last real token get back what padding past a region boundary overwrote
+        (Model.keep_pending does it for a speculative step's rejected drafts). Row j holds
         position p = that region's first + j: from before the pass (kept [B, blk, P] x 2) if p < start, else the
         pass's own row of p (rows past the real tokens are rewritten before the region completes). Regions completed
-        by real tokens were summarised before anything past them was written; a region that padding or a rejected
-        draft completed is summarised again when a real token completes it, and no query reads it before."""
+        by real tokens were summarised before anything past them was written; a region that padding completed is
+        summarised again when a real token completes it, and no query reads it before."""
         blk, Q, P = cache.pk.shape[1], ki.shape[1], ki.shape[2]
         p = (start + real - 1)[:, None] // blk * blk + torch.arange(blk, device=start.device)  # [B, blk]
         j = (p - start[:, None]).clamp(0, Q - 1)[..., None].expand(-1, -1, P)
@@ -778,14 +776,14 @@ class Step5ForCausalLM(nn.Module):
         self._rope_tables(cap, self.lm_head.weight.device)
         return cap
 
-    def new_cache(self, B: int, max_tokens: int, slack: int = 0, device=None, verify: int = 0) -> Cache:
+    def new_cache(self, B: int, max_tokens: int, slack: int = 0, device=None, verify: bool = False) -> Cache:
         """Caches for B rows (slots) of at most max_tokens positions; slack: extra sliding-ring slots for rows that
         may be rolled back (a speculative step writes up to `slack` rows past what it keeps) or rewound (a reused
-        prefix); verify: the tokens per row of a speculative verify step, if any. device "meta" sizes a cache
-        without allocating it."""
+        prefix); verify: room for a speculative verify step's copy of the pending rows (Model.hold_pending). device
+        "meta" sizes a cache without allocating it."""
         cap, dev = self._capacity(max_tokens + slack), device or self.lm_head.weight.device
-        return Cache([layer.self_attn.new_cache(B, cap, dev, slack, verify)
-                      for layer in self.model.layers[:self.cfg.num_hidden_layers]], B, cap, dev)
+        return Cache([layer.self_attn.new_cache(B, cap, dev, slack)
+                      for layer in self.model.layers[:self.cfg.num_hidden_layers]], B, cap, dev, verify)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens.weight[ids]  # plain lookup in the replicated table
@@ -797,7 +795,7 @@ class Step5ForCausalLM(nn.Module):
         return self.embed(ids)
 
     def _place(self, cache: Cache, seq_lens: list | None, rows, dev, Q: int = 1, live=None, held=None,
-               real=None, verify: bool = False) -> Placement:
+               real=None) -> Placement:
         """Where this call's tokens go, and the cache lengths advanced past them.
 
         Prefill (seq_lens): seq_lens[i] tokens for cache row rows[i] (default: row i of every row), packed, on top of
@@ -805,13 +803,13 @@ class Step5ForCausalLM(nn.Module):
         with 0 tokens are skipped. real: Placement's (the rows' lengths advance by it). Decode: Q
         tokens per row of `rows` [B'] (a device tensor; default every row), T = B' * Q row-major, the lengths
         advanced on the device (by Q, or by Q * live for rows with live [B'] 0/1), so the step replays as a CUDA
-        graph; verify: Placement's."""
+        graph."""
         if seq_lens is None:
             rows = torch.arange(cache.lengths.shape[0], device=dev) if rows is None else rows
             p0 = cache.lengths[rows]
             pos = (p0[:, None] + torch.arange(Q, device=dev)).flatten()
             cache.lengths[rows] = p0 + (Q if live is None else Q * live) if real is None else p0 + real
-            return Placement(pos, rows=rows, Q=Q, real=real, verify=verify)
+            return Placement(pos, rows=rows, Q=Q, real=real)
         rows = list(range(cache.lengths.shape[0])) if rows is None else list(rows)
         if len(seq_lens) != len(rows):
             raise ValueError(f"{len(seq_lens)} prompts for {len(rows)} cache rows")
@@ -836,12 +834,11 @@ class Step5ForCausalLM(nn.Module):
             return cache.requests[at.rows].repeat_interleave(at.Q)
         return torch.cat([cache.requests[r].expand(n) for r, _, n, _ in at.spans])
 
-    def _trunk(self, ids, cache: Cache, seq_lens, embeds, progress, rows=None, live=None, held=None, real=None,
-               verify=False):
+    def _trunk(self, ids, cache: Cache, seq_lens, embeds, progress, rows=None, live=None, held=None, real=None):
         """The main layers -> the residual stream [T, D] fp32 of every token (before the final norm). Decode: ids
         [B] (one token per row) or [B, Q] (Q tokens per row, e.g. a speculative verify step)."""
         Q = ids.shape[1] if seq_lens is None and ids.dim() == 2 else 1
-        at = self._place(cache, seq_lens, rows, ids.device, Q, live, held, real, verify)
+        at = self._place(cache, seq_lens, rows, ids.device, Q, live, held, real)
         req = self._requests(cache, at) if self.pins is not None else None
         res = (self.embed(ids.flatten()) if embeds is None else embeds).float()
         L = self.cfg.num_hidden_layers
@@ -872,21 +869,35 @@ class Step5ForCausalLM(nn.Module):
         return self.logits(res).view(*ids.shape[:2] if seq_lens is None else res.shape[:1], -1)
 
     def forward_rows(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None, rows=None,
-                     live=None, progress=None, held=None, real=None, verify=False) -> torch.Tensor:
+                     live=None, progress=None, held=None, real=None) -> torch.Tensor:
         """forward that keeps every row: the residual of every token [T, D] fp32 (before the final norm), for a
         prefill-style extend (seq_lens) or a decode step of ids [B', Q] (static shapes: a speculative verify step).
-        Speculative decoding feeds it to the MTP layers and takes `logits` of the rows it needs (verify: Placement's;
-        then keep_pending); a padded prefill (held, real: _place's) the logits of its last real row."""
-        return self._trunk(ids, cache, seq_lens, embeds, progress, rows, live, held, real, verify)
+        Speculative decoding feeds it to the MTP layers and takes `logits` of the rows it needs (between
+        hold_pending and keep_pending); a padded prefill (held, real: _place's) the logits of its last real row."""
+        return self._trunk(ids, cache, seq_lens, embeds, progress, rows, live, held, real)
+
+    def hold_pending(self, cache: Cache, rows):
+        """Before a speculative verify step of rows [B]: their pending DSA indexer rows, every layer's, copied aside
+        (cache.held) for keep_pending."""
+        if cache.pending is not None:
+            for cur, held in zip(cache.pending, cache.held):
+                held.index_copy_(1, rows, cur.index_select(1, rows))
 
     def keep_pending(self, cache: Cache, rows, start, real):
-        """After a speculative verify step (forward_rows(verify=True)) of rows [B] from positions start [B], of
-        which the first real [B] tokens are kept: each DSA layer's pending indexer rows as if only those had been
-        written (Attention.keep_pending)."""
-        for layer, lc in zip(self.model.layers, cache.layers):
-            if layer.self_attn.dsa:
-                layer.self_attn.keep_pending(lc, rows, start, real, lc.step_k[rows], lc.step_z[rows],
-                                             (lc.undo_pk[rows], lc.undo_pz[rows]))
+        """After a speculative verify step of Q tokens per row of rows [B] from positions start [B], of which the
+        first real [B] are kept: the pending rows of the region holding the last kept token as if only the kept
+        tokens had been written. Row j holds position p = that region's first + j: from before the step (hold_pending)
+        where p < start, which a rejected draft at p + blk may have overwritten; else the step's own row of p, which
+        no later token of the step overwrote (Q <= blk: the engine checks). A region that a rejected draft completed
+        is summarised again when a kept token completes it, and no query reads it before. A few launches for all
+        layers at once (the stacked `pending`)."""
+        if cache.pending is None:
+            return
+        blk = cache.pending[0].shape[2]
+        p = (start + real - 1)[:, None] // blk * blk + torch.arange(blk, device=start.device)  # [B, blk]
+        before = (p < start[:, None])[None, :, :, None]  # [1, B, blk, 1]
+        for cur, held in zip(cache.pending, cache.held):
+            cur.index_copy_(1, rows, torch.where(before, held.index_select(1, rows), cur.index_select(1, rows)))
 
     def warm_lengths(self, max_context: int, chunk: int) -> list:
         """(first position, tokens) of prefill passes into one cache row that reach every launch variant the prefill
