@@ -597,9 +597,10 @@ class Engine:
     def _prefill_graph(self, n: int, pool) -> Graph:
         """A fresh prompt's prefill padded to n tokens in the staging row, then adopted by its slot. Inputs: the ids
         [n] (padded with token 0), the real tokens [1], the slot [1]; -> this rank's logits [1, V/tp] of the last real
-        token (with speculative decoding, and the residual rows [n, D] for the MTP layers). Padding follows the real tokens, so no real token attends to it (causal) or shares a decision with it
-        (routing and region selection are per token); the real rows are an n-token pass's but for the GEMMs' row
-        counts (their accumulation order may differ in last bits, as between prefill chunkings)."""
+        token (with speculative decoding, and the residual rows [n, D] for the MTP layers). Padding follows the real
+        tokens, so no real token attends to it (causal) or shares a decision with it (routing and region selection are
+        per token); the real rows are an n-token pass's but for the GEMMs' row counts (their accumulation order may
+        differ in last bits, as between prefill chunkings)."""
         m, st = self.model, self.staging
         ids = torch.zeros(n, dtype=torch.long, device=self.dev)
         real = torch.full((1,), n, dtype=torch.long, device=self.dev)

@@ -1828,7 +1828,8 @@ def sparse_attention_triton(q, k, v, ids, valid, pos, blk, scale, splits=None, b
     to fill the GPU) divides each query's key slots over programs merged by log-sum-exp (which applies the gate, as
     one split's program does itself); other split boundaries give tolerance-level differences. block_n: key slots
     per tile (default: TUNING["sparse_block_n"] for decode, whose step chose it; 32 for prefill, 7% faster than 64 at
-    4,096 queries of 8k-128k contexts: PERF_LOG 2026-12-05 (night)). num_stages: of the GPU launches (3 or 4: within 0.3% of the step).
+    4,096 queries of 8k-128k contexts: PERF_LOG 2026-12-05 (night)). num_stages: of the GPU launches (3 or 4:
+    within 0.3% of the step).
     rows [S] int64: the cache row of each sequence (default: row s). prefill: one split and the unspecialised kernel,
     so no length of a prompt compiles a launch of its own (a prefill launch has hundreds of query rows). out: written
     in place (q's shape and strides; default new) and returned."""

@@ -186,6 +186,14 @@ def rope_tables(c: Step5Config, n_pos: int, device) -> list:
     return layers
 
 
+def _kept_region(start, real, blk: int):
+    """Rows from positions start [B], of which `real` ([1] or [B]) tokens are kept -> (the positions p [B, blk] of
+    the DSA region holding each row's last kept token, pending row j holding p[:, j]; p < start, where the rows come
+    from before the pass)."""
+    p = (start + real - 1)[:, None] // blk * blk + torch.arange(blk, device=start.device)
+    return p, p < start[:, None]
+
+
 class LayerCache:
     """Per-layer decode state of B cache rows (slots). Sliding: ring K/V [B, G, R, hd] (token p in slot p mod R).
     DSA: K/V [B, cap, G, hd], region summaries [B, R, P] e4m3, pending indexer key/z of the unfinished region
@@ -518,9 +526,9 @@ class Attention(nn.Module):
         by real tokens were summarised before anything past them was written; a region that padding completed is
         summarised again when a real token completes it, and no query reads it before."""
         blk, Q, P = cache.pk.shape[1], ki.shape[1], ki.shape[2]
-        p = (start + real - 1)[:, None] // blk * blk + torch.arange(blk, device=start.device)  # [B, blk]
+        p, before = _kept_region(start, real, blk)
         j = (p - start[:, None]).clamp(0, Q - 1)[..., None].expand(-1, -1, P)
-        before = (p < start[:, None])[..., None]
+        before = before[..., None]
         cache.pk.index_copy_(0, rows, torch.where(before, kept[0], ki.gather(1, j)))
         cache.pz.index_copy_(0, rows, torch.where(before, kept[1], zi.gather(1, j)))
 
@@ -893,9 +901,7 @@ class Step5ForCausalLM(nn.Module):
         layers at once (the stacked `pending`)."""
         if cache.pending is None:
             return
-        blk = cache.pending[0].shape[2]
-        p = (start + real - 1)[:, None] // blk * blk + torch.arange(blk, device=start.device)  # [B, blk]
-        before = (p < start[:, None])[None, :, :, None]  # [1, B, blk, 1]
+        before = _kept_region(start, real, cache.pending[0].shape[2])[1][None, :, :, None]  # [1, B, blk, 1]
         for cur, held in zip(cache.pending, cache.held):
             cur.index_copy_(1, rows, torch.where(before, held.index_select(1, rows), cur.index_select(1, rows)))
 
