@@ -501,18 +501,19 @@ class Engine:
             self._build_ahead(passes, threads)
         self._replan(agree=True)  # on what the builds left free (library workspaces and loaded kernels stay behind)
         sizes = self._prefill_sizes(replace(self.config, max_context=self.max_context))
-        # the agreed context's passes; a prefill graph's capture runs its own pass (the same launches) first, but not
-        # the MTP layers' absorb of its rows
-        in_order = [] if ahead else [(p0, n) for p0, n in m.warm_lengths(self.max_context, self.config.prefill_chunk)
-                                     if p0 or n not in sizes or self.k]
+        # the agreed context's passes; a prefill graph's capture runs its own pass (the same launches) first, so of
+        # a pass of a graph's length only the MTP layers' absorb of its rows is left to warm up
+        in_order = [] if ahead else [(p0, n, not (p0 == 0 and n in sizes))
+                                     for p0, n in m.warm_lengths(self.max_context, self.config.prefill_chunk)]
+        in_order = [(p0, n, main) for p0, n, main in in_order if main or self.k]
         tb = time.perf_counter()
         self.cache = m.new_cache(B, self.max_context, slack=self.slack, verify=bool(self.k))
         self.cap = self.cache.cap
         self.mtps = m.new_mtp_caches(B, self.max_context, slack=self.slack) if self.k else []
         self.staging = self._staging(sizes[-1]) if sizes else None  # before any capture: it may extend RoPE's tables
         with torch.inference_mode():
-            for p0, n in in_order:
-                self._warm(p0, n)
+            for p0, n, main in in_order:
+                self._warm(p0, n, main=main)
             sync()
             t1 = time.perf_counter()
             pool = torch.cuda.graph_pool_handle() if self.use_graph else None
@@ -723,16 +724,18 @@ class Engine:
         h.update(repr((passes, self.model.cfg, M.world_size, triton.__version__, dev)).encode())
         return os.path.join(triton.knobs.cache.dir, f"step5-built-{h.hexdigest()[:24]}")
 
-    def _warm(self, p0: int, n: int, cache=None, mtps=None):
-        """A prefill pass of n tokens at position p0 of slot 0 (whatever its cache holds), and of every MTP layer:
-        its launches compile whatever they need; the slot is forgotten after start-up."""
+    def _warm(self, p0: int, n: int, cache=None, mtps=None, main: bool = True):
+        """A prefill pass of n tokens at position p0 of slot 0 (whatever its cache holds), and of every MTP layer
+        (without `main`: theirs alone, on zero residuals): its launches compile whatever they need; the slot is
+        forgotten after start-up."""
         cache, mtps = (self.cache, self.mtps) if cache is None else (cache, mtps)
         ids = torch.zeros(n, dtype=torch.long, device=self.dev)
         cache.lengths[0] = p0
         if not self.k:
             self.model.forward(ids, cache, [n], rows=[0])
             return
-        h = self.model.forward_rows(ids, cache, [n], rows=[0])
+        h = (self.model.forward_rows(ids, cache, [n], rows=[0]) if main
+             else torch.zeros(n, self.model.cfg.hidden_size, device=self.dev))
         for j, c in enumerate(mtps):
             c.lengths[0] = p0
             h, _ = self.model.mtp(j, h, ids, c, [n], rows=[0])

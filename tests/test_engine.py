@@ -298,17 +298,21 @@ def gpu_launches(monkeypatch):
     monkeypatch.setattr(M.Step5ForCausalLM, "warm_lengths", triton_warm_lengths)
 
 
-@pytest.mark.parametrize("graph_prefill", [0, 256])
+@pytest.mark.parametrize("graph_prefill, speculative", [(0, 0), (256, 0), (256, 1)])
 @torch.inference_mode()
-def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, gpu_launches, graph_prefill):
+def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, converted, gpu_launches,
+                                                                    graph_prefill, speculative):
     """Nothing compiles on the request path: every Triton launch of requests of other prompt lengths and batch sizes
     is one that start-up made, each launch keyed as Triton compiles it (sass.launch_key: constexprs, each integer's
-    class, each pointer's alignment), with fresh prompts prefilled eagerly or padded (graph_prefill).
+    class, each pointer's alignment), with fresh prompts prefilled eagerly or padded (graph_prefill), and with MTP
+    drafts (speculative: the MTP layers absorb each padded prompt's rows, warmed up alone at start-up).
     bench_request.py counts real compilations on the GPU."""
     import sass
-    lm = tp1_models("fp8_text")
+    from conftest import load_tp1
+    lm = load_tp1(converted("fp8_text", 1, keep_mtp=True)) if speculative else tp1_models("fp8_text")
     warm, seen = set(), set()
-    eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=640, prefill_chunk=256, graph_prefill=graph_prefill))
+    eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=640, prefill_chunk=256, graph_prefill=graph_prefill,
+                                      speculative=speculative))
     with sass.launch_keys(warm, execute=False):
         eng.start()
     with sass.launch_keys(seen, execute=False):
