@@ -305,7 +305,7 @@ def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, 
     """Nothing compiles on the request path: every Triton launch of requests of other prompt lengths and batch sizes
     is one that start-up made, each launch keyed as Triton compiles it (sass.launch_key: constexprs, each integer's
     class, each pointer's alignment), with fresh prompts prefilled eagerly or padded (graph_prefill), and with MTP
-    drafts (speculative: the MTP layers absorb each padded prompt's rows, warmed up alone at start-up).
+    drafts (speculative: verify and draft steps, the MTP layers' absorb of each padded prompt's real rows).
     bench_request.py counts real compilations on the GPU."""
     import sass
     from conftest import load_tp1
