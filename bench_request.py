@@ -18,6 +18,7 @@ share of the prefill's wall time, and for the GEMMs and attention their rate aga
 (bf16 767, fp8 1263 TFLOP/s). "idle" is wall time with no kernel running (the host behind the device).
 """
 import argparse
+import dataclasses
 import json
 import time
 
@@ -60,8 +61,8 @@ class Counters:
         return self.compiles, self.captures
 
 
-def build(seed: int = 0) -> M.Step5ForCausalLM:
-    cfg = real_rank_config(8)
+def build(seed: int = 0, mtp: int = 0) -> M.Step5ForCausalLM:
+    cfg = dataclasses.replace(real_rank_config(8), mtp_layers_kept=mtp)
     with torch.device("meta"):
         m = M.Step5ForCausalLM(cfg, set(cfg.moe_layers), 0)
     randomise(m, seed=seed)
@@ -200,17 +201,18 @@ def prefill_profile(eng: E.Engine, P: int, seed: int) -> dict:
 
 
 def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill_chunk: int, profile: list,
-         dump: str | None, build_threads: int | None, graph_prefill: int | None = None, turn: int = 0):
+         dump: str | None, build_threads: int | None, graph_prefill: int | None = None, turn: int = 0,
+         speculative: int = 0):
     counters = Counters()
     t0 = time.perf_counter()
-    m = build()
+    m = build(mtp=speculative)
     torch.cuda.synchronize()
     print(f"built one TP=8 rank of random weights in {time.perf_counter() - t0:.0f} s "
           f"({torch.cuda.memory_allocated() / 2 ** 30:.1f} GiB)", flush=True)
     with torch.inference_mode():
         c0 = counters.snapshot()
         eng = E.Engine(m, E.EngineConfig(max_batch, max_context, prefill_chunk, build_threads=build_threads,
-                                         graph_prefill=graph_prefill), print)
+                                         graph_prefill=graph_prefill, speculative=speculative), print)
         t0 = time.perf_counter()
         eng.start()
         t_start = time.perf_counter() - t0
@@ -220,6 +222,9 @@ def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill
               f"{t['capture_s']:.1f} s; {c1[0] - c0[0]} Triton kernel builds (compiled or from its disk cache), "
               f"{c1[1] - c0[1]} graph captures; max_context {eng.max_context}, peak "
               f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB", flush=True)
+        if speculative:
+            print(f"with {speculative} drafts a step: step ms and ceiling are the verify step's ({speculative + 1} tokens "
+                  "a row) at one token a step")
         print(f"{'batch':>5} {'prompt':>7} {'new':>4} | {'TTFT s':>7} {'decode tok/s':>12} {'(per req)':>9} | "
               f"{'step ms':>7} {'ceiling tok/s':>13} {'seen/ceil':>9} | compiles captures")
         for i, (b, P) in enumerate(cases):
@@ -264,6 +269,9 @@ if __name__ == "__main__":
                     help=f"fresh prompts of up to N tokens prefill as CUDA graphs (default {E.GRAPH_PREFILL}; 0: eagerly)")
     ap.add_argument("--turn", type=int, default=0, metavar="N",
                     help="after each one-request case, its conversation's next turn of N new tokens (prefix reused)")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="K MTP drafts per step (random weights: drafts are almost never accepted, so the decode rate "
+                    "is a speculative round's cost per token, the floor of what drafts gain)")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="set kernel.TUNING[KEY] (a Python literal) for the run, e.g. --tune "
                     "sparse_block_n=32; repeatable")
@@ -273,4 +281,4 @@ if __name__ == "__main__":
     except ValueError as e:
         raise SystemExit(str(e))
     main([tuple(map(int, c.split("x"))) for c in a.cases.split(",") if c], a.new, a.max_batch, a.max_context,
-         a.prefill_chunk, a.profile, a.dump, a.build_threads, a.graph_prefill, a.turn)
+         a.prefill_chunk, a.profile, a.dump, a.build_threads, a.graph_prefill, a.turn, a.speculative)
