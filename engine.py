@@ -513,10 +513,7 @@ class Engine:
         self.staging = self._staging(sizes[-1]) if sizes else None  # before any capture: it may extend RoPE's tables
         with torch.inference_mode():
             for p0, n, main in in_order:
-                if main:
-                    self._warm(p0, n)
-                else:
-                    self._warm(p0, n, main=False)
+                self._warm(p0, n, main=main)
             sync()
             t1 = time.perf_counter()
             pool = torch.cuda.graph_pool_handle() if self.use_graph else None

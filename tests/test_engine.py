@@ -346,9 +346,9 @@ def test_start_up_builds_from_threads_until_a_start_up_has_built_its_kernels(tp1
     warm = E.Engine._warm
     in_order = []
 
-    def counted_warm(self, p0, n, cache=None, mtps=None):
+    def counted_warm(self, p0, n, cache=None, mtps=None, main=True):
         in_order.append(cache is None)
-        return warm(self, p0, n, cache, mtps)
+        return warm(self, p0, n, cache, mtps, main)
     monkeypatch.setattr(E.Engine, "_warm", counted_warm)
 
     def start(context, cache_dir, threads=2):
@@ -383,12 +383,12 @@ def test_start_up_builds_ahead_from_threads_every_launch_of_the_warm_up_in_order
         with sass.launch_keys(ahead, execute=False):
             build(self, *a)
 
-    def recorded_warm(self, p0, n, cache=None, mtps=None):
+    def recorded_warm(self, p0, n, cache=None, mtps=None, main=True):
         if cache is not None:  # a pass of the parallel builds
             threads.add(threading.get_ident())
             return run_warm(self, p0, n, cache, mtps)
         with sass.launch_keys(warm, execute=False):
-            return run_warm(self, p0, n)
+            return run_warm(self, p0, n, main=main)
     monkeypatch.setattr(E.Engine, "_build_ahead", recorded_build)
     monkeypatch.setattr(E.Engine, "_warm", recorded_warm)
     import triton
