@@ -89,11 +89,14 @@ def run_case(eng: E.Engine, batch: int, P: int, new: int, seed: int, after: E.Re
             "reqs": reqs}
 
 
-def step_time(eng: E.Engine, b: int) -> float:
-    """The bucket's decode graph replayed alone (slots 0..b-1, the lengths restored): the rate's ceiling."""
+def step_time(eng: E.Engine, reqs: list, b: int) -> float:
+    """The bucket's decode graph replayed alone over the requests' slots as they ended (padded with other slots, not
+    live), the lengths restored: the rate's ceiling at the context the requests reached."""
     g = eng.graphs[b][0]
-    g.inputs[0].copy_(torch.arange(b))
-    g.inputs[1].fill_(1)
+    mine = [r.slot for r in reqs]
+    slots = mine + [i for i in range(len(eng.slots)) if i not in mine][:b - len(mine)]
+    g.inputs[0].copy_(torch.tensor(slots))
+    g.inputs[1].copy_(torch.tensor([1] * len(mine) + [0] * (b - len(mine))))
     saved = eng.cache.lengths.clone()
     t = time_step(g.graph.replay if g.graph is not None else g, iters=20)
     eng.cache.lengths.copy_(saved)
@@ -235,7 +238,7 @@ def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill
                 c1 = counters.snapshot()
                 prev = r["reqs"][0]
                 bucket = next(x for x in eng.graphs if x >= b)
-                st = step_time(eng, bucket)
+                st = step_time(eng, r["reqs"], bucket)
                 label = f"{b:5d} {P_:7d}" if after is None else f"{'turn':>5} {f'+{P_}':>7}"
                 print(f"{label} {new:4d} | {r['ttft']:7.3f} {r['agg']:12.1f} {r['tok_s']:9.1f} | {st * 1e3:7.3f} "
                       f"{b / st:13.1f} {r['agg'] / (b / st):9.1%} | {c1[0] - c0[0]:8d} {c1[1] - c0[1]:8d}"
