@@ -20,6 +20,7 @@ eager pass of a few thousand tokens costs the host more than its kernels take.
 """
 import contextlib
 import hashlib
+import inspect
 import itertools
 import os
 import threading
@@ -359,6 +360,33 @@ class EngineError(RuntimeError):
     """A request's computation went wrong (non-finite logits): the message names the request and the step."""
 
 
+@contextlib.contextmanager
+def one_build_per_variant():
+    """Within: a Triton kernel variant that several threads launch before it is built is compiled by the first of
+    them, and the others wait for it and take its build. Triton's JIT looks a variant up in its in-memory cache
+    before compiling and stores it after, so threads that want it meanwhile compile it again each (a cold start's
+    threads made 411 builds of 124 variants, PERF_LOG 2026-12-05 (afternoon)). Wraps JITFunction._do_compile(self,
+    key, signature, device, ...) where it has that form; elsewhere nothing changes."""
+    from triton.runtime.jit import JITFunction
+    build = getattr(JITFunction, "_do_compile", None)
+    if build is None or list(inspect.signature(build).parameters)[:4] != ["self", "key", "signature", "device"]:
+        yield
+        return
+    locks, guard = {}, threading.Lock()
+
+    def once(fn, key, signature, device, *rest):
+        with guard:
+            lock = locks.setdefault((id(fn), device, key), threading.Lock())
+        with lock:
+            built = fn.device_caches[device][0].get(key)  # what a thread that held the lock before built
+            return built if built is not None else build(fn, key, signature, device, *rest)
+    JITFunction._do_compile = once
+    try:
+        yield
+    finally:
+        JITFunction._do_compile = build
+
+
 class Engine:
     def __init__(self, model: M.Step5ForCausalLM, config: EngineConfig, say=lambda *a: None):
         c, cfg = config, model.cfg
@@ -680,9 +708,10 @@ class Engine:
                            + [([g],) for g in self.extend_graphs.values()])
 
     def _from_threads(self, threads: int, fn, calls: list):
-        """fn(*args) for each args of calls from a pool of threads, then the threads' leftovers given back: their
-        cuBLAS workspaces (one per thread's stream) and the blocks cached for their streams."""
-        with ThreadPoolExecutor(min(threads, len(calls)), thread_name_prefix="build") as pool:
+        """fn(*args) for each args of calls from a pool of threads (a kernel variant wanted by several at once is
+        compiled once: one_build_per_variant), then the threads' leftovers given back: their cuBLAS workspaces (one
+        per thread's stream) and the blocks cached for their streams."""
+        with one_build_per_variant(), ThreadPoolExecutor(min(threads, len(calls)), thread_name_prefix="build") as pool:
             for f in [pool.submit(fn, *args) for args in calls]:
                 f.result()
         if self.dev.type == "cuda":

@@ -404,6 +404,47 @@ def test_start_up_builds_ahead_from_threads_every_launch_of_the_warm_up_in_order
     assert len(warm) > 20
 
 
+def test_start_up_threads_compile_each_kernel_variant_once(monkeypatch):
+    """Start-up's threads that launch a Triton kernel variant before it is built compile it once
+    (E.one_build_per_variant): the first builds it, the others wait and take that build; other variants build side by
+    side. Without it every thread compiles its own (Triton's JIT looks its cache up before compiling, stores after)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from triton.runtime.jit import JITFunction
+    builds, running, most, lock = [], [0], [0], threading.Lock()
+
+    def compile_variant(self, key, signature, device, *rest):  # stands for Triton's: slow, stores its build
+        with lock:
+            builds.append(key)
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        self.device_caches[device][0][key] = built = object()
+        with lock:
+            running[0] -= 1
+        return built
+    monkeypatch.setattr(JITFunction, "_do_compile", compile_variant)
+    fn = SimpleNamespace(device_caches={0: ({}, None, None, None, None)})
+    wanted = ["a", "a", "b", "a", "b", "a"]
+
+    def launch_all():
+        fn.device_caches[0][0].clear()
+        builds.clear()
+        most[0] = 0
+        with ThreadPoolExecutor(len(wanted)) as pool:
+            return list(pool.map(lambda key: JITFunction._do_compile(fn, key, None, 0, None, None, None, False),
+                                 wanted))
+    launch_all()
+    assert len(builds) == len(wanted)  # each thread its own build
+    with E.one_build_per_variant():
+        got = launch_all()
+    assert sorted(builds) == ["a", "b"] and most[0] >= 2
+    assert len({id(k) for k, key in zip(got, wanted) if key == "a"}) == 1
+    assert JITFunction._do_compile is compile_variant  # put back
+
+
 @torch.inference_mode()
 def test_start_up_builds_the_decode_steps_from_threads_before_capturing_them(tp1_models, gpu_launches, monkeypatch,
                                                                              tmp_path):
