@@ -364,9 +364,9 @@ class EngineError(RuntimeError):
 def one_build_per_variant():
     """Within: a Triton kernel variant that several threads launch before it is built is compiled by the first of
     them, and the others wait for it and take its build. Triton's JIT looks a variant up in its in-memory cache
-    before compiling and stores it after, so threads that want it meanwhile compile it again each (a cold start's
-    threads made 411 builds of 124 variants, PERF_LOG 2026-12-05 (afternoon)). Wraps JITFunction._do_compile(self,
-    key, signature, device, ...) where it has that form; elsewhere nothing changes."""
+    before compiling and stores it after, so threads that want it meanwhile compile it again each (a cold start
+    from threads made 411 builds where one in order makes 124, PERF_LOG 2026-12-05 (afternoon)). Wraps
+    JITFunction._do_compile(self, key, signature, device, ...) where it has that form; elsewhere nothing changes."""
     from triton.runtime.jit import JITFunction
     build = getattr(JITFunction, "_do_compile", None)
     if build is None or list(inspect.signature(build).parameters)[:4] != ["self", "key", "signature", "device"]:
