@@ -767,7 +767,7 @@ class Engine:
              else torch.zeros(n, self.model.cfg.hidden_size, device=self.dev))
         for j, c in enumerate(mtps):
             c.lengths[0] = p0
-            h, _ = self.model.mtp(j, h, ids, c, [n], rows=[0])
+            h, _ = self.model.mtp(j, h, ids, c, [n], rows=[0], head=False)
 
     def _plain_graph(self, b: int, pool) -> list:
         rows = torch.arange(b, device=self.dev)
@@ -1139,9 +1139,9 @@ class Speculator:
                 break
             nxt = torch.tensor([r.ids[p + j + 1] for _, r, have, stop, _ in parts for p in range(have, stop)],
                                device=e.dev)
-            res, _ = m.mtp(j, torch.cat([x for *_, x in parts]), nxt, e.mtps[j], [stop - have for _, _, have, stop, _
-                                                                                   in parts],
-                           rows=[r.slot for _, r, *_ in parts])
+            res, _ = m.mtp(j, torch.cat([x for *_, x in parts]), nxt, e.mtps[j],
+                           [stop - have for _, _, have, stop, _ in parts], rows=[r.slot for _, r, *_ in parts],
+                           head=False)
             src, o = {}, 0
             for i, r, have, stop, _ in parts:
                 src[i] = (have, res[o:o + stop - have])
