@@ -913,10 +913,10 @@ class Engine:
         tok = self._choose(torch.stack([x for _, x in first]), rs, slots)
         self.next_tok[slots] = tok.clamp(min=0)
         self.count[slots] = 1
-        if self.spec:
-            self.spec.first_drafts(rs, slots)
         for r, t in zip(rs, tok.tolist()):  # a host read: the prompt's first token is reported at once
             self._take(r, [t], out, "its prefill")
+        if self.spec:  # queued after that read, which would otherwise wait for the drafts too
+            self.spec.first_drafts(rs, slots)
 
     def _prefill_graphs_for(self, pieces: list) -> list | None:
         """Per piece, its graph replays [(graph, first token, tokens)], when every piece is the whole rest of a text
