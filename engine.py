@@ -374,12 +374,12 @@ def one_build_per_variant():
         return
     locks, guard = {}, threading.Lock()
 
-    def once(fn, key, signature, device, *rest):
+    def once(fn, key, signature, device, *rest, **kw):
         with guard:
             lock = locks.setdefault((id(fn), device, key), threading.Lock())
         with lock:
             built = fn.device_caches[device][0].get(key)  # what a thread that held the lock before built
-            return built if built is not None else build(fn, key, signature, device, *rest)
+            return built if built is not None else build(fn, key, signature, device, *rest, **kw)
     JITFunction._do_compile = once
     try:
         yield
