@@ -504,7 +504,9 @@ class Engine:
         caches = [m.new_cache(B, ctx, slack=self.slack, device="meta", verify=bool(self.k))]
         if self.k:
             caches += m.new_mtp_caches(B, ctx, slack=self.slack, device="meta")
-        return sum(t.numel() * t.element_size() for c in caches for lc in c.layers for t in vars(lc).values())
+        tensors = [t for c in caches for lc in c.layers for t in vars(lc).values()] + [t for c in caches
+                                                                                   for t in c.held or ()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.inference_mode()
     def start(self):
