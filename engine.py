@@ -90,8 +90,8 @@ class Sampling:
             return f"{t} {self.temperature} must be a finite number >= 0 (0 is greedy decoding)"
         if not 0 < self.top_p <= 1:
             return f"{p} {self.top_p} must be in (0, 1] (1 keeps every token)"
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            return f"{k} {self.top_k} must be an integer >= 0 (0 keeps every token)"
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2 ** 63:
+            return f"{k} {self.top_k} must be an integer in [0, 2**63) (0 keeps every token)"
         if self.temperature == 0 and (self.top_k != 0 or self.top_p != 1):
             return (f"{f'{k} {self.top_k}' if self.top_k else f'{p} {self.top_p}'} needs {t} > 0 ({t} 0 is greedy "
                     "decoding)")
@@ -152,11 +152,11 @@ def probabilities(full: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     rank = torch.arange(x.shape[-1], device=x.device)
     keep = (rs.top_k[:, None] == 0) | (rank[None, :] < rs.top_k[:, None])
     ps = torch.where(keep, xs, float("-inf")).softmax(-1)
-    # The mass of the more likely tokens (0 for the first, which always stays), summed in 2^-48 fixed point: integer
-    # sums are exact in any order, while a float cumsum on CUDA may round differently between runs and so move the
-    # nucleus boundary on one rank.
+    # The mass of the more likely tokens (0 for the first), summed in 2^-48 fixed point: integer sums are exact in any
+    # order, while a float cumsum on CUDA may round differently between runs and so move the nucleus boundary on one
+    # rank. The bound is at least 1 so that the first token always stays (a top_p below 2^-48 keeps only it).
     q = (ps * 2.0 ** 48).long()
-    ps = ps.masked_fill(q.cumsum(-1) - q >= (rs.top_p[:, None].double() * 2 ** 48).long(), 0.0)
+    ps = ps.masked_fill(q.cumsum(-1) - q >= (rs.top_p[:, None].double() * 2 ** 48).long().clamp_min(1), 0.0)
     ps = ps / ps.sum(-1, keepdim=True)
     ps = torch.where(greedy_row[:, None], (rank == 0).float()[None, :], ps)
     return torch.zeros_like(ps).scatter_(-1, ids, ps)
@@ -421,7 +421,9 @@ class Engine:
         self.prefill_graphs, self.staging = {}, None  # padded length -> Graph (_prefill_graph), and their cache row
         self.extend_graphs = {}  # padded length -> Graph (_extend_graph)
         self.timing = {}
-        self.progress = None  # progress(first token, tokens, longest prompt, layer, layers) during prefills
+        # progress(first token, tokens, longest prompt, layer, layers, start) during prefills; start: where the first
+        # piece's prefill began (after its reused prefix)
+        self.progress = None
 
     # ---- start-up
     def _replan(self, agree: bool = False):
@@ -956,8 +958,8 @@ class Engine:
                                     [0] + lens))])
         hook = None
         if self.progress is not None:
-            first, longest = pieces[0][1], max(len(r.ids) for r, _, _ in pieces)
-            hook = (lambda i, layers: self.progress(first, sum(lens), longest, i, layers))
+            first, start, longest = pieces[0][1], pieces[0][0].cached, max(len(r.ids) for r, _, _ in pieces)
+            hook = (lambda i, layers: self.progress(first, sum(lens), longest, i, layers, start))
         if self.spec:
             return self.spec.prefill(pieces, ids, embeds, hook)
         return self.model.forward(ids, self.cache, lens, embeds, hook, rows=rows, held=[a for _, a, _ in pieces])

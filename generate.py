@@ -640,9 +640,9 @@ def progress_printer(s: Session):
     """Prefill progress on rank 0 once a prefill runs longer than PROGRESS_AFTER_S (then every PROGRESS_AFTER_S)."""
     state = {"t0": None, "last": 0.0}
 
-    def progress(first, n, longest, i, layers):
+    def progress(first, n, longest, i, layers, start):
         now = time.perf_counter()
-        if state["t0"] is None or first == 0 and i == 1:
+        if state["t0"] is None or first == start and i == 1:  # a new prefill (a reused prefix skipped)
             state["t0"], state["last"] = now, 0.0
         el = now - state["t0"]  # host time: the launch queue keeps it close behind the device's
         if el > PROGRESS_AFTER_S and el - state["last"] > PROGRESS_AFTER_S:

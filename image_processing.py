@@ -211,7 +211,11 @@ def preprocess(images, vcfg) -> ImageBatch:
         img = to_rgb(img, f"image {i}") if img.mode != "RGB" else img
         lay = plan(*img.size, geo)
         if lay.padded:  # 1. top-left of a black square
-            sq = Image.new("RGB", (max(img.size),) * 2)
+            side = max(img.size)
+            if Image.MAX_IMAGE_PIXELS and side * side > 2 * Image.MAX_IMAGE_PIXELS:  # where Pillow refuses to decode
+                raise ImageError(f"image {i}: the {img.size[0]}x{img.size[1]} strip would be padded to a {side}x{side} "
+                                 "square, more pixels than Pillow decodes safely (its DecompressionBombError)")
+            sq = Image.new("RGB", (side, side))
             sq.paste(img, (0, 0))
             img = sq
         if img.size != lay.size:  # 2. long-side clamp

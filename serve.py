@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,7 @@ MAX_IMAGE_BYTES = 20 << 20  # bytes of one decoded image file
 MAX_IMAGE_PIXELS = 50_000_000  # pixels of one image, checked from its header before it is decoded
 MAX_IMAGES = 16  # images per request (each costs up to ~110 MB of prepared crops)
 MAX_STOP = 4  # stop strings per request (the OpenAI API's limit)
+PREPARE_AT_ONCE = 4  # requests tokenized and their images decoded at once (a 32 MiB body of text takes GBs to tokenize)
 IDLE_WAIT_S = 0.03  # an idle rank 0 waits this long on its inbox before broadcasting an empty decision
 CTL_TIMEOUT_S = 120  # a control broadcast (one per engine step) that takes longer means a rank is stuck
 SIGTERM_GRACE_S = 10  # a rank > 0 that got SIGTERM waits this long for rank 0's stop decision
@@ -142,9 +143,13 @@ def _num(body: dict, name: str, default: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad(name, f"{name} must be a finite number, got {v!r}")
-    return float(v)
+    try:
+        f = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError:  # an integer past float's range
+        f = math.inf
+    if not math.isfinite(f):
+        raise bad(name, f"{name} must be a finite number, got {str(v)[:40]}")
+    return f
 
 
 def _bool(body: dict, name: str) -> bool:
@@ -173,11 +178,13 @@ def sampling_of(body: dict) -> E.Sampling:
     top_p = _num(body, "top_p", 1.0)
     top_k = body.get("top_k")
     top_k = 0 if top_k is None or _is(top_k, -1) else top_k  # -1: "off", as other servers spell it
-    if t == 0:  # greedy: top_p / top_k have nothing to restrict
-        top_p, top_k = 1.0, 0
     seed = body.get("seed")
     s = E.Sampling(t, top_k, top_p, secrets.randbits(63) if seed is None else seed)
-    p = s.problem()
+    p = None
+    if t == 0:  # greedy: top_p / top_k restrict nothing (OpenAI clients send them beside it), but are checked as given
+        p = replace(s, temperature=1.0).problem()
+        s = replace(s, top_k=0, top_p=1.0)
+    p = p or s.problem()
     if p:
         raise bad(p.split()[0], p)  # problem() names the field first
     return s
@@ -221,7 +228,14 @@ def job_of(body: dict, ids: list, images, lim: Limits, eos: list, chat: bool, pr
                stops_of(body), stream, usage, _bool(body, "return_token_ids"), chat, reasoning)
 
 
-def no_image_tokens(text: str, param: str):
+def check_text(text: str, param: str):
+    """A prompt text must encode as UTF-8 (JSON's \\ud800 escapes can name a lone surrogate, which the tokenizer
+    refuses) and hold no image token literally."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise bad(param, f"{param} is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start}"
+                  ) from None
     literal = [t for t in image_processing.IMAGE_TOKENS if t in text]
     if literal:
         raise bad(param, f"{param} holds the image token {literal[0]!r} literally; images go in image_url parts")
@@ -230,7 +244,7 @@ def no_image_tokens(text: str, param: str):
 def completion_job(body: dict, tok, lim: Limits, eos: list) -> Job:
     p = body.get("prompt")
     if isinstance(p, str):
-        no_image_tokens(p, "prompt")
+        check_text(p, "prompt")
         ids = tok(p, add_special_tokens=True)["input_ids"]  # as generate.py --raw-prompt
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         ids = p
@@ -270,15 +284,19 @@ def open_image(url, param: str, lim: Limits):
         raise bad(param, f"{param}: not valid base64") from None
     try:
         im = Image.open(io.BytesIO(raw))
+    except Image.DecompressionBombError:  # a header of over twice Pillow's pixel limit
+        raise bad(param, f"{param}: more than {MAX_IMAGE_PIXELS // 10 ** 6} Mpx", "image_too_large") from None
     except (UnidentifiedImageError, OSError):
         raise bad(param, f"{param}: not a PNG or JPEG image (Pillow cannot identify it)") from None
     if im.format not in ("PNG", "JPEG"):
         raise bad(param, f"{param}: a {im.format} image; PNG and JPEG are accepted")
     w, h = im.size
-    if w * h > MAX_IMAGE_PIXELS:
-        raise bad(param, f"{param}: {w}x{h} is more than {MAX_IMAGE_PIXELS // 10 ** 6} Mpx", "image_too_large")
     if w * h == 0:
         raise bad(param, f"{param}: the image has zero size ({w}x{h})")
+    side = max(w, h) if image_processing.plan(w, h, image_processing.geometry(lim.vision)).padded else 0
+    if max(w * h, side * side) > MAX_IMAGE_PIXELS:  # a thin strip is decoded into a square of its long side
+        what = f"{w}x{h}" + (f" (a strip, padded to {side}x{side})" if side else "")
+        raise bad(param, f"{param}: {what} is more than {MAX_IMAGE_PIXELS // 10 ** 6} Mpx", "image_too_large")
     return im
 
 
@@ -303,7 +321,7 @@ def chat_job(body: dict, tok, lim: Limits, eos: list, think: tuple | None) -> Jo
         if c is None and m["role"] == "assistant":
             c = ""
         if isinstance(c, str):
-            no_image_tokens(c, f"{at}.content")
+            check_text(c, f"{at}.content")
             text = c
         elif isinstance(c, list):
             text = ""
@@ -311,7 +329,7 @@ def chat_job(body: dict, tok, lim: Limits, eos: list, think: tuple | None) -> Jo
                 pat = f"{at}.content[{j}]"
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
-                    no_image_tokens(part["text"], f"{pat}.text")
+                    check_text(part["text"], f"{pat}.text")
                     text += part["text"]
                 elif kind == "image_url" and m["role"] == "user":
                     u = part.get("image_url")
@@ -680,6 +698,12 @@ def make_app(srv: Served):
     def error(e: ApiError):
         return JSONResponse(e.body(), e.status, headers=e.headers)
 
+    preparing = asyncio.Semaphore(PREPARE_AT_ONCE)
+
+    async def prepare(make_job, *args) -> Job:
+        async with preparing:
+            return await run_in_threadpool(make_job, *args)
+
     @app.exception_handler(ApiError)
     async def on_api_error(_, e: ApiError):
         return error(e)
@@ -695,8 +719,8 @@ def make_app(srv: Served):
     def auth(request: Request):
         if srv.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), srv.api_key.encode())):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), srv.api_key.encode())):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key",
                            {"WWW-Authenticate": "Bearer"})
 
@@ -711,8 +735,10 @@ def make_app(srv: Served):
                 raise ApiError(413, f"the request body is larger than {MAX_BODY >> 20} MiB", None, "body_too_large")
         try:
             body = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad(None, f"the request body is not valid JSON ({e})") from None
+        except RecursionError:
+            raise bad(None, "the request body nests JSON too deeply") from None
+        except ValueError as e:  # not JSON, not UTF-8, an integer of more than 4300 digits
+            raise bad(None, f"the request body is not valid JSON ({str(e)[:200]})") from None
         if not isinstance(body, dict):
             raise bad(None, "the request body must be a JSON object")
         check_common(body, srv.name)
@@ -752,14 +778,14 @@ def make_app(srv: Served):
     async def chat(request: Request):
         auth(request)
         body = await body_of(request)
-        job = await run_in_threadpool(chat_job, body, srv.tok, srv.lim, srv.eos, srv.think)
+        job = await prepare(chat_job, body, srv.tok, srv.lim, srv.eos, srv.think)
         return await answer(request, job)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         auth(request)
         body = await body_of(request)
-        job = await run_in_threadpool(completion_job, body, srv.tok, srv.lim, srv.eos)
+        job = await prepare(completion_job, body, srv.tok, srv.lim, srv.eos)
         return await answer(request, job)
 
     return app

@@ -434,6 +434,8 @@ def test_greedy_is_the_argmax_with_ties_to_the_lowest_id_and_flags_non_finite_ro
 
 
 def test_sample_top_k_1_and_tiny_top_p_are_the_argmax():
+    """A top_p below the nucleus sum's 2^-48 resolution (1e-20; 1e-45 is fp32's smallest) still keeps the first token;
+    a top_k of any size up to 2^63 - 1 keeps them all."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 100, generator=g)
     logits[0, [9, 7]] = logits[0].max() + 1  # a tie: the lowest id wins, as in greedy
@@ -441,7 +443,9 @@ def test_sample_top_k_1_and_tiny_top_p_are_the_argmax():
     assert want[0] == 7
     for t in (0.5, 5.0):
         assert torch.equal(draws(logits, t, 1), want)
-        assert torch.equal(draws(logits, t, 0, 1e-6), want)
+        for p in (1e-6, 1e-20, 1e-45):
+            assert torch.equal(draws(logits, t, 0, p), want)
+    assert torch.equal(draws(logits, 5.0, 2 ** 63 - 1, seed=4), draws(logits, 5.0, 0, seed=4))
 
 
 def test_sample_top_k_restricts_the_support():
@@ -522,7 +526,8 @@ def test_sampling_at_tp2_is_the_same_on_every_rank_and_reproducible(converted, t
     ({"temperature": float("nan")}, ["--temperature nan"]),
     ({"temperature": 1.0, "top_p": 0.0}, ["--top-p 0.0", "(0, 1]"]),
     ({"temperature": 1.0, "top_p": 1.5}, ["--top-p 1.5", "(0, 1]"]),
-    ({"temperature": 1.0, "top_k": -1}, ["--top-k -1", ">= 0"]),
+    ({"temperature": 1.0, "top_k": -1}, ["--top-k -1", "[0, 2**63)"]),
+    ({"temperature": 1.0, "top_k": 2 ** 63}, ["--top-k 9223372036854775808", "[0, 2**63)"]),
     ({"top_k": 5}, ["--top-k 5", "needs --temperature > 0"]),
     ({"top_p": 0.9}, ["--top-p 0.9", "needs --temperature > 0"]),
 ])
@@ -531,6 +536,21 @@ def test_bad_sampling_settings(kw, words):
         generate.main("unused", **kw)  # refused first: before torchrun's environment or any file is read
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_prefill_progress_times_each_prefill_from_its_own_start(monkeypatch):
+    """Rank 0's progress lines time a prefill from its first layer, also one that starts after a reused prefix."""
+    said, now = [], [0.0]
+    monkeypatch.setattr(generate.time, "perf_counter", lambda: now[0])
+    progress = generate.progress_printer(generate.Session(None, 0, 1, torch.device("cpu"), None, None, None, [],
+                                                          say=said.append))
+    for prefill, start in ((0, 0), (1, 8)):
+        now[0] = 100.0 * prefill  # the second prefill starts 100 s after the first
+        progress(start, 16 - start, 16, 1, 2, start)
+        now[0] += generate.PROGRESS_AFTER_S + 1
+        progress(start, 16 - start, 16, 2, 2, start)
+    monkeypatch.undo()
+    assert said == [f"prefill: tokens {a}-16 of 16, layer 2/2 after 6 s" for a in (0, 8)]
 
 
 def test_bad_sampling_flags_end_every_rank_with_one_message(tmp_path):

@@ -116,6 +116,15 @@ def test_strip_is_pasted_top_left_on_black():
     assert torch.allclose(ov[:, :, 80:], black[:, None, None].expand(3, 728, 648), atol=1e-5)
 
 
+def test_strip_padded_past_pillows_pixel_limit_is_refused_before_it_is_drawn(monkeypatch):
+    """A thin strip is padded to a square of its long side before the clamp: a 1 x 100000 file would allocate 30 GB.
+    Refused past the limit where Pillow refuses to decode (2 x MAX_IMAGE_PIXELS; lowered here to keep the test small)."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100_000)
+    preprocess([Image.new("RGB", (20, 400))], REAL)                      # 400^2 = 160k pixels: drawn
+    with pytest.raises(ImageError, match=r"image 0: the 20x500 strip would be padded to a 500x500 square"):
+        preprocess([Image.new("RGB", (20, 500))], REAL)                  # 250k > 200k
+
+
 def test_clamp_truncates_and_never_reaches_zero():
     g = geometry(REAL)
     assert plan(4000, 3000, g).size == (3024, 2268)

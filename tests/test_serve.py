@@ -13,9 +13,11 @@ import os
 import random
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -53,8 +55,9 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
     def post(self, path: str, body, key: str | None = KEY) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=60)
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        # json.dumps escapes what is not ASCII: a lone surrogate travels as the \ud800 a client's JSON can hold
+        return httpx.post(self.url + path, content=json.dumps(body), headers=headers, timeout=60)
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
@@ -171,6 +174,7 @@ def test_health_models_and_the_api_key(server):
         server.client("wrong").completions.create(model="step5", prompt="hi", max_tokens=1)
     r = httpx.get(server.url + "/v1/nowhere", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
 
 
 def test_chat_streamed_and_whole_give_the_same_answer(server, tp1):
@@ -288,6 +292,21 @@ def test_second_turn_reports_cached_tokens(server, tiny):
 
 
 GIF = "data:image/gif;base64," + base64.b64encode(png(0, (4, 4), "GIF")).decode()
+
+
+def png_header(w: int, h: int) -> dict:
+    """An image_url part of a PNG that declares w x h pixels and holds none (its header is all a size check reads)."""
+    chunk = lambda kind, data: (struct.pack(">I", len(data)) + kind + data  # noqa: E731
+                                + struct.pack(">I", zlib.crc32(kind + data)))
+    data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+
+def user(*parts) -> dict:
+    return {"messages": [{"role": "user", "content": list(parts)}]}
+
+
+IMAGE_URL = "messages[0].content[0].image_url.url"
 BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
     ("chat", {"n": 2}, "n"),
     ("chat", {"logprobs": True}, "logprobs"),
@@ -296,6 +315,10 @@ BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
     ("chat", {"temperature": -1}, "temperature"),
     ("chat", {"temperature": 1, "top_p": 0}, "top_p"),
     ("chat", {"temperature": 1, "top_k": 1.5}, "top_k"),
+    ("chat", {"temperature": 1, "top_k": 2 ** 63}, "top_k"),
+    ("chat", {"temperature": 0, "top_p": 2}, "top_p"),  # greedy ignores them, but not before they are checked
+    ("chat", {"temperature": 0, "top_k": "abc"}, "top_k"),
+    ("chat", {"temperature": 10 ** 400}, "temperature"),
     ("chat", {"max_tokens": 0}, "max_tokens"),
     ("chat", {"seed": -3}, "seed"),
     ("chat", {"stop": 5}, "stop"),
@@ -303,6 +326,12 @@ BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ("chat", {"messages": [{"role": "user", "content": "<im_patch> literally"}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
+    ("chat", user({"type": "text", "text": "\udfff"}), "messages[0].content[0].text"),
+    ("completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("chat", user(png_header(20000, 20000)), IMAGE_URL),  # past Pillow's own limit: its DecompressionBombError
+    ("chat", user(png_header(1, 60_000_000)), IMAGE_URL),
+    ("chat", user(png_header(20, 8000)), IMAGE_URL),  # 160k pixels, but a thin strip is padded to 8000 x 8000 first
     ("chat", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[0].content[0].type"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "https://example.com/a.png"}}]}]}, "messages[0].content[0].image_url.url"),
@@ -333,6 +362,10 @@ def test_bad_bodies(server):
     h = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(url, content=b"{not json", headers=h)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, content=b'{"max_tokens": ' + b"1" * 5000 + b"}", headers=h)  # past Python's int digits
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, content=b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", headers=h)
+    assert r.status_code == 400 and "too deeply" in r.json()["error"]["message"]
     assert httpx.post(url, json=[1, 2], headers=h).status_code == 400
     r = server.post("/v1/completions", {"model": "other", "prompt": "hi"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
