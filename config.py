@@ -194,6 +194,12 @@ class Step5Config:
                               "num_attention_groups_full_attention", "num_attention_groups_sliding_attention",
                               "num_sliding_attention_heads"),
                      floats=("rms_norm_eps", "moe_router_scaling_factor"))
+        # sizes, counts and the norm's epsilon: 0 or less passes every shape check and then fails late (a window of
+        # 0, eps <= 0 dividing by 0) or silently (top-k 0 routes to no expert)
+        for k in (*req, "sliding_window", "max_position_embeddings", "moe_num_experts", "moe_top_k",
+                  "num_experts_per_tok", "moe_intermediate_size", "rms_norm_eps"):
+            if k in d and not d[k] > 0:
+                raise ConfigError(f"{k}={json.dumps(d[k])} must be > 0")
         L = int(d["num_hidden_layers"])
         nextn = int(d.get("num_nextn_predict_layers", 1))
         layer_types = d.get("layer_types") or ["full_attention"] * (L + nextn)
@@ -221,6 +227,10 @@ class Step5Config:
                      ("num_sliding_attention_heads", "num_attention_heads")):
             if k in d and d[k] != d[v]:
                 raise ConfigError(f"{k}={d[k]} differs from {v}={d[v]}; per-type overrides are not supported")
+        theta = d.get("rope_theta", 1.0)
+        for i, t in enumerate(theta if isinstance(theta, list) else [theta]):
+            if isinstance(t, (int, float)) and not t > 0:
+                raise ConfigError(f"rope_theta{f'[{i}]' if isinstance(theta, list) else ''}={json.dumps(t)} must be > 0")
         if "use_rope_layers" in d and not all(d["use_rope_layers"]):
             raise ConfigError("use_rope_layers with a false entry is not supported")
         q = d.get("quantization_config", quantization_config) or None

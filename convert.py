@@ -85,8 +85,14 @@ class TInfo:
 
 
 def read_header(path: str) -> tuple[dict, dict, int]:
-    """(entries, metadata, header bytes) of a safetensors file, reading only the header. The data section must be
-    exactly as long as the offsets describe, so a truncated or padded file is caught without touching the data."""
+    """(entries, metadata, header bytes) of a safetensors file, reading only the header, checked as the safetensors
+    library checks it when it opens the file: the tensors' data_offsets tile the data section from 0 without gaps or
+    overlaps, the data section is exactly that long (a truncated or padded file is caught without touching the data),
+    the metadata maps strings to strings, and the path is UTF-8."""
+    try:
+        os.fsencode(path).decode()
+    except UnicodeDecodeError:
+        raise BadFile(f"{path!r}: the safetensors library opens only UTF-8 paths; rename it") from None
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -106,16 +112,27 @@ def read_header(path: str) -> tuple[dict, dict, int]:
     if not isinstance(header, dict):
         raise BadFile(f"{path}: header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
-    end = 0
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise BadFile(f"{path}: header: __metadata__ must map strings to strings, got {json.dumps(meta)[:200]}")
+    spans = []
     for name, e in header.items():
         try:
             b, t = e["data_offsets"]
-            want = math.prod(e["shape"]) * ITEMSIZE[e["dtype"]]
+            shape = e["shape"]
+            if not all(type(x) is int and x >= 0 for x in (b, t, *shape)):
+                raise TypeError
+            want = math.prod(shape) * ITEMSIZE[e["dtype"]]
         except (KeyError, TypeError, ValueError):
-            raise BadFile(f"{path}: malformed header entry for {name}: {e!r}") from None
-        if t - b != want or b < 0:
+            raise BadFile(f"{path}: malformed header entry for {name}: {json.dumps(e)[:200]}") from None
+        if t - b != want:
             raise BadFile(f"{path}: {name} has data_offsets {[b, t]} for {want} bytes of {e['dtype']} {e['shape']}")
-        end = max(end, t)
+        spans.append((b, t, name))
+    end = 0
+    for b, t, name in sorted(spans):
+        if b != end:
+            raise BadFile(f"{path}: {name} has data_offsets {[b, t]}: "
+                          f"{'it overlaps the tensor before it' if b < end else f'bytes {end}..{b - 1} belong to no tensor'}")
+        end = t
     if end != size - 8 - n:
         raise BadFile(f"{path}: data section is {size - 8 - n} bytes but the header describes {end} "
                       f"({'truncated' if end > size - 8 - n else 'trailing bytes'})")
@@ -724,8 +741,10 @@ def out_dir_lock(out_dir: str):
     too), so a crashed run never leaves OUT locked, and while one is held any *.partial file in OUT is a dead run's.
     The file stays (deleting it would let two runs lock two different files) and is emptied when the run ends."""
     path = os.path.join(out_dir, LOCK)
-    with naming(path):  # e.g. a filesystem without locks
-        f = open(path, "a+")
+    if os.path.islink(path):  # writing through it would empty whatever it points to (a source file, say)
+        raise SystemExit(f"error: {path} is a symbolic link; the lock must be a plain file: remove the link")
+    with naming(path):  # e.g. a filesystem without locks; O_NOFOLLOW: a link made since the check above fails here
+        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -820,6 +839,28 @@ def main(checkpoint: str, out_dir: str | None, tp_size: int = 8, ep_size: int | 
         write_outputs(src, out_dir, tp_size, fp, cfg, verify_existing)
 
 
+def read_or_none(path: str) -> bytes | None:
+    if not os.path.isfile(path):
+        return None
+    with naming(path), open(path, "rb") as f:
+        return f.read()
+
+
+def tokenizer_files_in_use(src: Source, out_dir: str, tp_size: int) -> str | None:
+    """OUT/tokenizer_files serves every OUT/tpN: None when this run may write the source's files there, else why not
+    (another tpN uses files that differ from the source's: a conversion of another checkpoint)."""
+    others = sorted(d for d in os.listdir(out_dir) if re.fullmatch(r"tp\d+", d) and d != f"tp{tp_size}"
+                    and os.path.isdir(os.path.join(out_dir, d)))
+    tok_dir = os.path.join(out_dir, "tokenizer_files")
+    differ = [f for f in TOKENIZER_FILES
+              if read_or_none(os.path.join(src.path, f)) != read_or_none(os.path.join(tok_dir, f))]
+    if not others or not differ:
+        return None
+    return (f"{tok_dir} serves {', '.join(os.path.join(out_dir, d) for d in others)}, and this checkpoint's "
+            f"{differ[0]} {'differs from' if os.path.isfile(os.path.join(src.path, differ[0])) else 'is missing beside'} "
+            f"the one there (a conversion of another checkpoint?): use another --out-dir, or remove those")
+
+
 def write_outputs(src: Source, out_dir: str, tp_size: int, fp: str, cfg: dict, verify_existing: bool):
     """Everything main writes, under the output directory's lock."""
     tp_dir = os.path.join(out_dir, f"tp{tp_size}")
@@ -835,6 +876,9 @@ def write_outputs(src: Source, out_dir: str, tp_size: int, fp: str, cfg: dict, v
     for p in outputs + [os.path.join(tok_dir, f) for f in TOKENIZER_FILES]:  # refused before anything is written
         if os.path.isdir(p):
             raise SystemExit(f"error: {p} is a directory; convert.py writes a file there (move the directory away)")
+    why = tokenizer_files_in_use(src, out_dir, tp_size)
+    if why:
+        raise SystemExit(f"error: {why}")
     for d in (tp_dir, tok_dir):  # a dead run's leftovers (the lock rules out a live one); never mistaken for outputs
         for f in os.listdir(d):
             if f.endswith(".partial"):
@@ -869,9 +913,13 @@ def write_outputs(src: Source, out_dir: str, tp_size: int, fp: str, cfg: dict, v
     write_bytes(os.path.join(tp_dir, "README.md"), readme(src, tp_size, fp, plan0).encode())
     copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src.path, f))]
     for f in copied:
-        with open(os.path.join(src.path, f), "rb") as fh:
-            write_bytes(os.path.join(tok_dir, f), fh.read())
-    print(f"tokenizer files: {', '.join(copied) or 'none found in the checkpoint'} -> {tok_dir}")
+        write_bytes(os.path.join(tok_dir, f), read_or_none(os.path.join(src.path, f)))
+    stale = [f for f in TOKENIZER_FILES if copied and f not in copied and os.path.isfile(os.path.join(tok_dir, f))]
+    for f in stale:  # an earlier version of this checkpoint's (tokenizer_files_in_use rules out another's in use)
+        with naming(os.path.join(tok_dir, f)):
+            os.remove(os.path.join(tok_dir, f))
+    print(f"tokenizer files: {', '.join(copied) or 'none found in the checkpoint'} -> {tok_dir}"
+          + (f" (removed {', '.join(stale)}: not in the checkpoint)" if stale else ""))
     # every shard this run wrote read back before PASS, in parallel (hashlib and file reads release the GIL)
     with ThreadPoolExecutor(min(tp_size, os.cpu_count() or 1)) as ex:
         problems = [w for w in ex.map(lambda r: changed_since_written(*shards[r], r, tp_size), range(tp_size)) if w]

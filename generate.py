@@ -94,6 +94,8 @@ def read_json(path: str):
         raise UserError(f"{path}: is a directory, not a JSON file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # no permission, an I/O error
+        raise UserError(f"{path}: cannot read it ({e.strerror or e})") from None
 
 
 def check_ids(ids, where: str, cfg: config.Step5Config, max_new_tokens: int, limit: int | None = None) -> list:
@@ -134,6 +136,17 @@ def render(tok, messages: list, raw: bool) -> str:
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def not_utf8(text: str) -> int | None:
+    """The position of the first character UTF-8 cannot encode, or None. Such a character is a lone surrogate: a
+    JSON \\ud800 escape, or an undecodable byte of a command line or of stdin (Python's surrogateescape); the
+    tokenizer refuses it."""
+    try:
+        text.encode()
+        return None
+    except UnicodeEncodeError as e:
+        return e.start
+
+
 def text_ids(tok, vl, text: str, images: list, where: str, raw: bool, messages: list = (),
              blocks: list = ()) -> tuple[Prompt, list]:
     """A user turn (after `messages`, earlier turns whose images have the placeholder `blocks`) -> (its prompt,
@@ -141,6 +154,9 @@ def text_ids(tok, vl, text: str, images: list, where: str, raw: bool, messages: 
     overview), built from the tokenizer. UserError names `where`."""
     if not isinstance(text, str):
         raise UserError(f'{where}: "prompt" must be a string, got {type(text).__name__} {text!r}')
+    at = not_utf8(text)
+    if at is not None:
+        raise UserError(f"{where}: the text is not valid UTF-8 (character {at}: {text[at]!r})")
     if tok is None:
         raise UserError(f"{where}: a text prompt needs a tokenizer: none found in <tp-dir>/../tokenizer_files; "
                         "pass --tokenizer")
@@ -158,7 +174,13 @@ def text_ids(tok, vl, text: str, images: list, where: str, raw: bool, messages: 
         raise UserError(f"{where}: the text holds {marks} {IMAGE_MARKER} marker(s) for {len(images)} image(s)")
     if images and not marks:  # no markers: the images come first in the user turn, in order
         text = IMAGE_MARKER * len(images) + text
-    rendered = render(tok, list(messages) + [{"role": "user", "content": text}], raw)
+    try:
+        rendered = render(tok, list(messages) + [{"role": "user", "content": text}], raw)
+    except UserError:
+        raise
+    except Exception as e:  # a template that does not compile or raises: jinja's and the tokenizer's own errors
+        raise UserError(f"{where}: the tokenizer's chat template failed ({type(e).__name__}: {str(e)[:300]}); fix "
+                        "chat_template in the tokenizer files, or use --raw-prompt") from None
     inputs, blocks = None, list(blocks)
     if images:
         try:
@@ -304,12 +326,15 @@ def agree(err: str | None, group=None):
 
 
 def phase(fn, *args, errors=(UserError, config.ConfigError, M.ShardError)):
-    """Run fn on this rank; the project's error types become one message, agreed on by every rank."""
+    """Run fn on this rank; the project's error types and a file that cannot be read (OSError) become one message,
+    agreed on by every rank."""
     out, err = None, None
     try:
         out = fn(*args)
     except errors as e:
         err = str(e)
+    except OSError as e:  # no permission, an I/O error: the file and what the system said
+        err = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else f"{type(e).__name__}: {e}"
     agree(err)
     return out
 
@@ -320,14 +345,14 @@ def conversion_identity(tp_dir: str, rank: int) -> dict:
     from safetensors import safe_open
     cfg_path = os.path.join(tp_dir, f"config-r{rank}.json")
     shard = os.path.join(tp_dir, f"model-r{rank}.safetensors")
-    ident = {"config": read_config_json(cfg_path), "shard": {}}
-    if os.path.isfile(shard):
-        try:
-            with safe_open(shard, "pt", device="cpu") as f:
-                ident["shard"] = {k: v for k, v in (f.metadata() or {}).items() if k != "rank"}
-        except Exception as e:  # safetensors' own error types
-            raise UserError(f"{shard}: not a readable safetensors file ({e})") from None
-    return ident
+    config = read_config_json(cfg_path)
+    if not os.path.isfile(shard):
+        raise UserError(f"{shard}: no such shard file")  # the loader's words
+    try:
+        with safe_open(shard, "pt", device="cpu") as f:
+            return {"config": config, "shard": {k: v for k, v in (f.metadata() or {}).items() if k != "rank"}}
+    except Exception as e:  # safetensors' own error types
+        raise UserError(f"{shard}: not a readable safetensors file ({e})") from None
 
 
 def read_config_json(path: str) -> dict:
@@ -961,6 +986,32 @@ def parse_cli(argv: list) -> dict:
     return a
 
 
+class Stdout:
+    """sys.stdout that never raises: a reader that went away (`| head`) or a full disk must not end rank 0 mid-run,
+    since the other ranks would then die in their next collective. What follows the first failure is dropped, and
+    `lost` says why."""
+
+    def __init__(self, stream):
+        self.stream, self.lost = stream, None
+
+    def _do(self, fn, *a):
+        if self.lost is None:
+            try:
+                fn(*a)
+            except OSError as e:
+                self.lost = e.strerror or str(e)
+
+    def write(self, text: str) -> int:
+        self._do(self.stream.write, text)
+        return len(text)
+
+    def flush(self):
+        self._do(self.stream.flush)
+
+    def __getattr__(self, name):  # isatty, encoding, fileno, ... as the stream has them
+        return getattr(self.stream, name)
+
+
 def run_cli(argv: list, parse=parse_cli, run=main) -> int:
     """Parse, run, and end every rank alike: a bad flag or input prints one `error:` line on rank 0 (after every
     rank has agreed, so no rank can exit before it is printed) and every rank exits with EXIT_BAD_INPUT; Ctrl-C
@@ -994,8 +1045,12 @@ def run_cli(argv: list, parse=parse_cli, run=main) -> int:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    out = sys.stdout = Stdout(sys.stdout)
     try:
         run(**a)
+        out.flush()
+        if out.lost is not None:
+            raise UserError(f"cannot write to stdout ({out.lost}): the output is lost")
         return 0
     except UserError as e:
         if rank == 0:

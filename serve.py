@@ -229,13 +229,10 @@ def job_of(body: dict, ids: list, images, lim: Limits, eos: list, chat: bool, pr
 
 
 def check_text(text: str, param: str):
-    """A prompt text must encode as UTF-8 (JSON's \\ud800 escapes can name a lone surrogate, which the tokenizer
-    refuses) and hold no image token literally."""
-    try:
-        text.encode()
-    except UnicodeEncodeError as e:
-        raise bad(param, f"{param} is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start}"
-                  ) from None
+    """A prompt text must encode as UTF-8 (G.not_utf8) and hold no image token literally."""
+    at = G.not_utf8(text)
+    if at is not None:
+        raise bad(param, f"{param} is not valid Unicode: a lone surrogate {text[at]!r} at character {at}")
     literal = [t for t in image_processing.IMAGE_TOKENS if t in text]
     if literal:
         raise bad(param, f"{param} holds the image token {literal[0]!r} literally; images go in image_url parts")

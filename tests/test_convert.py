@@ -1,6 +1,7 @@
 """convert.py: round trip at TP 1/2/4/8, header-only --check-only on good and broken checkpoints, resume, memory."""
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -295,6 +296,31 @@ def test_checkpoint_without_tokenizer_json_warns(ckpts, tmp_path, capsys):
     convert.main(ck, str(tmp_path / "out"), tp_size=2)
     printed = capsys.readouterr()
     assert "PASS" in printed.out and warning in printed.err, printed
+
+
+def test_tokenizer_files_another_conversion_uses_are_never_replaced(ckpts, tmp_path, capsys):
+    """OUT/tokenizer_files serves every OUT/tpN: a checkpoint whose tokenizer differs is refused while another tpN
+    is there; alone in OUT it replaces them, and a file its checkpoint no longer has is removed, not left behind."""
+    a, b, out = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out")
+    shutil.copytree(ckpts["bf16_text"], a)
+    shutil.copytree(ckpts["bf16_text"], b)
+    tc = json.load(open(os.path.join(b, "tokenizer_config.json")))
+    tc["chat_template"] = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    json.dump(tc, open(os.path.join(b, "tokenizer_config.json"), "w"))
+    open(os.path.join(a, "chat_template.jinja"), "w").write("{{ messages[0].content }}")
+    convert.main(a, out, tp_size=1)
+    kept = dir_bytes(os.path.join(out, "tokenizer_files"))
+    with pytest.raises(SystemExit, match=r"tokenizer_files serves .*/out/tp1, and this checkpoint's "
+                                         r"tokenizer_config.json differs from the one there"):
+        convert.main(b, out, tp_size=2)
+    assert dir_bytes(os.path.join(out, "tokenizer_files")) == kept
+    shutil.rmtree(os.path.join(out, "tp1"))
+    capsys.readouterr()
+    convert.main(b, out, tp_size=2)
+    assert "(removed chat_template.jinja: not in the checkpoint)" in capsys.readouterr().out
+    for f in os.listdir(os.path.join(out, "tokenizer_files")):
+        assert open(os.path.join(out, "tokenizer_files", f), "rb").read() == open(os.path.join(b, f), "rb").read()
+    assert not os.path.exists(os.path.join(out, "tokenizer_files", "chat_template.jinja"))
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -694,6 +720,36 @@ def test_keep_mtp_resume_sees_a_source_whose_mtp_weights_alone_changed(ckpts, tm
     assert "rank 0: rewriting" in printed and "source_fingerprint" in printed, printed
 
 
+def _with_header(path: str, edit) -> str:
+    """A copy of a two-tensor safetensors file at path + '.x' whose header is edit(header) (the data kept)."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header, data = json.loads(f.read(n)), f.read()
+    raw = json.dumps(edit(header)).encode()
+    with open(path + ".x", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+    return path + ".x"
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda h: {**h, "a": {**h["a"], "data_offsets": ["0", "16"]}}, "malformed header entry for a"),
+    (lambda h: {**h, "b": {**h["b"], "data_offsets": [8, 24]}}, "b has data_offsets [8, 24]: it overlaps"),
+    (lambda h: {**h, "__metadata__": ["x"]}, "__metadata__ must map strings to strings"),
+    (lambda h: {**h, "__metadata__": {"k": 1}}, "__metadata__ must map strings to strings"),
+])
+def test_header_the_safetensors_library_would_refuse_is_refused_by_the_audit(tmp_path, edit, needle):
+    """The audit reads headers itself; what it passes, safetensors must open (else the run fails after a PASS)."""
+    path = str(tmp_path / "t.safetensors")
+    save_file({"a": torch.zeros(4), "b": torch.ones(4)}, path, metadata={"format": "pt"})
+    assert convert.read_header(path)[1] == {"format": "pt"}
+    with pytest.raises(convert.BadFile, match=re.escape(needle)):
+        convert.read_header(_with_header(path, edit))
+    bad = str(tmp_path / os.fsdecode(b"\xff.safetensors"))
+    shutil.copy(path, bad)
+    with pytest.raises(convert.BadFile, match="opens only UTF-8 paths"):
+        convert.read_header(bad)
+
+
 # ---------------------------------------------------------------------------------------------- non-finite values
 def _poke(ck, name, flat_index, raw: bytes):
     """Overwrite element `flat_index` of tensor `name` in its source file with `raw` (header and length kept)."""
@@ -769,6 +825,25 @@ def test_first_non_finite_finds_the_first_bad_element_of_a_long_tensor():
     assert convert.first_non_finite(t) == t.numel() - 1
     assert convert.first_non_finite(torch.zeros(0, 4)) is None
     assert convert.first_non_finite(torch.ones(3, dtype=torch.int64)) is None
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ({"sliding_window": 0}, "sliding_window=0 must be > 0"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps=-1 must be > 0"),
+    ({"max_position_embeddings": -5}, "max_position_embeddings=-5 must be > 0"),
+    ({"moe_top_k": 0, "num_experts_per_tok": 0}, "moe_top_k=0 must be > 0"),
+    ({"rope_theta": -1}, "rope_theta=-1 must be > 0"),
+    ({"rope_theta": [10000.0] * 3 + [0.0] + [10000.0] * 6}, "rope_theta[3]=0.0 must be > 0"),
+])
+def test_config_size_or_scale_of_zero_or_less_is_refused(ckpts, edit, needle):
+    """Values that pass every shape check and then fail late (a window of 0), give NaN (eps or rope_theta <= 0) or
+    silently route to no expert (top-k 0) are refused, naming the field."""
+    from config import ConfigError
+    cfg = json.load(open(os.path.join(ckpts["fp8_vl"], "config.json")))
+    cfg["text_config"].update(edit)
+    with pytest.raises(ConfigError) as e:
+        parse_config(cfg)
+    assert str(e.value) == f"config.json: {needle}"
 
 
 @pytest.mark.parametrize("path,value", [
@@ -970,6 +1045,18 @@ def test_a_second_conversion_into_the_same_out_dir_is_refused_at_once(ckpts, con
         a_out, a_err = a.communicate(timeout=300)
     assert a.returncode == 0 and "PASS" in a_out, a_err
     assert dir_bytes(out) == dir_bytes(converted("fp8_vl", 2))
+
+
+def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_its_target_kept(tmp_path):
+    """Writing the holder into a linked lock would empty the file it points to (a source checkpoint's, say)."""
+    target, out = tmp_path / "keep.json", tmp_path / "out"
+    target.write_text("{}")
+    out.mkdir()
+    os.symlink(target, out / ".convert.lock")
+    with pytest.raises(SystemExit, match="convert.lock is a symbolic link; the lock must be a plain file"):
+        with convert.out_dir_lock(str(out)):
+            pass
+    assert target.read_text() == "{}"
 
 
 def test_a_run_killed_mid_shard_leaves_nothing_the_next_run_keeps(ckpts, converted, tmp_path):

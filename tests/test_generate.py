@@ -69,16 +69,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(n: int, args: list, timeout: int = 180, env_extra: dict | None = None):
+def launch_ranks(n: int, args: list, timeout: int = 180, env_extra: dict | None = None, stdout0=subprocess.PIPE):
     """The environment torchrun gives each rank, but every rank a process of its own, so each rank's exit code and
-    stderr can be checked (torchrun SIGTERMs the survivors of the first failure). -> [(rc, stdout, stderr)]."""
+    stderr can be checked (torchrun SIGTERMs the survivors of the first failure). -> [(rc, stdout, stderr)].
+    stdout0: rank 0's stdout."""
     port = free_port()
     procs = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(env_extra or {}))
         procs.append(subprocess.Popen([sys.executable, "generate.py", *map(str, args)], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      stdout=stdout0 if r == 0 else subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     try:
         for p in procs:
@@ -396,6 +397,42 @@ def test_bad_no_torchrun_env(tp2, tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert "RANK is not set" in r.stderr and "torchrun" in r.stderr
+
+
+def test_text_that_is_not_utf8_and_a_failing_chat_template_are_named(converted):
+    """An undecodable byte (from argv or stdin, as Python's surrogateescape gives it, or a JSON \\udcff escape) and a
+    chat template that does not compile get one message each; on the command line every rank ends without a
+    traceback."""
+    d = converted("bf16_text", 2)
+    tok = generate.load_tokenizer(os.path.join(d, "..", "tokenizer_files"))
+    with pytest.raises(generate.UserError, match=r"--prompt: the text is not valid UTF-8 \(character 2: '\\udcff'\)"):
+        generate.text_ids(tok, None, "ab\udcffcd", [], "--prompt", False)
+    tok.chat_template = "{% for m in messages %}{{ m.content }"
+    with pytest.raises(generate.UserError, match=r"request 0: the tokenizer's chat template failed \(TemplateSyntax"):
+        generate.text_ids(tok, None, "hi", [], "request 0", False)
+    res = launch_ranks(2, ["--tp-dir", d, "--prompt", os.fsdecode(b"ab\xffcd")])
+    assert_all_ranks_fail(res, "--prompt: the text is not valid UTF-8")
+
+
+def test_stdout_that_cannot_be_written_ends_the_run_with_one_line(converted):
+    """Rank 0's stdout on a full disk (or a pipe whose reader left): the run ends on every rank as it would, and rank
+    0 then says once that the output is lost, instead of dying mid-run and taking the other rank's collective down."""
+    with open("/dev/full", "w") as full:
+        res = launch_ranks(2, ["--tp-dir", converted("bf16_text", 2), "--prompt", "hi", "--max-new-tokens", 6,
+                               "--ignore-eos"], stdout0=full)
+    assert [rc for rc, _, _ in res] == [generate.EXIT_BAD_INPUT, 0], res[0][2][-3000:]
+    assert not any("Traceback" in se for _, _, se in res), res[0][2][-3000:] + res[1][2][-3000:]
+    errs = [line for line in res[0][2].splitlines() if line.startswith("error:")]
+    assert errs == ["error: cannot write to stdout (No space left on device): the output is lost"], res[0][2][-3000:]
+
+
+def test_a_json_file_that_cannot_be_read_is_named(tmp_path):
+    import socket
+    path = str(tmp_path / "p.json")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)  # open() fails on a socket even for root, as it does on a file without read permission
+        with pytest.raises(generate.UserError, match=r"p\.json: cannot read it \(No such device or address\)"):
+            generate.read_json(path)
 
 
 def test_tokenizer_loads_directly_and_keeps_long_prompts(converted):
@@ -942,6 +979,10 @@ def test_bad_paths_files_and_requests_are_named(converted, tmp_path):
         else:
             (d / "config-r0.json").write_bytes(content)
         assert_all_ranks_fail(run("--tp-dir", d, "--prompt-json", p), "config-r0.json", word)
+    d = tmp_path / "no_shard" / "tp2"  # two ranks: rank 0's shard missing, not "rank 1's differs from rank 0's"
+    shutil.copytree(converted("fp8_vl", 2), d)
+    os.remove(d / "model-r0.safetensors")
+    assert_all_ranks_fail(launch_ranks(2, ["--tp-dir", d, "--prompt-json", p]), "model-r0.safetensors: no such shard")
     img = wide_image(tmp_path / "w.png")
     assert_all_ranks_fail(run("--tp-dir", vl, "--prompt", "hi", "--image", img, "--save-image-inputs",
                               tmp_path / "nowhere" / "x.safetensors"), "--save-image-inputs", "does not exist")
