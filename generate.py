@@ -500,13 +500,20 @@ def exit_with_launcher():
         os._exit(EXIT_INTERRUPTED)
 
 
+# A SIGINT reached this process: a failure that follows (a collective whose peer the same Ctrl-C ended) is reported
+# as the interruption it is, in one line, not as a traceback.
+SIGINT_SEEN = threading.Event()
+
+
 class Interrupt:
     """Ctrl-C on rank 0: a flag the decode loop polls (it never raises inside a collective). In a terminal the
     keys are read from stdin (terminal signals off: torchrun would turn Ctrl-C into a kill of every rank);
-    a SIGINT sent to the process sets the flag too."""
+    a SIGINT sent to the process sets the flag too, and at the prompt (`reading`) ends the chat as Ctrl-D does:
+    when every rank got it (torchrun forwards it), the others are gone and nothing could go on."""
 
     def __init__(self):
         self.hit = False
+        self.reading = False
         self.tty = sys.stdin.isatty()
         self.saved = None
         if self.tty:
@@ -515,7 +522,13 @@ class Interrupt:
             mode = termios.tcgetattr(sys.stdin)
             mode[3] &= ~termios.ISIG  # Ctrl-C arrives as the byte 0x03
             termios.tcsetattr(sys.stdin, termios.TCSANOW, mode)
-        signal.signal(signal.SIGINT, lambda *_: setattr(self, "hit", True))
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, *_):
+        self.hit = True
+        SIGINT_SEEN.set()
+        if self.reading:
+            raise KeyboardInterrupt
 
     def poll(self) -> bool:
         """Whether Ctrl-C came since the last clear (reads pending keys in a terminal)."""
@@ -526,6 +539,7 @@ class Interrupt:
 
     def clear(self):
         self.hit = False
+        SIGINT_SEEN.clear()
 
     def restore(self):
         if self.saved is not None:
@@ -818,12 +832,18 @@ def report(out, tok, n_tok, eos, print_ids, as_json):
 HELP = "commands: /reset (a new conversation), /image FILE (attach to the next turn), /exit (or Ctrl-D)"
 
 
-def read_turn(tty: bool) -> str | None:
-    """Rank 0: the next line of stdin (None at its end)."""
-    if tty:
+def read_turn(intr: Interrupt) -> str | None:
+    """Rank 0: the next line of stdin (None at its end, or on a SIGINT while waiting for it)."""
+    if intr.tty:
         sys.stderr.write("> ")
         sys.stderr.flush()
-    line = sys.stdin.readline()
+    intr.reading = True
+    try:
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:
+        return None
+    finally:
+        intr.reading = False
     if not line:
         return None
     return line.rstrip("\n").replace("\x03", "") if "\x03" not in line else ""  # a Ctrl-C in the line drops it
@@ -845,7 +865,7 @@ def interactive(s: Session) -> list:
         while True:
             cmd = None
             if s.rank == 0:
-                line = read_turn(intr.tty)
+                line = read_turn(intr)
                 word = "" if line is None else line.strip()
                 cmd = (("exit",) if line is None or word == "/exit" else ("reset",) if word == "/reset"
                        else ("image", word[len("/image"):].strip()) if word.startswith("/image")
@@ -1020,10 +1040,8 @@ def run_cli(argv: list, parse=parse_cli, run=main) -> int:
     rank = int(os.environ.get("RANK", "0"))
     if "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_launcher()
-    interrupted = threading.Event()
-
     def on_sigint(*_):  # torchrun forwards Ctrl-C to every worker as SIGINT
-        interrupted.set()
+        SIGINT_SEEN.set()
         raise KeyboardInterrupt
     signal.signal(signal.SIGINT, on_sigint)
     err = None
@@ -1057,7 +1075,7 @@ def run_cli(argv: list, parse=parse_cli, run=main) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except BaseException:
-        if not interrupted.is_set():
+        if not SIGINT_SEEN.is_set():
             raise
         # Ctrl-C: whatever it interrupted (a collective whose peer has already gone, too) ends in one line
         if rank == 0:

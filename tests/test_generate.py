@@ -894,6 +894,23 @@ def test_interactive_turns_reuse_the_cache_and_reset_refuse_and_stop(converted):
     lines = speed_lines(res[0][2])
     assert len(lines) == 1 and lines[0][2] < 399, res[0][2][-2000:]
 
+    # Ctrl-C where stdin is no terminal reaches every rank (torchrun forwards it): during an answer the chat ends with
+    # one line; at the prompt it ends as Ctrl-D does. Never a traceback or a hang.
+    for during_answer in (True, False):
+        chat = Chat(2, ["--tp-dir", d, "--max-new-tokens", 400, "--ignore-eos"])
+        chat.wait_for("interactive: up to")
+        if during_answer:
+            chat.say("tell me a long story")
+            chat.wait_for("start-up")
+            time.sleep(4)
+        for p in chat.procs:
+            p.send_signal(signal.SIGINT)
+        res = chat.close()
+        assert not any("Traceback" in err for _, _, err in res), res[0][2][-3000:] + res[1][2][-3000:]
+        if during_answer:
+            assert res[0][0] == generate.EXIT_INTERRUPTED and res[0][2].rstrip().endswith("interrupted"), res[0][2]
+        assert all(rc in (0, generate.EXIT_INTERRUPTED) for rc, _, _ in res), res
+
 
 def test_streamed_text_is_the_json_completion(converted):
     """A single request's text streams to stdout as it is decoded; it is the --json document's completion, and on a
