@@ -87,7 +87,9 @@ def find_tokenizer(tp_dir: str, explicit: str | None):
 def read_json(path: str):
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return json.load(f, object_pairs_hook=config.unique_keys)
+    except config.DuplicateKey as e:  # the last one would silently win
+        raise UserError(f"{path}: {e}") from None
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -226,6 +228,9 @@ def prepare_requests(a: "Args", cfg: config.Step5Config, vl, tok) -> list:
     path = a.prompt_json_batch
     d = read_json(path)
     entries = d.get("prompts") if isinstance(d, dict) else d
+    if isinstance(d, dict) and set(d) != {"prompts"}:
+        raise UserError(f'{path}: expected a list of requests or {{"prompts": [...]}}, got an object with keys '
+                        f'{sorted(d)}')
     if not isinstance(entries, list) or not entries:
         raise UserError(f'{path}: expected a non-empty list of requests or {{"prompts": [...]}}')
     base = os.path.dirname(os.path.abspath(path))
@@ -460,6 +465,9 @@ def check_args(a: Args):
         raise UserError(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA device")
     if a.save_image_inputs:
         writable_target(a.save_image_inputs, "--save-image-inputs")
+        if a.save_image_inputs.endswith(".json"):
+            raise UserError(f"--save-image-inputs {a.save_image_inputs}: the prompt ids go to the .json beside the "
+                            "tensor file; name the tensor file .safetensors")
     for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         if v not in os.environ:
             raise UserError(f"environment variable {v} is not set: launch with torchrun "
@@ -609,7 +617,8 @@ def setup(a: Args, rank: int, world: int, dev) -> Session:
                             f"{cfg.expert_parallel_size} (co-located EP equals TP)")
         if a.speculative > cfg.mtp_layers_kept:
             raise UserError(f"--speculative {a.speculative} needs {a.speculative} MTP layer(s) but {cfg_path} keeps "
-                            f"{cfg.mtp_layers_kept}: convert with --keep-mtp")
+                            + (f"{cfg.mtp_layers_kept}: use --speculative {cfg.mtp_layers_kept} or less"
+                               if cfg.mtp_layers_kept else "none: convert with --keep-mtp"))
         if (a.image_inputs or a.images) and vl is None:
             raise UserError(f"{'--image' if a.images else '--image-inputs'} given but {cfg_path} is a text-only model")
         if a.max_context is not None and a.max_context > cfg.max_position_embeddings:
@@ -774,7 +783,8 @@ def generate_and_report(s: Session, reqs: list, stream=None, interrupt: "Interru
     t2 = time.perf_counter()
     if stream is not None:
         stream.close(s.a.print_ids)
-    t1 = max([r.t_first for r in reqs if r.t_first is not None] + [t0])
+    firsts = [r.t_first for r in reqs if r.t_first is not None]
+    t1 = max(firsts) if firsts else t2  # no token (--max-new-tokens 0): the whole run was prefill
     computed = sum(len(r.ids) - r.cached for r in reqs)
     n_dec = sum(max(len(r.out) - 1, 0) for r in reqs)
     pre, dec = t1 - t0, t2 - t1
@@ -877,7 +887,7 @@ def interactive(s: Session) -> list:
                 say(f"unknown command {cmd[1].split()[0]}; {HELP}")
                 continue
             if cmd[0] == "reset":
-                chat = {"messages": [], "blocks": [], "feats": []}
+                chat, pending = {"messages": [], "blocks": [], "feats": []}, []
                 say("(a new conversation)")
                 continue
             if cmd[0] == "image":

@@ -987,6 +987,13 @@ def test_bad_paths_files_and_requests_are_named(converted, tmp_path):
     f.write_text("x")
     assert_all_ranks_fail(run("--tp-dir", f, "--prompt-json", p), str(f), "is a file")
     assert_all_ranks_fail(run("--tp-dir", os.path.dirname(vl), "--prompt-json", p), "holds tp1", "--tp-dir")
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"prompt_ids": [1, 2], "prompt_ids": [3]}')  # json.load would keep the last silently
+    assert_all_ranks_fail(run("--tp-dir", vl, "--prompt-json", twice), "twice.json", '"prompt_ids" appears twice')
+    extra = write_json(tmp_path / "extra.json", {"prompts": [[11, 12]], "max_tokens": 5})
+    assert_all_ranks_fail(run("--tp-dir", vl, "--prompt-json-batch", extra), "extra.json", "'max_tokens'")
+    assert_all_ranks_fail(run("--tp-dir", vl, "--prompt", "hi", "--image", p, "--save-image-inputs",
+                              tmp_path / "x.json"), "--save-image-inputs", "name the tensor file .safetensors")
     for content, word in ((None, "is a directory"), (b"\xff\xfe{", "not valid JSON")):
         d = tmp_path / f"tp_{word[:6].strip()}" / "tp1"
         shutil.copytree(vl, d)
