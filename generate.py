@@ -17,6 +17,7 @@ import ctypes
 import datetime
 import json
 import os
+import re
 import select
 import signal
 import sys
@@ -36,6 +37,7 @@ IMAGE_KEYS = ("pixel_values", "patch_pixel_values", "num_patches", "image_embeds
 PROGRESS_AFTER_S = 5.0  # a prefill that runs longer than this reports its progress on rank 0
 MAX_LISTED = 10  # bad requests listed in one message
 EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130
+EXIT_FAILED = 3  # a rank failed (another rank was lost, the engine stopped): every surviving rank exits so
 
 
 class UserError(Exception):
@@ -952,6 +954,10 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # one message from rank 0, after every rank agreed (see __main__)
         raise UserError(f"{self.prog}: {message}")
 
+    def print_help(self, file=None):  # --help under torchrun: rank 0's text, once
+        if os.environ.get("RANK", "0") == "0":
+            super().print_help(file)
+
 
 def parser() -> Parser:
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1014,6 +1020,16 @@ def parse_cli(argv: list) -> dict:
     a = vars(parser().parse_args(argv))
     check_args(Args(**a))
     return a
+
+
+def failure(e: Exception) -> tuple[str, bool]:
+    """-> (what failed, in one line; whether another rank was lost). gloo raises plain RuntimeErrors whose first
+    line is '[file:line] what happened. Advice...'."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, dist.DistError) or "gloo" in text or "NCCL" in text:
+        said = re.sub(r"^\[[^]]*\] ", "", text).split(". ")[0]
+        return f"lost another rank ({said[:200]})", True
+    return f"{type(e).__name__}: {text[:300]}", False
 
 
 class Stdout:
@@ -1084,9 +1100,13 @@ def run_cli(argv: list, parse=parse_cli, run=main) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    except BaseException:
+    except BaseException as e:
         if not SIGINT_SEEN.is_set():
-            raise
+            what, lost = failure(e) if isinstance(e, Exception) else (None, False)
+            if not lost:
+                raise
+            print(f"error: rank {rank}: {what}", file=sys.stderr, flush=True)  # each survivor of a dead peer, once
+            return EXIT_FAILED
         # Ctrl-C: whatever it interrupted (a collective whose peer has already gone, too) ends in one line
         if rank == 0:
             print("interrupted", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ config gives back exactly 728 / 504 / 3024 / 32. The ratios (aspect limits 1.5 a
 """
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,9 +155,13 @@ def load_image(path) -> Image.Image:
     if os.path.isfile(path) and os.path.getsize(path) == 0:
         raise ImageError(f"{path}: empty file (0 bytes), not an image")
     try:
-        with Image.open(path) as im:
-            im.load()  # decode now: a truncated file fails here, not later inside preprocess()
-            img = to_rgb(im, path)
+        with warnings.catch_warnings():
+            # a photo of 90-180 Mpx is decoded (and clamped to 3024 px), without Pillow's bomb warning; past that
+            # Pillow refuses (DecompressionBombError below)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as im:
+                im.load()  # decode now: a truncated file fails here, not later inside preprocess()
+                img = to_rgb(im, path)
     except UnidentifiedImageError:
         raise ImageError(f"{path}: not an image (Pillow cannot identify its format)") from None
     except Image.DecompressionBombError as e:

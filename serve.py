@@ -27,7 +27,6 @@ import json
 import math
 import os
 import queue
-import re
 import secrets
 import signal
 import socket
@@ -64,7 +63,6 @@ CTL_TIMEOUT_S = 120  # a control broadcast (one per engine step) that takes long
 SIGTERM_GRACE_S = 10  # a rank > 0 that got SIGTERM waits this long for rank 0's stop decision
 SHUTDOWN_S = 5  # open HTTP connections get this long to drain after the stop
 DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether its client is still there
-EXIT_FAILED = 3  # a rank failed or the engine stopped: every surviving rank exits with this code
 THINK = ("<think>", "</think>")
 REFUSED = {  # OpenAI fields this server does not implement -> the values that change nothing (others: a 400)
     "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": (),
@@ -936,7 +934,7 @@ def main(**kw):
         with torch.inference_mode():
             engine_loop(s, ctl, hub, signalled)
     except Exception as e:  # a rank died or hangs (the collectives fail or time out), or the engine stopped
-        what, lost = failure(e)
+        what, lost = G.failure(e)
         if not lost:  # a bug or bad weights: worth its traceback
             traceback.print_exc()
         msg = f"rank {rank}: the engine loop stopped: {what}"
@@ -945,7 +943,7 @@ def main(**kw):
             http.should_exit = True
             thread.join(SHUTDOWN_S)
         print(f"error: {msg}; every rank stops (see the other ranks' output)", file=sys.stderr, flush=True)
-        os._exit(EXIT_FAILED)
+        os._exit(G.EXIT_FAILED)
     if hub is not None:
         hub.end_all(Event([], finish="abort"))
         http.should_exit = True
@@ -954,16 +952,6 @@ def main(**kw):
     if ctl is not None:
         dist.barrier(group=ctl)
     dist.destroy_process_group()
-
-
-def failure(e: Exception) -> tuple[str, bool]:
-    """-> (what failed, in one line; whether another rank was lost). gloo raises plain RuntimeErrors whose first
-    line is '[file:line] what happened. Advice...'."""
-    text = str(e).splitlines()[0] if str(e) else ""
-    if isinstance(e, dist.DistError) or "gloo" in text or "NCCL" in text:
-        said = re.sub(r"^\[[^]]*\] ", "", text).split(". ")[0]
-        return f"lost another rank ({said[:200]})", True
-    return f"{type(e).__name__}: {text[:300]}", False
 
 
 def start_http(s: G.Session, o: Options, a: G.Args, sock):

@@ -912,6 +912,22 @@ def test_interactive_turns_reuse_the_cache_and_reset_refuse_and_stop(converted):
         assert all(rc in (0, generate.EXIT_INTERRUPTED) for rc, _, _ in res), res
 
 
+def test_a_rank_that_dies_ends_the_other_with_one_line(converted):
+    """kill -9 of rank 1 during an answer: rank 0's next collective fails; it says so in one line and exits
+    EXIT_FAILED, no traceback."""
+    import time
+    chat = Chat(2, ["--tp-dir", converted("bf16_text", 2), "--max-new-tokens", 400, "--ignore-eos"])
+    chat.wait_for("interactive: up to")
+    chat.say("tell me a long story")
+    chat.wait_for("start-up")
+    time.sleep(2)
+    chat.procs[1].kill()
+    rc, _, err = chat.close()[0]
+    assert rc == generate.EXIT_FAILED and "Traceback" not in err, err[-3000:]
+    assert [line for line in err.splitlines() if line.startswith("error:")][0].startswith(
+        "error: rank 0: lost another rank ("), err[-3000:]
+
+
 def test_streamed_text_is_the_json_completion(converted):
     """A single request's text streams to stdout as it is decoded; it is the --json document's completion, and on a
     terminal (stdout and stderr on one file) its line ends before the speed line."""
@@ -977,6 +993,8 @@ def test_bad_flags_are_reported_once_in_every_run_under_torchrun(tmp_path):
         r = torchrun(2, "--tp-dir", tmp_path, "--prompt-json", p, *args)
         errs = [x for x in r.stderr.splitlines() if x.startswith("error:")]
         assert r.returncode == 1 and len(errs) == 1 and word in errs[0], (args, r.stderr[-2000:])
+    r = torchrun(2, "--help")
+    assert r.returncode == 0 and r.stdout.count("usage:") == 1, r.stdout[-2000:]
 
 
 def test_bad_paths_files_and_requests_are_named(converted, tmp_path):

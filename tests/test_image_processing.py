@@ -125,6 +125,19 @@ def test_strip_padded_past_pillows_pixel_limit_is_refused_before_it_is_drawn(mon
         preprocess([Image.new("RGB", (20, 500))], REAL)                  # 250k > 200k
 
 
+def test_a_large_photo_loads_without_pillows_warning_and_past_its_limit_is_refused(monkeypatch, tmp_path):
+    import warnings
+    path = str(tmp_path / "big.png")
+    Image.new("RGB", (15, 10)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 150 pixels: Pillow warns (past 100), refuses past 200
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_image(path).size == (15, 10)
+    Image.new("RGB", (21, 10)).save(path)
+    with pytest.raises(ImageError, match="big.png: too large to decode safely"):
+        load_image(path)
+
+
 def test_clamp_truncates_and_never_reaches_zero():
     g = geometry(REAL)
     assert plan(4000, 3000, g).size == (3024, 2268)

@@ -582,7 +582,7 @@ def test_speculative_serving_and_a_dead_rank(converted, tmp_path):
         srv.procs[1].kill()
         rest = list(lines)
         assert any('"error"' in line for line in rest), rest[-3:]
-        assert srv.procs[0].wait(timeout=60) == serve.EXIT_FAILED
+        assert srv.procs[0].wait(timeout=60) == generate.EXIT_FAILED
         log = open(srv.log).read()
         err = [line for line in log.splitlines() if line.startswith("error:")]
         assert len(err) == 1 and "rank 0: the engine loop stopped: lost another rank" in err[0], log[-3000:]
