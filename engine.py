@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import inspect
 import itertools
+import numbers
 import os
 import threading
 import time
@@ -73,6 +74,15 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(top), tok, -1)
 
 
+def is_int(v) -> bool:
+    """An integer, Python's or numpy's, and not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """One request's token choice: greedy at temperature 0, else a draw from softmax(logits / temperature) within the
@@ -86,16 +96,16 @@ class Sampling:
     def problem(self, name=lambda field: field) -> str | None:
         """None, or what is wrong, naming the field as name(field) calls it (a flag, a request field)."""
         t, k, p = name("temperature"), name("top_k"), name("top_p")
-        if not 0 <= self.temperature < float("inf"):
+        if not is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
             return f"{t} {self.temperature} must be a finite number >= 0 (0 is greedy decoding)"
-        if not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             return f"{p} {self.top_p} must be in (0, 1] (1 keeps every token)"
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2 ** 63:
+        if not is_int(self.top_k) or not 0 <= self.top_k < 2 ** 63:
             return f"{k} {self.top_k} must be an integer in [0, 2**63) (0 keeps every token)"
         if self.temperature == 0 and (self.top_k != 0 or self.top_p != 1):
             return (f"{f'{k} {self.top_k}' if self.top_k else f'{p} {self.top_p}'} needs {t} > 0 ({t} 0 is greedy "
                     "decoding)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+        if not is_int(self.seed) or not 0 <= self.seed < 2 ** 63:
             return f"{name('seed')} {self.seed} must be an integer in [0, 2**63)"
         return None
 
@@ -247,7 +257,8 @@ class Request:
     # set by the engine
     rid: int = -1
     out: list = field(default_factory=list)  # emitted ids (a stop id included)
-    finish: str | None = None  # "stop" (a stop id was emitted), "length" (max_new_tokens), "cancelled"
+    finish: str | None = None  # "stop" (a stop id was emitted), "length" (max_new_tokens), "cancelled", "error" (a
+    # step raised: Engine.abandon)
     slot: int = -1
     cached: int = 0  # prompt tokens reused from the slot's cache
     prefilled: int = 0  # prompt tokens in the cache so far
@@ -390,6 +401,10 @@ def one_build_per_variant():
 class Engine:
     def __init__(self, model: M.Step5ForCausalLM, config: EngineConfig, say=lambda *a: None):
         c, cfg = config, model.cfg
+        for name in ("max_batch", "max_context", "prefill_chunk", "speculative", "build_threads", "graph_prefill"):
+            v = getattr(c, name)
+            if v is not None and not is_int(v):
+                raise ValueError(f"{name} {v!r} must be an integer")
         if c.max_batch < 1:
             raise ValueError(f"max_batch {c.max_batch} must be >= 1")
         if c.prefill_chunk < 1:
@@ -786,40 +801,87 @@ class Engine:
         return [Graph(step, [rows, live], self.use_graph, state=lambda: (cache.lengths,), pool=pool)]
 
     # ---- requests
-    def submit(self, req: Request) -> Request:
-        """Queue a request (checked: it must fit the context)."""
-        if not req.ids:
-            raise ValueError("a prompt must hold at least one token")
+    def check(self, req: Request):
+        """ValueError naming the field if the request cannot run as given; else its ids and stop ids normalised to
+        lists / sets of Python ints. Everything a step would otherwise fail on (or silently misread) is checked here,
+        before the request takes a slot."""
+        if req.rid != -1:
+            raise ValueError(f"request {req.rid} was submitted before: submit a new Request")
+        if not isinstance(req.ids, (list, tuple)) or not req.ids:
+            raise ValueError(f"ids must be a non-empty list of token ids, got {type(req.ids).__name__}")
+        V = self.model.cfg.vocab_size
+        bad = next((i for i, t in enumerate(req.ids) if not is_int(t) or not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"ids[{bad}] = {req.ids[bad]!r} is not a token id in [0, {V})")
+        if not is_int(req.max_new_tokens) or req.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens {req.max_new_tokens!r} must be an integer >= 0")
+        if not isinstance(req.stop_ids, (set, frozenset, list, tuple)) or not all(is_int(t) for t in req.stop_ids):
+            raise ValueError(f"stop_ids must be a set of token ids, got {req.stop_ids!r}")
+        image = self.model.vl.image_token_id if getattr(self.model, "vl", None) else None
+        n = sum(t == image for t in req.ids) if image is not None else 0
+        f, D = req.features, self.model.cfg.hidden_size
+        if f is None and n:
+            raise ValueError(f"ids hold {n} image placeholder(s) (id {image}) but the request has no features")
+        if f is not None and not (isinstance(f, torch.Tensor) and f.dtype == torch.bfloat16
+                                  and tuple(f.shape) == (n, D) and f.device == self.dev):
+            what = (f"{tuple(f.shape)} {f.dtype} on {f.device}" if isinstance(f, torch.Tensor) else type(f).__name__)
+            raise ValueError(f"features must be [{n}, {D}] bfloat16 on {self.dev} (one row per image placeholder of "
+                             f"ids), got {what}")
         need = len(req.ids) + req.max_new_tokens + (self.k + 1 if self.k else 0)
         if need > self.max_context:
             raise ValueError(f"{len(req.ids)} prompt tokens + {req.max_new_tokens} new tokens exceed the engine's "
                              f"max_context={self.max_context}")
-        p = req.sampling.problem()
+        p = req.sampling.problem() if isinstance(req.sampling, Sampling) else "sampling must be a Sampling"
         if p:
             raise ValueError(p)
+        req.ids, req.stop_ids = [int(t) for t in req.ids], frozenset(int(t) for t in req.stop_ids)
+
+    def submit(self, req: Request) -> Request:
+        """Queue a request (checked first: Engine.check)."""
+        self.check(req)
         req.rid = next(self.rids)
         req.key = reuse_key(self.model, req)
         self.waiting.append(req)
         return req
 
     def cancel(self, req: Request):
-        """End a request now (its slot is freed at the next step); its tokens so far stay in req.out."""
-        if req.finish is None:
+        """End a request of this engine now (its slot is freed at the next step); its tokens so far stay in req.out."""
+        if req.finish is None and any(r is req for r in self.waiting + self.running):
             req.finish = "cancelled"
 
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
     def run(self, reqs: list, on_step=None) -> list:
-        """Submit the requests and step until all are done; on_step(StepOutput) after each step."""
+        """Submit the requests (all checked before any is queued) and step until all are done; on_step(StepOutput)
+        after each step. If a step raises, every request in the engine ends ("error") and the engine takes new ones."""
+        if len({id(r) for r in reqs}) != len(reqs):
+            raise ValueError("the same Request appears twice: each needs its own")
+        for r in reqs:
+            self.check(r)
         for r in reqs:
             self.submit(r)
-        while self.busy():
-            o = self.step()
-            if on_step is not None:
-                on_step(o)
+        try:
+            while self.busy():
+                o = self.step()
+                if on_step is not None:
+                    on_step(o)
+        except BaseException:
+            self.abandon()
+            raise
         self.inflight = None  # a step still in flight served only requests that have ended
         return reqs
+
+    def abandon(self):
+        """End every request now ("error") and free every slot without another step, forgetting the slots' cache
+        (a step that raised may have written part of it)."""
+        for r in self.waiting + self.running:
+            r.finish = r.finish if r.finish is not None else "error"
+        for s in self.slots:
+            s.owner, s.held, s.stale = None, [], False
+        self.waiting.clear()
+        self.running.clear()
+        self.inflight = None
 
     def _reuse(self, req: Request, slot: Slot) -> int:
         """Prompt tokens of `req` whose cache the slot holds and that a rewind can keep: the common prefix, one token

@@ -244,6 +244,64 @@ def test_requests_that_do_not_fit_are_refused_naming_the_context(lm):
         eng.submit(E.Request(ids(6, 1), 8, sampling=E.Sampling(1.0, top_p=0.0)))
 
 
+def test_bad_requests_are_refused_before_any_is_queued_naming_the_field(tp1_models):
+    """Everything a step would fail on, or silently misread, is refused by submit / run naming the field; run checks
+    every request before it queues one; the engine then serves a good request as a fresh one would."""
+    vl = tp1_models("fp8_vl")
+    eng = E.Engine(vl, E.EngineConfig(max_batch=2, max_context=128))
+    eng.start()
+    D, img = vl.cfg.hidden_size, vl.vl.image_token_id
+    good = ids(6, 1)
+    cases = [
+        (E.Request([1024, 6], 4), r"ids\[0\] = 1024 is not a token id in \[0, 1024\)"),
+        (E.Request([6, -1], 4), r"ids\[1\] = -1"),
+        (E.Request([6, 5.5], 4), r"ids\[1\] = 5.5"),
+        (E.Request([True, 6], 4), r"ids\[0\] = True"),
+        (E.Request(torch.tensor(good), 4), "ids must be a non-empty list"),
+        (E.Request(good, -1), "max_new_tokens -1 must be an integer >= 0"),
+        (E.Request(good, float("nan")), "max_new_tokens nan"),
+        (E.Request(good, 2.5), "max_new_tokens 2.5"),
+        (E.Request(good, 4, 7), "stop_ids must be a set of token ids"),
+        (E.Request(good, 4, frozenset({"535"})), "stop_ids must be a set of token ids"),
+        (E.Request(good + [img], 4), r"1 image placeholder\(s\) \(id 5\) but the request has no features"),
+        (E.Request(good + [img], 4, features=torch.zeros(1, D + 1, dtype=torch.bfloat16)),
+         rf"features must be \[1, {D}\] bfloat16 on cpu .* got \(1, {D + 1}\)"),
+        (E.Request(good + [img], 4, features=torch.zeros(1, D)), "got .*torch.float32"),
+        (E.Request(good, 4, features=torch.zeros(1, D, dtype=torch.bfloat16)), r"must be \[0, "),
+        (E.Request(good, 4, sampling=E.Sampling("1.0")), "temperature 1.0 must be a finite number"),
+    ]
+    for req, match in cases:
+        with pytest.raises(ValueError, match=match):
+            eng.run([E.Request(ids(6, 2), 3), req])  # the good first request is not queued either
+        assert not eng.busy()
+    r = E.Request(good, 3)
+    with pytest.raises(ValueError, match="appears twice"):
+        eng.run([r, r])
+    eng.run([r])
+    with pytest.raises(ValueError, match="was submitted before"):
+        eng.run([r])
+    eng.cancel(E.Request(good, 3))  # not this engine's: nothing happens to it
+    again = eng.run([E.Request(good, 3)])[0]
+    assert again.finish == "length" and again.out == r.out
+
+
+def test_a_step_that_raises_ends_every_request_and_the_engine_serves_the_next(lm):
+    """A non-finite logit (an EngineError) mid-run: the run raises, its requests end as "error", their slots are
+    forgotten, and the next request gets a fresh engine's tokens (it hung, or raised again, before)."""
+    eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=128))
+    eng.start()
+    a, b = E.Request(ids(20, 3), 4), E.Request(ids(9, 4), 4)
+    real = lm.forward
+    lm.forward = lambda *args, **kw: real(*args, **kw).fill_(float("nan"))
+    try:
+        with pytest.raises(E.EngineError):
+            eng.run([a, b])
+    finally:
+        lm.forward = real
+    assert a.finish == b.finish == "error" and not eng.busy()
+    assert eng.run([E.Request(ids(20, 3), 4)])[0].out == solo(lm, ids(20, 3), 4, context=128)
+
+
 def test_text_stream_never_splits_a_character(tp1_models, converted):
     """Incremental detokenization: the pieces concatenate to the whole decode, and no piece ends inside a UTF-8
     sequence (a character split over byte-level tokens is held back until it is complete)."""
