@@ -810,15 +810,16 @@ class Engine:
         if not isinstance(req.ids, (list, tuple)) or not req.ids:
             raise ValueError(f"ids must be a non-empty list of token ids, got {type(req.ids).__name__}")
         V = self.model.cfg.vocab_size
-        bad = next((i for i, t in enumerate(req.ids) if not is_int(t) or not 0 <= t < V), None)
-        if bad is not None:
+        plain = all(type(t) is int for t in req.ids)  # the usual case, at C speed (a 128k prompt: a few ms)
+        if not (plain or all(is_int(t) for t in req.ids)) or min(req.ids) < 0 or max(req.ids) >= V:
+            bad = next(i for i, t in enumerate(req.ids) if not is_int(t) or not 0 <= t < V)
             raise ValueError(f"ids[{bad}] = {req.ids[bad]!r} is not a token id in [0, {V})")
         if not is_int(req.max_new_tokens) or req.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens {req.max_new_tokens!r} must be an integer >= 0")
         if not isinstance(req.stop_ids, (set, frozenset, list, tuple)) or not all(is_int(t) for t in req.stop_ids):
             raise ValueError(f"stop_ids must be a set of token ids, got {req.stop_ids!r}")
         image = self.model.vl.image_token_id if getattr(self.model, "vl", None) else None
-        n = sum(t == image for t in req.ids) if image is not None else 0
+        n = req.ids.count(image) if image is not None else 0
         f, D = req.features, self.model.cfg.hidden_size
         if f is None and n:
             raise ValueError(f"ids hold {n} image placeholder(s) (id {image}) but the request has no features")
@@ -834,7 +835,8 @@ class Engine:
         p = req.sampling.problem() if isinstance(req.sampling, Sampling) else "sampling must be a Sampling"
         if p:
             raise ValueError(p)
-        req.ids, req.stop_ids = [int(t) for t in req.ids], frozenset(int(t) for t in req.stop_ids)
+        req.ids = req.ids if plain and type(req.ids) is list else [int(t) for t in req.ids]
+        req.stop_ids = frozenset(int(t) for t in req.stop_ids)
 
     def submit(self, req: Request) -> Request:
         """Queue a request (checked first: Engine.check)."""
