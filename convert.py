@@ -851,10 +851,12 @@ def tokenizer_files_in_use(src: Source, out_dir: str, tp_size: int) -> str | Non
     (another tpN uses files that differ from the source's: a conversion of another checkpoint)."""
     others = sorted(d for d in os.listdir(out_dir) if re.fullmatch(r"tp\d+", d) and d != f"tp{tp_size}"
                     and os.path.isdir(os.path.join(out_dir, d)))
+    if not others:  # nothing else uses them: no file is read
+        return None
     tok_dir = os.path.join(out_dir, "tokenizer_files")
     differ = [f for f in TOKENIZER_FILES
               if read_or_none(os.path.join(src.path, f)) != read_or_none(os.path.join(tok_dir, f))]
-    if not others or not differ:
+    if not differ:
         return None
     return (f"{tok_dir} serves {', '.join(os.path.join(out_dir, d) for d in others)}, and this checkpoint's "
             f"{differ[0]} {'differs from' if os.path.isfile(os.path.join(src.path, differ[0])) else 'is missing beside'} "

@@ -841,6 +841,9 @@ class Engine:
     def submit(self, req: Request) -> Request:
         """Queue a request (checked first: Engine.check)."""
         self.check(req)
+        return self._queue(req)
+
+    def _queue(self, req: Request) -> Request:
         req.rid = next(self.rids)
         req.key = reuse_key(self.model, req)
         self.waiting.append(req)
@@ -862,7 +865,7 @@ class Engine:
         for r in reqs:
             self.check(r)
         for r in reqs:
-            self.submit(r)
+            self._queue(r)
         try:
             while self.busy():
                 o = self.step()
