@@ -1029,7 +1029,8 @@ class Engine:
             hook = (lambda i, layers: self.progress(first, sum(lens), longest, i, layers, start))
         if self.spec:
             return self.spec.prefill(pieces, ids, embeds, hook)
-        return self.model.forward(ids, self.cache, lens, embeds, hook, rows=rows, held=[a for _, a, _ in pieces])
+        return self.model.forward(ids, self.cache, lens, rows=rows, embeds=embeds, held=[a for _, a, _ in pieces],
+                                  progress=hook)
 
     def _replay_prefill(self, g: Graph, r: Request, a: int, n: int) -> torch.Tensor:
         """Prompt tokens a..a+n-1 of r (the rest of its prompt) by a prefill or extension graph (inputs: the ids,
@@ -1180,8 +1181,8 @@ class Speculator:
         each piece."""
         m = self.e.model
         lens, rows = [n for _, _, n in pieces], [r.slot for r, _, _ in pieces]
-        hidden = m.forward_rows(ids, self.e.cache, lens, embeds, rows=rows, progress=hook,
-                                held=[a for _, a, _ in pieces])  # [T, D]
+        hidden = m.forward_rows(ids, self.e.cache, lens, rows=rows, embeds=embeds, held=[a for _, a, _ in pieces],
+                                progress=hook)  # [T, D]
         self.absorb(pieces, ids, hidden)
         starts = list(itertools.accumulate([0] + lens))
         ends = torch.tensor([s + n - 1 for (_, _, n), s in zip(pieces, starts)], device=self.e.dev)
@@ -1421,12 +1422,12 @@ def prefill(model, cache, prompts: list, features: list | None = None, progress=
     for o in range(0, max(lens), step):
         n = [min(max(L - o, 0), step) for L in lens]
         ids = torch.tensor([t for p, k in zip(prompts, n) for t in p[o:o + k]], dtype=torch.long, device=dev)
-        rows = None
+        embeds = None
         if any(f is not None for f in (features or [])):
-            rows = torch.cat([r.embeds(model, o, o + k) if r.features is not None else model.embed(
+            embeds = torch.cat([r.embeds(model, o, o + k) if r.features is not None else model.embed(
                 torch.tensor(r.ids[o:o + k], dtype=torch.long, device=dev)) for r, k in zip(reqs, n)])
         hook = None if progress is None else (lambda i, layers, o=o: progress(o, i, layers))
-        out = model.forward(ids, cache, n, rows, hook)  # [prompts with tokens in this pass, V/tp]
+        out = model.forward(ids, cache, n, embeds=embeds, progress=hook)  # [prompts with tokens in this pass, V/tp]
         for r, b in enumerate(b for b, k in enumerate(n) if k):
             if o + n[b] == lens[b]:
                 final[b] = out[r]

@@ -475,8 +475,8 @@ def test_mm_pixel_path_equals_image_embeds_path(vl_model):
     assert by_pixels == complete(m, [p], [dict(image_embeds=feats)])
     # the image really enters the prefill: other features change the logits
     ids = torch.tensor(p)
-    a = m.forward(ids, m.new_cache(1, len(p) + 1), [len(p)], m.input_embeds(ids, feats))
-    b = m.forward(ids, m.new_cache(1, len(p) + 1), [len(p)], m.input_embeds(ids, feats.flip(0)))
+    a = m.forward(ids, m.new_cache(1, len(p) + 1), [len(p)], embeds=m.input_embeds(ids, feats))
+    b = m.forward(ids, m.new_cache(1, len(p) + 1), [len(p)], embeds=m.input_embeds(ids, feats.flip(0)))
     assert not torch.equal(a, b)
 
 
