@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import config
-import engine
+import helpers
 import model as M
 import tiny_checkpoint
 from config import ConfigError, VisionConfig
@@ -454,7 +454,7 @@ def vl_model(tp1_models):
 
 def complete(m, prompts, images=None):
     """Greedy completions of NEW8 tokens; images: per request None or a dict of image inputs."""
-    return engine.generate(m, prompts, NEW8, EOS8, images)[0]
+    return helpers.generate(m, prompts, NEW8, EOS8, images)[0]
 
 
 def overview(seed=0):
