@@ -29,7 +29,8 @@ import torch.distributed as dist
 import kernel
 import config
 import model as M
-import engine as E
+from sampling import greedy
+from startup import Graph
 
 # the other values of kernel.TUNING's launch choices, each measured and not taken (PERF_LOG.md: "kernel.TUNING, key
 # by key"); --candidates re-times the step with each
@@ -146,9 +147,10 @@ def weight_bytes(mod: torch.nn.Module, batch: int, cfg: config.Step5Config) -> i
     return total
 
 
-def captured(fn, *inputs, state=lambda: ()) -> E.Graph:
-    """fn(*inputs) captured as a CUDA graph: the engine's own graph object (engine.Graph), replayed by .graph.replay."""
-    g = E.Graph(fn, list(inputs), True, state=state)
+def captured(fn, *inputs, state=lambda: ()) -> Graph:
+    """fn(*inputs) captured as a CUDA graph: the engine's own graph object (startup.Graph), replayed by
+    .graph.replay."""
+    g = Graph(fn, list(inputs), True, state=state)
     with torch.inference_mode():
         g.capture()
     return g
@@ -195,7 +197,7 @@ def bench_layers(cfg, batch: int, context: int, profile: bool, q: int = 1):
         if profile:
             print(kernel_table(step, 25))
         graph_t = None
-        try:  # the decode loop's own graph object (engine.Graph), replayed alone
+        try:  # the decode loop's own graph object (startup.Graph), replayed alone
             graph_t = time_step(captured(lambda r: block(r, at, rope, lc), res).graph.replay)
         except Exception as e:  # report, do not hide: a capture failure means a host sync crept into decode
             print(f"{kind}: CUDA graph capture failed: {type(e).__name__}: {str(e)[:200]}")
@@ -277,7 +279,7 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
 
     def step(x):  # x [B] or [B, q] -> argmax of every row
         with torch.inference_mode():
-            return E.greedy(m(x, cache).view(-1, m.lm_head.weight.shape[0]))
+            return greedy(m(x, cache).view(-1, m.lm_head.weight.shape[0]))
 
     def timed_graph(ws, x=ids):
         M.set_parallel(ws, rank if ws > 1 else 0)

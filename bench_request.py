@@ -27,6 +27,7 @@ import torch
 import engine as E
 import kernel
 import model as M
+import startup
 from bench_decode import randomise, real_rank_config, time_step
 from bench_prefill import BF16_FLOPS, FP8_FLOPS
 
@@ -220,7 +221,7 @@ def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill
         eng.start()
         t_start = time.perf_counter() - t0
         c1 = counters.snapshot()
-        t = eng.timing
+        t = eng.startup.timing
         print(f"start-up {t_start:.1f} s: built ahead {t['build_s']:.1f} s, warm-up {t['warmup_s']:.1f} s, capture "
               f"{t['capture_s']:.1f} s; {c1[0] - c0[0]} Triton kernel builds (compiled or from its disk cache), "
               f"{c1[1] - c0[1]} graph captures; max_context {eng.max_context}, peak "
@@ -269,7 +270,8 @@ if __name__ == "__main__":
     ap.add_argument("--dump", help="write the profiles' per-kernel times to this JSON file")
     ap.add_argument("--build-threads", type=int, default=None, help="start-up's parallel kernel builds (0: off)")
     ap.add_argument("--graph-prefill", type=int, default=None, metavar="N",
-                    help=f"fresh prompts of up to N tokens prefill as CUDA graphs (default {E.GRAPH_PREFILL}; 0: eagerly)")
+                    help=f"fresh prompts of up to N tokens prefill as CUDA graphs (default {startup.GRAPH_PREFILL}; "
+                    "0: eagerly)")
     ap.add_argument("--turn", type=int, default=0, metavar="N",
                     help="after each one-request case, its conversation's next turn of N new tokens (prefix reused)")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",

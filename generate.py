@@ -32,6 +32,7 @@ import config
 import engine as E
 import image_processing
 import model as M
+from sampling import Sampling
 
 IMAGE_KEYS = ("pixel_values", "patch_pixel_values", "num_patches", "image_embeds")
 PROGRESS_AFTER_S = 5.0  # a prefill that runs longer than this reports its progress on rank 0
@@ -431,8 +432,8 @@ class Args:
     cuda_graph: bool = True
 
     @property
-    def sampling(self) -> E.Sampling:
-        return E.Sampling(self.temperature, self.top_k, self.top_p, self.seed)
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_k, self.top_p, self.seed)
 
 
 def check_args(a: Args):

@@ -230,12 +230,14 @@ class Placement:
     host read) and Q tokens per row. pos [T]: each token's absolute position. real: in a padded pass (a CUDA
     graph's static length: one prefill span at position 0, or a decode step of Q tokens per row) the device count of
     real tokens [1], the rest padding; the layers keep the real tokens' state where a later step reads it (the DSA
-    pending rows, which padding past a region boundary would overwrite)."""
+    pending rows, which padding past a region boundary would overwrite). requests [T]: each token's request
+    (Cache.requests of its row), set only while a Pins test instrument is installed, which keys its decisions by it."""
     pos: torch.Tensor
     spans: list | None = None
     rows: torch.Tensor | None = None
     Q: int = 1
     real: torch.Tensor | None = None
+    requests: torch.Tensor | None = None
 
 
 class Pins:
@@ -379,7 +381,7 @@ class Attention(nn.Module):
                           pk=torch.zeros(B, sp.block, sp.proxy_dim, dtype=torch.bfloat16, device=device),
                           pz=torch.zeros(B, sp.block, sp.proxy_dim, dtype=torch.bfloat16, device=device))
 
-    def forward(self, h, at: Placement, rope, cache: LayerCache, req=None):
+    def forward(self, h, at: Placement, rope, cache: LayerCache):
         """h [T, D] bf16 -> this rank's partial [T, D] bf16, at the positions and cache rows `at` says (a prefill's
         spans, or a decode step of Q tokens per row)."""
         T = h.shape[0]
@@ -394,7 +396,7 @@ class Attention(nn.Module):
         q, k, idx = self._norm_rope(q, k, idx, at.pos, rope)
         v = v.view(T, G, hd)
         if self.dsa:  # the output gate applied by the attention kernels
-            o = self._dsa(idx, q, k, v, g, at, cache, req)
+            o = self._dsa(idx, q, k, v, g, at, cache)
         else:
             o = self._sliding_prefill(q, k, v, g, at.spans, cache)
         return linear(o.reshape(T, H * hd), self.o_proj.weight)  # this rank's bf16 partial: Block reduces it
@@ -440,7 +442,7 @@ class Attention(nn.Module):
         return q, k, idx
 
     # ---- DSA
-    def _dsa(self, idx, q, k, v, g, at: Placement, cache, req=None):
+    def _dsa(self, idx, q, k, v, g, at: Placement, cache):
         """-> the gated attention output [T, H, hd] bf16 (o * bf(sigmoid(g)), g [T, H] the gate logits). idx: the
         indexer's q [T, G, Hg, P] and k [T, P] (normed and rotated), z [T, P] and w [T, G, Hg] (raw; indexer_scores
         applies w's 1/sqrt(Hg) in fp32)."""
@@ -469,8 +471,8 @@ class Attention(nn.Module):
                                            n_hist=pq, blk=blk)  # [B, G, Q, R]
             ids, valid = kernel.select_regions(scores, pq, sp.topk, blk)
             if self.pins is not None:
-                ids, valid = self.pins.regions(self.layer_id, req.view(B, Q)[:, 0], pq, self.group0, ids, valid,
-                                               scores.shape[-1])
+                ids, valid = self.pins.regions(self.layer_id, at.requests.view(B, Q)[:, 0], pq, self.group0, ids,
+                                               valid, scores.shape[-1])
             o = kernel.sparse_attention(q.view(B, Q, G, H // G, hd), cache.k, cache.v, ids, valid, pq, blk, self.scale,
                                         gate=g, rows=rows)
             return o.reshape(T, H, hd)
@@ -496,7 +498,7 @@ class Attention(nn.Module):
             nd = min(n, max(0, (sp.topk + 1) * blk - p0))
             if nd:
                 if self.pins is not None:  # the decisions recorded as a selection would make them
-                    self._pin_every_region(req[s:s + 1], at.pos[s:s + nd][None], G)
+                    self._pin_every_region(at.requests[s:s + 1], at.pos[s:s + nd][None], G)
                 kernel.dense_prefix(q[None, s:s + nd], cache.k[b:b + 1, :p0 + nd], cache.v[b:b + 1, :p0 + nd], p0, blk,
                                     self.scale, gate=g[s:s + nd], out=out[None, s:s + nd])
             nr = end // blk  # every region completed so far; a query at p selects among regions < p // blk
@@ -510,7 +512,8 @@ class Attention(nn.Module):
                 ids, valid = kernel.select_regions(scores, pb, sp.topk, blk, prefill=True)
                 del scores  # its room (dsa_query_chunk's bound) serves the attention's selection bookkeeping
                 if self.pins is not None:
-                    ids, valid = self.pins.regions(self.layer_id, req[s:s + 1], pb, self.group0, ids, valid, nr)
+                    ids, valid = self.pins.regions(self.layer_id, at.requests[s:s + 1], pb, self.group0, ids, valid,
+                                                   nr)
                 kernel.selected_attention(q[None, s + c0:s + c1], cache.k[b:b + 1, :end], cache.v[b:b + 1, :end],
                                           p0 + c0, ids, valid, pb, blk, sp.topk, self.scale, gate=g[s + c0:s + c1],
                                           out=out[None, s + c0:s + c1])
@@ -583,17 +586,17 @@ class MoE(nn.Module):
         self.layer_id, self.first_expert = layer_id, rank * self.n_local  # EP: this rank's contiguous expert range
         self.pins = None
 
-    def forward(self, x, pos, req=None, shared: "MLP | None" = None):
+    def forward(self, x, at: Placement, shared: "MLP | None" = None):
         """x [T, D] bf16 -> this rank's partial [T, D]: the routed experts' bf16 sum (slots of other ranks' experts
-        contribute 0), or with the shared expert MLP, f32(routed) + f32(shared) in fp32 (the kernels run both).
-        req [T]: each token's request (only read by installed Pins)."""
+        contribute 0), or with the shared expert MLP, f32(routed) + f32(shared) in fp32 (the kernels run both). at:
+        the tokens' positions and requests, which only installed Pins read."""
         c = self.cfg
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
         # FP8 experts: the router's kernel also quantises x for them (xq None on the reference path)
         ids, w, xq = kernel.route(x, self.gate.weight, self.router_bias, c.moe_top_k, c.moe_router_scaling_factor,
                                   c.norm_expert_weight, quant=g.weight_scale_inv is not None)  # [T, k] x 2
         if self.pins is not None:
-            pinned = self.pins.experts(self.layer_id, req, pos, ids)
+            pinned = self.pins.experts(self.layer_id, at.requests, at.pos, ids)
             if pinned is not None:
                 ids, w = kernel.route_ref(x, self.gate.weight, self.router_bias, c.moe_top_k,
                                           c.moe_router_scaling_factor, c.norm_expert_weight, ids=pinned)
@@ -617,22 +620,20 @@ class Block(nn.Module):
             self.mlp = MLP(D, cfg.intermediate_size // cfg.tp_size, cfg.clamp(layer_id))
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, res, at: Placement, rope, cache, req=None):
+    def forward(self, res, at: Placement, rope, cache):
         """res [T, D] fp32 residual stream -> updated residual (see step)."""
-        return self.step(res, None, at, rope, cache, req)[0]
+        return self.step(res, None, at, rope, cache)[0]
 
-    def step(self, res, h, at: Placement, rope, cache, req=None, next_norm=None):
+    def step(self, res, h, at: Placement, rope, cache, next_norm=None):
         """res [T, D] fp32 residual stream -> (updated residual, the next layer's bf16 input or None). The block owns
         both TP reductions of the layer: its sub-modules return this rank's partial sums. h: this layer's normed
         input when the previous layer computed it (fused into its last reduction), else None; next_norm: the next
-        layer's input norm weight, fused into this layer's last reduction (one kernel fewer per layer).
-        req [T]: each token's request, for installed Pins only."""
+        layer's input norm weight, fused into this layer's last reduction (one kernel fewer per layer)."""
         if h is None:
             h = kernel.rms_norm(res, self.input_layernorm.weight, self.eps, torch.bfloat16)  # fp32 norm, one rounding
-        res, h = tp_reduce_add(res, self.self_attn(h, at, rope, cache, req), self.post_attention_layernorm.weight,
-                               self.eps)
+        res, h = tp_reduce_add(res, self.self_attn(h, at, rope, cache), self.post_attention_layernorm.weight, self.eps)
         if self.is_moe:  # routed + shared partials combined in fp32, then ONE fp32 reduction
-            y = self.moe(h, at.pos, req, shared=self.share_expert)
+            y = self.moe(h, at, shared=self.share_expert)
         else:
             y = self.mlp(h)
         return tp_reduce_add(res, y, next_norm, self.eps)
@@ -842,18 +843,20 @@ class Step5ForCausalLM(nn.Module):
             return cache.requests[at.rows].repeat_interleave(at.Q)
         return torch.cat([cache.requests[r].expand(n) for r, _, n, _ in at.spans])
 
-    def _trunk(self, ids, cache: Cache, seq_lens, embeds, progress, rows=None, live=None, held=None, real=None):
+    def _trunk(self, ids, cache: Cache, seq_lens: list | None = None, *, rows=None, embeds=None, live=None, held=None,
+               real=None, progress=None):
         """The main layers -> the residual stream [T, D] fp32 of every token (before the final norm). Decode: ids
         [B] (one token per row) or [B, Q] (Q tokens per row, e.g. a speculative verify step)."""
         Q = ids.shape[1] if seq_lens is None and ids.dim() == 2 else 1
         at = self._place(cache, seq_lens, rows, ids.device, Q, live, held, real)
-        req = self._requests(cache, at) if self.pins is not None else None
+        if self.pins is not None:
+            at.requests = self._requests(cache, at)
         res = (self.embed(ids.flatten()) if embeds is None else embeds).float()
         L = self.cfg.num_hidden_layers
         h = None  # each layer's normed input, computed by the previous layer's last reduction
         for i, (layer, lc, rp) in enumerate(zip(self.model.layers[:L], cache.layers, self.rope["layers"])):
             nxt = self.model.layers[i + 1].input_layernorm.weight if i + 1 < L else None
-            res, h = layer.step(res, h, at, rp, lc, req, nxt)
+            res, h = layer.step(res, h, at, rp, lc, nxt)
             if progress is not None and at.spans is not None:
                 progress(i + 1, L)
         return res
@@ -862,27 +865,29 @@ class Step5ForCausalLM(nn.Module):
         h = kernel.rms_norm(res.bfloat16(), norm.weight, self.cfg.rms_norm_eps)  # narrow first, then norm
         return linear(h, out).float()
 
-    def forward(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None, progress=None, rows=None,
-                live=None, held=None):
+    def forward(self, ids, cache: Cache, seq_lens: list | None = None, *, rows=None, embeds=None, live=None,
+                held=None, progress=None):
         """Prefill (seq_lens given: ids [T], the next seq_lens[i] tokens of cache row rows[i] packed, on top of what
         the row holds: a whole prompt, or one chunk of it; 0 for rows without tokens in this call) or decode (ids
         [B'], one token per row of `rows` (default: every cache row), or [B', Q]: Q tokens per row; live: _place's).
         Returns this rank's logits window of the last token of each row that received tokens: [B', V/tp] fp32;
-        [B', Q, V/tp] for ids [B', Q]. progress(i, n), if given, is called after each of the n layers of a prefill
-        (long prompts report from it). held: each prefill row's cached positions as the caller counts them (_place)."""
-        res = self._trunk(ids, cache, seq_lens, embeds, progress, rows, live, held)
+        [B', Q, V/tp] for ids [B', Q]. embeds: the input rows [T, D] in place of the ids' embeddings (images).
+        held: each prefill row's cached positions as the caller counts them (_place). progress(i, n), if given, is
+        called after each of the n layers of a prefill (long prompts report from it)."""
+        res = self._trunk(ids, cache, seq_lens, rows=rows, embeds=embeds, live=live, held=held, progress=progress)
         if seq_lens is not None:
             ends = [e - 1 for e, n in zip(itertools.accumulate(seq_lens), seq_lens) if n]
             res = res[torch.tensor(ends, device=ids.device)]
         return self.logits(res).view(*ids.shape[:2] if seq_lens is None else res.shape[:1], -1)
 
-    def forward_rows(self, ids, cache: Cache, seq_lens: list | None = None, embeds=None, rows=None,
-                     live=None, progress=None, held=None, real=None) -> torch.Tensor:
+    def forward_rows(self, ids, cache: Cache, seq_lens: list | None = None, *, rows=None, embeds=None, live=None,
+                     held=None, real=None, progress=None) -> torch.Tensor:
         """forward that keeps every row: the residual of every token [T, D] fp32 (before the final norm), for a
         prefill-style extend (seq_lens) or a decode step of ids [B', Q] (static shapes: a speculative verify step).
         Speculative decoding feeds it to the MTP layers and takes `logits` of the rows it needs (between
-        hold_pending and keep_pending); a padded prefill (held, real: _place's) the logits of its last real row."""
-        return self._trunk(ids, cache, seq_lens, embeds, progress, rows, live, held, real)
+        hold_pending and keep_pending); a padded pass (real: _place's) the logits of its last real row."""
+        return self._trunk(ids, cache, seq_lens, rows=rows, embeds=embeds, live=live, held=held, real=real,
+                           progress=progress)
 
     def hold_pending(self, cache: Cache, rows):
         """Before a speculative verify step of rows [B]: their pending DSA indexer rows, every layer's, copied aside

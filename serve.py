@@ -42,6 +42,7 @@ import torch.distributed as dist
 import engine as E
 import generate as G
 import image_processing
+from sampling import Sampling
 
 # A step prefills at most this many prompt tokens, so running streams keep their pace while a long prompt comes in.
 # A chunk's host enqueue (~0.2 s for 92 layers on an H200 host) bounds a step whatever its size: 4096 tokens take
@@ -102,7 +103,7 @@ class Job:
     ids: list
     images: dict | None  # prepared image tensors (image_processing.ImageBatch.model_inputs), or None
     max_tokens: int
-    sampling: E.Sampling
+    sampling: Sampling
     stop_ids: frozenset  # EOS ids (none with ignore_eos)
     stop: list  # stop strings
     stream: bool = False
@@ -171,13 +172,13 @@ def check_common(body: dict, model_name: str):
             raise bad(name, f"{name}={json.dumps(v)[:80]} is not supported by this server", "unsupported_parameter")
 
 
-def sampling_of(body: dict) -> E.Sampling:
+def sampling_of(body: dict) -> Sampling:
     t = _num(body, "temperature", DEFAULT_TEMPERATURE)
     top_p = _num(body, "top_p", 1.0)
     top_k = body.get("top_k")
     top_k = 0 if top_k is None or _is(top_k, -1) else top_k  # -1: "off", as other servers spell it
     seed = body.get("seed")
-    s = E.Sampling(t, top_k, top_p, secrets.randbits(63) if seed is None else seed)
+    s = Sampling(t, top_k, top_p, secrets.randbits(63) if seed is None else seed)
     p = None
     if t == 0:  # greedy: top_p / top_k restrict nothing (OpenAI clients send them beside it), but are checked as given
         p = replace(s, temperature=1.0).problem()
@@ -465,7 +466,7 @@ class New:
     ids: list
     images: dict | None
     max_tokens: int
-    sampling: E.Sampling
+    sampling: Sampling
     stop_ids: frozenset
 
 

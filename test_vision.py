@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import config
-import engine
+import helpers
 import model as M
 import tiny_checkpoint
 from config import ConfigError, VisionConfig
@@ -454,7 +454,7 @@ def vl_model(tp1_models):
 
 def complete(m, prompts, images=None):
     """Greedy completions of NEW8 tokens; images: per request None or a dict of image inputs."""
-    return engine.generate(m, prompts, NEW8, EOS8, images)[0]
+    return helpers.generate(m, prompts, NEW8, EOS8, images)[0]
 
 
 def overview(seed=0):
@@ -475,8 +475,8 @@ def test_mm_pixel_path_equals_image_embeds_path(vl_model):
     assert by_pixels == complete(m, [p], [dict(image_embeds=feats)])
     # the image really enters the prefill: other features change the logits
     ids = torch.tensor(p)
-    a = m.forward(ids, m.new_cache(1, len(p) + 1), [len(p)], m.input_embeds(ids, feats))
-    b = m.forward(ids, m.new_cache(1, len(p) + 1), [len(p)], m.input_embeds(ids, feats.flip(0)))
+    a = m.forward(ids, m.new_cache(1, len(p) + 1), [len(p)], embeds=m.input_embeds(ids, feats))
+    b = m.forward(ids, m.new_cache(1, len(p) + 1), [len(p)], embeds=m.input_embeds(ids, feats.flip(0)))
     assert not torch.equal(a, b)
 
 

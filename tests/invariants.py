@@ -47,7 +47,7 @@ def tokens_agree_up_to_near_tie(model, prompt: list, got: list, want: list, tol:
     cache = model.new_cache(1, len(ids) + 1)
     feats = engine.request_features(model, [ids], [images])[0]
     ids_t = torch.tensor(ids, device=model.lm_head.weight.device)
-    logits = model.forward(ids_t, cache, [len(ids)], model.input_embeds(ids_t, feats))[0].float().cpu()
+    logits = model.forward(ids_t, cache, [len(ids)], embeds=model.input_embeds(ids_t, feats))[0].float().cpu()
     gap = (logits[want[s]] - logits[got[s]]).abs().item()
     assert gap <= tol * logits.std().item(), (f"tokens differ at step {s} ({got[s]} vs {want[s]}) without a near-tie: "
                                               f"logit gap {gap:.4f}, std {logits.std().item():.3f}: {got} vs {want}")

@@ -28,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import engine  # noqa: E402
 import generate  # noqa: E402
+import helpers  # noqa: E402
 import model as M  # noqa: E402
 from invariants import NOISE, decisions_differ, gen_and_dump, pinned, tokens_agree_up_to_near_tie  # noqa: E402
 
@@ -114,7 +115,7 @@ def test_greedy_tokens_and_logits_agree_across_tp(kind, images, tps, converted, 
     L1 = d1["logits"]  # [NEW, 3, V]
     assert L1.shape == (NEW, 3, 1024)
     # the CLI's tokens are the model's teacher-forced argmax at TP=1 (same prefixes): exactly
-    assert L1.argmax(-1).T.tolist() == toks1  # argmax: the lowest id on ties, as engine.greedy
+    assert L1.argmax(-1).T.tolist() == toks1  # argmax: the lowest id on ties, as sampling.greedy
     pins = tmp_path / "pins_tp1.pt"
     torch.save(d1["pins"], pins)
     std = L1.std().item()
@@ -150,13 +151,13 @@ def test_each_batch_request_gets_its_tokens_alone(tp1_model, converted, tmp_path
     token may differ only at a measured near-tie."""
     m = tp1_model
     with pinned(m, M.Pins()) as rec:
-        batch = engine.generate(m, PROMPTS, NEW, EOS)[0]
+        batch = helpers.generate(m, PROMPTS, NEW, EOS)[0]
     for b, p in enumerate(PROMPTS):
         with pinned(m, M.Pins(rec.data, requests=[b])):
-            alone = engine.generate(m, [p], NEW, EOS)[0][0]
+            alone = helpers.generate(m, [p], NEW, EOS)[0][0]
         tokens_agree_up_to_near_tie(m, p, alone, batch[b], NOISE["fp8"])
     # the same again in the reverse order (row results do not depend on their position)
-    assert engine.generate(m, PROMPTS[::-1], NEW, EOS)[0] == batch[::-1]
+    assert helpers.generate(m, PROMPTS[::-1], NEW, EOS)[0] == batch[::-1]
     # the torchrun CLI at TP=1 gives the in-process tokens
     doc = gen_json(1, converted("fp8_vl", 1), "--prompt-json-batch", write_json(tmp_path / "b.json", PROMPTS),
                    "--max-new-tokens", NEW)
@@ -186,7 +187,7 @@ def test_eos_request_leaves_the_batch_and_no_cache_is_copied(tp1_model, monkeypa
     its EOS is the last to carry it); the others decode on in their own slots, whose caches are never copied."""
     m = tp1_model
     with pinned(m, M.Pins()) as rec:
-        base = engine.generate(m, PROMPTS, NEW, [])[0]  # no EOS: every request runs NEW steps
+        base = helpers.generate(m, PROMPTS, NEW, [])[0]  # no EOS: every request runs NEW steps
     assert all(len(o) == NEW for o in base)
     # an EOS id that request 1 emits at step s (and not before), which the others never emit
     s, eos = next((s, base[1][s]) for s in (2, 3, 1, 4) if base[1][s] not in base[1][:s] + base[0] + base[2])
@@ -205,7 +206,7 @@ def test_eos_request_leaves_the_batch_and_no_cache_is_copied(tp1_model, monkeypa
     monkeypatch.setattr(M.Step5ForCausalLM, "forward", spy_forward)
     monkeypatch.setattr(engine.Engine, "run", spy_run)
     with pinned(m, M.Pins(rec.data)):  # after the EOS the batch is smaller: other GEMM row counts
-        out = engine.generate(m, PROMPTS, NEW, [eos])[0]
+        out = helpers.generate(m, PROMPTS, NEW, [eos])[0]
     assert out[1] == base[1][:s + 1]  # stops at the EOS, EOS included
     for b in (0, 2):
         tokens_agree_up_to_near_tie(m, PROMPTS[b], out[b], base[b], NOISE["fp8"])
@@ -215,7 +216,7 @@ def test_eos_request_leaves_the_batch_and_no_cache_is_copied(tp1_model, monkeypa
 
 
 def test_max_new_tokens_zero_returns_empty_completions(tp1_model, converted, tmp_path):
-    assert engine.generate(tp1_model, PROMPTS, 0, EOS)[0] == [[], [], []]
+    assert helpers.generate(tp1_model, PROMPTS, 0, EOS)[0] == [[], [], []]
     doc = gen_json(1, converted("fp8_vl", 1), "--prompt-json-batch", write_json(tmp_path / "b.json", PROMPTS[:2]),
                    "--max-new-tokens", 0)
     assert [r["completion_token_ids"] for r in doc["results"]] == [[], []]
@@ -452,100 +453,6 @@ def test_tokenizer_loads_directly_and_keeps_long_prompts(converted):
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def draws(logits, t, k=0, p=1.0, seed=0):
-    """One draw per row of logits [N, V], each row its own counter (so the rows are independent draws)."""
-    n = logits.shape[0]
-    rs = engine.RowSampling.of([engine.Sampling(t, k, p, seed)] * n, logits.device)
-    return engine.sample(logits, rs, torch.arange(n))
-
-
-def test_greedy_is_the_argmax_with_ties_to_the_lowest_id_and_flags_non_finite_rows():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, 100, generator=g)
-    logits[0, [9, 7]] = logits[0].max() + 1  # a tie: the lowest id wins
-    logits[1, 3] = float("nan")
-    logits[2, 5] = float("inf")
-    want = logits.argmax(-1)
-    got = engine.greedy(logits)
-    assert got[0] == 7 and got[1] == -1 and got[2] == -1 and torch.equal(got[3:], want[3:])
-
-
-def test_sample_top_k_1_and_tiny_top_p_are_the_argmax():
-    """A top_p below the nucleus sum's 2^-48 resolution (1e-20; 1e-45 is fp32's smallest) still keeps the first token;
-    a top_k of any size up to 2^63 - 1 keeps them all."""
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, 100, generator=g)
-    logits[0, [9, 7]] = logits[0].max() + 1  # a tie: the lowest id wins, as in greedy
-    want = engine.greedy(logits)
-    assert want[0] == 7
-    for t in (0.5, 5.0):
-        assert torch.equal(draws(logits, t, 1), want)
-        for p in (1e-6, 1e-20, 1e-45):
-            assert torch.equal(draws(logits, t, 0, p), want)
-    assert torch.equal(draws(logits, 5.0, 2 ** 63 - 1, seed=4), draws(logits, 5.0, 0, seed=4))
-
-
-def test_sample_top_k_restricts_the_support():
-    g = torch.Generator().manual_seed(1)
-    logits = torch.randn(4000, 50, generator=g)
-    got = draws(logits, 3.0, 5)  # a high temperature: the whole top 5 gets drawn
-    hit = logits.topk(5, dim=-1).indices == got[:, None]  # [4000, 5]
-    assert hit.any(-1).all(), "a token outside the top 5 was drawn"
-    assert set(hit.float().argmax(-1).tolist()) == set(range(5))
-
-
-def test_sample_top_p_keeps_the_nucleus():
-    # ids 1 and 3 hold 0.5 + 0.3: the nucleus of 0.75 (clear of 0.8, where fp32 rounding of the softmax decides)
-    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
-    n = 20000
-    got = draws(probs.log().expand(n, 4), 1.0, 0, 0.75, seed=2)
-    counts = torch.bincount(got, minlength=4)
-    assert counts[0] == counts[2] == 0 and counts[1] > 0 and counts[3] > 0, counts
-    assert abs(counts[1].item() / n - 0.5 / 0.8) < 0.02, counts  # renormalised within the nucleus
-
-
-def test_sample_follows_the_tempered_softmax():
-    logits = torch.tensor([0.0, 1.0, 2.0, 3.0])
-    n = 20000
-    top = {}
-    for t in (0.5, 5.0):
-        freq = torch.bincount(draws(logits.expand(n, 4), t, seed=3), minlength=4) / n
-        assert (freq - (logits / t).softmax(-1)).abs().max() < 0.02, (t, freq)
-        top[t] = freq[3].item()
-    assert top[5.0] < 0.4 < 0.8 < top[0.5]  # a high temperature spreads the draws
-
-
-def test_sample_rows_draw_by_their_own_seed_and_counter():
-    """A row's draw is a function of (logits, its sampling, its counter) alone: the same in any batch."""
-    g = torch.Generator().manual_seed(4)
-    logits = torch.randn(6, 300, generator=g)
-    sp = [engine.Sampling(1.5, 0, 1.0, s) for s in (1, 2, 3, 1, 2, 3)]
-    rs = engine.RowSampling.of(sp, "cpu")
-    counters = torch.tensor([0, 0, 0, 5, 5, 5])
-    batch = engine.sample(logits, rs, counters)
-    for i in range(6):
-        alone = engine.sample(logits[i:i + 1], engine.RowSampling.of([sp[i]], "cpu"), counters[i:i + 1])
-        assert alone[0] == batch[i]
-    u = engine.uniform(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), 1000)
-    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2]) and 0 < u.min() and u.max() < 1
-    assert abs(u.mean().item() - 0.5) < 0.02
-
-
-def test_sampling_temperature_0_and_top_k_1_give_the_greedy_tokens(tp1_model):
-    want = engine.generate(tp1_model, PROMPTS, NEW, EOS)[0]
-    assert engine.generate(tp1_model, PROMPTS, NEW, EOS, sampling=engine.Sampling(0.0, seed=7))[0] == want
-    assert engine.generate(tp1_model, PROMPTS, NEW, EOS, sampling=engine.Sampling(1.0, 1, seed=7))[0] == want
-
-
-def test_sampling_is_reproducible_with_its_seed(tp1_model):
-    # temperature 5 on the tiny model's logits (std ~8 over 1024 ids): near-flat, so two seeds agreeing on all
-    # 18 tokens is out of the question
-    run = lambda seed: engine.generate(tp1_model, PROMPTS, NEW, EOS, sampling=engine.Sampling(5.0, seed=seed))[0]  # noqa: E731,E501
-    a = run(3)
-    assert run(3) == a
-    assert run(4) != a
-
-
 def test_sampling_at_tp2_is_the_same_on_every_rank_and_reproducible(converted, tmp_path):
     batch = write_json(tmp_path / "b.json", PROMPTS)
 
@@ -604,98 +511,6 @@ def mtp_out(converted):
     return lambda tp: converted("bf16_text", tp, keep_mtp=True)
 
 
-@pytest.fixture(scope="module")
-def mtp_model(mtp_out):
-    import config
-    d = mtp_out(1)
-    cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
-    return M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg)
-
-
-SPEC_NEW = 10
-
-
-def force_drafts(monkeypatch, ref: list, prompts: list, shift: int):
-    """Test instrument: the MTP drafts replaced by plain greedy's own next tokens (shift 0) or wrong ones (shift 1).
-    The MTP layers still run (their caches and rings as always); only the drafts they return are replaced. A slot
-    whose last kept position is L holds the pending token at L + 1, its request's token L + 1 - len(prompt); the
-    drafts are the tokens after it."""
-    real = engine.Speculator._draft
-
-    def draft(self, slots, L):
-        k = real(self, slots, L).shape[1]
-        out = []
-        for b, last in zip(self.e.cache.requests[slots].tolist(), L.tolist()):
-            i0 = last + 2 - len(prompts[b]) if b < len(prompts) else -k
-            out.append([(ref[b][i0 + j] + shift) % 1024 if 0 <= i0 + j < len(ref[b]) else 0 for j in range(k)])
-        return torch.tensor(out, device=slots.device)
-    monkeypatch.setattr(engine.Speculator, "_draft", draft)
-
-
-@pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("drafts", ["mtp", "right", "wrong"])
-def test_speculative_output_is_plain_greedy(mtp_model, k, drafts, monkeypatch):
-    """Whatever the drafts, every emitted token is the main model's argmax: the output equals plain greedy. With
-    plain greedy's own tokens as drafts every draft is accepted; with wrong ones none is, and the rolled-back rows
-    leave no trace. The verify step's extend rounds differently from 1-row decode steps, so plain greedy's routing and
-    region decisions are pinned into it (rejected rows keep their own) and a token may differ only at a near-tie."""
-    m = mtp_model
-    with pinned(m, M.Pins()) as rec:
-        ref = engine.generate(m, PROMPTS, SPEC_NEW, [])[0]
-    if drafts != "mtp":
-        force_drafts(monkeypatch, ref, PROMPTS, int(drafts == "wrong"))
-    with pinned(m, M.Pins(rec.data, strict=False)):
-        out, st = engine.generate(m, PROMPTS, SPEC_NEW, [], speculative=k)
-    for p, o, r in zip(PROMPTS, out, ref):
-        tokens_agree_up_to_near_tie(m, p, o, r)
-    assert len(st["proposed"]) == k and st["verify_steps"] >= 1
-    if out == ref and drafts == "right":
-        assert st["accepted"] == st["proposed"]  # all accepted: (k + 1) tokens per verify step
-    if drafts == "wrong":
-        assert st["accepted"] == [0] * k
-
-
-def test_speculative_with_an_image_request_is_plain_greedy(converted, tmp_path, monkeypatch):
-    """An image request through speculative decoding: the prefill places the image features (the MTP layers read the
-    placeholder token's embedding at image positions, see engine.Speculator); with the MTP drafts or with plain
-    greedy's own tokens as drafts the output is plain greedy's (decisions pinned; a token may differ at a near-tie)."""
-    import config
-    d = converted("fp8_vl", 1, keep_mtp=True)
-    cfg, vl, _ = config.load_config(os.path.join(d, "config-r0.json"))
-    m = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg, "cpu", vl, rank=0)
-    reqs = image_batch(tmp_path)
-    prompts = [r["prompt_ids"] if isinstance(r, dict) else r for r in reqs]
-    images = [None, generate.load_image_inputs(str(tmp_path / "img.safetensors")), None]
-    with pinned(m, M.Pins()) as rec:
-        ref = engine.generate(m, prompts, SPEC_NEW, [], images)[0]
-    for forced in (False, True):
-        if forced:
-            force_drafts(monkeypatch, ref, prompts, 0)
-        with pinned(m, M.Pins(rec.data, strict=False)):
-            out, st = engine.generate(m, prompts, SPEC_NEW, [], images, speculative=2)
-        for p, o, r, img in zip(prompts, out, ref, images):
-            tokens_agree_up_to_near_tie(m, p, o, r, images=img)
-        if forced and out == ref:
-            assert st["accepted"] == st["proposed"]
-
-
-def test_speculative_eos_inside_an_accepted_run_stops_the_request(mtp_model, monkeypatch):
-    m = mtp_model
-    with pinned(m, M.Pins()) as rec:  # the smaller batch rounds differently: plain greedy's decisions pinned
-        ref = engine.generate(m, PROMPTS, SPEC_NEW, [])[0]
-    s, eos = next((s, ref[1][s]) for s in (3, 4, 2, 5) if ref[1][s] not in ref[1][:s] + ref[0] + ref[2])
-    force_drafts(monkeypatch, ref, PROMPTS, 0)
-    with pinned(m, M.Pins(rec.data, strict=False)):
-        out, _ = engine.generate(m, PROMPTS, SPEC_NEW, [eos], speculative=2)
-    if out[1][:s + 1] == ref[1][:s + 1]:
-        assert out[1] == ref[1][:s + 1]  # the EOS ends it even when accepted drafts follow in the same step
-    else:  # it diverged before its EOS, at a measured near-tie (the verify step's rounding)
-        tokens_agree_up_to_near_tie(m, PROMPTS[1], out[1], ref[1])
-    assert eos not in out[1][:-1]  # whatever it emitted, it stopped at its first EOS
-    for b in (0, 2):  # the others go on in a smaller batch (other row counts: up to a near-tie)
-        tokens_agree_up_to_near_tie(m, PROMPTS[b], out[b], ref[b])
-
-
 def test_speculative_cli_and_bad_flags(mtp_out, converted, tmp_path):
     batch = write_json(tmp_path / "b.json", PROMPTS[:2])
     res = launch_ranks(2, ["--tp-dir", mtp_out(2), "--prompt-json-batch", batch, "--max-new-tokens", 6, "--json",
@@ -709,88 +524,6 @@ def test_speculative_cli_and_bad_flags(mtp_out, converted, tmp_path):
     sampled = launch_ranks(2, ["--tp-dir", mtp_out(2), "--prompt-json-batch", batch, "--max-new-tokens", 6, "--json",
                                "--speculative", 2, "--temperature", 1, "--seed", 3])
     assert all(rc == 0 for rc, _, _ in sampled), sampled[0][2][-3000:]  # the ranks agreed on every token
-
-
-@pytest.mark.parametrize("graph_prefill", [0, 128])
-@torch.inference_mode()
-def test_speculative_mtp_caches_equal_one_pass_absorb(mtp_model, monkeypatch, graph_prefill):
-    """Rollback of the MTP caches: after speculative rounds whose drafts are all rejected (every round leaves each
-    depth j >= 1 with j provisional rows that read drafts), every final row of every depth equals the row a one-pass
-    absorb of the final tokens writes, and so does every completed DSA region summary of the main cache; with the
-    prompts prefilled eagerly or as padded passes (graph_prefill: CUDA graphs on a GPU), whose real rows the MTP
-    layers absorb after each replay. The main model's decisions of the speculative run are pinned into the one-pass
-    reference (its residual rows round differently in last bits); the tolerance is rounding noise, while a row that
-    kept a rejected draft's token differs by O(1)."""
-    m, k, new = mtp_model, 2, 8
-    ref = engine.generate(m, PROMPTS[:2], new, [])[0]
-    force_drafts(monkeypatch, ref, PROMPTS[:2], 1)
-    eng = engine.Engine(m, engine.EngineConfig(max_batch=2, max_context=256, speculative=k,
-                                               graph_prefill=graph_prefill))
-    eng.start()
-    replays = []
-    orig = engine.Engine._replay_prefill
-    monkeypatch.setattr(engine.Engine, "_replay_prefill",
-                        lambda self, g, r, a, n: replays.append((a, n)) or orig(self, g, r, a, n))
-    reqs = [engine.Request(p, new) for p in PROMPTS[:2]]
-    with pinned(m, M.Pins()) as rec:
-        eng.run(reqs)
-    assert replays == ([(0, len(p)) for p in PROMPTS[:2]] if graph_prefill else [])
-    W = m.cfg.sliding_window
-    for b, (p, r) in enumerate(zip(PROMPTS[:2], reqs)):
-        seq = p + r.out  # final tokens; the last one was never fed
-        cache = m.new_cache(1, len(seq) + 1)
-        with pinned(m, M.Pins(rec.data, requests=[b], strict=False)):
-            hidden = m.forward_rows(torch.tensor(seq[:-1]), cache, [len(seq) - 1])
-        mtps = m.new_mtp_caches(1, len(seq) + k + 1)
-        n = len(seq) - 1  # positions fed to the main model
-        last = int(eng.cache.lengths[r.slot]) - 1  # the last kept position (an unread last step may pass n)
-        # the main cache's DSA region summaries: rejected drafts past a region boundary overwrite the pending rows
-        # of the kept tokens' region (put back by keep_pending); a region summarised from them agrees on 8-14% of
-        # its bytes, against >= 87% for the rounding of verify steps vs one pass
-        blk = m.cfg.sparse.block
-        for i, (got, want) in enumerate(zip(eng.cache.layers, cache.layers)):
-            for reg in range(min(last + 1, n) // blk if hasattr(got, "summ") else 0):
-                same = (got.summ[r.slot, reg] == want.summ[0, reg]).float().mean().item()
-                assert same > 0.5, f"layer {i}, region {reg}: {same:.0%} of the summary's bytes agree"
-        for j in range(k):
-            # the run's final rows of depth j: positions < done (its last step was not absorbed: it ended there)
-            done = min(last, n - 1) - j + 1
-            assert len(p) <= done <= n - j  # generated positions are compared; none reads a draft
-            hidden, _ = m.mtp(j, hidden[:done], torch.tensor(seq[j + 1:j + 1 + done]), mtps[j], [done])
-            got, want = eng.mtps[j].layers[0].k[r.slot], mtps[j].layers[0].k[0]  # [G, R, hd] rings
-            # the final positions the run's ring still holds (its j provisional rows past them took j slots)
-            for pos in range(max(0, done + j - W), done):
-                a, w = got[:, pos % got.shape[1]].float(), want[:, pos % want.shape[1]].float()
-                assert (a - w).abs().max() <= 0.1 * w.abs().max() + 1e-3, (b, j, pos)
-
-
-@torch.inference_mode()
-def test_speculative_prompts_and_next_turns_by_padded_passes_are_plain_greedy(mtp_model, monkeypatch):
-    """With speculative decoding, fresh prompts prefill as padded passes and a next turn as an extension step (CUDA
-    graphs on a GPU, eager here), the MTP layers absorbing each replay's real rows: plain greedy's tokens (an eager
-    plain engine's decisions pinned; rows a draft reads differ only in last bits)."""
-    m = mtp_model
-    turn = PROMPTS[1] + ids_prompt(30, 7)  # on the 45-token prompt's slot: 40 positions reused, 35 new
-
-    def run(cfg, pins):
-        eng = engine.Engine(m, cfg)
-        eng.start()
-        with pinned(m, pins):
-            first = eng.run([engine.Request(p, SPEC_NEW) for p in PROMPTS[:2]])
-            nxt = eng.run([engine.Request(turn, SPEC_NEW)])[0]
-        return [r.out for r in first] + [nxt.out], nxt.cached
-    rec = M.Pins()
-    want, cached = run(engine.EngineConfig(max_batch=2, max_context=256), rec)
-    replays = []
-    orig = engine.Engine._replay_prefill
-    monkeypatch.setattr(engine.Engine, "_replay_prefill",
-                        lambda self, g, r, a, n: replays.append((a, n, g.inputs[0].numel())) or orig(self, g, r, a, n))
-    got, spec_cached = run(engine.EngineConfig(max_batch=2, max_context=256, speculative=2, graph_prefill=128),
-                           M.Pins(rec.data, strict=False))
-    assert cached == spec_cached == 40
-    assert replays == [(0, 12, 32), (0, 45, 64), (40, 35, 64)]
-    for p, o, w in zip(PROMPTS[:2] + [turn], got, want):
-        tokens_agree_up_to_near_tie(m, p, o, w)
 
 
 # ---------------------------------------------------------------------------------------------- --interactive, streaming

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import engine
+import helpers
 import kernel
 import model as M
 from invariants import decisions_differ, gen_and_dump, pinned
@@ -40,7 +41,7 @@ def teacher_forced_logits(m, prompt, cont):
 @pytest.mark.parametrize("triton", [False, True], ids=["torch-ref", "triton"])
 def test_cuda_matches_cpu(tp1_models, kind, triton):
     cpu, gpu = tp1_models(kind), tp1_models(kind, "cuda")
-    want = engine.generate(cpu, PROMPTS, 8, eos_ids=[])[0]
+    want = helpers.generate(cpu, PROMPTS, 8, eos_ids=[])[0]
     kernel.set_backend(triton)
     try:
         worst = 0.0
@@ -60,12 +61,12 @@ def test_cuda_matches_cpu(tp1_models, kind, triton):
 def test_cuda_graph_decode_equals_eager(tp1_models):
     """The captured decode step replays the very kernels of the eager step: identical tokens."""
     gpu = tp1_models("fp8_text", "cuda")
-    eager = engine.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=False)[0]
-    graph = engine.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
+    eager = helpers.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=False)[0]
+    graph = helpers.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
     # with an EOS that finishes one request early: the smaller batch replays its own bucket's graph
     eos = [eager[1][3]]
-    eager_eos = engine.generate(gpu, PROMPTS, 10, eos_ids=eos, cuda_graph=False)[0]
-    graph_eos = engine.generate(gpu, PROMPTS, 10, eos_ids=eos, cuda_graph=True)[0]
+    eager_eos = helpers.generate(gpu, PROMPTS, 10, eos_ids=eos, cuda_graph=False)[0]
+    graph_eos = helpers.generate(gpu, PROMPTS, 10, eos_ids=eos, cuda_graph=True)[0]
     assert graph == eager
     assert graph_eos == eager_eos and len(graph_eos[1]) <= 4
 
@@ -122,11 +123,11 @@ def test_pdl_decode_equals_plain_launches(tp1_models, monkeypatch):
     captured graph."""
     gpu = tp1_models("fp8_text", "cuda")
     assert kernel._pdl()["PDL"]  # on on an H200
-    got = engine.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
+    got = helpers.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
     got_logits = teacher_forced_logits(gpu, PROMPTS[1], got[1][:-1])
     with monkeypatch.context() as mp:
         mp.setattr(kernel, "_pdl", lambda: {"PDL": False})
-        want = engine.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
+        want = helpers.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
         logits = teacher_forced_logits(gpu, PROMPTS[1], got[1][:-1])
     assert got == want
     assert torch.equal(got_logits, logits)
@@ -143,7 +144,7 @@ def test_early_down_decode_equals_grid_wait(tp1_models):
     for early in ((False, True), (True, True), (False, False)):
         kernel.TUNING["moe_early_down"] = early
         try:
-            toks = engine.generate(gpu, PROMPTS, 24, eos_ids=[], cuda_graph=True)[0]
+            toks = helpers.generate(gpu, PROMPTS, 24, eos_ids=[], cuda_graph=True)[0]
             runs[early] = toks, teacher_forced_logits(gpu, PROMPTS[1], toks[1][:8])
         finally:
             kernel.TUNING["moe_early_down"] = default
@@ -164,8 +165,8 @@ def test_cuda_vision_path(tp1_models):
     pixels = dict(pixel_values=px, patch_pixel_values=crops, num_patches=[2])
     f_cpu = cpu.image_features(**pixels)
     f_gpu = gpu.image_features(**pixels)
-    a = engine.generate(gpu, [prompt], 6, [], [pixels])[0]
-    b = engine.generate(gpu, [prompt], 6, [], [dict(image_embeds=f_gpu)])[0]
+    a = helpers.generate(gpu, [prompt], 6, [], [pixels])[0]
+    b = helpers.generate(gpu, [prompt], 6, [], [dict(image_embeds=f_gpu)])[0]
     assert a == b
     cos = torch.nn.functional.cosine_similarity(f_cpu.float(), f_gpu.float().cpu(), dim=-1)
     print(f"vision features CPU vs CUDA: min cosine per row {cos.min().item():.6f}")
@@ -180,11 +181,11 @@ def test_decode_stress_graph_equals_eager_as_requests_leave(tp1_models, batch):
     steps = int(os.environ.get("STRESS_STEPS", "64"))
     gpu = tp1_models("fp8_text", "cuda")
     prompts = [[(11 + 37 * b + 5 * i) % 1000 + 11 for i in range(3 + 9 * b)] for b in range(batch)]
-    free = engine.generate(gpu, prompts, steps, eos_ids=[], cuda_graph=False)[0]
+    free = helpers.generate(gpu, prompts, steps, eos_ids=[], cuda_graph=False)[0]
     # EOS ids that end requests at different steps, so the batch shrinks through the buckets repeatedly
     eos = sorted({free[b][min(steps - 1, 5 + 11 * b)] for b in range(batch)})
-    eager = engine.generate(gpu, prompts, steps, eos_ids=eos, cuda_graph=False)[0]
-    graph = engine.generate(gpu, prompts, steps, eos_ids=eos, cuda_graph=True)[0]
+    eager = helpers.generate(gpu, prompts, steps, eos_ids=eos, cuda_graph=False)[0]
+    graph = helpers.generate(gpu, prompts, steps, eos_ids=eos, cuda_graph=True)[0]
     assert graph == eager
     assert batch == 1 or len({len(o) for o in graph}) > 1  # requests really left the batch at different steps
 
@@ -208,17 +209,17 @@ def test_cuda_speculative_and_chunked_prefill_give_plain_greedy(converted, monke
     near-tie)."""
     import config
     from invariants import pinned, tokens_agree_up_to_near_tie
-    from test_generate import force_drafts
+    from helpers import force_drafts
     d = converted("bf16_text", 1, keep_mtp=True)
     cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
     gpu = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg, "cuda")
     with pinned(gpu, M.Pins()) as rec:
-        ref = engine.generate(gpu, PROMPTS, 10, [], cuda_graph=False)[0]
+        ref = helpers.generate(gpu, PROMPTS, 10, [], cuda_graph=False)[0]
     with pinned(gpu, M.Pins(rec.data, strict=False)):
-        mtp = engine.generate(gpu, PROMPTS, 10, [], speculative=2, cuda_graph=False)[0]
-        chunked = engine.generate(gpu, PROMPTS, 10, [], prefill_chunk=7, cuda_graph=False)[0]
+        mtp = helpers.generate(gpu, PROMPTS, 10, [], speculative=2, cuda_graph=False)[0]
+        chunked = helpers.generate(gpu, PROMPTS, 10, [], prefill_chunk=7, cuda_graph=False)[0]
         force_drafts(monkeypatch, ref, PROMPTS, 0)
-        right = engine.generate(gpu, PROMPTS, 10, [], speculative=2, cuda_graph=False)[0]
+        right = helpers.generate(gpu, PROMPTS, 10, [], speculative=2, cuda_graph=False)[0]
     for got in (mtp, right, chunked):
         for p, g, r in zip(PROMPTS, got, ref):
             tokens_agree_up_to_near_tie(gpu, p, g, r)

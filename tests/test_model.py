@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-import engine
+import helpers
 import kernel
 import config
 import model as M
@@ -204,7 +204,7 @@ def test_chunked_prefill_equals_one_shot(tp1_models, kind, chunk):
 
     def run(chunk_):
         cache = lm.new_cache(3, 42 + 4)
-        out = [engine.prefill(lm, cache, ps, chunk=chunk_)]
+        out = [helpers.prefill(lm, cache, ps, chunk=chunk_)]
         for j in range(3):
             out.append(lm.forward(torch.tensor([c[j] for c in cont]), cache))
         return torch.stack(out), cache
@@ -227,7 +227,7 @@ def test_dsa_query_chunks_do_not_change_the_prefill(tp1_models, monkeypatch):
     ps = [prompt(37, seed=5), prompt(42, seed=6)]
 
     def run():
-        return engine.prefill(lm, lm.new_cache(2, 46), ps)
+        return helpers.prefill(lm, lm.new_cache(2, 46), ps)
 
     with monkeypatch.context() as mp, pinned(lm, M.Pins()) as rec:  # first: its rows never meet stale copies
         mp.setattr(kernel, "dsa_query_chunk", lambda x, groups, regions: 5)
@@ -250,7 +250,7 @@ def test_multi_token_decode_equals_token_by_token(tp1_models, kind):
 
     def run(q):
         cache = lm.new_cache(2, 30 + 2 * Q, slack=Q - 1)
-        engine.prefill(lm, cache, ps)
+        helpers.prefill(lm, cache, ps)
         out = []
         for s in range(0, 2 * Q, q):
             if q == 1:  # the one-token step: ids [B] -> [B, V]
@@ -325,16 +325,16 @@ def test_batch_rows_match_single_requests_and_eos_leaves_the_others_alone(lm_bf1
     lm = lm_bf16
     ps = [prompt(9, 1), prompt(44, 2), prompt(3, 3)]
     with pinned(lm, M.Pins()) as rec:
-        batch = engine.generate(lm, ps, 6, eos_ids=[])[0]
+        batch = helpers.generate(lm, ps, 6, eos_ids=[])[0]
     for b, p in enumerate(ps):
         with pinned(lm, M.Pins(rec.data, requests=[b])):
-            single = engine.generate(lm, [p], 6, eos_ids=[])[0][0]
+            single = helpers.generate(lm, [p], 6, eos_ids=[])[0][0]
         tokens_agree_up_to_near_tie(lm, p, single, batch[b])
     # request 1 stops at its token s when that token is an EOS id; the others are unchanged
     # an EOS id that request 1 emits at step s (and not before), which the others never emit
     s, eos = next((s, batch[1][s]) for s in (1, 2, 3, 4) if batch[1][s] not in batch[1][:s] + batch[0] + batch[2])
     with pinned(lm, M.Pins(rec.data)):  # requests keep their identity in their slots
-        out = engine.generate(lm, ps, 6, eos_ids=[eos])[0]
+        out = helpers.generate(lm, ps, 6, eos_ids=[eos])[0]
     assert out[1] == batch[1][:s + 1]
     for b in (0, 2):
         tokens_agree_up_to_near_tie(lm, ps[b], out[b], batch[b])
@@ -345,7 +345,7 @@ def test_chunked_prefill_reports_progress_per_chunk_and_layer(tp1_models):
     """generate.py prints long prefills' progress from this hook: (first token of the chunk, layer, layers)."""
     lm = tp1_models("bf16_text")
     calls = []
-    engine.prefill(lm, lm.new_cache(2, 24), [prompt(20, 1), prompt(9, 2)], progress=lambda *a: calls.append(a),
+    helpers.prefill(lm, lm.new_cache(2, 24), [prompt(20, 1), prompt(9, 2)], progress=lambda *a: calls.append(a),
                      chunk=8)
     L = lm.cfg.num_hidden_layers
     assert calls == [(first, i, L) for first in (0, 8, 16) for i in range(1, L + 1)]

@@ -29,9 +29,11 @@ import torch
 import config
 import engine
 import generate
+import helpers
 import model as M
 import serve
 from invariants import NOISE, ROOT, TORCHRUN, tokens_agree_up_to_near_tie
+from sampling import Sampling, uniform
 
 KEY = "serve-test-key"
 NEW = 4  # tokens per request: one decode step of the tiny TP=2 model takes ~0.1 s on 2 shared cores
@@ -402,14 +404,14 @@ def test_engine_decodes_while_every_slot_is_held(tp1_models, converted, k):
     reqs = [engine.Request(p, NEW + 2) for p in prompts]
     with torch.inference_mode():
         eng.run(reqs)
-    want = engine.generate(m, prompts, NEW + 2, speculative=k)[0]
+    want = helpers.generate(m, prompts, NEW + 2, speculative=k)[0]
     for p, r, w in zip(prompts, reqs, want):
         tokens_agree_up_to_near_tie(m, p, r.out, w, NOISE["fp8"])
 
 
-def sampled_agree_up_to_near_tie(model, prompt: list, got: list, want: list, s: engine.Sampling):
+def sampled_agree_up_to_near_tie(model, prompt: list, got: list, want: list, s: Sampling):
     """None when got == want. Otherwise at the first step where they differ the request's draw (the exponential race
-    of engine.draw, with its seed and counter) must be a near-tie of the TP=1 model teacher-forced on want: the two
+    of sampling.draw, with its seed and counter) must be a near-tie of the TP=1 model teacher-forced on want: the two
     tokens' race scores, in logit units, within the tolerance of a greedy near-tie."""
     if got == want:
         return None
@@ -418,7 +420,7 @@ def sampled_agree_up_to_near_tie(model, prompt: list, got: list, want: list, s: 
     cache = model.new_cache(1, len(ids) + 1)
     with torch.inference_mode():
         logits = model.forward(torch.tensor(ids), cache, [len(ids)])[0].float()
-    e = -torch.log(engine.uniform(torch.tensor([s.seed]), torch.tensor([i * 4]), logits.shape[-1]))[0]
+    e = -torch.log(uniform(torch.tensor([s.seed]), torch.tensor([i * 4]), logits.shape[-1]))[0]
     score = logits / s.temperature - torch.log(e)  # the race picks the argmax of p / E
     gap = (score[want[i]] - score[got[i]]).abs().item() * s.temperature
     assert gap <= NOISE["fp8"] * logits.std().item(), f"step {i}: race gap {gap:.3f} in logits: {got} vs {want}"
@@ -428,7 +430,7 @@ def sampled_agree_up_to_near_tie(model, prompt: list, got: list, want: list, s: 
 def test_seeded_sampling_does_not_depend_on_the_batch(server, tp1):
     # temperature 5 on logits of std ~8: near-flat, so tokens really are drawn
     prompts = [ids_prompt(n, 300 + n) for n in (6, 17, 30, 44)]
-    samplings = [engine.Sampling(5.0, seed=s) for s in (1, 2, 3, 1)]
+    samplings = [Sampling(5.0, seed=s) for s in (1, 2, 3, 1)]
 
     def run(i):
         return complete(server, prompts[i], temperature=5.0, seed=samplings[i].seed)[0].token_ids

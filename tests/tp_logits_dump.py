@@ -25,6 +25,8 @@ import config  # noqa: E402
 import engine  # noqa: E402
 import generate  # noqa: E402
 import model as M  # noqa: E402
+from helpers import prefill  # noqa: E402
+from sampling import full_vocab  # noqa: E402
 
 
 DEVICE = os.environ.get("DUMP_DEVICE", "cpu")  # cuda: NCCL and the GPU kernels
@@ -35,9 +37,9 @@ def replay(m, prompts: list, images: list, forced: list) -> torch.Tensor:
     steps = len(forced[0])
     assert all(len(f) == steps for f in forced)
     cache = m.new_cache(len(prompts), max(len(p) for p in prompts) + steps + 1)
-    out = [engine.full_vocab(engine.prefill(m, cache, prompts, engine.request_features(m, prompts, images))).cpu()]
+    out = [full_vocab(prefill(m, cache, prompts, engine.request_features(m, prompts, images))).cpu()]
     for s in range(steps):
-        out.append(engine.full_vocab(m.forward(torch.tensor([f[s] for f in forced], device=DEVICE), cache)).cpu())
+        out.append(full_vocab(m.forward(torch.tensor([f[s] for f in forced], device=DEVICE), cache)).cpu())
     return torch.stack(out).float()
 
 

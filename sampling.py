@@ -1,0 +1,155 @@
+"""Token choice: this rank's logits window -> the next tokens, identical on every rank without a broadcast. Every rank
+gathers the same full-vocabulary logits in rank order (full_vocab, greedy), and a sampled row draws from a
+counter-based random stream of its own request (seed, counter), so no generator state is shared and a request's
+draws do not depend on its batch. The engine's decode graph takes greedy's tokens; `choose` takes a prompt's first
+token; speculative.py's acceptance uses probabilities / draw / uniform.
+"""
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+import model as M
+
+
+def full_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """This rank's logits window [B, V/tp] -> the full-vocabulary logits [B, V], bit-identical on every rank (every
+    rank gathers the same windows in rank order)."""
+    return M.tp_gather(logits).permute(1, 0, 2).flatten(1)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Global argmax over the rank-ordered vocabulary windows (the lowest id on ties): [B, V/tp] -> [B] int64, the
+    same on every rank; -1 in a row whose maximum is not finite (a NaN anywhere in the row, or +inf). Gathers each
+    rank's maximum and its id, not the vocabulary: the first maximal window wins, as an argmax of the concatenated
+    windows picks."""
+    v, i = logits.max(-1)  # [B]: the first maximum, i.e. the lowest id of this window (NaN propagates)
+    if M.world_size == 1:
+        return torch.where(torch.isfinite(v), i, -1)
+    every = M.tp_gather(torch.stack([v.float(), (i + M.rank * logits.shape[-1]).float()]))  # [world, 2, B]
+    vals = every[:, 0]  # ids < 2^24 are exact in fp32
+    top = vals.amax(0)
+    win = (vals == top).int().argmax(0)  # the first rank holding the maximum
+    tok = every[:, 1].gather(0, win[None])[0].long()
+    return torch.where(torch.isfinite(top), tok, -1)
+
+
+def is_int(v) -> bool:
+    """An integer, Python's or numpy's, and not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One request's token choice: greedy at temperature 0, else a draw from softmax(logits / temperature) within the
+    top_k most likely tokens (0: all), then within the top_p nucleus (1: all). `seed` keys the request's own random
+    stream: whatever else runs in the batch never changes its draws (on the same device type)."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def problem(self, name=lambda field: field) -> str | None:
+        """None, or what is wrong, naming the field as name(field) calls it (a flag, a request field)."""
+        t, k, p = name("temperature"), name("top_k"), name("top_p")
+        if not is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
+            return f"{t} {self.temperature} must be a finite number >= 0 (0 is greedy decoding)"
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
+            return f"{p} {self.top_p} must be in (0, 1] (1 keeps every token)"
+        if not is_int(self.top_k) or not 0 <= self.top_k < 2 ** 63:
+            return f"{k} {self.top_k} must be an integer in [0, 2**63) (0 keeps every token)"
+        if self.temperature == 0 and (self.top_k != 0 or self.top_p != 1):
+            return (f"{f'{k} {self.top_k}' if self.top_k else f'{p} {self.top_p}'} needs {t} > 0 ({t} 0 is greedy "
+                    "decoding)")
+        if not is_int(self.seed) or not 0 <= self.seed < 2 ** 63:
+            return f"{name('seed')} {self.seed} must be an integer in [0, 2**63)"
+        return None
+
+
+# splitmix64's constants as signed int64 (torch's int64 arithmetic wraps like uint64)
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    return (z >> k) & ((1 << (64 - k)) - 1)  # a logical right shift of int64
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _srl(z, 30)) * _MIX1
+    z = (z ^ _srl(z, 27)) * _MIX2
+    return z ^ _srl(z, 31)
+
+
+def uniform(seeds: torch.Tensor, counters: torch.Tensor, n: int) -> torch.Tensor:
+    """Counter-based uniforms in (0, 1): [B] seeds, [B] counters -> [B, n] fp32, a pure function of (seed, counter,
+    column): no generator state, so a request's draws do not depend on its batch, and the step is replayable as a
+    CUDA graph. splitmix64 of (mix(seed) + counter) and of that plus each column."""
+    base = _mix(_mix(seeds * _GOLDEN) + counters)  # [B]
+    z = _mix(base[:, None] + (torch.arange(n, device=seeds.device) + 1) * _GOLDEN)
+    return ((_srl(z, 40) & 0xFFFFFF).float() + 0.5) * 2.0 ** -24
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling parameters of a batch as device tensors [B] (Sampling of each row)."""
+    temperature: torch.Tensor  # fp32, 0 = greedy
+    top_k: torch.Tensor  # int64, 0 = all
+    top_p: torch.Tensor  # fp32
+    seed: torch.Tensor  # int64
+
+    @staticmethod
+    def of(samplings: list, device) -> "RowSampling":
+        return RowSampling(torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device),
+                           torch.tensor([s.top_k for s in samplings], dtype=torch.long, device=device),
+                           torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device),
+                           torch.tensor([s.seed for s in samplings], dtype=torch.long, device=device))
+
+
+def probabilities(full: torch.Tensor, rs: RowSampling) -> torch.Tensor:
+    """Full-vocabulary logits [B, V] -> each row's sampling distribution [B, V] fp32: softmax(logits / temperature)
+    restricted to its top_k most likely tokens, then to its top_p nucleus (the smallest set of most likely tokens
+    whose mass reaches top_p), renormalised. Greedy rows (temperature 0) get a one-hot at the argmax."""
+    x = full.float()
+    greedy_row = rs.temperature == 0
+    t = torch.where(greedy_row, 1.0, rs.temperature)[:, None]
+    x = (x - x.amax(-1, keepdim=True)) / t  # largest 0: a tiny temperature gives -inf, never inf - inf
+    # most likely first; stable, so tied logits keep the lowest id first (as greedy's argmax)
+    xs, ids = x.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(x.shape[-1], device=x.device)
+    keep = (rs.top_k[:, None] == 0) | (rank[None, :] < rs.top_k[:, None])
+    ps = torch.where(keep, xs, float("-inf")).softmax(-1)
+    # The mass of the more likely tokens (0 for the first), summed in 2^-48 fixed point: integer sums are exact in any
+    # order, while a float cumsum on CUDA may round differently between runs and so move the nucleus boundary on one
+    # rank. The bound is at least 1 so that the first token always stays (a top_p below 2^-48 keeps only it).
+    q = (ps * 2.0 ** 48).long()
+    ps = ps.masked_fill(q.cumsum(-1) - q >= (rs.top_p[:, None].double() * 2 ** 48).long().clamp_min(1), 0.0)
+    ps = ps / ps.sum(-1, keepdim=True)
+    ps = torch.where(greedy_row[:, None], (rank == 0).float()[None, :], ps)
+    return torch.zeros_like(ps).scatter_(-1, ids, ps)
+
+
+def draw(probs: torch.Tensor, rs: RowSampling, counters: torch.Tensor) -> torch.Tensor:
+    """A token per row from probs [B, V] -> [B] int64, keyed by (seed, counter): the exponential race argmax_i p_i /
+    E_i with E_i ~ Exp(1) picks i with probability p_i / sum(p), so a masked distribution needs no renormalising.
+    A row whose probabilities are not finite gets -1."""
+    e = -torch.log(uniform(rs.seed, counters * 4, probs.shape[-1]))  # stream 0 of the counter
+    tok = (probs / e).argmax(-1)
+    return torch.where(torch.isfinite(probs).all(-1), tok, -1)
+
+
+def sample(logits: torch.Tensor, rs: RowSampling, counters: torch.Tensor) -> torch.Tensor:
+    """This rank's logits window [B, V/tp] -> [B] int64 drawn per row by its own parameters and random stream (greedy
+    rows: the argmax), the same on every rank: every rank holds the same full-vocabulary logits and draws alike."""
+    return draw(probabilities(full_vocab(logits), rs), rs, counters)
+
+
+def choose(logits: torch.Tensor, samplings: list, count: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Tokens [B] for logits rows [B, V/tp] of requests with these Samplings: greedy when every row is, else each row's
+    draw at its slot's count (count [max_batch]: tokens each slot's request emitted; slots [B])."""
+    if all(s.temperature == 0 for s in samplings):
+        return greedy(logits)
+    return sample(logits, RowSampling.of(samplings, logits.device), count[slots])

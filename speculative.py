@@ -1,0 +1,222 @@
+"""Speculative decoding with the checkpoint's MTP layers: the Speculator, a decode step kind of the engine that verifies
+K drafts per request (engine.py's Engine makes one when `speculative=K`). Its docstring says how drafting,
+verification and rollback work.
+"""
+import itertools
+
+import torch
+
+from sampling import RowSampling, Sampling, draw, full_vocab, greedy, probabilities, uniform
+from startup import Graph
+
+
+class Speculator:
+    """Decode steps that verify K drafts of the MTP layers per request (a step kind of the engine).
+
+    A verify step feeds each request's pending token and its K drafts as one decode step of K + 1 tokens per row of
+    the main model. Greedy rows accept the longest prefix of drafts equal to the main model's argmax, plus the main
+    model's next token, so every emitted token is the greedy choice at its position; sampled rows follow the
+    speculative-sampling rule for greedy drafts: draft x is accepted with probability p(x), and at the first rejection
+    a token is drawn from p with x removed (renormalised); after K acceptances one more is drawn from p. Rejected rows
+    are rolled back by resetting the cache lengths: the sliding rings carry spare slots, so a rejected row never
+    overwrote a key that a kept row still needs; K/V, pending indexer rows and region summaries at rejected positions
+    are rewritten before any kept query reads them. Acceptance, rollback and drafting run on the device, so a step is
+    queued without the host reading the last one.
+
+    Drafting: MTP depth j's row at position p reads depth j-1's residual at p (depth -1: the main model's) and the
+    token at p + j + 1; depth j's draft is its row at the last kept position L. Rows past L - j read drafts, so they
+    are provisional; each step therefore recomputes, at depth j, the K + 1 + j positions L - K - j .. L (clamped at 0)
+    as one static-shape decode step of the MTP layer: every provisional row of the last step is among them, and final
+    rows come out the same. Residuals and tokens of recent positions live in per-slot device rings (position p in
+    ring slot p mod S). Prefill chunks are absorbed by every depth as they come (the rows whose next tokens are
+    prompt tokens, up to where drafting recomputes); the prompt's last rows are drafted as after a verify step. At
+    image positions an MTP row reads the placeholder token's embedding as its next token (a choice: the release drops
+    the MTP layers, and the main model's rows there already carry the image features in their residuals).
+    """
+
+    def __init__(self, eng):
+        """eng: the Engine whose decode steps these are (its model, caches, slots and graphs)."""
+        self.e, k = eng, eng.k
+        B, dev, D = eng.config.max_batch, eng.dev, eng.model.cfg.hidden_size
+        self.S = 4 * k + 4
+        self.h = torch.zeros(k + 1, B, self.S, D, device=dev)  # ring 0: the main model's residuals; j + 1: depth j's
+        self.tok = torch.zeros(B, self.S, dtype=torch.long, device=dev)  # ring: the token at each position
+        self.drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
+        self.stats = {"verify_steps": 0, "verify_rows": 0, "proposed": [0] * k, "accepted": [0] * k}
+
+    def _put(self, ring, slot: int, first: int, rows):
+        """rows [n, ...] of one slot at positions first .. first + n - 1 into a ring (the last S of them)."""
+        keep = min(self.S, rows.shape[0])
+        at = torch.arange(first + rows.shape[0] - keep, first + rows.shape[0], device=rows.device) % self.S
+        ring[slot, at] = rows[-keep:]
+
+    def prefill(self, pieces, ids, embeds, hook):
+        """A prefill pass of the main model over the pieces (engine.Piece; every row kept), absorbed by the MTP layers
+        -> the last row's logits of each piece."""
+        m = self.e.model
+        lens, rows = [pc.n for pc in pieces], [pc.req.slot for pc in pieces]
+        hidden = m.forward_rows(ids, self.e.cache, lens, rows=rows, embeds=embeds, held=[pc.start for pc in pieces],
+                                progress=hook)  # [T, D]
+        self.absorb(pieces, ids, hidden)
+        starts = list(itertools.accumulate([0] + lens))
+        ends = torch.tensor([s + pc.n - 1 for pc, s in zip(pieces, starts)], device=self.e.dev)
+        return m.logits(hidden[ends])
+
+    def absorb(self, pieces, ids, hidden):
+        """The main model's rows of a prefill pass (hidden [T, D], ids [T]: the pieces' tokens, packed; pieces:
+        engine.Piece) into the rings, then each depth absorbs those whose next tokens are prompt tokens and that
+        drafting will not recompute (depth j: positions p < len - 1 - K - j)."""
+        e, k, m = self.e, self.e.k, self.e.model
+        starts = list(itertools.accumulate([0] + [pc.n for pc in pieces]))
+        src = {}  # piece -> (first position, rows) of the previous depth computed in this pass
+        for i, (pc, s) in enumerate(zip(pieces, starts)):
+            self._put(self.h[0], pc.req.slot, pc.start, hidden[s:s + pc.n])
+            self._put(self.tok, pc.req.slot, pc.start, ids[s:s + pc.n])
+            src[i] = (pc.start, hidden[s:s + pc.n])
+        for j in range(k):
+            parts = []
+            for i, pc in enumerate(pieces):
+                have = int(e.mtps[j].lengths[pc.req.slot])  # host read: prefill only
+                stop = min(pc.start + pc.n, len(pc.req.ids) - 1 - k - j)
+                if i in src and stop > have:
+                    p0, x = src[i]
+                    parts.append((i, pc.req, have, stop, x[have - p0:stop - p0]))
+            if not parts:
+                break
+            nxt = torch.tensor([r.ids[p + j + 1] for _, r, have, stop, _ in parts for p in range(have, stop)],
+                               device=e.dev)
+            res, _ = m.mtp(j, torch.cat([x for *_, x in parts]), nxt, e.mtps[j],
+                           [stop - have for _, _, have, stop, _ in parts], rows=[r.slot for _, r, *_ in parts],
+                           head=False)
+            src, o = {}, 0
+            for i, r, have, stop, _ in parts:
+                src[i] = (have, res[o:o + stop - have])
+                self._put(self.h[j + 1], r.slot, have, src[i][1])
+                o += stop - have
+
+    def first_drafts(self, reqs, slots):
+        """After a prompt's last chunk and its first token (next_tok): the drafts of every depth, as after a verify
+        step that kept position len - 1."""
+        L = torch.tensor([len(r.ids) - 1 for r in reqs], device=self.e.dev)
+        self.tok[slots, (L + 1) % self.S] = self.e.next_tok[slots]
+        self.drafts[slots] = self.draft(slots, L)
+
+    def draft(self, slots, L):
+        """Each depth's K + 1 + j rows L - K - j .. L of the slots [R] -> drafts [R, K]. Static shapes: rows past L
+        (a clamped start) are never read as final, and later steps overwrite them before any kept row needs them."""
+        e, k, m, S = self.e, self.e.k, self.e.model, self.S
+        R, D = slots.shape[0], m.cfg.hidden_size
+        s_, r_ = slots[:, None], torch.arange(R, device=e.dev)
+        out = torch.zeros(R, k, dtype=torch.long, device=e.dev)
+        for j in range(k):
+            q = k + 1 + j
+            first = (L - k - j).clamp(min=0)
+            pos = first[:, None] + torch.arange(q, device=e.dev)  # [R, q]
+            t = pos + j + 1  # the token each row reads: final up to L + 1, then this step's drafts
+            i = (t - L[:, None] - 2).clamp(0, k - 1)
+            tok = torch.where(t <= L[:, None] + 1, self.tok[s_, t % S], out[r_[:, None], i])
+            e.mtps[j].lengths[slots] = first
+            res, lg = m.mtp(j, self.h[j][s_, pos % S].view(R * q, D), tok.flatten(), e.mtps[j], None, q, rows=slots)
+            self.h[j + 1][s_, pos % S] = res.view(R, q, D)
+            out[:, j] = greedy(lg.view(R, q, -1)[r_, L - first]).clamp(min=0)
+        return out
+
+    def graphs(self, b: int, pool) -> list:
+        """A verify graph and a draft graph for batch bucket b."""
+        e, k, m, S = self.e, self.e.k, self.e.model, self.S
+        dev, D = e.dev, m.cfg.hidden_size
+        slots = torch.arange(b, device=dev)
+        live = torch.ones(b, dtype=torch.long, device=dev)
+
+        def verify(slots, live):  # -> residuals [b*(k+1), D], logits [b*(k+1), V/tp], greedy ids [b, k+1]
+            fed = torch.cat([e.next_tok[slots][:, None], self.drafts[slots]], 1)  # [b, k+1]
+            m.hold_pending(e.cache, slots)  # the DSA pending rows, for keep_pending after acceptance
+            h = m.forward_rows(fed, e.cache, rows=slots, live=live)
+            lg = m.logits(h)
+            return h, lg, greedy(lg).view(b, k + 1)
+
+        def draft(slots, kept, start, h, toks):
+            """The DSA pending rows of the kept tokens put back, the verify rows into the rings (toks[j]: the token
+            after position start + j), then the drafts."""
+            m.keep_pending(e.cache, slots, start, kept - start + 1)
+            steps = start[:, None] + torch.arange(k + 1, device=dev)  # [b, k+1]: positions of the verify rows
+            self.h[0][slots[:, None], steps % S] = h.view(b, k + 1, D)
+            self.tok[slots[:, None], (steps + 1) % S] = toks
+            self.drafts[slots] = self.draft(slots, kept)
+        zeros = torch.zeros(b, dtype=torch.long, device=dev)
+        g_verify = Graph(verify, [slots, live], e.use_graph, state=lambda: (e.cache.lengths,), pool=pool)
+        g_draft = Graph(draft, [slots, zeros, zeros.clone(), torch.zeros(b * (k + 1), D, device=dev),
+                                torch.zeros(b, k + 1, dtype=torch.long, device=dev)], e.use_graph,
+                        state=lambda: [c.lengths for c in e.mtps], pool=pool)
+        return [g_verify, g_draft]
+
+    def decode(self, reqs: list):
+        """Queue one verify + draft step over the requests -> (requests, the host copy of [accepted, tokens...])."""
+        e = self.e
+        n = len(reqs)
+        b = next(x for x in e.graphs if x >= n)
+        pads = e.padding_slots(reqs)  # before any turn is skipped: a request that waits a step never pads
+        if b - n > len(pads):  # prefilling slots cannot pad: decode a bucket without padding, in turns
+            r = e.steps % n
+            n = max(x for x in e.graphs if x <= n)
+            reqs, b = (reqs[r:] + reqs[:r])[:n], n
+        g_verify, g_draft = e.graphs[b]
+        # a padding row rewrites its slot's recent rows: forget the slot
+        for i in e.fill_inputs(g_verify, reqs, b, pads):
+            e.slots[i].held = []
+            e.slots[i].stale = e.slots[i].owner is not None
+        slots, live = g_verify.inputs
+        start = e.cache.lengths[slots]  # the positions of the pending tokens
+        h, lg, main = g_verify()
+        a, toks = self._accept(lg, main, reqs, b)  # [b] accepted drafts, [b, k+1] the step's tokens
+        kept = start + a  # the last kept position: the new pending token's predecessor
+        e.cache.lengths[slots] = torch.where(live > 0, kept + 1, start)  # roll back the rejected rows
+        e.next_tok[slots] = toks.gather(1, a[:, None])[:, 0].clamp(min=0)
+        e.count[slots] += (a + 1) * live
+        for dst, src in zip(g_draft.inputs, (slots, kept, start, h, toks)):
+            if dst is not src:
+                dst.copy_(src)
+        g_draft()
+        self.stats["verify_steps"] += 1
+        self.stats["verify_rows"] += n
+        return reqs, e.to_host(torch.cat([a[:n, None], toks[:n]], 1))
+
+    def unpack(self, rows: list) -> list:
+        """Host rows [accepted, tokens...] -> each request's emitted tokens (and the acceptance counts)."""
+        out = []
+        for row in rows:
+            a = row[0]
+            for j in range(self.e.k):
+                self.stats["proposed"][j] += 1
+                self.stats["accepted"][j] += j < a
+            out.append(row[1:a + 2])
+        return out
+
+    def _accept(self, lg, main, reqs, b):
+        """-> (accepted drafts a [b], the step's tokens [b, k+1]: the accepted drafts, then the next token). Greedy
+        rows: drafts equal to the main model's argmax; sampled rows: the speculative-sampling rule."""
+        e, k = self.e, self.e.k
+        slots = e.graphs[b][0].inputs[0]
+        drafts = self.drafts[slots]  # [b, k]
+        a = (drafts == main[:, :k]).long().cumprod(1).sum(1)  # [b]
+        if all(r.sampling.temperature == 0 for r in reqs):
+            return a, main
+        n = len(reqs)
+        rs = RowSampling.of([r.sampling for r in reqs] + [Sampling()] * (b - n), e.dev)
+        probs = probabilities(full_vocab(lg), _repeat(rs, k + 1)).view(b, k + 1, -1)
+        base = e.count[slots]  # the index of the step's first token in its request
+        u = uniform(rs.seed, base * 4 + 1, k)  # counter stream 1: acceptance
+        px = probs[:, :k].gather(2, drafts[:, :, None])[:, :, 0]  # [b, k]
+        acc = (u < px).long().cumprod(1).sum(1)
+        # the token after the accepted drafts: p at position acc, with the rejected draft removed (acc < k)
+        pa = probs[torch.arange(b, device=e.dev), acc]  # [b, V]
+        rej = drafts.gather(1, acc.clamp(max=k - 1)[:, None])
+        pa = torch.where((acc < k)[:, None], pa.scatter(1, rej, 0.0), pa)
+        nxt = draw(pa, rs, base + acc)  # keyed by the emitted token's index
+        toks = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, acc[:, None], nxt[:, None])
+        sampled = rs.temperature > 0
+        return torch.where(sampled, acc, a), torch.where(sampled[:, None], toks, main)
+
+
+def _repeat(rs: RowSampling, n: int) -> RowSampling:
+    return RowSampling(*(t.repeat_interleave(n) for t in (rs.temperature, rs.top_k, rs.top_p, rs.seed)))

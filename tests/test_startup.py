@@ -1,0 +1,300 @@
+"""Start-up (startup.py) on the tiny checkpoints, in process at TP=1: the launches of requests are only launches that
+start-up made (the Triton launchers' launches recorded, not run, with the GPU's launch choices), the builds from
+threads make every launch of the warm-up in order and mark Triton's cache, threads compile each kernel variant once,
+the decode steps are built from threads before their capture, and the padded prefill and extension graphs read nothing
+back to the host.
+
+Start-up's phases are watched on the engine's own Startup object (eng.startup): its public steps (warm_pass,
+build_ahead, warm_graphs_ahead) are wrapped there to record what each launches, or stubbed where a test needs only
+the decision to run them.
+"""
+import os
+import threading
+
+import pytest
+import torch
+
+import engine as E
+import model as M
+import startup
+from test_engine import ids
+
+
+# the kernel.py functions model.py calls, each dispatching to its Triton launcher or its reference
+DISPATCHERS = ("rms_norm", "norm_rope_jobs", "banded_attention", "sliding_decode", "region_summary", "dsa_cache_write",
+               "indexer_scores", "select_regions", "sparse_attention", "route", "swiglu", "moe_experts",
+               "skinny_linear", "add_norm")
+
+
+@pytest.fixture
+def gpu_launches(monkeypatch):
+    """Every kernel call made twice: its Triton launches (with the GPU's launch choices) recorded and not executed,
+    then its reference, whose results the model goes on with (the interpreter is too slow for a whole engine's run).
+    The switch between the two is per thread (start-up's parallel builds call kernels from several)."""
+    import kernel
+    monkeypatch.setattr(kernel, "_GPU_LAUNCH", True)
+    monkeypatch.setattr(kernel, "_sms", lambda: 132)
+    on = threading.local()
+    monkeypatch.setattr(kernel, "_triton", lambda x: getattr(on, "triton", False))
+
+    def both(f):
+        def call(*a, **k):
+            on.triton = True
+            try:
+                f(*a, **k)  # its launches, recorded only
+            finally:
+                on.triton = False
+            return f(*a, **k)
+        return call
+    for name in DISPATCHERS:
+        monkeypatch.setattr(kernel, name, both(getattr(kernel, name)))
+    warm_lengths = M.Step5ForCausalLM.warm_lengths  # the passes it lists on the Triton path
+
+    def triton_warm_lengths(self, *a):
+        on.triton = True
+        try:
+            return warm_lengths(self, *a)
+        finally:
+            on.triton = False
+    monkeypatch.setattr(M.Step5ForCausalLM, "warm_lengths", triton_warm_lengths)
+
+
+@pytest.mark.parametrize("path", ["references", "triton launchers"])
+@torch.inference_mode()
+def test_a_padded_prefill_reads_nothing_back_to_the_host(tp1_models, monkeypatch, request, path):
+    """A CUDA graph cannot hold a host read or a host-to-device copy: the padded pass and the extension step (as
+    captured, here run on the CPU) make no op that would (a tensor's value read on the host, a data-dependent shape,
+    a tensor from host data), through the references or through the Triton launchers (their launches recorded, not
+    run, as gpu_launches makes them, then the references). The eager prefill, which reads the cache lengths unless
+    told them, is caught reading."""
+    import contextlib
+    import sass
+    from torch.utils._python_dispatch import TorchDispatchMode
+    lm = tp1_models("fp8_text")
+    launchers = path == "triton launchers"
+    if launchers:
+        request.getfixturevalue("gpu_launches")
+    seen = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t, f=torch.Tensor.tolist: seen.append("tolist") or f(t))
+    eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=256, graph_prefill=64))
+    with sass.launch_keys(set(), execute=False) if launchers else contextlib.nullcontext():
+        eng.start()
+    g = eng.prefill_graphs[64]
+    g.inputs[1].fill_(45)
+    g.inputs[2].fill_(1)
+    banned = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.lift_fresh.default",
+              "aten.masked_select.default", "aten.unique_consecutive.default", "aten._unique2.default"}
+    seen.clear()
+
+    class Host(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) in banned:
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+    x = eng.extend_graphs[32]
+    x.inputs[1].fill_(20)
+    x.inputs[2].fill_(1)
+    keys = set()
+    with sass.launch_keys(keys, execute=False) if launchers else contextlib.nullcontext(), Host():
+        logits = g()
+        turn = x()
+    assert not seen, f"host reads in the padded prefill: {sorted(set(seen))}"
+    assert logits.shape == turn.shape == (1, lm.lm_head.weight.shape[0]) and int(eng.cache.lengths[1]) == 65
+    assert (len(keys) > 10) == launchers  # the Triton launchers ran (their launches recorded)
+    with sass.launch_keys(set(), execute=False) if launchers else contextlib.nullcontext(), Host():
+        lm.forward(g.inputs[0], eng.cache, [64], rows=[0])
+    assert "tolist" in seen and "aten.lift_fresh.default" in seen
+
+
+@pytest.mark.parametrize("graph_prefill, speculative", [(0, 0), (256, 0), (256, 1)])
+@torch.inference_mode()
+def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, converted, gpu_launches,
+                                                                    graph_prefill, speculative):
+    """Nothing compiles on the request path: every Triton launch of requests of other prompt lengths and batch sizes
+    is one that start-up made, each launch keyed as Triton compiles it (sass.launch_key: constexprs, each integer's
+    class, each pointer's alignment), with fresh prompts prefilled eagerly or padded (graph_prefill), and with MTP
+    drafts (speculative: verify and draft steps, the MTP layers' absorb of each padded prompt's real rows).
+    bench_request.py counts real compilations on the GPU."""
+    import sass
+    from conftest import load_tp1
+    lm = load_tp1(converted("fp8_text", 1, keep_mtp=True)) if speculative else tp1_models("fp8_text")
+    warm, seen = set(), set()
+    eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=640, prefill_chunk=256, graph_prefill=graph_prefill,
+                                      speculative=speculative))
+    with sass.launch_keys(warm, execute=False):
+        eng.start()
+    with sass.launch_keys(seen, execute=False):
+        eng.run([E.Request(ids(7, 20), 3)])
+        eng.run([E.Request(ids(300, 21), 2), E.Request(ids(23, 22), 4), E.Request(ids(1, 23), 2)])
+        eng.run([E.Request(ids(29, 24), 3), E.Request(ids(290, 25), 3)])
+        r = eng.run([E.Request(ids(50, 26), 2)])[0]  # a few queries past those that select every region
+        eng.run([E.Request(r.ids + r.out + ids(20, 27), 2)])  # a next turn on top of its cache
+    new = seen - warm
+
+    def differs(k):  # the arguments in which a new launch differs from every start-up launch of its kernel
+        alike = [w for w in warm if w[0] == k[0]]
+        return sorted(set(k[1]) - set.intersection(*(set(w[1]) for w in alike)), key=str) if alike else "a new kernel"
+    assert not new, "launches start-up did not make:\n" + "\n".join(f"{k[0]}: {differs(k)}" for k in sorted(new, key=str))
+    assert len(warm) > 20 and len(seen) > 10
+
+
+@torch.inference_mode()
+def test_start_up_builds_from_threads_until_a_start_up_has_built_its_kernels(tp1_models, gpu_launches, monkeypatch,
+                                                                             tmp_path):
+    """The builds from threads are for a Triton cache that lacks the warm-up's kernels: a start-up leaves a marker in
+    Triton's cache directory, and the next start-up of the same code, passes, config and device warms up in order
+    (its builds would only read the disk cache, the threads contending for the GIL); other passes (another context)
+    or another cache directory build from threads again; without threads nothing is marked."""
+    import triton
+
+    import sass
+    lm = tp1_models("fp8_text")
+    built, in_order = [], []
+
+    def start(context, cache_dir, threads=2):
+        monkeypatch.setattr(triton.knobs.cache, "dir", str(cache_dir))
+        in_order.clear()
+        with sass.launch_keys(set(), execute=False):  # the warm-up's launches recorded, not interpreted
+            eng = E.Engine(lm, E.EngineConfig(max_batch=1, max_context=context, prefill_chunk=64,
+                                              build_threads=threads))
+            st, warm = eng.startup, eng.startup.warm_pass
+            st.build_ahead = lambda passes, threads: built.append(len(passes))
+
+            def counted_warm(p0, n, cache=None, mtps=None, main=True):
+                in_order.append(cache is None)
+                return warm(p0, n, cache, mtps, main)
+            st.warm_pass = counted_warm
+            eng.start()
+        return len(in_order)
+    assert start(256, tmp_path / "a") == 0 and len(built) == 1  # from threads (stubbed here), then marked
+    assert [f.startswith("step5-built-") for f in os.listdir(tmp_path / "a")] == [True]
+    assert start(256, tmp_path / "a") > 0 and len(built) == 1  # marked: in order
+    assert start(128, tmp_path / "a") == 0 and len(built) == 2  # other passes (a shorter context): threads
+    assert start(256, tmp_path / "b") == 0 and len(built) == 3  # another cache: threads
+    assert start(256, tmp_path / "c", threads=0) > 0 and not (tmp_path / "c").exists()
+    (tmp_path / "ro").write_text("a file where the cache directory would be")  # an unwritable cache: not marked
+    assert start(256, tmp_path / "ro" / "cache") == 0 and len(built) == 4
+
+
+@torch.inference_mode()
+def test_start_up_builds_ahead_from_threads_every_launch_of_the_warm_up_in_order(tp1_models, gpu_launches, monkeypatch,
+                                                                                 tmp_path):
+    """Start-up's parallel kernel builds make every launch of the warm-up passes in order, which they replace: each
+    pass run from a thread, in a cache of its own as long as the pass needs (not the engine's), makes the launches
+    the same pass makes on the engine's cache."""
+    import sass
+    lm = tp1_models("fp8_text")
+    ahead, warm, threads = set(), set(), set()
+
+    def record(st: startup.Startup):  # the builds' launches, the warm-up's in order, the threads that ran passes
+        build, run_warm = st.build_ahead, st.warm_pass
+
+        def recorded_build(*a):
+            with sass.launch_keys(ahead, execute=False):
+                build(*a)
+
+        def recorded_warm(p0, n, cache=None, mtps=None, main=True):
+            if cache is not None:  # a pass of the parallel builds
+                threads.add(threading.get_ident())
+                return run_warm(p0, n, cache, mtps)
+            with sass.launch_keys(warm, execute=False):
+                return run_warm(p0, n, main=main)
+        st.build_ahead, st.warm_pass = recorded_build, recorded_warm
+    import triton
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))  # no start-up has built into it
+    for n in (0, 3):  # the warm-up in order, then the builds from threads
+        eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=640, prefill_chunk=256, build_threads=n))
+        record(eng.startup)
+        with sass.launch_keys(set(), execute=False):  # the decode graphs' launches too: recorded, not interpreted
+            eng.start()
+    assert len(threads) > 1 and eng.startup.timing["build_s"] > 0
+    missed = warm - ahead
+    assert not missed, "warm-up launches the parallel builds did not make:\n" + "\n".join(
+        map(str, sorted(missed, key=str)))
+    assert len(warm) > 20
+
+
+def test_start_up_threads_compile_each_kernel_variant_once(monkeypatch):
+    """Start-up's threads that launch a Triton kernel variant before it is built compile it once
+    (startup.one_build_per_variant): the first builds it, the others wait and take that build; other variants build
+    side by side. Without it every thread compiles its own (Triton's JIT looks its cache up before compiling, stores
+    after)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from triton.runtime.jit import JITFunction
+    builds, running, most, lock = [], [0], [0], threading.Lock()
+
+    def compile_variant(self, key, signature, device, *rest):  # stands for Triton's: slow, stores its build
+        with lock:
+            builds.append(key)
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        self.device_caches[device][0][key] = built = object()
+        with lock:
+            running[0] -= 1
+        return built
+    monkeypatch.setattr(JITFunction, "_do_compile", compile_variant)
+    fn = SimpleNamespace(device_caches={0: ({}, None, None, None, None)})
+    wanted = ["a", "a", "b", "a", "b", "a"]
+
+    def launch_all():
+        fn.device_caches[0][0].clear()
+        builds.clear()
+        most[0] = 0
+        with ThreadPoolExecutor(len(wanted)) as pool:
+            return list(pool.map(lambda key: JITFunction._do_compile(fn, key, None, 0, None, None, None, False),
+                                 wanted))
+    launch_all()
+    assert len(builds) == len(wanted)  # each thread its own build
+    with startup.one_build_per_variant():
+        got = launch_all()
+    assert sorted(builds) == ["a", "b"] and most[0] >= 2
+    assert len({id(k) for k, key in zip(got, wanted) if key == "a"}) == 1
+    assert JITFunction._do_compile is compile_variant  # put back
+
+
+@torch.inference_mode()
+def test_start_up_builds_the_decode_steps_from_threads_before_capturing_them(tp1_models, gpu_launches, monkeypatch,
+                                                                             tmp_path):
+    """A start-up that builds from threads also runs each batch bucket's decode step once from a thread (a bucket a
+    thread) before the captures: the captures, on the start-up's thread, make no launch the threads did not make,
+    and the slots hold nothing after start-up."""
+    import triton
+
+    import sass
+    lm = tp1_models("fp8_text")
+    ahead, captured, warmed_on = set(), set(), set()
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))  # no start-up has built into it
+    eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=256, prefill_chunk=64, build_threads=3))
+    st = eng.startup
+    st.build_ahead = lambda passes, threads: None  # the prefill passes' builds
+    warm_graphs = st.warm_graphs_ahead
+
+    def watch(g: startup.Graph):  # its captures' launches recorded, the threads of its warm-ups noted
+        capture, warm = g.capture, g.warm
+
+        def recorded_capture():
+            with sass.launch_keys(captured, execute=False):
+                capture()
+
+        def noted_warm():
+            warmed_on.add(threading.get_ident())
+            warm()
+        g.capture, g.warm = recorded_capture, noted_warm
+
+    def recorded_warm_graphs(threads):  # every graph exists by now
+        for g in [g for gs in eng.graphs.values() for g in gs] + list(eng.extend_graphs.values()):
+            watch(g)
+        with sass.launch_keys(ahead, execute=False):
+            warm_graphs(threads)
+    st.warm_graphs_ahead = recorded_warm_graphs
+    with sass.launch_keys(set(), execute=False):  # the prefill warm-ups' launches: recorded, not interpreted
+        eng.start()
+    assert list(eng.graphs) == [1, 2, 4] and len(warmed_on - {threading.get_ident()}) > 1
+    missed = captured - ahead
+    assert captured and not missed, "decode launches the threads did not make:\n" + "\n".join(
+        map(str, sorted(missed, key=str)))
+    assert not eng.cache.lengths.any()
