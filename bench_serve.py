@@ -95,16 +95,16 @@ def local_engine(model, tok, max_batch: int, max_context: int | None, prefill_ch
                  build_threads: int | None = None):
     """serve.py's session around `model` in this process (one rank, world 1), its engine started."""
     import engine as E
-    import generate as G
+    import runtime as R
     dev = next(model.parameters()).device
-    a = G.Args("(local)", max_batch=max_batch, max_context=max_context, prefill_chunk=prefill_chunk)
-    s = G.Session(a, 0, 1, dev, model.cfg, None, tok, sorted(model.cfg.eos_token_id), model=model)
+    flags = R.EngineFlags("(local)", max_batch=max_batch, max_context=max_context, prefill_chunk=prefill_chunk)
+    s = R.Session(flags, 0, 1, dev, model.cfg, None, tok, sorted(model.cfg.eos_token_id), model=model)
     s.eng = E.Engine(model, E.EngineConfig(max_batch, max_context, prefill_chunk, build_threads=build_threads), print)
     s.eng.start()
-    return s, a
+    return s
 
 
-def local_server(s, a) -> str:
+def local_server(s) -> str:
     """serve.py's HTTP side on a free loopback port and its engine loop in a daemon thread, as serve.py runs them,
     around a local_engine session. -> the server's URL."""
     import socket
@@ -112,13 +112,14 @@ def local_server(s, a) -> str:
 
     import torch
 
+    import runtime as R
     import serve as S
     sock = socket.create_server(("127.0.0.1", 0))
-    hub, _, _ = S.start_http(s, S.Options(port=0), a, sock)
+    hub, _, _ = S.start_http(s, S.Options(port=0), sock)
 
     def loop():
         with torch.inference_mode():
-            S.engine_loop(s, None, hub, [0.0])
+            S.engine_loop(R.Driver(s), hub, [0.0])
     threading.Thread(target=loop, daemon=True, name="engine").start()
     return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
@@ -207,14 +208,14 @@ if __name__ == "__main__":
 
         from bench_request import build
         m = build()
-        s, args = local_engine(m, word_tokenizer(m.cfg.vocab_size // m.cfg.tp_size), a.max_batch, a.max_context,
-                               a.prefill_chunk, a.build_threads)
+        s = local_engine(m, word_tokenizer(m.cfg.vocab_size // m.cfg.tp_size), a.max_batch, a.max_context,
+                         a.prefill_chunk, a.build_threads)
         rng, direct = random.Random(a.seed + 1), {}
         with torch.inference_mode():  # the same load through the engine alone first: what the server adds to it
             for n in a.prompt_tokens:
                 for c in a.clients:
                     direct[c, n] = engine_cell(s.eng, c, n, a.requests, a.max_tokens, a.ids[0], a.ids[1], rng)
-        a.url, a.api_key = local_server(s, args), None
+        a.url, a.api_key = local_server(s), None
     cells = (a.url, a.api_key, a.clients, a.prompt_tokens, a.requests, a.max_tokens, a.ids[0], a.ids[1], a.seed,
              a.as_json, direct)
     if a.local:  # the clients in a process of their own, as real clients are: not sharing the server's interpreter

@@ -575,30 +575,3 @@ def check_same_on_all_ranks(out: list, device):
         raise RuntimeError("ranks generated different numbers of tokens")
     if not bool((M.tp_gather(flat) == flat).all()):
         raise RuntimeError("ranks generated different tokens")
-
-
-class TextStream:
-    """Incremental detokenization of one request: push(ids) -> the text they complete. Text that ends in an
-    unfinished UTF-8 sequence (the replacement character) is held back until the next id completes it; the pieces
-    concatenate to tok.decode(all ids), and flush() returns what is left."""
-
-    def __init__(self, tok):
-        self.tok, self.ids, self.prefix, self.read = tok, [], 0, 0
-
-    def _decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
-
-    def push(self, ids: list) -> str:
-        self.ids += ids
-        done = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
-        if text.endswith("\ufffd") or len(text) <= len(done):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(done):]
-
-    def flush(self) -> str:
-        done = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
-        self.prefix = self.read = len(self.ids)
-        return text[len(done):]

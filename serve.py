@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import base64
 import binascii
-import datetime
 import hmac
 import io
 import itertools
@@ -39,9 +38,9 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-import engine as E
-import generate as G
+import chat
 import image_processing
+import runtime as R
 from sampling import Sampling
 
 # A step prefills at most this many prompt tokens, so running streams keep their pace while a long prompt comes in.
@@ -64,7 +63,6 @@ CTL_TIMEOUT_S = 120  # a control broadcast (one per engine step) that takes long
 SIGTERM_GRACE_S = 10  # a rank > 0 that got SIGTERM waits this long for rank 0's stop decision
 SHUTDOWN_S = 5  # open HTTP connections get this long to drain after the stop
 DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether its client is still there
-THINK = ("<think>", "</think>")
 REFUSED = {  # OpenAI fields this server does not implement -> the values that change nothing (others: a 400)
     "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": (),
     "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
@@ -228,13 +226,13 @@ def job_of(body: dict, ids: list, images, lim: Limits, eos: list, chat: bool, pr
 
 
 def check_text(text: str, param: str):
-    """A prompt text must encode as UTF-8 (G.not_utf8) and hold no image token literally."""
-    at = G.not_utf8(text)
+    """A prompt text must encode as UTF-8 (chat.not_utf8) and hold no image token literally."""
+    at = chat.not_utf8(text)
     if at is not None:
         raise bad(param, f"{param} is not valid Unicode: a lone surrogate {text[at]!r} at character {at}")
-    literal = [t for t in image_processing.IMAGE_TOKENS if t in text]
+    literal = chat.literal_image_token(text)
     if literal:
-        raise bad(param, f"{param} holds the image token {literal[0]!r} literally; images go in image_url parts")
+        raise bad(param, f"{param} holds the image token {literal!r} literally; images go in image_url parts")
 
 
 def completion_job(body: dict, tok, lim: Limits, eos: list) -> Job:
@@ -342,8 +340,8 @@ def chat_job(body: dict, tok, lim: Limits, eos: list, think: tuple | None) -> Jo
     if len(images) > MAX_IMAGES:
         raise bad("messages", f"{len(images)} images: at most {MAX_IMAGES} per request")
     try:
-        rendered = G.render(tok, conv, raw=False)
-    except G.UserError as e:
+        rendered = chat.render(tok, conv, raw=False)
+    except R.UserError as e:
         raise ApiError(500, str(e), None, "no_chat_template") from None
     except Exception as e:  # the template's own errors (jinja, raise_exception) name what it refuses
         raise bad("messages", f"the chat template refused the conversation: {e}") from None
@@ -355,7 +353,7 @@ def chat_job(body: dict, tok, lim: Limits, eos: list, think: tuple | None) -> Jo
         blocks = [image_processing.image_block_ids(tok, lay, lim.vision) for lay in layouts]
     except ValueError as e:  # a tokenizer without the image tokens
         raise ApiError(500, str(e), None, "no_image_tokens") from None
-    ids = G.splice(tok, rendered, blocks, raw=False, marker=marker)
+    ids = chat.splice(tok, rendered, blocks, raw=False, marker=marker)
     reasoning = think is not None and _last(ids, think[0]) > _last(ids, think[1])
     job = job_of(body, ids, None, lim, eos, True, "messages", reasoning)  # the length, before any pixel is decoded
     if images:
@@ -373,14 +371,6 @@ def _last(ids: list, t: int) -> int:
     return max((i for i, x in enumerate(ids) if x == t), default=-1)
 
 
-def think_ids(tok) -> tuple | None:
-    """(<think>, </think>) ids when the tokenizer holds both as tokens, else None (no reasoning_content split)."""
-    ids = tuple(tok.convert_tokens_to_ids(t) for t in THINK)
-    if all(isinstance(i, int) and i >= 0 and i != tok.unk_token_id for i in ids):
-        return ids
-    return None
-
-
 # --------------------------------------------------------------------------------------------------
 # output text (rank 0's event loop)
 
@@ -395,7 +385,7 @@ class Output:
         self.stop_ids, self.stops, self.think = stop_ids, stops, think
         self.keep = max((len(s) for s in stops), default=1) - 1
         self.channel = "reasoning" if reasoning else "content"
-        self.streams = {"content": E.TextStream(tok), "reasoning": E.TextStream(tok)}
+        self.streams = {"content": chat.TextStream(tok), "reasoning": chat.TextStream(tok)}
         self.held = ""  # content not sent yet (it may begin a stop string)
         self.ids = []  # the completion's ids so far (none after a stop string)
         self.stopped = False  # a stop string was found
@@ -460,25 +450,6 @@ def _merge(deltas: list) -> list:
 
 
 @dataclass
-class New:
-    """A new request, as every rank submits it."""
-    rid: int
-    ids: list
-    images: dict | None
-    max_tokens: int
-    sampling: Sampling
-    stop_ids: frozenset
-
-
-@dataclass
-class Decision:
-    """What every rank applies before an engine step, in this order."""
-    new: list = field(default_factory=list)
-    cancel: list = field(default_factory=list)
-    stop: bool = False
-
-
-@dataclass
 class Event:
     """The engine loop to one request: its new ids, then (once) how it ended, or an error."""
     ids: list
@@ -517,19 +488,19 @@ class Hub:
                                None, "server_busy", {"Retry-After": "1"})
             lv = Live(next(self.rids), asyncio.get_running_loop(), asyncio.Queue())
             self.live[lv.rid] = lv
-        self.inbox.put(New(lv.rid, job.ids, job.images, job.max_tokens, job.sampling, job.stop_ids))
+        self.inbox.put(R.New(lv.rid, job.ids, job.images, job.max_tokens, job.sampling, job.stop_ids))
         return lv
 
     def cancel(self, lv: Live):
         self.inbox.put(lv.rid)
 
-    def decide(self, wait: bool) -> Decision:
+    def decide(self, wait: bool) -> R.Decision:
         """The engine loop: everything in the inbox (waiting up to IDLE_WAIT_S for something when told to)."""
-        d = Decision()
+        d = R.Decision()
         try:
             item = self.inbox.get(timeout=IDLE_WAIT_S) if wait else self.inbox.get_nowait()
             while True:
-                (d.new if isinstance(item, New) else d.cancel).append(item)
+                (d.new if isinstance(item, R.New) else d.cancel).append(item)
                 item = self.inbox.get_nowait()
         except queue.Empty:
             return d
@@ -771,7 +742,7 @@ def make_app(srv: Served):
                                             "owned_by": "stepfun", "max_model_len": srv.lim.context}]}
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    async def chat_completions(request: Request):
         auth(request)
         body = await body_of(request)
         job = await prepare(chat_job, body, srv.tok, srv.lim, srv.eos, srv.think)
@@ -791,49 +762,30 @@ def make_app(srv: Served):
 # the engine loop (every rank)
 
 
-def engine_loop(s: G.Session, ctl, hub: Hub | None, signalled: list):
+def engine_loop(drv: R.Driver, hub: Hub | None, signalled: list):
     """Until rank 0 decides to stop: its decision, broadcast; news submitted (image features computed on every
     rank), cancellations applied; an engine step; rank 0 posts each request's tokens and its end. signalled[0]:
     when this rank got SIGTERM / SIGINT (rank 0 stops then; a rank > 0 waits SIGTERM_GRACE_S for rank 0's stop)."""
-    eng = s.eng
-    reqs, rid_of = {}, {}  # rid -> engine Request; engine Request -> rid
+    s, eng = drv.s, drv.s.eng
     while True:
         d = None
         if s.rank == 0:
-            d = Decision(stop=True) if signalled[0] else hub.decide(wait=not eng.busy())
-        if s.world > 1:
-            d = G.broadcast(d, group=ctl)
+            d = R.Decision(stop=True) if signalled[0] else hub.decide(wait=not eng.busy())
+        d = drv.agree(d)
         if d.stop:
             return
         if s.rank > 0 and signalled[0] and time.monotonic() - signalled[0] > SIGTERM_GRACE_S:
             raise RuntimeError(f"got SIGTERM, but rank 0 did not stop the server within {SIGTERM_GRACE_S} s")
-        for n in d.new:
-            try:
-                feats = E.request_features(s.model, [n.ids], [n.images])[0]
-                r = E.Request(n.ids, n.max_tokens, n.stop_ids, n.sampling, feats)
-                eng.submit(r)
-            except ValueError as e:  # the same inputs on every rank: the same refusal everywhere
-                if hub is not None:
-                    hub.post(n.rid, Event([], error=str(e).removeprefix("request 0: "), status=400))
-                continue
-            reqs[n.rid], rid_of[r] = r, n.rid
-        for rid in d.cancel:
-            if rid in reqs:
-                eng.cancel(reqs[rid])
+        for rid, why in drv.apply(d):
+            if hub is not None:
+                hub.post(rid, Event([], error=why, status=400))
         if not eng.busy():
             continue
-        out = eng.step()
+        updates = drv.step()
         if hub is not None:
             hub.running, hub.waiting = len(eng.running), len(eng.waiting)
-            new = {}
-            for r, ids in out.tokens:
-                new.setdefault(r, []).extend(ids)
-            for r in out.finished:
-                new.setdefault(r, [])
-            for r, ids in new.items():
-                hub.post(rid_of[r], Event(ids, r.finish if r in out.finished else None, r.cached))
-        for r in out.finished:
-            del reqs[rid_of.pop(r)]
+            for u in updates:
+                hub.post(u.rid, Event(u.ids, u.req.finish if u.done else None, u.req.cached))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -842,7 +794,7 @@ def engine_loop(s: G.Session, ctl, hub: Hub | None, signalled: list):
 
 @dataclass
 class Options:
-    """serve.py's own flags (the engine's are generate.Args')."""
+    """serve.py's own flags (the engine's are runtime.EngineFlags)."""
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -851,115 +803,96 @@ class Options:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
 
 
-def parser() -> G.Parser:
-    ap = G.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tp-dir", required=True, help="directory with config-r{rank}.json and model-r{rank}.safetensors")
+def parser() -> R.Parser:
+    ap = R.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     ap.add_argument("--port", type=int, default=8000, help="port (0: any free one, printed at start-up)")
     ap.add_argument("--api-key", default=os.environ.get("STEP5_API_KEY"), metavar="KEY",
                     help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
                     "STEP5_API_KEY environment variable, which ps does not show)")
     ap.add_argument("--served-model-name", default="step5", metavar="NAME", help="the model's id in the API")
-    ap.add_argument("--max-batch", type=int, default=MAX_BATCH, metavar="B",
-                    help=f"cache slots: requests decoded together (default {MAX_BATCH})")
     ap.add_argument("--max-queue", type=int, default=MAX_QUEUE, metavar="Q", help="requests waiting for a slot; "
                     f"more are answered 503 with Retry-After (default {MAX_QUEUE})")
-    ap.add_argument("--max-context", type=int, metavar="T", help="positions per slot: prompt + max_tokens (default: "
-                    "what fits in the device's memory, capped at the config's max_position_embeddings)")
     ap.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                     help=f"max_tokens of a request that sets none: the context left, at most N (default "
                     f"{DEFAULT_MAX_TOKENS})")
-    ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
-                    help=f"prefill at most N prompt tokens per engine step, so running streams keep their pace "
-                    f"(default {PREFILL_CHUNK})")
-    ap.add_argument("--speculative", type=int, default=0, metavar="K", help="draft K tokens per step with the "
-                    "checkpoint's MTP layers (shards converted with --keep-mtp), for greedy and sampled requests")
-    ap.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer",
-                    help="tokenizer directory (default: tokenizer_files beside the TP dir)")
-    G.add_placement_flags(ap)
+    R.add_engine_flags(ap, prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH)
     return ap
 
 
 def parse(argv: list) -> dict:
     kw = vars(parser().parse_args(argv))
-    o, a = split(kw)
+    o, flags = split(kw)
     if not 0 <= o.port <= 65535:
-        raise G.UserError(f"--port {o.port} must be in [0, 65535]")
+        raise R.UserError(f"--port {o.port} must be in [0, 65535]")
     if o.max_queue < 0 or o.default_max_tokens < 1:
-        raise G.UserError(f"--max-queue {o.max_queue} must be >= 0 and --default-max-tokens "
+        raise R.UserError(f"--max-queue {o.max_queue} must be >= 0 and --default-max-tokens "
                           f"{o.default_max_tokens} >= 1")
     if o.api_key is not None and (not o.api_key or any(c.isspace() for c in o.api_key)):
-        raise G.UserError("--api-key must be a non-empty string without spaces")
-    G.check_args(a)
+        raise R.UserError("--api-key must be a non-empty string without spaces")
+    flags.check()
+    R.check_launched()
     return kw
 
 
-def split(kw: dict) -> tuple[Options, G.Args]:
-    """The flags -> (serve's options, the engine's Args). interactive=True: what a chat asks of generate.py's
-    checks and setup (a tokenizer, no prompt source)."""
-    mine = {k: kw[k] for k in vars(Options()) if k in kw}
-    rest = {k: v for k, v in kw.items() if k not in mine}
-    return Options(**mine), G.Args(interactive=True, **rest)
+def split(kw: dict) -> tuple[Options, R.EngineFlags]:
+    """The flags by dest name -> (serve's options, the engine's)."""
+    flags, mine = R.EngineFlags.split(kw)
+    return Options(**mine), flags
 
 
 def main(**kw):
-    o, a = split(kw)
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    use_cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
-    dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30))
-    s = G.setup(a, rank, world, dev)
+    o, flags = split(kw)
+    with R.process(flags.device) as (rank, world, dev):
+        s = R.setup(flags, rank, world, dev, needs_tokenizer=True)
 
-    def listen():  # before the long load: a port in use is reported at once
+        def listen():  # before the long load: a port in use is reported at once
+            try:
+                return socket.create_server((o.host, o.port))
+            except OSError as e:
+                why = (e.strerror or str(e)).split(" (while")[0]  # create_server appends the address again
+                raise R.UserError(f"--host {o.host} --port {o.port}: cannot listen there ({why})") from None
+        sock = R.phase(listen) if rank == 0 else R.agree(None)
+        R.load(s, "(serving)")
+        R.start_engine(s, flags.max_batch, flags.max_context)
+        drv = R.Driver(s, CTL_TIMEOUT_S)
+        signalled = [0.0]
+
+        def on_signal(*_):  # torchrun forwards SIGTERM (and Ctrl-C's SIGINT) to every rank; the loop notices
+            signalled[0] = signalled[0] or time.monotonic()
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        hub = http = thread = None
+        if rank == 0:
+            hub, http, thread = start_http(s, o, sock)
         try:
-            return socket.create_server((o.host, o.port))
-        except OSError as e:
-            why = (e.strerror or str(e)).split(" (while")[0]  # create_server appends the address again
-            raise G.UserError(f"--host {o.host} --port {o.port}: cannot listen there ({why})") from None
-    sock = G.phase(listen) if rank == 0 else G.agree(None)
-    G.load(s, "(serving)")
-    G.start_engine(s, a.max_batch, a.max_context)
-    ctl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CTL_TIMEOUT_S)) if world > 1 else None
-    signalled = [0.0]
-
-    def on_signal(*_):  # torchrun forwards SIGTERM (and Ctrl-C's SIGINT) to every rank; the loop notices
-        signalled[0] = signalled[0] or time.monotonic()
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    hub = http = thread = None
-    if rank == 0:
-        hub, http, thread = start_http(s, o, a, sock)
-    try:
-        with torch.inference_mode():
-            engine_loop(s, ctl, hub, signalled)
-    except Exception as e:  # a rank died or hangs (the collectives fail or time out), or the engine stopped
-        what, lost = G.failure(e)
-        if not lost:  # a bug or bad weights: worth its traceback
-            traceback.print_exc()
-        msg = f"rank {rank}: the engine loop stopped: {what}"
+            with torch.inference_mode():
+                engine_loop(drv, hub, signalled)
+        except Exception as e:  # a rank died or hangs (the collectives fail or time out), or the engine stopped
+            what, lost = R.failure(e)
+            if not lost:  # a bug or bad weights: worth its traceback
+                traceback.print_exc()
+            msg = f"rank {rank}: the engine loop stopped: {what}"
+            if hub is not None:
+                hub.end_all(Event([], error=f"the server stopped ({msg})", status=500))
+                http.should_exit = True
+                thread.join(SHUTDOWN_S)
+            print(f"error: {msg}; every rank stops (see the other ranks' output)", file=sys.stderr, flush=True)
+            os._exit(R.EXIT_FAILED)
         if hub is not None:
-            hub.end_all(Event([], error=f"the server stopped ({msg})", status=500))
+            hub.end_all(Event([], finish="abort"))
             http.should_exit = True
-            thread.join(SHUTDOWN_S)
-        print(f"error: {msg}; every rank stops (see the other ranks' output)", file=sys.stderr, flush=True)
-        os._exit(G.EXIT_FAILED)
-    if hub is not None:
-        hub.end_all(Event([], finish="abort"))
-        http.should_exit = True
-        thread.join(SHUTDOWN_S + 2)
-        s.say("stopped: every rank exits")
-    if ctl is not None:
-        dist.barrier(group=ctl)
-    dist.destroy_process_group()
+            thread.join(SHUTDOWN_S + 2)
+            s.say("stopped: every rank exits")
+        if drv.group is not None:
+            dist.barrier(group=drv.group)
 
 
-def start_http(s: G.Session, o: Options, a: G.Args, sock):
+def start_http(s: R.Session, o: Options, sock):
     """Rank 0: uvicorn in a daemon thread (it never keeps the process alive) on the socket bound at start-up."""
     import uvicorn
-    eng = s.eng
-    k = a.speculative
+    eng, f = s.eng, s.flags
+    k = f.speculative
     vis = s.vl.vision if s.vl is not None else None
     if vis is not None:
         try:
@@ -971,8 +904,8 @@ def start_http(s: G.Session, o: Options, a: G.Args, sock):
             vis = None
     lim = Limits(eng.max_context - (k + 1 if k else 0), s.cfg.vocab_size, o.default_max_tokens,
                  s.vl.image_token_id if s.vl is not None else None, vis)
-    hub = Hub(a.max_batch + o.max_queue)
-    srv = Served(hub, s.tok, lim, s.eos, think_ids(s.tok), o.served_model_name, o.api_key)
+    hub = Hub(f.max_batch + o.max_queue)
+    srv = Served(hub, s.tok, lim, s.eos, chat.think_ids(s.tok), o.served_model_name, o.api_key)
     http = uvicorn.Server(uvicorn.Config(make_app(srv), log_level="warning", access_log=False, lifespan="off",
                                          timeout_graceful_shutdown=SHUTDOWN_S))
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True, name="http")
@@ -982,15 +915,12 @@ def start_http(s: G.Session, o: Options, a: G.Args, sock):
     if not http.started:
         raise RuntimeError("the HTTP server did not start (see uvicorn's message above)")
     host, port = sock.getsockname()[:2]
-    s.say(f"serving {o.served_model_name!r} on http://{host}:{port} (max batch {a.max_batch}, queue {o.max_queue}, "
-          f"context {lim.context}, prefill chunk {a.prefill_chunk}" + (f", speculative {k}" if k else "")
+    s.say(f"serving {o.served_model_name!r} on http://{host}:{port} (max batch {f.max_batch}, queue {o.max_queue}, "
+          f"context {lim.context}, prefill chunk {f.prefill_chunk}" + (f", speculative {k}" if k else "")
           + (", API key required" if o.api_key else "") + (", <think> as reasoning_content" if srv.think else "")
           + ")")
     return hub, http, thread
 
 
 if __name__ == "__main__":
-    code = G.run_cli(sys.argv[1:], parse, main)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as generate.py: no interpreter finalisation with gloo threads alive (nor uvicorn's)
+    R.exit_now(R.run_cli(sys.argv[1:], parse, main))

@@ -251,18 +251,3 @@ def test_a_step_that_raises_ends_every_request_and_the_engine_serves_the_next(lm
         lm.forward = real
     assert a.finish == b.finish == "error" and not eng.busy()
     assert eng.run([E.Request(ids(20, 3), 4)])[0].out == solo(lm, ids(20, 3), 4, context=128)
-
-
-def test_text_stream_never_splits_a_character(tp1_models, converted):
-    """Incremental detokenization: the pieces concatenate to the whole decode, and no piece ends inside a UTF-8
-    sequence (a character split over byte-level tokens is held back until it is complete)."""
-    import os
-    import generate
-    tok = generate.load_tokenizer(os.path.join(converted("bf16_text", 1), "..", "tokenizer_files"))
-    text = "张量并行 splits 矩阵 across ranks; 稀疏注意力 🙂 done"
-    toks = tok(text, add_special_tokens=False)["input_ids"]
-    s = E.TextStream(tok)
-    pieces = [s.push([t]) for t in toks] + [s.flush()]
-    assert "".join(pieces) == tok.decode(toks) == text
-    assert all("\ufffd" not in p for p in pieces)
-    assert sum(1 for p in pieces if p) > 5  # it streams, not just at the end

@@ -26,10 +26,12 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import chat  # noqa: E402
 import engine  # noqa: E402
 import generate  # noqa: E402
 import helpers  # noqa: E402
 import model as M  # noqa: E402
+import runtime  # noqa: E402
 from invariants import NOISE, decisions_differ, gen_and_dump, pinned, tokens_agree_up_to_near_tie  # noqa: E402
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -405,12 +407,12 @@ def test_text_that_is_not_utf8_and_a_failing_chat_template_are_named(converted):
     chat template that does not compile get one message each; on the command line every rank ends without a
     traceback."""
     d = converted("bf16_text", 2)
-    tok = generate.load_tokenizer(os.path.join(d, "..", "tokenizer_files"))
-    with pytest.raises(generate.UserError, match=r"--prompt: the text is not valid UTF-8 \(character 2: '\\udcff'\)"):
-        generate.text_ids(tok, None, "ab\udcffcd", [], "--prompt", False)
+    tok = runtime.load_tokenizer(os.path.join(d, "..", "tokenizer_files"))
+    with pytest.raises(runtime.UserError, match=r"--prompt: the text is not valid UTF-8 \(character 2: '\\udcff'\)"):
+        chat.text_ids(tok, None, "ab\udcffcd", [], "--prompt", False)
     tok.chat_template = "{% for m in messages %}{{ m.content }"
-    with pytest.raises(generate.UserError, match=r"request 0: the tokenizer's chat template failed \(TemplateSyntax"):
-        generate.text_ids(tok, None, "hi", [], "request 0", False)
+    with pytest.raises(runtime.UserError, match=r"request 0: the tokenizer's chat template failed \(TemplateSyntax"):
+        chat.text_ids(tok, None, "hi", [], "request 0", False)
     res = launch_ranks(2, ["--tp-dir", d, "--prompt", os.fsdecode(b"ab\xffcd")])
     assert_all_ranks_fail(res, "--prompt: the text is not valid UTF-8")
 
@@ -421,35 +423,10 @@ def test_stdout_that_cannot_be_written_ends_the_run_with_one_line(converted):
     with open("/dev/full", "w") as full:
         res = launch_ranks(2, ["--tp-dir", converted("bf16_text", 2), "--prompt", "hi", "--max-new-tokens", 6,
                                "--ignore-eos"], stdout0=full)
-    assert [rc for rc, _, _ in res] == [generate.EXIT_BAD_INPUT, 0], res[0][2][-3000:]
+    assert [rc for rc, _, _ in res] == [runtime.EXIT_BAD_INPUT, 0], res[0][2][-3000:]
     assert not any("Traceback" in se for _, _, se in res), res[0][2][-3000:] + res[1][2][-3000:]
     errs = [line for line in res[0][2].splitlines() if line.startswith("error:")]
     assert errs == ["error: cannot write to stdout (No space left on device): the output is lost"], res[0][2][-3000:]
-
-
-def test_a_json_file_that_cannot_be_read_is_named(tmp_path):
-    import socket
-    path = str(tmp_path / "p.json")
-    with socket.socket(socket.AF_UNIX) as s:
-        s.bind(path)  # open() fails on a socket even for root, as it does on a file without read permission
-        with pytest.raises(generate.UserError, match=r"p\.json: cannot read it \(No such device or address\)"):
-            generate.read_json(path)
-
-
-def test_tokenizer_loads_directly_and_keeps_long_prompts(converted):
-    """generate.py loads tokenizer.json itself; a long mixed-script prompt keeps every token (the regression
-    was a 4,373-token prompt collapsing to 74 under automatic class selection) and equals the raw tokenizer's ids."""
-    from tokenizers import Tokenizer
-    d = os.path.join(converted("bf16_text", 2), "..", "tokenizer_files")
-    tok = generate.load_tokenizer(d)
-    text = " ".join(["Sparse attention selects regions; 稀疏注意力为每个查询选择区域。"] * 300)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    raw = Tokenizer.from_file(os.path.join(d, "tokenizer.json")).encode(text, add_special_tokens=False).ids
-    assert ids == raw and len(ids) > 4000
-    assert tok.decode(ids) == text
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, add_generation_prompt=True)
-    chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
-    assert chat[0] == tok.convert_tokens_to_ids("<|im_start|>") and tok.eos_token_id == 4
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -480,21 +457,6 @@ def test_bad_sampling_settings(kw, words):
         generate.main("unused", **kw)  # refused first: before torchrun's environment or any file is read
     for w in words:
         assert w in str(e.value), (w, str(e.value))
-
-
-def test_prefill_progress_times_each_prefill_from_its_own_start(monkeypatch):
-    """Rank 0's progress lines time a prefill from its first layer, also one that starts after a reused prefix."""
-    said, now = [], [0.0]
-    monkeypatch.setattr(generate.time, "perf_counter", lambda: now[0])
-    progress = generate.progress_printer(generate.Session(None, 0, 1, torch.device("cpu"), None, None, None, [],
-                                                          say=said.append))
-    for prefill, start in ((0, 0), (1, 8)):
-        now[0] = 100.0 * prefill  # the second prefill starts 100 s after the first
-        progress(start, 16 - start, 16, 1, 2, start)
-        now[0] += generate.PROGRESS_AFTER_S + 1
-        progress(start, 16 - start, 16, 2, 2, start)
-    monkeypatch.undo()
-    assert said == [f"prefill: tokens {a}-16 of 16, layer 2/2 after 6 s" for a in (0, 8)]
 
 
 def test_bad_sampling_flags_end_every_rank_with_one_message(tmp_path):
@@ -641,8 +603,8 @@ def test_interactive_turns_reuse_the_cache_and_reset_refuse_and_stop(converted):
         res = chat.close()
         assert not any("Traceback" in err for _, _, err in res), res[0][2][-3000:] + res[1][2][-3000:]
         if during_answer:
-            assert res[0][0] == generate.EXIT_INTERRUPTED and res[0][2].rstrip().endswith("interrupted"), res[0][2]
-        assert all(rc in (0, generate.EXIT_INTERRUPTED) for rc, _, _ in res), res
+            assert res[0][0] == runtime.EXIT_INTERRUPTED and res[0][2].rstrip().endswith("interrupted"), res[0][2]
+        assert all(rc in (0, runtime.EXIT_INTERRUPTED) for rc, _, _ in res), res
 
 
 def test_a_rank_that_dies_ends_the_other_with_one_line(converted):
@@ -656,7 +618,7 @@ def test_a_rank_that_dies_ends_the_other_with_one_line(converted):
     time.sleep(2)
     chat.procs[1].kill()
     rc, _, err = chat.close()[0]
-    assert rc == generate.EXIT_FAILED and "Traceback" not in err, err[-3000:]
+    assert rc == runtime.EXIT_FAILED and "Traceback" not in err, err[-3000:]
     assert [line for line in err.splitlines() if line.startswith("error:")][0].startswith(
         "error: rank 0: lost another rank ("), err[-3000:]
 

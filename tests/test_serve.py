@@ -26,11 +26,12 @@ import openai
 import pytest
 import torch
 
+import chat
 import config
 import engine
-import generate
 import helpers
 import model as M
+import runtime
 import serve
 from invariants import NOISE, ROOT, TORCHRUN, tokens_agree_up_to_near_tie
 from sampling import Sampling, uniform
@@ -142,7 +143,7 @@ def stop(launcher: subprocess.Popen, log: str):
 def tiny(tp2):
     """(tokenizer, text config, vision config) of the served checkpoint."""
     cfg, vl, _ = config.load_config(os.path.join(tp2, "config-r0.json"))
-    return generate.load_tokenizer(os.path.join(tp2, "..", "tokenizer_files")), cfg, vl
+    return runtime.load_tokenizer(os.path.join(tp2, "..", "tokenizer_files")), cfg, vl
 
 
 @pytest.fixture(scope="module")
@@ -262,12 +263,12 @@ def image_chat(server: Server, data: bytes, mime: str = "image/png", max_tokens:
 
 
 def test_image_request_and_its_cache(server, tiny, tmp_path):
-    """An image part gives the CLI's prompt ids for the same file (generate.text_ids); a slot's cache is reused past
+    """An image part gives the CLI's prompt ids for the same file (chat.text_ids); a slot's cache is reused past
     the image only for the same image (another image of the same size has the same placeholder ids)."""
     tok, cfg, vl = tiny
     a = png(1)
     (tmp_path / "a.png").write_bytes(a)
-    want = generate.text_ids(tok, vl, "What is in this picture?", [str(tmp_path / "a.png")], "t", False)[0].ids
+    want = chat.text_ids(tok, vl, "What is in this picture?", [str(tmp_path / "a.png")], "t", False)[0].ids
     r = image_chat(server, a)
     assert r.prompt_token_ids == want and want.count(vl.image_token_id) == 169  # one 728x728 overview
     assert r.usage.prompt_tokens == len(want) and len(r.choices[0].token_ids) == 2
@@ -516,10 +517,10 @@ def test_bounded_load(server):
 def test_output_splits_reasoning_and_holds_back_stop_strings(tp2):
     """Output alone (rank 0's text side): <think> ... </think> goes to reasoning_content; a stop string spread over
     several tokens ends the content before it, and nothing of it was streamed before it was recognised."""
-    tok = generate.load_tokenizer(os.path.join(tp2, "..", "tokenizer_files"))  # its own: tokens are added
-    assert serve.think_ids(tok) is None  # the tiny tokenizer has none: no split
-    tok.add_tokens(list(serve.THINK), special_tokens=True)
-    think = serve.think_ids(tok)
+    tok = runtime.load_tokenizer(os.path.join(tp2, "..", "tokenizer_files"))  # its own: tokens are added
+    assert chat.think_ids(tok) is None  # the tiny tokenizer has none: no split
+    tok.add_tokens(list(chat.THINK), special_tokens=True)
+    think = chat.think_ids(tok)
     assert think is not None
     ans = tok("The quick brown fox jumps", add_special_tokens=False)["input_ids"]
     reason = tok("Tensor parallelism", add_special_tokens=False)["input_ids"]
@@ -584,7 +585,7 @@ def test_speculative_serving_and_a_dead_rank(converted, tmp_path):
         srv.procs[1].kill()
         rest = list(lines)
         assert any('"error"' in line for line in rest), rest[-3:]
-        assert srv.procs[0].wait(timeout=60) == generate.EXIT_FAILED
+        assert srv.procs[0].wait(timeout=60) == runtime.EXIT_FAILED
         log = open(srv.log).read()
         err = [line for line in log.splitlines() if line.startswith("error:")]
         assert len(err) == 1 and "rank 0: the engine loop stopped: lost another rank" in err[0], log[-3000:]
@@ -615,12 +616,12 @@ def test_bench_serve_measures_a_local_server(tp1_models, capsys):
     request decodes its max_tokens (ignore_eos) and each cell reports, the server beside the engine."""
     import bench_serve
     lm = tp1_models("bf16_text")
-    s, a = bench_serve.local_engine(lm, bench_serve.word_tokenizer(lm.cfg.vocab_size), 2, 128, 32)
+    s = bench_serve.local_engine(lm, bench_serve.word_tokenizer(lm.cfg.vocab_size), 2, 128, 32)
     with torch.inference_mode():
         direct = {(c, 20): bench_serve.engine_cell(s.eng, c, 20, 2, 3, 11, 1000, random.Random(1)) for c in (1, 2)}
     for c, r in direct.items():
         assert r["requests"] == 2 * c[0] and r["decode_tok_s"] > 0 and r["ttft_p50_ms"] > 0, r
-    url = bench_serve.local_server(s, a)
+    url = bench_serve.local_server(s)
     bench_serve.main(url, None, [1, 2], [20], 2, 3, 11, 1000, 0, True, direct)
     out = capsys.readouterr().out.strip().splitlines()
     rows = json.loads(out[-1])

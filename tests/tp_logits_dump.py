@@ -82,4 +82,4 @@ if __name__ == "__main__":
     main(*sys.argv[1:4])
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # skip interpreter finalisation: see the end of generate.py (gloo teardown abort)
+    os._exit(0)  # skip interpreter finalisation: see runtime.exit_now (gloo teardown abort)
