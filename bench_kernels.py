@@ -1,4 +1,4 @@
-"""Correctness at real shapes and speed of kernel.py's Triton kernels on one GPU (TP = 8 local sizes).
+"""Correctness at real shapes and speed of the Triton kernels (kernels/) on one GPU (TP = 8 local sizes).
 
     python bench_kernels.py                      # checks against the references (exit 1 if any is out of
                                                  # its tolerance), then every benchmark
@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 import kernel as K
+from kernels import common, dsa_attention, dsa_index, expert_gemm, experts, linear, moe_route, norm_rope, sliding
 
 HBM, FP8_PEAK, BF16_PEAK = 4.28e12, 1263e12, 767e12
 DEV = "cuda"
@@ -47,7 +48,7 @@ def eager(fn):
 @triton.jit
 def _chain_kernel(src_ptr, dst_ptr, PDL: tl.constexpr):
     """A launch that does nothing but wait for its predecessor and pass one value per program on (bench_chain)."""
-    K._pdl_enter(PDL)
+    common._pdl_enter(PDL)
     i = tl.program_id(0)
     tl.store(dst_ptr + i, tl.load(src_ptr + i) + 1)
 
@@ -85,8 +86,8 @@ def bench_read(mb=24, rounds=16):
     n = mb * 2 ** 20 // 4
     src = torch.randint(0, 2 ** 30, (n,), dtype=torch.int32, device=DEV)
     r = rounds if mb <= 32 else 1
-    out = torch.empty(4 * K._sms(), dtype=torch.int32, device=DEV)
-    t = bench(lambda: _read_kernel[(4 * K._sms(),)](src, out, n, ROUNDS=r, BLOCK=4096, num_warps=8))
+    out = torch.empty(4 * common._sms(), dtype=torch.int32, device=DEV)
+    t = bench(lambda: _read_kernel[(4 * common._sms(),)](src, out, n, ROUNDS=r, BLOCK=4096, num_warps=8))
     print(f"  read {mb} MiB x {r}: {t * 1e6:.1f} us, {n * 4 * r / t / 1e12:.2f} TB/s", flush=True)
 
 
@@ -171,18 +172,18 @@ def checks():
     for T in (1, 16, 1024):
         x = torch.randn(T, D, device=DEV).bfloat16()
         ids, wts = routed(T, E, seed=T)
-        check(f"moe_experts fp8 T={T}", K.moe_experts_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0),
+        check(f"moe_experts fp8 T={T}", experts.moe_experts_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0),
               K.moe_experts_ref(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0), rel=MOE_FP8_REL)
     sh = shared_weights(D)
     for T in (1, 4, 16):  # the sort-free decode path, global ids of rank 2, shared expert: fp32 output
         x = torch.randn(T, D, device=DEV).bfloat16()
         ids, wts = routed(T, E, seed=T + 7, first=2 * E)
         args = (x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, 2 * E, sh)
-        out = K.moe_experts_decode_triton(*args)
+        out = experts.moe_experts_decode_triton(*args)
         check(f"moe decode fp8+shared T={T}", out, K.moe_experts_ref(*args), rel=MOE_FP8_REL)
-        check(f"moe decode vs sorted path T={T}", out, K.moe_experts_sorted_triton(*args), rel=MOE_FP8_REL)
+        check(f"moe decode vs sorted path T={T}", out, experts.moe_experts_sorted_triton(*args), rel=MOE_FP8_REL)
     xq = torch.randn(1024, D, device=DEV).bfloat16()
-    q, s = K.act_quant_triton(xq)
+    q, s = moe_route.act_quant_triton(xq)
     qr, sr = K.act_quant_ref(xq)
     check("act_quant e4m3 bytes [1024, 4096]", q, qr, exact=True)
     check("act_quant scales", s, sr, exact=True)
@@ -191,22 +192,22 @@ def checks():
     for T in (1, 256):
         x = torch.randn(T, D, device=DEV).bfloat16()
         ids, wts = routed(T, E, seed=T + 1)
-        check(f"moe_experts bf16 T={T}", K.moe_experts_triton(x, ids, wts, b1, b3, b2, None, None, None, 7.0),
+        check(f"moe_experts bf16 T={T}", experts.moe_experts_triton(x, ids, wts, b1, b3, b2, None, None, None, 7.0),
               K.moe_experts_ref(x, ids, wts, b1, b3, b2, None, None, None, 7.0), rel=MOE_BF16_REL)
     del b1, b3, b2
     g, u = torch.randn(2, 4096, 1536, device=DEV).mul(3).bfloat16().unbind(0)
-    check("swiglu [4096, 1536]", K.swiglu_triton(g, u, 7.0), K.swiglu_ref(g, u, 7.0), exact=True)
+    check("swiglu [4096, 1536]", moe_route.swiglu_triton(g, u, 7.0), K.swiglu_ref(g, u, 7.0), exact=True)
     for (n, d, half, ln) in ((8, 192, 32, False), (8, 192, 96, False), (4, 256, 16, False), (1, 256, 16, True)):
         x = torch.randn(2048, n, d, device=DEV).mul(2).bfloat16()
         w = torch.randn(d, device=DEV) * 0.1
         b = torch.randn(d, device=DEV) * 0.1 if ln else None
         ang = torch.rand(2048, half, device=DEV) * 6
         check(f"norm_rope T=2048 n={n} d={d} half={half} ln={ln}",
-              K.norm_rope_triton(x, w, ang.cos().bfloat16(), ang.sin().bfloat16(), 1e-5, b),
+              norm_rope.norm_rope_triton(x, w, ang.cos().bfloat16(), ang.sin().bfloat16(), 1e-5, b),
               K.norm_rope_ref(x, w, ang.cos().bfloat16(), ang.sin().bfloat16(), 1e-5, b),
               rel=NORM_ROPE_REL, frac=NORM_ROPE_FRAC)
     kk, zz = torch.randn(2, 16384, 8, 256, device=DEV).bfloat16().unbind(0)
-    summ = K.region_summary_triton(kk, zz * 3)
+    summ = dsa_index.region_summary_triton(kk, zz * 3)
     ref_gpu = K.region_summary_ref(kk, zz * 3)
     check("region_summary [16384, 8, 256] vs GPU ref", summ, ref_gpu, rel=SUMMARY_REL, frac=SUMMARY_FRAC)
     ref_cpu = K.region_summary_ref(kk.cpu(), (zz * 3).cpu())  # the same reference on the CPU, for information
@@ -216,8 +217,8 @@ def checks():
         q = torch.randn(1, T, 1, 4, 256, device=DEV).bfloat16()
         w = torch.randn(1, T, 1, 4, device=DEV)
         summ = K.to_e4m3(torch.randn(1, R, 256, device=DEV))
-        check(f"indexer_scores T={T} R={R}", K.indexer_scores_triton(q, w, summ), K.indexer_scores_ref(q, w, summ),
-              rel=INDEXER_REL)
+        check(f"indexer_scores T={T} R={R}", dsa_index.indexer_scores_triton(q, w, summ),
+              K.indexer_scores_ref(q, w, summ), rel=INDEXER_REL)
     for S, T, ctx in ((4, 1, 16384), (1, 1, 131072), (1, 64, 8192)):
         N = ctx + 8
         q = torch.randn(S, T, 1, 8, 192, device=DEV).bfloat16()
@@ -226,18 +227,18 @@ def checks():
         sc = torch.randn(S, 1, T, N // 8 + 1, device=DEV)
         ids, valid = K.select_regions_ref(sc, pos // 8, 512)
         check(f"sparse_attention S={S} T={T} ctx={ctx}",
-              K.sparse_attention_triton(q, k, v, ids, valid, pos, 8, 192 ** -0.5),
+              dsa_attention.sparse_attention_triton(q, k, v, ids, valid, pos, 8, 192 ** -0.5),
               K.sparse_attention_ref(q, k, v, ids, valid, pos, 8, 192 ** -0.5), rel=ATTN_REL, atol=ATTN_ABS)
     for S, T, R in ((1, 1, 4096), (1, 1, 131072), (1, 256, 16384)):
         sc, nh = select_case(S, T, R)
-        (ids, valid), (rids, rvalid) = K.select_regions_triton(sc, nh, 512), K.select_regions_ref(sc, nh, 512)
+        (ids, valid), (rids, rvalid) = dsa_index.select_regions_triton(sc, nh, 512), K.select_regions_ref(sc, nh, 512)
         check(f"select_regions ids S={S} T={T} R={R}", ids, rids, exact=True)
         check(f"select_regions valid S={S} T={T} R={R}", valid, rvalid, exact=True)
     for T in (1, 64, 4096):
         x = torch.randn(T, 4096, device=DEV).bfloat16()
         w = (torch.randn(352, 4096, device=DEV) * 0.02).bfloat16()
         bias = torch.randn(352, device=DEV) * 0.05
-        ids, wts = K.route_triton(x, w, bias, 8, 3.0)
+        ids, wts = moe_route.route_triton(x, w, bias, 8, 3.0)
         rids, rwts = K.route_ref(x, w, bias, 8, 3.0)
         sc = torch.sigmoid(x.double() @ w.double().t()) + bias.double()  # [T, 352] scores, fp64
         gap = (sc.gather(1, ids) - sc.gather(1, rids)).abs().max().item()  # 0 unless a slot disagrees
@@ -273,9 +274,9 @@ def bench_gemm_shape(label, rows_per_expert, E, N, Kd, what):
     M = E * rows_per_expert
     w, sw = fp8_weights(E, N, Kd)
     x = torch.randn(M, Kd, device=DEV).bfloat16()
-    xq, sx = K.act_quant_triton(x)
+    xq, sx = moe_route.act_quant_triton(x)
     row_off = torch.arange(0, M + 1, rows_per_expert, device=DEV, dtype=torch.int32)
-    t = bench(lambda: K.grouped_gemm_triton(xq, sx, w, sw, row_off))
+    t = bench(lambda: expert_gemm.grouped_gemm_triton(xq, sx, w, sw, row_off))
     flops, wbytes = 2 * M * N * Kd, E * N * Kd
     io = wbytes + M * Kd + M * N * 2
     one = torch.tensor(1.0, device=DEV)
@@ -309,13 +310,13 @@ def sweep_gemm(rows_per_expert, E=44):
     N, Kd = 1536, 4096
     M = E * rows_per_expert
     w, sw = fp8_weights(E, N, Kd)
-    xq, sx = K.act_quant_triton(torch.randn(M, Kd, device=DEV).bfloat16())
+    xq, sx = moe_route.act_quant_triton(torch.randn(M, Kd, device=DEV).bfloat16())
     row_off = torch.arange(0, M + 1, rows_per_expert, device=DEV, dtype=torch.int32)
     res = []
     for bn in (32, 64, 128):
         for st in (3, 4, 6, 8):
             try:
-                t = bench(lambda: K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=bn, num_stages=st))
+                t = bench(lambda: expert_gemm.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=bn, num_stages=st))
                 res.append(f"BN={bn} st={st}: {t * 1e6:.1f}us ({E * N * Kd / t / 1e9:.0f} GB/s)")
             except Exception as e:
                 res.append(f"BN={bn} st={st}: {type(e).__name__}")
@@ -335,10 +336,10 @@ def sweep_gemm_prefill(rows_per_expert, E=44):
                                ("gate+up gathered", 1536, 4096, True), ("down", 4096, 1536, False)):
         w, sw = fp8_weights(E, N, Kd)
         w3, sw3 = fp8_weights(E, N, Kd, seed=1) if gated else (None, None)
-        xq, sx = K.act_quant_triton(torch.randn(M, Kd, device=DEV).bfloat16())
+        xq, sx = moe_route.act_quant_triton(torch.randn(M, Kd, device=DEV).bfloat16())
         flops = 2 * M * N * Kd * (2 if gated else 1)
         res = []
-        run = lambda **kw: K.grouped_gemm_triton(  # noqa: E731
+        run = lambda **kw: expert_gemm.grouped_gemm_triton(  # noqa: E731
             xq, sx, w, sw, row_off, w3=w3, sw3=sw3, limit=7.0 if gated else None,
             row_idx=ident if "gathered" in what else None, **kw)
         want = run(tma=False)  # every config must give the same bits (same K order per element)
@@ -363,7 +364,7 @@ def blockwise_scaled_mm(xq, sx, N, seed=2):
 
 
 def sweep_gemm_wgmma(rows_per_expert, E=44, choices=((128, 4), (256, 3), (256, 4))):
-    """The Gluon grouped GEMM (kernel.grouped_gemm_wgmma: 128-row tiles, two math warpgroups and a TMA warp,
+    """The Gluon grouped GEMM (expert_gemm.grouped_gemm_wgmma: 128-row tiles, two math warpgroups and a TMA warp,
     persistent) at its (block_n, stages) choices beside grouped_gemm_triton's own kernel (wgmma=False); same bits
     asserted. Last, cuBLAS's block-scaled GEMM of the same FLOPs on one dense weight (blockwise_scaled_mm)."""
     M = E * rows_per_expert
@@ -372,15 +373,15 @@ def sweep_gemm_wgmma(rows_per_expert, E=44, choices=((128, 4), (256, 3), (256, 4
     for what, N, Kd, gated in (("gate+up gathered", 1536, 4096, True), ("down", 4096, 1536, False)):
         w, sw = fp8_weights(E, N, Kd)
         w3, sw3 = fp8_weights(E, N, Kd, seed=1) if gated else (None, None)
-        xq, sx = K.act_quant_triton(torch.randn(M, Kd, device=DEV).bfloat16())
+        xq, sx = moe_route.act_quant_triton(torch.randn(M, Kd, device=DEV).bfloat16())
         kw = dict(w3=w3, sw3=sw3, limit=7.0 if gated else None, row_idx=perm if gated else None)
         flops = 2 * M * N * Kd * (2 if gated else 1)
-        want = K.grouped_gemm_triton(xq, sx, w, sw, row_off, wgmma=False, **kw)
-        res = [choice("triton", lambda: K.grouped_gemm_triton(xq, sx, w, sw, row_off, wgmma=False, **kw), want,
-                      flops)]
+        want = expert_gemm.grouped_gemm_triton(xq, sx, w, sw, row_off, wgmma=False, **kw)
+        res = [choice("triton", lambda: expert_gemm.grouped_gemm_triton(xq, sx, w, sw, row_off, wgmma=False, **kw),
+                      want, flops)]
         for bn, st in choices:
-            res.append(choice(f"wgmma {bn} s{st}", lambda: K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, stages=st,
-                                                                                block_n=bn, **kw), want, flops))
+            res.append(choice(f"wgmma {bn} s{st}", lambda: expert_gemm.grouped_gemm_wgmma(
+                xq, sx, w, sw, row_off, stages=st, block_n=bn, **kw), want, flops))
         t = bench(blockwise_scaled_mm(xq, sx, N * (2 if gated else 1)))
         res.append(f"cuBLAS block-scaled dense: {t * 1e6:.1f}us {flops / t / 1e12:.0f} TFLOP/s")
         print(f"  sweep wgmma {what} rows/expert={rows_per_expert}: " + "; ".join(res), flush=True)
@@ -419,7 +420,7 @@ def bench_moe(T, E=44):
     (w1, s1), (w3, s3), (w2, s2) = fp8_weights(E, Fw, D, 1), fp8_weights(E, Fw, D, 2), fp8_weights(E, D, Fw, 3)
     x = torch.randn(T, D, device=DEV).bfloat16()
     ids, wts = routed(T, E, seed=T)
-    f = lambda: K.moe_experts_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0)  # noqa: E731
+    f = lambda: experts.moe_experts_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0)  # noqa: E731
     t, te = bench(f), eager(f)
     rows = int((ids >= 0).sum())
     used = int(torch.unique(ids[ids >= 0]).numel())
@@ -440,7 +441,7 @@ def select_case(S, T, R):
 
 def bench_select(S, T, R):
     sc, nh = select_case(S, T, R)
-    f = lambda: K.select_regions_triton(sc, nh, 512)  # noqa: E731
+    f = lambda: dsa_index.select_regions_triton(sc, nh, 512)  # noqa: E731
     t, te = bench(f), eager(f)
     t_ref = bench(lambda: K.select_regions_ref(sc, nh, 512))
     byts = sc.numel() * 4
@@ -453,10 +454,10 @@ def sweep_select(S=1, T=256, R=131072):
     """Chunk lengths of select_regions_triton at a 1M-token prefill query chunk (256 queries x 131072 regions; 16.8 ms
     of the 38 ms chunk on the H200); the ids must equal the default's (the selection is exact)."""
     sc, nh = select_case(S, T, R)
-    want = K.select_regions_triton(sc, nh, 512)[0]  # ids (invalid slots hold R: valid follows from them)
+    want = dsa_index.select_regions_triton(sc, nh, 512)[0]  # ids (invalid slots hold R: valid follows from them)
     res = []
     for chunk in (2048, 4096, 8192, 16384):
-        res.append(choice(f"chunk {chunk}", lambda: K.select_regions_triton(sc, nh, 512, chunk=chunk)[0], want))
+        res.append(choice(f"chunk {chunk}", lambda: dsa_index.select_regions_triton(sc, nh, 512, chunk=chunk)[0], want))
     print(f"  sweep select S={S} T={T} R={R}: " + "; ".join(res), flush=True)
 
 
@@ -468,15 +469,15 @@ def sweep_indexer(T=256, R=131072, S=1):
     q = torch.randn(S, T, 1, 4, 256, device=DEV, generator=g).bfloat16()
     w = torch.randn(S, T, 1, 4, device=DEV, generator=g).bfloat16()
     summ = K.to_e4m3(torch.randn(S, R, 256, device=DEV, generator=g))
-    want = K.indexer_scores_triton(q, w, summ, 0.5)
+    want = dsa_index.indexer_scores_triton(q, w, summ, 0.5)
     flops = 2 * S * T * R * 4 * 256
     if T == 1:  # decode: 16-row tiles (one real row), the region axis and warps swept
-        res = [choice(f"16x{br} w{nw} pc{pc}", lambda: K.indexer_scores_triton(
+        res = [choice(f"16x{br} w{nw} pc{pc}", lambda: dsa_index.indexer_scores_triton(
             q, w, summ, 0.5, block_t=16, block_r=br, num_warps=nw, block_pc=pc), want, flops)
             for br, nw, pc in ((64, 4, 256), (32, 4, 256), (128, 4, 256), (128, 8, 256), (256, 8, 256),
                                (64, 2, 256), (64, 4, 128), (128, 4, 128), (128, 8, 64), (256, 8, 64))]
         q8 = K.to_e4m3(q).to(q.dtype)  # as norm_rope_jobs' e4m3 writes it: the kernel skips the rounding
-        res += [choice(f"16x{br} w{nw} q8", lambda: K.indexer_scores_triton(
+        res += [choice(f"16x{br} w{nw} q8", lambda: dsa_index.indexer_scores_triton(
             q8, w, summ, 0.5, block_t=16, block_r=br, num_warps=nw, q_e4m3=True), want, flops)
             for br, nw in ((128, 4), (64, 4), (64, 2), (128, 8))]
         print(f"  sweep indexer scores decode S={S} R={R}: " + "; ".join(res), flush=True)
@@ -487,7 +488,7 @@ def sweep_indexer(T=256, R=131072, S=1):
     for bt, br, nw, pc in ((64, 64, 4, 256), (64, 128, 4, 256), (128, 64, 8, 256), (128, 128, 8, 256),
                            (64, 256, 8, 256), (64, 128, 8, 256), (32, 128, 4, 256), (64, 128, 8, 64),
                            (64, 128, 4, 64), (128, 128, 8, 64), (64, 256, 8, 64)):
-        res.append(choice(f"{bt}x{br} w{nw} pc{pc}", lambda: K.indexer_scores_triton(
+        res.append(choice(f"{bt}x{br} w{nw} pc{pc}", lambda: dsa_index.indexer_scores_triton(
             q, w, summ, 0.5, block_t=bt, block_r=br, num_warps=nw, block_pc=pc), want, flops))
     print(f"  sweep indexer scores T={T} R={R}: " + "; ".join(res), flush=True)
 
@@ -501,10 +502,10 @@ def bench_moe_decode(T, E=44):
     x = torch.randn(T, D, device=DEV).bfloat16()
     ids, wts = routed(T, E, seed=T)
     args = (x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0)
-    f = lambda: K.moe_experts_decode_triton(*args, 0, sh)  # noqa: E731
+    f = lambda: experts.moe_experts_decode_triton(*args, 0, sh)  # noqa: E731
     t, te = bench(f), eager(f)
-    t_routed = bench(lambda: K.moe_experts_decode_triton(*args))
-    t_sorted = bench(lambda: K.moe_experts_sorted_triton(*args, 0, sh))
+    t_routed = bench(lambda: experts.moe_experts_decode_triton(*args))
+    t_sorted = bench(lambda: experts.moe_experts_sorted_triton(*args, 0, sh))
     used = int(torch.unique(ids[ids >= 0]).numel())
     routed_bytes, shared_bytes = used * 3 * Fw * D, 3 * sh[0].numel() * 2
     wbytes = routed_bytes + shared_bytes
@@ -522,7 +523,8 @@ def sweep_moe_decode(T, E=44):
     sh = shared_weights(D)
     x = torch.randn(T, D, device=DEV).bfloat16()
     ids, wts = routed(T, E, seed=T)
-    run = lambda **kw: K.moe_experts_decode_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, 0, sh, **kw)  # noqa: E731
+    run = lambda **kw: experts.moe_experts_decode_triton(  # noqa: E731
+        x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, 0, sh, **kw)
     want = run()
     res = []  # measured before: 2 warps slower everywhere; split-K gate/up 2-4x slower; stages 3-8 within ~10%
     # measured on the H200 (T = 1 / 16): (32, 64) w4 st4 32.4 / 160 us; w8 42.9 / 293; (64, 64) w8 36.7 / 236;
@@ -548,9 +550,9 @@ def bench_skinny_linear(M, N, Kd, what):
     t_ref = bench(lambda: K.skinny_linear_ref(x, w))
     res = []
     for bn, bk in ((16, 256), (16, 512), (32, 256)):
-        t = bench(lambda: K.skinny_linear_triton(x, w, block_n=bn, block_k=bk))
+        t = bench(lambda: linear.skinny_linear_triton(x, w, block_n=bn, block_k=bk))
         res.append(f"BN={bn} BK={bk} {t * 1e6:6.1f} us {wbytes / t / 1e9:5.0f} GB/s")
-    d = (K.skinny_linear_triton(x, w).float() - K.skinny_linear_ref(x, w).float()).abs().max().item()
+    d = (linear.skinny_linear_triton(x, w).float() - K.skinny_linear_ref(x, w).float()).abs().max().item()
     print(f"  linear {what} M={M:2d} {Kd}->{N}: cuBLAS {t_ref * 1e6:6.1f} us {wbytes / t_ref / 1e9:5.0f} GB/s | "
           + " | ".join(res) + f" | max diff {d:.3g}", flush=True)
 
@@ -563,14 +565,14 @@ def sweep_skinny(M):
         x = torch.randn(M, Kd, device=DEV).bfloat16()
         copies = -(-128 * 2 ** 20 // (N * Kd * 2))
         ws = [(torch.randn(N, Kd, device=DEV) * Kd ** -0.5).bfloat16() for _ in range(copies)]
-        want = K.skinny_linear_triton(x, ws[0])
+        want = linear.skinny_linear_triton(x, ws[0])
         res = []
         for bn, bk, st, nw in ((32, 256, 4, 4), (16, 256, 4, 4), (16, 256, 6, 4), (16, 512, 3, 4), (16, 512, 4, 4),
                                (16, 128, 8, 4), (32, 256, 6, 4), (32, 512, 4, 8), (64, 256, 4, 4), (64, 128, 6, 4)):
             kw = dict(block_n=bn, block_k=bk, num_stages=st, num_warps=nw)
             try:
-                same = "=" if torch.equal(K.skinny_linear_triton(x, ws[0], **kw), want) else "DIFFERS"
-                t = bench(lambda: [K.skinny_linear_triton(x, w, **kw) for w in ws]) / copies
+                same = "=" if torch.equal(linear.skinny_linear_triton(x, ws[0], **kw), want) else "DIFFERS"
+                t = bench(lambda: [linear.skinny_linear_triton(x, w, **kw) for w in ws]) / copies
                 res.append(f"{bn}x{bk} s{st} w{nw}: {t * 1e6:.1f}us {N * Kd * 2 / t / 1e9:.0f} GB/s {same}")
             except Exception as e:
                 res.append(f"{bn}x{bk} s{st} w{nw}: {type(e).__name__}")
@@ -587,7 +589,7 @@ def bench_attention(ctx, S=1):
     pos = torch.full((S, 1), ctx - 1, device=DEV, dtype=torch.int64)
     sc = torch.randn(S, 1, 1, N // 8, device=DEV)
     ids, valid = K.select_regions_ref(sc, pos // 8, 512)
-    f = lambda: K.sparse_attention_triton(q, k, v, ids, valid, pos, 8, hd ** -0.5)  # noqa: E731
+    f = lambda: dsa_attention.sparse_attention_triton(q, k, v, ids, valid, pos, 8, hd ** -0.5)  # noqa: E731
     t, te = bench(f), eager(f)
     keys = ids.shape[-1] * 8 + 8
     byts = S * keys * hd * 2 * 2
@@ -610,8 +612,8 @@ def sweep_attention(ctx=131072, S=1):
     for sp, bn, st in ((1, 64, 2), (4, 64, 2), (8, 64, 2), (17, 64, 2), (33, 64, 2), (65, 64, 2), (17, 32, 2),
                        (33, 32, 2), (65, 32, 2), (129, 32, 2), (None, 64, 2), (None, 64, 3), (None, 64, 4),
                        (None, 32, 3), (None, 32, 4), (None, 32, 6)):
-        t = bench(lambda: K.sparse_attention_triton(q, k, v, ids, valid, pos, 8, 192 ** -0.5, splits=sp, block_n=bn,
-                                                    num_stages=st))
+        t = bench(lambda: dsa_attention.sparse_attention_triton(q, k, v, ids, valid, pos, 8, 192 ** -0.5, splits=sp,
+                                                                block_n=bn, num_stages=st))
         res.append(f"splits={sp} block_n={bn} stages={st}: {t * 1e6:.1f}us")
     print(f"  sweep sparse decode S={S} ctx={ctx}: " + "; ".join(res), flush=True)
 
@@ -628,7 +630,7 @@ def bench_sliding(B, R=512, split_len=32, Q=1, num_warps=None):
     ang = torch.rand(4096 + B * Q, hd // 2, device=DEV) * 6  # 32 columns (a DSA layer's) until 2026-11-30
     c, s = ang.cos().bfloat16(), ang.sin().bfloat16()
     a = (qkvg, pos, rk, rv, qw, kw, c, s, 1e-5, hd ** -0.5, W, H, G)
-    t = bench(lambda: K.sliding_decode_triton(*a, split_len=split_len, num_warps=num_warps))
+    t = bench(lambda: sliding.sliding_decode_triton(*a, split_len=split_len, num_warps=num_warps))
     t_ref = bench(lambda: K.sliding_decode_ref(*a))
     byts = 2 * rk.numel() * 2 + qkvg.numel() * 2
     print(f"  sliding decode B={B:2d} Q={Q} R={R} split_len={split_len} warps={num_warps or 'tuned'}: "
@@ -642,7 +644,7 @@ def bench_norm_rope(T, n, d, half):
     w = torch.randn(d, device=DEV) * 0.1
     ang = torch.rand(T, half, device=DEV)
     c, s = ang.cos().bfloat16(), ang.sin().bfloat16()
-    f = lambda: K.norm_rope_triton(x, w, c, s, 1e-5)  # noqa: E731
+    f = lambda: norm_rope.norm_rope_triton(x, w, c, s, 1e-5)  # noqa: E731
     t, te = bench(f), eager(f)
     byts = 2 * x.numel() * 2 + 2 * c.numel() * 2
     t_ref = eager(lambda: K.norm_rope_ref(x, w, c, s, 1e-5))
@@ -655,7 +657,7 @@ def bench_route(T):
     x = torch.randn(T, 4096, device=DEV).bfloat16()
     w = (torch.randn(352, 4096, device=DEV) * 0.02).bfloat16()
     bias = torch.randn(352, device=DEV) * 0.05
-    f = lambda: K.route_triton(x, w, bias, 8, 3.0)  # noqa: E731
+    f = lambda: moe_route.route_triton(x, w, bias, 8, 3.0)  # noqa: E731
     t, te = bench(f), eager(f)
     t_ref = eager(lambda: K.route_ref(x, w, bias, 8, 3.0))
     byts = w.numel() * 2 + x.numel() * 2 + T * 8 * 16

@@ -1,15 +1,19 @@
 """The sm90 (H200) SASS of the Triton kernels that a Python snippet launches, built on this CPU: no GPU needed.
 
-Runs the snippet under the Triton interpreter with the GPU's launch shapes (kernel._GPU_LAUNCH, 132 SMs), records
-each distinct launch (launch_record), compiles it for sm90 in a process without the interpreter (build; the Triton
-wheel ships ptxas and cuobjdump) and prints, per launch: SASS instructions, local-memory spills, shared memory,
-registers (with shared memory they set how many CTAs share an SM), the longest chain of mma.sync adding into one
-accumulator, and every loop's length with its commonest opcodes, its own chain and its wgmma waits.
+Runs the snippet under the Triton interpreter with the GPU's launch shapes (kernels.common._GPU_LAUNCH, 132 SMs) and
+kernel.py's dispatchers on the Triton path (kernel._triton), records each distinct launch (launch_record), compiles
+it for sm90 in a process without the interpreter (build; the Triton wheel ships ptxas and cuobjdump) and prints, per
+launch: SASS instructions, local-memory spills, shared memory, registers (with shared memory they set how many CTAs
+share an SM), the longest chain of mma.sync adding into one accumulator, and every loop's length with its commonest
+opcodes, its own chain and its wgmma waits.
 tests/test_sm90_build.py builds every launch of a model run the same way. A decode kernel that is issue-bound pays
 its loop's instructions per K block; but counts only guide: a shorter loop has measured slower (PERF_LOG.md).
 
     python sass.py "x = torch.randn(1, 4096).bfloat16(); w = torch.randn(352, 4096).bfloat16()
-    K.route_triton(x, w, torch.zeros(352), 8, 3.0, quant=True)" [--tune KEY=VALUE] [--only NAME] [--dump DIR]
+    K.route(x, w, torch.zeros(352), 8, 3.0, quant=True)" [--tune KEY=VALUE] [--only NAME] [--dump DIR]
+
+The snippet has torch, K (= kernel) and the kernels/ modules (moe_route.route_triton, ...) in scope; --tune sets
+kernel.TUNING, which the dispatchers pass to the launchers.
 
 A kernel change that should not change the machine code (a move, a merge behind a constexpr, a renamed argument) is
 checked without a GPU: save the SASS of every launch of the interpreted model run (tests/interpreted_run.py, ~5
@@ -32,19 +36,19 @@ import sys
 import tempfile
 
 import torch
-import triton.language as tl  # kernel.py (whose @triton.jit needs TRITON_INTERPRET set first) is imported later
+import triton.language as tl  # kernels/ (whose @triton.jit needs TRITON_INTERPRET set first) is imported later
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 BUILD = """
-import json, sys
+import importlib, json, sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import kernel
 for i, r in enumerate(json.load(open(sys.argv[1]))):
     cons = {k: tl.dtype(v["dtype"]) if isinstance(v, dict) else v for k, v in r["constexprs"].items()}
-    src = ASTSource(fn=getattr(kernel, r["name"]), signature=r["signature"], constexprs=cons,
+    fn = getattr(importlib.import_module(r["module"]), r["name"])
+    src = ASTSource(fn=fn, signature=r["signature"], constexprs=cons,
                     attrs={(j,): [["tt.divisibility", 16]] for j in r["div16"]})
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=r["options"])
@@ -64,10 +68,10 @@ PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float16: "*fp16", 
 
 
 def launch_record(fn, args, kwargs) -> dict:
-    """(name, signature, constexprs, options, div16) of one interpreter launch of a kernel.py function, JSON-ready,
-    with GPU_VALUES. div16: the arguments that the GPU launcher marks 16-divisible (pointers at 16-byte addresses,
-    integers that are multiples of 16); without that hint the compiler neither vectorises nor pipelines their loads
-    (an up to 20x smaller shared-memory footprint)."""
+    """(name, module, signature, constexprs, options, div16) of one interpreter launch of a kernels/ function,
+    JSON-ready, with GPU_VALUES. div16: the arguments that the GPU launcher marks 16-divisible (pointers at 16-byte
+    addresses, integers that are multiples of 16); without that hint the compiler neither vectorises nor pipelines
+    their loads (an up to 20x smaller shared-memory footprint)."""
     params = inspect.signature(fn).parameters
     bound = dict(zip(params, args), **{k: v for k, v in kwargs.items() if k in params})
     sig, cons, div16 = {}, {}, []
@@ -95,11 +99,12 @@ def launch_record(fn, args, kwargs) -> dict:
             sig[name] = "fp32"
     opts = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")}
     opts["launch_pdl"] = True
-    return {"name": fn.__name__, "signature": sig, "constexprs": cons, "options": opts, "div16": div16}
+    return {"name": fn.__name__, "module": fn.__module__, "signature": sig, "constexprs": cons, "options": opts,
+            "div16": div16}
 
 
 def launch_key(fn, args, kwargs) -> tuple:
-    """What Triton compiles a launch of an interpreted kernel.py function for: its name, its constexprs and the class
+    """What Triton compiles a launch of an interpreted kernels/ function for: its name, its constexprs and the class
     of every other argument as the GPU launcher specialises it (an int: == 1, divisible by 16 or neither, i32 or
     i64, unless the kernel's do_not_specialize names it; a tensor: its dtype and 16-byte alignment), and the launch
     options. Two launches with one key share one compiled kernel."""
@@ -127,13 +132,13 @@ def launch_key(fn, args, kwargs) -> tuple:
 
 @contextlib.contextmanager
 def _noting(note, execute: bool = True):
-    """note(interpreted function, args, kwargs) for every kernel.py launch made under the interpreter inside the
-    block; with execute False the launches are only noted (their outputs stay as allocated)."""
+    """note(interpreted function, args, kwargs) for every launch of a kernels/ function made under the interpreter
+    inside the block; with execute False the launches are only noted (their outputs stay as allocated)."""
     from triton.runtime.interpreter import InterpretedFunction
     run = InterpretedFunction.run
 
     def noting_run(self, *args, grid, warmup, **kwargs):
-        if getattr(self.fn, "__module__", "") == "kernel":
+        if getattr(self.fn, "__module__", "").startswith("kernels."):
             note(self, args, kwargs)
             if not execute:
                 return None
@@ -147,7 +152,7 @@ def _noting(note, execute: bool = True):
 
 @contextlib.contextmanager
 def launch_keys(keys: set, execute: bool = True):
-    """Adds the launch_key of every kernel.py launch made under the interpreter inside the block to `keys`; with
+    """Adds the launch_key of every kernels/ launch made under the interpreter inside the block to `keys`; with
     execute False the launches are only recorded (their outputs stay as allocated)."""
     with _noting(lambda f, args, kwargs: keys.add(launch_key(f, args, kwargs)), execute):
         yield keys
@@ -155,7 +160,7 @@ def launch_keys(keys: set, execute: bool = True):
 
 @contextlib.contextmanager
 def launch_records(seen: dict):
-    """Adds the launch_record of every distinct kernel.py launch made under the interpreter inside the block to
+    """Adds the launch_record of every distinct kernels/ launch made under the interpreter inside the block to
     `seen` (keyed by its JSON); the launches run as usual."""
     def note(f, args, kwargs):
         r = launch_record(f.fn, args, kwargs)
@@ -165,7 +170,8 @@ def launch_records(seen: dict):
 
 
 def build(launches: list, out_dir: str, timeout: int = 900) -> list:
-    """Compiles each launch_record for sm90 in a process without the interpreter; writes out_dir/<i>.cubin and
+    """Compiles each launch_record (its kernel from its module) for sm90 in a process without the interpreter; writes
+    out_dir/<i>.cubin and
     returns per launch {"shared": bytes} or {"error": message}."""
     path = os.path.join(out_dir, "launches.json")
     with open(path, "w") as f:
@@ -182,15 +188,22 @@ LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]
 
 
 def record(snippet: str, tune: list) -> list:
-    """The distinct launches of kernel.py's Triton functions while the snippet runs under the interpreter."""
+    """The distinct launches of the kernels/ Triton functions while the snippet runs under the interpreter."""
+    import importlib
+    import pkgutil
+
     import kernel
-    kernel._GPU_LAUNCH, kernel._sms = True, lambda: 132
+    import kernels
+    from kernels import common
+    common._GPU_LAUNCH, common._sms = True, lambda: 132
+    kernel._triton = lambda x: True  # the dispatchers take the launchers on the snippet's CPU tensors
     try:
         kernel.set_tuning(tune)
     except ValueError as e:
         sys.exit(f"sass.py: {e}")
+    scope = {m.name: importlib.import_module(f"kernels.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)}
     with torch.inference_mode(), launch_records({}) as seen:
-        exec(snippet, {"torch": torch, "K": kernel, "kernel": kernel})
+        exec(snippet, {**scope, "torch": torch, "K": kernel, "kernel": kernel})
     return list(seen.values())
 
 
@@ -302,7 +315,8 @@ def compare(before: str, after: str, renames: dict) -> bool:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("snippet", nargs="?", help="Python run with torch and K (= kernel) in scope, on CPU tensors")
+    ap.add_argument("snippet", nargs="?",
+                    help="Python run with torch, K (= kernel) and the kernels/ modules in scope, on CPU tensors")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="set kernel.TUNING[KEY] to a Python literal first (repeatable)")
     ap.add_argument("--only", help="report only the kernels whose name contains this")
@@ -323,7 +337,7 @@ def main():
         return save(a.save)
     launches = [r for r in record(a.snippet, a.tune) if not a.only or a.only in r["name"]]
     if not launches:
-        sys.exit("sass.py: the snippet launched no kernel of kernel.py" + (f" matching {a.only!r}" if a.only else ""))
+        sys.exit("sass.py: the snippet launched no kernel of kernels/" + (f" matching {a.only!r}" if a.only else ""))
     with tempfile.TemporaryDirectory() as tmp:
         for i, (r, b) in enumerate(zip(launches, build(launches, tmp))):
             if "error" in b:

@@ -26,6 +26,7 @@ def run_model(lm):
     import kernel
     import model as M
     from invariants import pinned
+    from kernels import common
     from sass import launch_records
     g = torch.Generator().manual_seed(3)
     ids, cont = torch.randint(11, 700, (30,), generator=g).tolist(), torch.randint(11, 700, (16,), generator=g).tolist()
@@ -37,7 +38,7 @@ def run_model(lm):
         one = lm.forward(torch.tensor(cont[:2]), cache)[:, None]
         three = lm.forward(torch.tensor([cont[2:5], cont[5:8]]), cache)  # [2, 3, V]
         if mp is not None:
-            mp.setattr(kernel, "_sms", lambda: 1)
+            mp.setattr(common, "_sms", lambda: 1)
         wide = lm.forward(torch.tensor(cont[14:16]), cache)[:, None]
         return torch.cat([first, more, one, three, wide], 1)
 
@@ -48,8 +49,8 @@ def run_model(lm):
             ref = run(None)
         with pytest.MonkeyPatch.context() as mp, pinned(lm, M.Pins(rec.data)), launch_records({}) as seen:
             mp.setattr(kernel, "_triton", lambda x: True)
-            mp.setattr(kernel, "_GPU_LAUNCH", True)
-            mp.setattr(kernel, "_sms", lambda: 132)  # the H200's
+            mp.setattr(common, "_GPU_LAUNCH", True)
+            mp.setattr(common, "_sms", lambda: 132)  # the H200's
             got = run(mp)
     return ref, got, seen
 

@@ -18,6 +18,7 @@ import helpers
 import kernel
 import model as M
 from invariants import decisions_differ, gen_and_dump, pinned
+from kernels import common, experts
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                           reason="needs a CUDA device and TRITON_INTERPRET=0")
@@ -118,15 +119,15 @@ def test_nccl_tp2_matches_tp1(converted, kind, tmp_path):
 
 @cuda
 def test_pdl_decode_equals_plain_launches(tp1_models, monkeypatch):
-    """Programmatic dependent launch (kernel._pdl, on on sm90): every Triton kernel waits for its predecessor before
+    """Programmatic dependent launch (kernels.common._pdl, on on sm90): every Triton kernel waits for its predecessor before
     touching memory, so the same bits as plain launches: the same logits (eager) and the same tokens through the
     captured graph."""
     gpu = tp1_models("fp8_text", "cuda")
-    assert kernel._pdl()["PDL"]  # on on an H200
+    assert common._pdl()["PDL"]  # on on an H200
     got = helpers.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
     got_logits = teacher_forced_logits(gpu, PROMPTS[1], got[1][:-1])
     with monkeypatch.context() as mp:
-        mp.setattr(kernel, "_pdl", lambda: {"PDL": False})
+        mp.setattr(common, "_pdl", lambda: {"PDL": False})
         want = helpers.generate(gpu, PROMPTS, 10, eos_ids=[], cuda_graph=True)[0]
         logits = teacher_forced_logits(gpu, PROMPTS[1], got[1][:-1])
     assert got == want
@@ -151,7 +152,7 @@ def test_early_down_decode_equals_grid_wait(tp1_models):
     (t0, l0), (t1, l1), (t2, l2) = runs.values()
     assert t0 == t1 == t2
     assert torch.equal(l0, l1) and torch.equal(l1, l2)
-    assert not kernel._arrival_counters(torch.device("cuda", torch.cuda.current_device()), 1).any()
+    assert not experts._arrival_counters(torch.device("cuda", torch.cuda.current_device()), 1).any()
 
 
 @cuda

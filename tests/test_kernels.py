@@ -1,4 +1,4 @@
-"""Every Triton kernel of kernel.py against its PyTorch reference, on identical inputs.
+"""Every Triton kernel (kernels/) against its PyTorch reference (kernel.py), on identical inputs.
 
 CPU CI: the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) at tiny shapes; there the interpreter computes
 in fp32 with the integer rounding helpers, so most kernels are bit-exact and are asserted so. On a GPU
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kernel as K
+from kernels import common, dsa_attention, dsa_index, expert_gemm, experts, linear, moe_route, norm_rope, sliding
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAVE_CUDA = torch.cuda.is_available()
@@ -60,8 +61,8 @@ def test_e4m3_and_bf16_helpers_match_torch_casts():
     def cast_kernel(x_ptr, q_ptr, b_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n)
-        tl.store(q_ptr + offs, K._e4m3_bits(x), mask=offs < n)
-        tl.store(b_ptr + offs, K._bf16_round(x).to(tl.bfloat16), mask=offs < n)
+        tl.store(q_ptr + offs, common._e4m3_bits(x), mask=offs < n)
+        tl.store(b_ptr + offs, common._bf16_round(x).to(tl.bfloat16), mask=offs < n)
 
     codes = torch.arange(256, dtype=torch.uint8).view(K.FP8).float()
     codes = codes[~codes.isnan()].sort().values
@@ -83,7 +84,7 @@ def test_act_quant_bit_exact(M, Kd):
     x[0, :7] = 0  # an all-small block start; a zero row block exercises the 1e-10 floor below
     if Kd > 256:
         x[1, 256:] = 0
-    q, s = K.act_quant_triton(x)
+    q, s = moe_route.act_quant_triton(x)
     qr, sr = K.act_quant_ref(x)
     assert bytes_equal(q, qr)
     assert torch.equal(s, sr)
@@ -93,9 +94,9 @@ def test_act_quant_stops_at_a_device_end():
     """act_quant_triton(end=): the rows before end[0], an int32 device tensor (no host sync), as the full
     quantisation gives them."""
     x = randn(9, 256, seed=4, scale=3.0)
-    q, s = K.act_quant_triton(x)
+    q, s = moe_route.act_quant_triton(x)
     end = torch.tensor([4], dtype=torch.int32, device=DEV)
-    qe, se = K.act_quant_triton(x, end=end)
+    qe, se = moe_route.act_quant_triton(x, end=end)
     assert bytes_equal(qe[:4], q[:4]) and torch.equal(se[:4], s[:4])
 
 
@@ -124,7 +125,7 @@ def _moe_case(T, D, F, E, k, fp8, seed):
 @pytest.mark.parametrize("T,D,F,E,k", [(1, 128, 64, 3, 2), (5, 192, 160, 4, 3), (24, 256, 96, 6, 4)])
 def test_moe_experts_matches_dense_reference(fp8, T, D, F, E, k):
     args = _moe_case(T, D, F, E, k, fp8, seed=T)
-    out = K.moe_experts_triton(*args, 7.0)
+    out = experts.moe_experts_triton(*args, 7.0)
     ref = K.moe_experts_ref(*args, 7.0)
     d = report(f"moe fp8={fp8}", out, ref)
     if INTERPRET:
@@ -140,7 +141,7 @@ def test_moe_dispatch_matches_reference(T, k, E, first):
     segments, slots of other ranks' experts (ids below and above this rank's range, sorted last), experts with no
     rows, a rank whose experts nobody picked, segments of more than one block (40000 slots)."""
     ids = torch.randint(0, 3 * E, (T, k), generator=_gen(T)).to(DEV)
-    got, ref = K.moe_dispatch_triton(ids, first, E), K.moe_dispatch_ref(ids, first, E)
+    got, ref = moe_route.moe_dispatch_triton(ids, first, E), K.moe_dispatch_ref(ids, first, E)
     for name, a, b in zip(("row_off", "tok", "inv"), got, ref):
         assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), name
 
@@ -151,10 +152,10 @@ def test_weight_descriptor_is_kept_on_the_weight_and_freed_with_it():
     import gc
     import weakref
     w = torch.zeros(2, 256, 128, dtype=K.FP8)
-    d = K._weight_desc(w, 128)
-    assert K._weight_desc(w, 128) is d and d.base.data_ptr() == w.data_ptr()
+    d = expert_gemm._weight_desc(w, 128)
+    assert expert_gemm._weight_desc(w, 128) is d and d.base.data_ptr() == w.data_ptr()
     assert list(d.shape) == [512, 128] and list(d.strides) == [128, 1] and list(d.block_shape) == [128, 128]
-    assert list(K._weight_desc(w, 64).block_shape) == [64, 128]
+    assert list(expert_gemm._weight_desc(w, 64).block_shape) == [64, 128]
     alive = weakref.ref(w)
     del w, d
     gc.collect()
@@ -168,8 +169,8 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
     x = randn(sum(counts), Kd, seed=3, scale=2.0)
     w, sw = fp8_weights(E, N, Kd, seed=5)
     row_off = torch.tensor([0, 0, 1, 38], dtype=torch.int32, device=DEV)
-    xq, sx = K.act_quant_triton(x)
-    out = K.grouped_gemm_triton(xq, sx, w, sw, row_off)
+    xq, sx = moe_route.act_quant_triton(x)
+    out = expert_gemm.grouped_gemm_triton(xq, sx, w, sw, row_off)
     ref = torch.cat([K.fp8_gemm_ref(x[row_off[e]:row_off[e + 1]][None], w[e:e + 1], sw[e:e + 1])[0]
                      for e in range(E)])
     d = report("grouped fp8 gemm", out, ref)
@@ -179,12 +180,12 @@ def test_grouped_gemm_fp8_ragged_k_and_partial_n():
     w3, sw3 = fp8_weights(E, N, Kd, seed=6)
     tok = torch.tensor([5, 0, 3] + list(range(35)), dtype=torch.int32, device=DEV)
     for bn in (64, 128):
-        assert torch.equal(K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=bn, tma=True),
-                           K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=bn, tma=False))
-    assert torch.equal(*[K.grouped_gemm_triton(xq, sx, w, sw, row_off, row_idx=tok, w3=w3, sw3=sw3, limit=7.0,
+        assert torch.equal(expert_gemm.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=bn, tma=True),
+                           expert_gemm.grouped_gemm_triton(xq, sx, w, sw, row_off, block_n=bn, tma=False))
+    assert torch.equal(*[expert_gemm.grouped_gemm_triton(xq, sx, w, sw, row_off, row_idx=tok, w3=w3, sw3=sw3, limit=7.0,
                                                block_n=64, tma=t) for t in (True, False)])
     # the Gluon kernel; 256-column B tiles: the second box partly past N (200) and its scale block the last one
-    if not INTERPRET and K._sm90():
+    if not INTERPRET and common._sm90():
         _assert_wgmma_same_bits(xq, sx, w, sw, row_off, tok, w3, sw3)
 
 
@@ -193,9 +194,10 @@ def _assert_wgmma_same_bits(xq, sx, w, sw, row_off, tok, w3, sw3):
     both B tile widths, down-like and gated: the same bits as Triton's tiles of >= 64 rows (wgmma; the default 16-row
     tiles add each K block's products in another order: 1 ulp apart)."""
     for kw in (dict(), dict(row_idx=tok, w3=w3, sw3=sw3, limit=7.0)):
-        want = K.grouped_gemm_triton(xq, sx, w, sw, row_off, block_m=128, tma=False, **kw)
+        want = expert_gemm.grouped_gemm_triton(xq, sx, w, sw, row_off, block_m=128, tma=False, **kw)
         for bn in (128, 256):
-            assert torch.equal(K.grouped_gemm_wgmma(xq, sx, w, sw, row_off, block_n=bn, **kw), want), (bn, sorted(kw))
+            got = expert_gemm.grouped_gemm_wgmma(xq, sx, w, sw, row_off, block_n=bn, **kw)
+            assert torch.equal(got, want), (bn, sorted(kw))
 
 
 @gpu
@@ -204,13 +206,13 @@ def test_gpu_grouped_gemm_wgmma_tma_store():
     first tile whole, 64 rows: one half), masked stores for the rest (the 130-row expert's 2-row tile, the 7-row
     expert), and the TMA boxes clipped at N = 320 (a partial 256-column tile); the same bits as Triton's 128-row
     tiles, gated with gathered rows and not."""
-    if not K._sm90():
+    if not common._sm90():
         pytest.skip("sm90 only")
     E, N, Kd = 3, 320, 256
     row_off = torch.tensor([0, 130, 194, 201], dtype=torch.int32, device=DEV)
     x = randn(201, Kd, seed=7, scale=2.0)
     (w, sw), (w3, sw3) = fp8_weights(E, N, Kd, seed=8), fp8_weights(E, N, Kd, seed=9)
-    xq, sx = K.act_quant_triton(x)
+    xq, sx = moe_route.act_quant_triton(x)
     tok = torch.randperm(201, generator=torch.Generator().manual_seed(0)).to(torch.int32).to(DEV)
     _assert_wgmma_same_bits(xq, sx, w, sw, row_off, tok, w3, sw3)
 
@@ -245,46 +247,45 @@ def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
     (3, 2, 4, 4, True, None),    # no clamp anywhere
     (17, 2, 3, 3, 5.0, 7.0),     # 17 rows on one expert: two 16-row chunks (routed and shared)
 ])
-def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit, monkeypatch):
+def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
     """The sort-free decode path, and the sorted path with the same arguments, against moe_experts_ref."""
     args, sh = _moe_decode_case(T, k, E, first, fp8, shared, seed=T + 3 * k)
     ref = K.moe_experts_ref(*args, limit, first, sh)
     assert ref.dtype == (torch.float32 if sh else torch.bfloat16)
-    for path in (K.moe_experts_decode_triton, K.moe_experts_sorted_triton):
+    for path in (experts.moe_experts_decode_triton, experts.moe_experts_sorted_triton):
         out = path(*args, limit, first, sh)
         d = report(f"moe {path.__name__} fp8={fp8}", out, ref)
         assert out.dtype == ref.dtype
         assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
     # two K blocks per loop iteration (D = 192 and F = 160 are 2 blocks each): the same additions in the same order
-    dec = K.moe_experts_decode_triton(*args, limit, first, sh)
-    assert torch.equal(K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=(2, 2)), dec)
+    dec = experts.moe_experts_decode_triton(*args, limit, first, sh)
+    assert torch.equal(experts.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=(2, 2)), dec)
     with pytest.raises(ValueError, match="k_unroll"):
-        K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=(3, 1))
+        experts.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=(3, 1))
     # weight rows as the MMA's M side: the same products and scaling (bit-equal where the dot's order is numpy's),
     # another order inside each block's dot on a GPU (fp8 wgmma); ragged F = 160 and D = 192 tiles, 17 rows
     for ku in ((1, 1), (2, 2)):
-        out = K.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=ku)
+        out = experts.moe_experts_decode_triton(*args, limit, first, sh, k_unroll=ku)
         d = report(f"moe decode swap fp8={fp8} k_unroll={ku}", out, ref)
         assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
     if fp8:  # TMA tiles (T <= 16; every token a row): the same bits as pointer tiles, also with W3 below W1
         x, ids, wts, w1, w3, w2, s1, s3, s2 = args
         pair = torch.stack([w3, w1])  # W3 at the lower address: the descriptor's first plane
         for g, u in ((w1, w3), (pair[1], pair[0])):
-            run = lambda tma: K.moe_experts_decode_triton(  # noqa: E731
+            run = lambda tma: experts.moe_experts_decode_triton(  # noqa: E731
                 x, ids, wts, g, u, w2, s1, s3, s2, limit, first, sh, tma=tma)
             assert torch.equal(run(True), run(False))
     # down programs awaiting their own expert's gate/up tiles (moe_early_down) or the whole grid: the same bits, and
     # the combine leaves the arrival counters at zero for the next call (else a down program could read a stale a)
     for early in ((True, True), (False, False)):
-        monkeypatch.setitem(K.TUNING, "moe_early_down", early)
-        assert torch.equal(K.moe_experts_decode_triton(*args, limit, first, sh), dec), early
-        assert not K._arrival_counters(args[0].device, 1).any()
+        assert torch.equal(experts.moe_experts_decode_triton(*args, limit, first, sh, moe_early_down=early), dec), early
+        assert not experts._arrival_counters(args[0].device, 1).any()
 
 
 def test_moe_decode_local_ids():
     """Local ids with -1 for remote slots (first_expert 0, the pre-existing convention) through the dispatcher."""
     args = _moe_case(3, 128, 64, 3, 2, True, seed=4)
-    out = K.moe_experts_triton(*args, 7.0)
+    out = experts.moe_experts_triton(*args, 7.0)
     ref = K.moe_experts_ref(*args, 7.0)
     d = report("moe decode local ids", out, ref)
     assert torch.equal(out, ref) if INTERPRET else d.max() <= 2e-2 * ref.float().abs().max()
@@ -299,7 +300,7 @@ def test_quant_rows_matches_act_quant():
     @triton.jit
     def quant_kernel(x_ptr, q_ptr, s_ptr):
         r, c = tl.arange(0, 16), tl.arange(0, 128)
-        q, s = K._quant_rows(tl.load(x_ptr + r[:, None] * 128 + c[None, :]).to(tl.float32))
+        q, s = experts._quant_rows(tl.load(x_ptr + r[:, None] * 128 + c[None, :]).to(tl.float32))
         tl.store(q_ptr + r[:, None] * 128 + c[None, :], q.to(tl.uint8, bitcast=True))
         tl.store(s_ptr + r, s)
 
@@ -327,7 +328,7 @@ def test_to_e4m3_saturates():
     @triton.jit
     def cast_kernel(x_ptr, q_ptr):
         i = tl.arange(0, 64)
-        tl.store(q_ptr + i, K._to_e4m3(tl.load(x_ptr + i)).to(tl.uint8, bitcast=True))
+        tl.store(q_ptr + i, common._to_e4m3(tl.load(x_ptr + i)).to(tl.uint8, bitcast=True))
 
     big = torch.tensor([416.0, 432.0, 440.0, 447.0, 448.0, 455.0, 456.0, 463.9, 464.0, 470.0, 480.0, 500.0, 1e4, 3e38])
     x = torch.cat([big, -big, torch.randn(64 - 2 * len(big), generator=_gen(7)) * 100]).to(DEV)
@@ -342,36 +343,37 @@ def test_skinny_linear(M, N, Kd):
     pairwise), so at most one bf16 step on a few elements (a wrong column or K block would be O(1))."""
     x = randn(M, Kd + 8, seed=M)[:, 8:]  # a row-strided input, as column slices of the packed projection are
     w = randn(N, Kd, seed=N, scale=Kd ** -0.5)
-    out = K.skinny_linear_triton(x, w)
+    out = linear.skinny_linear_triton(x, w)
     ref = K.skinny_linear_ref(x, w)
     d = report("skinny linear", out, ref)
     assert (d > 0).float().mean() < 0.1 and d.max() <= 2 ** -7 * ref.float().abs().max()
     # each row alone: the same bits (the order depends on K only, not on M)
-    assert torch.equal(K.skinny_linear_triton(x[:1], w), out[:1])
+    assert torch.equal(linear.skinny_linear_triton(x[:1], w), out[:1])
     if not INTERPRET:  # tiles and warps: each of the 4 parts of K is summed in 16-wide steps in order whatever the tile
         for bn, bk, nw in ((16, 512, 4), (32, 256, 4), (64, 128, 4), (8, 256, 4), (16, 512, 8), (32, 256, 8)):
-            assert torch.equal(K.skinny_linear_triton(x, w, block_n=bn, block_k=bk, num_warps=nw), out), (bn, bk, nw)
+            got = linear.skinny_linear_triton(x, w, block_n=bn, block_k=bk, num_warps=nw)
+            assert torch.equal(got, out), (bn, bk, nw)
 
 
 def test_launchers_reject_bad_inputs():
     x = randn(4, 128, seed=0)
     with pytest.raises(ValueError, match="bfloat16"):
-        K.act_quant_triton(x.float())
+        moe_route.act_quant_triton(x.float())
     with pytest.raises(ValueError, match="contiguous"):
-        K.act_quant_triton(randn(128, 4, seed=0).t())
+        moe_route.act_quant_triton(randn(128, 4, seed=0).t())
     w, sw = fp8_weights(2, 64, 128, seed=0)
-    xq, sx = K.act_quant_triton(x)
+    xq, sx = moe_route.act_quant_triton(x)
     with pytest.raises(ValueError, match="sw must be"):
-        K.grouped_gemm_triton(xq, sx, w, sw[:, :, :0], torch.zeros(3, dtype=torch.int32, device=DEV))
+        expert_gemm.grouped_gemm_triton(xq, sx, w, sw[:, :, :0], torch.zeros(3, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="ids"):
-        K.moe_experts_triton(x, torch.zeros(3, 2, dtype=torch.int64, device=DEV),
+        experts.moe_experts_triton(x, torch.zeros(3, 2, dtype=torch.int64, device=DEV),
                              torch.zeros(3, 2, device=DEV), w, w, w, sw, sw, sw, 7.0)
 
 
 @pytest.mark.parametrize("limit", [7.0, None])
 def test_swiglu(limit):
     g, u = randn(3, 100, seed=1, scale=4.0), randn(3, 100, seed=2, scale=4.0)
-    out = K.swiglu_triton(g, u, limit)
+    out = moe_route.swiglu_triton(g, u, limit)
     ref = K.swiglu_ref(g, u, limit)
     d = report("swiglu", out, ref)
     assert torch.equal(out, ref) if INTERPRET else d.max() <= 1e-2 * ref.float().abs().max()
@@ -393,7 +395,7 @@ def test_norm_rope(T, n, D, half, layernorm):
     b = randn(D, seed=2, scale=0.1, dtype=torch.float32) if layernorm else None
     ang = torch.rand(T, half, generator=_gen(3)) * 6
     cos, sin = ang.cos().bfloat16().to(DEV), ang.sin().bfloat16().to(DEV)
-    out = K.norm_rope_triton(x, w, cos, sin, 1e-5, b)
+    out = norm_rope.norm_rope_triton(x, w, cos, sin, 1e-5, b)
     ref = K.norm_rope_ref(x, w, cos, sin, 1e-5, b)
     d = report("norm_rope", out, ref)
     if INTERPRET:
@@ -404,7 +406,7 @@ def test_norm_rope(T, n, D, half, layernorm):
     pos = torch.randperm(3 * T, generator=_gen(4))[:T].to(DEV)
     tab_c, tab_s = (torch.zeros(3 * T, half, dtype=torch.bfloat16, device=DEV) for _ in range(2))
     tab_c[pos], tab_s[pos] = cos, sin
-    assert torch.equal(K.norm_rope_triton(x, w, tab_c, tab_s, 1e-5, b, pos=pos), out)
+    assert torch.equal(norm_rope.norm_rope_triton(x, w, tab_c, tab_s, 1e-5, b, pos=pos), out)
     assert torch.equal(K.norm_rope_ref(x, w, tab_c, tab_s, 1e-5, b, pos=pos), ref)
 
 
@@ -425,7 +427,7 @@ def test_rotation_plain_fp32_is_the_spec_fma():
 def test_rms_norm(T, D, src, out):
     x = randn(T, D, seed=T, scale=3.0, dtype=src)
     w = randn(D, seed=1, scale=0.2, dtype=torch.float32)
-    got = K.rms_norm_triton(x, w, 1e-5, out)
+    got = norm_rope.rms_norm_triton(x, w, 1e-5, out)
     ref = K.rms_norm_ref(x, w, 1e-5, out)
     assert got.dtype == ref.dtype == out
     d = report("rms_norm", got, ref)
@@ -441,7 +443,7 @@ def test_add_norm(T, D, W, dtype, norm):
     res = randn(T, D, seed=T, scale=3.0, dtype=torch.float32)
     parts = randn(W, T, D, seed=7, scale=0.5, dtype=dtype)
     w = randn(D, seed=1, scale=0.2, dtype=torch.float32) if norm else None
-    got_res, got_h = K.add_norm_triton(res, parts, w, 1e-5)
+    got_res, got_h = linear.add_norm_triton(res, parts, w, 1e-5)
     ref_res, ref_h = K.add_norm_ref(res, parts, w, 1e-5)
     assert torch.equal(got_res, ref_res)  # the rank-ordered sum, its rounding and the add: elementwise, exact
     if not norm:
@@ -452,14 +454,15 @@ def test_add_norm(T, D, W, dtype, norm):
 
 
 _PDL_PTX = """
-import triton, kernel as K
+import triton
+from kernels import moe_route
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 sig = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", end_ptr="*i32", M="i32", K="i32", x_stride="i32",
            q_stride="i32", s_stride="i32", BLOCK_M="constexpr", QBLOCK="constexpr", HAS_END="constexpr",
            PDL="constexpr")
 for pdl in (True, False):
-    src = ASTSource(fn=K._act_quant_kernel, signature=sig, constexprs=dict(BLOCK_M=4, QBLOCK=128, HAS_END=True,
+    src = ASTSource(fn=moe_route._act_quant_kernel, signature=sig, constexprs=dict(BLOCK_M=4, QBLOCK=128, HAS_END=True,
                                                                            PDL=pdl))
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(launch_pdl=pdl)).asm["ptx"]
     print(pdl, *[ptx.find(i) for i in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "ld.global")])
@@ -467,7 +470,7 @@ for pdl in (True, False):
 
 
 def test_pdl_prologue_compiles_for_sm90():
-    """kernel._pdl's prologue compiled ahead of time for an H200 (no GPU needed; in a fresh process, as the
+    """kernels.common._pdl's prologue compiled ahead of time for an H200 (no GPU needed; in a fresh process, as the
     interpreter's kernels cannot be compiled): griddepcontrol.wait, then launch_dependents, before the kernel's
     first load; neither with PDL off."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -514,7 +517,7 @@ def test_norm_rope_token_strided_input():
     w = randn(D, seed=1, scale=0.2, dtype=torch.float32)
     ang = torch.rand(T, half, generator=_gen(3)) * 6
     cos, sin = ang.cos().bfloat16().to(DEV), ang.sin().bfloat16().to(DEV)
-    out = K.norm_rope_triton(x, w, cos, sin, 1e-5)
+    out = norm_rope.norm_rope_triton(x, w, cos, sin, 1e-5)
     ref = K.norm_rope_ref(x.contiguous(), w, cos, sin, 1e-5)
     d = report("norm_rope strided", out, ref)
     if INTERPRET:
@@ -542,8 +545,8 @@ def test_norm_rope_jobs(jobs):
             (packed[:, 1152:1152 + 2 * P].view(T, 2, P), w[2], *tabs[1], None),
             (packed[:, 1152 + 2 * P:][:, None], w[3], *tabs[1], b)][:jobs]
     pos = torch.randperm(40, generator=_gen(14))[:T].to(DEV)
-    want = [K.norm_rope_triton(x, w_, c, s_, 1e-5, b_, pos=pos) for x, w_, c, s_, b_ in spec]
-    for run in (K.norm_rope_jobs_triton, K.norm_rope_jobs):
+    want = [norm_rope.norm_rope_triton(x, w_, c, s_, 1e-5, b_, pos=pos) for x, w_, c, s_, b_ in spec]
+    for run in (norm_rope.norm_rope_jobs_triton, K.norm_rope_jobs):
         got = run(spec, 1e-5, pos)
         assert len(got) == jobs and all(bytes_equal(g, w_) for g, w_ in zip(got, want))
         # e4m3: the chosen jobs' outputs rounded on to their e4m3 values, kept as bf16 (weights of 300: some values
@@ -587,7 +590,7 @@ def _check_sliding(args, H, hd, label, max_ulps, **kw):
     max_ulps bf16 steps at each (row, head)'s magnitude max|ref|. Returns the largest difference in those steps."""
     qkvg, pos, ring_k, ring_v = args[:4]
     k1, v1, k2, v2 = ring_k.clone(), ring_v.clone(), ring_k.clone(), ring_v.clone()
-    out = K.sliding_decode_triton(qkvg, pos, k1, v1, *args[4:], **kw)
+    out = sliding.sliding_decode_triton(qkvg, pos, k1, v1, *args[4:], **kw)
     ref = K.sliding_decode_ref(qkvg, pos, k2, v2, *args[4:], rows=kw.get("rows"))
     assert bytes_equal(v1, v2)
     dk = report(f"{label} ring k", k1, k2)
@@ -656,7 +659,7 @@ def test_sliding_decode_multi_token(B, first, Q, R):
     _check_sliding(gate1, H, hd, f"sliding decode B={B} Q={Q} R={R} gate 1", 1.0, split_len=4)
     short = [ring[:, :, :W + Q - 2].contiguous() for ring in args[2:4]]
     with pytest.raises(ValueError, match="needs a ring"):
-        K.sliding_decode_triton(*args[:2], *short, *args[4:])
+        sliding.sliding_decode_triton(*args[:2], *short, *args[4:])
 
 
 @pytest.mark.parametrize("H,G,hd", [(4, 2, 24), (4, 1, 32), (3, 3, 16)] if INTERPRET else
@@ -670,15 +673,15 @@ def test_banded_attention_matches_reference(H, G, hd, off, n, W):
     q, k, v = randn(H, n, hd, seed=n), randn(G, off + n, hd, seed=n + 1), randn(G, off + n, hd, seed=n + 2)
     ref = K.banded_attention_ref(q, k, v, off, W, hd ** -0.5)
     for bn in (4, 16) if INTERPRET else (16, 32):
-        out = K.banded_attention_triton(q, k, v, off, W, hd ** -0.5, block_n=bn)
+        out = sliding.banded_attention_triton(q, k, v, off, W, hd ** -0.5, block_n=bn)
         ulps = ((out.float() - ref.float()).abs() / bf16_ulp(ref.float().abs().amax(-1, keepdim=True))).max().item()
         assert ulps <= 2.0, (bn, ulps)
     # the output gate (logits a strided column slice, as in the packed projection) applied in the kernel and the
     # result written into a transposed view of a [n, H, hd] output: gate_heads of the ungated kernel's output
     packed = randn(n, H + 3, seed=5)
     gate, rows = packed[:, 2:2 + H], torch.zeros(n, H, hd, dtype=torch.bfloat16, device=DEV)
-    got = K.banded_attention_triton(q, k, v, off, W, hd ** -0.5, gate=gate, out=rows.transpose(0, 1))
-    want = K.gate_heads(K.banded_attention_triton(q, k, v, off, W, hd ** -0.5).transpose(0, 1), gate)
+    got = sliding.banded_attention_triton(q, k, v, off, W, hd ** -0.5, gate=gate, out=rows.transpose(0, 1))
+    want = K.gate_heads(sliding.banded_attention_triton(q, k, v, off, W, hd ** -0.5).transpose(0, 1), gate)
     assert got.data_ptr() == rows.data_ptr()
     assert torch.equal(rows, want) if INTERPRET else (rows.float() - want.float()).abs().max() <= (
         2 ** -7 * want.float().abs().max())
@@ -687,9 +690,9 @@ def test_banded_attention_matches_reference(H, G, hd, off, n, W):
         K.banded_attention(q, k, v, off, W, hd ** -0.5, gate=gate, out=rows.transpose(0, 1))
         assert torch.equal(rows, K.gate_heads(ref.transpose(0, 1), gate))
     with pytest.raises(ValueError, match="banded attention"):
-        K.banded_attention_triton(q, k[:, :-1], v[:, :-1], off, W, 1.0)
+        sliding.banded_attention_triton(q, k[:, :-1], v[:, :-1], off, W, 1.0)
     with pytest.raises(ValueError, match="gate must be"):
-        K.banded_attention_triton(q, k, v, off, W, 1.0, gate=gate.t())
+        sliding.banded_attention_triton(q, k, v, off, W, 1.0, gate=gate.t())
 
 
 def test_set_tuning_parses_values_and_names_bad_ones(monkeypatch):
@@ -702,6 +705,21 @@ def test_set_tuning_parses_values_and_names_bad_ones(monkeypatch):
         K.set_tuning(["nokey=1"])
     with pytest.raises(ValueError, match="moe_block_n"):
         K.set_tuning(["moe_block_n=wide"])
+
+
+def test_launchers_default_to_the_tuned_values():
+    """The dispatchers pass kernel.TUNING's entries to the launchers in kernels/ (which never read kernel.py): every
+    launcher parameter named after a TUNING key defaults to its value, so a launcher called directly (tests,
+    bench_kernels.py) launches what its dispatcher does; every key but dense_tiles (kernel.dense_tiles_end's) is one."""
+    import inspect
+    tuned = set()
+    for f in (sliding.sliding_decode_triton, dsa_attention.sparse_attention_triton, moe_route.route_triton,
+              experts.moe_experts_decode_triton, linear.skinny_linear_triton):
+        for name, p in inspect.signature(f).parameters.items():
+            if name in K.TUNING:
+                assert p.default == K.TUNING[name], (f.__name__, name, p.default, K.TUNING[name])
+                tuned.add(name)
+    assert tuned == set(K.TUNING) - {"dense_tiles"}
 
 
 def test_candidates_are_timed_between_two_timings_of_the_defaults():
@@ -725,21 +743,21 @@ def test_candidates_are_timed_between_two_timings_of_the_defaults():
 def test_checks_build_their_messages_only_when_they_fail():
     """_check's message may be a function (the launchers' shape f-strings cost the prefill's host ~2.5 us each when
     built ahead of time): not called when the check passes, its text raised when it fails."""
-    K._check(True, lambda: pytest.fail("a passing check built its message"))
+    common._check(True, lambda: pytest.fail("a passing check built its message"))
     with pytest.raises(ValueError, match=r"x must be contiguous \(shape \(3, 2\), strides \(1, 3\)\)"):
-        K._check_tensor("x", torch.zeros(2, 3).t(), torch.float32, ndim=2)
+        common._check_tensor("x", torch.zeros(2, 3).t(), torch.float32, ndim=2)
     with pytest.raises(ValueError, match="plain text"):
-        K._check(False, "plain text")
+        common._check(False, "plain text")
 
 
 def test_sliding_decode_rejects_bad_inputs():
     args = _sliding_case(1, 4, 2, 32, 8, 8, 8, [3], seed=0)
     with pytest.raises(ValueError, match="multiple of n_groups"):
-        K.sliding_decode_triton(*args[:-2], 4, 3)
+        sliding.sliding_decode_triton(*args[:-2], 4, 3)
     with pytest.raises(ValueError, match="qkvg must be"):
-        K.sliding_decode_triton(args[0][:, :-1], *args[1:])
+        sliding.sliding_decode_triton(args[0][:, :-1], *args[1:])
     with pytest.raises(ValueError, match="window"):
-        K.sliding_decode_triton(*args[:-3], 9, 4, 2)
+        sliding.sliding_decode_triton(*args[:-3], 9, 4, 2)
 
 
 
@@ -751,7 +769,7 @@ def test_sliding_decode_rejects_bad_inputs():
 def test_region_summary_bytes(N, blk, P):
     k = randn(N, blk, P, seed=N)
     z = randn(N, blk, P, seed=N + 1, scale=3.0)
-    out = K.region_summary_triton(k, z)
+    out = dsa_index.region_summary_triton(k, z)
     ref = K.region_summary_ref(k, z)
     assert out.dtype == K.FP8 and bytes_equal(out, ref)
 
@@ -768,7 +786,7 @@ def test_dsa_cache_write(G, hd, blk, P):
     caches = [randn(B, cap, G, hd, seed=5), randn(B, cap, G, hd, seed=6), randn(B, blk, P, seed=7),
               randn(B, blk, P, seed=8, scale=3.0), randn(B, cap // blk, P, seed=9).view(torch.uint8)[..., :P].contiguous()]
     ref, orig = [c.clone() for c in caches], caches[4].clone()
-    K.dsa_cache_write_triton(k, v, ki, zi, pos, *caches)
+    dsa_index.dsa_cache_write_triton(k, v, ki, zi, pos, *caches)
     K.dsa_cache_write_ref(k, v, ki, zi, pos, *ref)
     for got, want in zip(caches, ref):
         assert bytes_equal(got, want)
@@ -777,7 +795,7 @@ def test_dsa_cache_write(G, hd, blk, P):
     rows = torch.tensor([2, 0, 3], device=DEV)
     caches = [torch.cat([c, c[:1]]) for c in caches]
     ref, before = [c.clone() for c in caches], [c.clone() for c in caches]
-    K.dsa_cache_write_triton(k, v, ki, zi, pos, *caches, rows=rows)
+    dsa_index.dsa_cache_write_triton(k, v, ki, zi, pos, *caches, rows=rows)
     K.dsa_cache_write_ref(k, v, ki, zi, pos, *ref, rows=rows)
     for got, want, old in zip(caches, ref, before):
         assert bytes_equal(got, want) and bytes_equal(got[1], old[1])
@@ -788,15 +806,16 @@ def test_indexer_scores(S, T, G, Hg, P, R):
     q = randn(S, T, G, Hg, P, seed=1)
     w = randn(S, T, G, Hg, seed=2, dtype=torch.float32)
     summ = K.to_e4m3(randn(S, R, P, seed=3, dtype=torch.float32))
-    out = K.indexer_scores_triton(q, w, summ)
+    out = dsa_index.indexer_scores_triton(q, w, summ)
     ref = K.indexer_scores_ref(q, w, summ)
     d = report("indexer", out, ref)
     assert torch.equal(out, ref) if INTERPRET else d.max() <= 1e-5 * ref.abs().max()
-    tiled = K.indexer_scores_triton(q, w, summ, block_t=32, block_r=32, num_warps=2)  # other tiles, same additions
+    # other tiles, same additions
+    tiled = dsa_index.indexer_scores_triton(q, w, summ, block_t=32, block_r=32, num_warps=2)
     d = report("indexer 32x32 tiles", tiled, out)  # on GPUs another MMA shape may order a dot's products otherwise
     assert torch.equal(tiled, out) if INTERPRET else d.max() <= 1e-5 * ref.abs().max()
     # the dot over P as chained slices of 32 (unsaturated e4m3 products: every partial sum is exact here too)
-    sliced = K.indexer_scores_triton(q, w, summ, block_pc=32)
+    sliced = dsa_index.indexer_scores_triton(q, w, summ, block_pc=32)
     d = report("indexer P slices of 32", sliced, out)
     assert torch.equal(sliced, out) if INTERPRET else d.max() <= 1e-5 * ref.abs().max()
     # as the model calls it: q with values past e4m3's 448 (saturated in the kernel), w a bf16 column slice of the
@@ -804,14 +823,14 @@ def test_indexer_scores(S, T, G, Hg, P, R):
     q = q * 100
     packed = randn(S, T, G * Hg + 5, seed=4)
     w16 = packed[..., 5:].view(S, T, G, Hg)
-    out = K.indexer_scores_triton(q, w16, summ, Hg ** -0.5)
+    out = dsa_index.indexer_scores_triton(q, w16, summ, Hg ** -0.5)
     ref = K.indexer_scores_ref(q, w16, summ, Hg ** -0.5)
     assert torch.equal(ref, K.indexer_scores_ref(q, w16.float() * Hg ** -0.5, summ))
     d = report("indexer bf16 w", out, ref)  # saturated products: sums no longer exact, their order shows in last bits
     assert d.max() <= 1e-6 * ref.abs().max() if INTERPRET else d.max() <= 1e-5 * ref.abs().max()
     # q already holding its e4m3 values (norm_rope_jobs' e4m3), its rounding skipped: the same scores
     q8 = K.to_e4m3(q).to(q.dtype)
-    assert torch.equal(K.indexer_scores_triton(q8, w16, summ, Hg ** -0.5, q_e4m3=True), out)
+    assert torch.equal(dsa_index.indexer_scores_triton(q8, w16, summ, Hg ** -0.5, q_e4m3=True), out)
     # decode: q's rows read summaries rows of their own (a cache of S + 1 rows, reversed), and region tiles past every
     # query's history are skipped (left unwritten: select_regions never reads them); prefill's launch: the same
     big = torch.cat([summ, summ[:1]]).flip(0)
@@ -821,7 +840,7 @@ def test_indexer_scores(S, T, G, Hg, P, R):
     pos[0, 0] = 5  # a query with a short history: most of its row's tiles are past it
     want = K.indexer_scores_ref(q8, w16, big, Hg ** -0.5, rows=rows)
     for prefill in (False, True):
-        got = K.indexer_scores_triton(q8, w16, big, Hg ** -0.5, q_e4m3=True, rows=rows, n_hist=pos, blk=blk,
+        got = dsa_index.indexer_scores_triton(q8, w16, big, Hg ** -0.5, q_e4m3=True, rows=rows, n_hist=pos, blk=blk,
                                       prefill=prefill)
         hist = torch.arange(R, device=DEV) < (pos // blk)[:, None, :, None]  # [S, 1, T, R]
         d = (got - want).abs().masked_fill(~hist, 0)
@@ -867,13 +886,13 @@ def _select_case(S, G, T, R, seed, ties):
 def test_select_regions_triton_bit_identical(S, G, T, R, topk, n_hist, chunk, ties):
     sc = _select_case(S, G, T, R, seed=R + topk, ties=ties)
     nh = torch.tensor(n_hist, device=DEV)
-    ids, valid = K.select_regions_triton(sc, nh, topk, chunk=chunk, short_lanes=8)
+    ids, valid = dsa_index.select_regions_triton(sc, nh, topk, chunk=chunk, short_lanes=8)
     rids, rvalid = K.select_regions_ref(sc, nh, topk)
     assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
     # positions and the region size in place of the region counts: the kernel divides (blk = 8, positions 8 n + 5)
-    ids, valid = K.select_regions_triton(sc, nh * 8 + 5, topk, blk=8, chunk=chunk)
+    ids, valid = dsa_index.select_regions_triton(sc, nh * 8 + 5, topk, blk=8, chunk=chunk)
     assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
-    ids, valid = K.select_regions_triton(sc, nh, topk, chunk=chunk, prefill=True)  # prefill's tiles
+    ids, valid = dsa_index.select_regions_triton(sc, nh, topk, chunk=chunk, prefill=True)  # prefill's tiles
     assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
     assert all(torch.equal(a, b) for a, b in zip(K.select_regions_ref(sc, nh * 8 + 5, topk, blk=8), (rids, rvalid)))
 
@@ -898,7 +917,7 @@ def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
     args = _attn_case(S, T, G, Hg, hd, blk, topk, L)
     ref = K.sparse_attention_ref(*args)
     for block_n in (64, 32):  # 32: the tile that spills fewer registers on sm90 (measured no faster)
-        out = K.sparse_attention_triton(*args, splits=splits, block_n=block_n)
+        out = dsa_attention.sparse_attention_triton(*args, splits=splits, block_n=block_n)
         d = report(f"sparse attention block_n={block_n}", out, ref)
         # online softmax rounds exp(s - running max) to bf16 where the reference uses the global max
         assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
@@ -906,8 +925,8 @@ def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
     # logits a strided column slice as in the packed projection (the gate is exact arithmetic on o: equal bits)
     packed = randn(S * T, G * Hg + 5, seed=9)
     gate = packed[:, 3:3 + G * Hg]
-    out = K.sparse_attention_triton(*args, splits=splits)
-    gated = K.sparse_attention_triton(*args, splits=splits, gate=gate)
+    out = dsa_attention.sparse_attention_triton(*args, splits=splits)
+    gated = dsa_attention.sparse_attention_triton(*args, splits=splits, gate=gate)
     want = K.gate_heads(out, gate)
     assert torch.equal(gated, want) if INTERPRET else (gated.float() - want.float()).abs().max() <= (
         2 ** -7 * want.float().abs().max())
@@ -918,16 +937,17 @@ def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
     big_k, big_v = torch.cat([k, k[:1]]).flip(0), torch.cat([v, v[:1]]).flip(0)
     rows = torch.arange(S, device=DEV).flip(0) + 1
     for prefill in (False, True):
-        out = K.sparse_attention_triton(q, big_k, big_v, *rest, gate=gate, rows=rows, prefill=prefill)
+        out = dsa_attention.sparse_attention_triton(q, big_k, big_v, *rest, gate=gate, rows=rows, prefill=prefill)
         d = report(f"sparse attention rows prefill={prefill}", out,
                    K.sparse_attention_ref(q, big_k, big_v, *rest, gate=gate, rows=rows))
         assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
     if S == 1:  # prefill's one split applies the gate itself, written into rows of a larger output as in the model
         wide = torch.zeros(T + 2, G, Hg, hd, dtype=torch.bfloat16, device=DEV)
-        K.sparse_attention_triton(q, big_k, big_v, *rest, gate=gate, rows=rows, prefill=True, out=wide[None, 1:T + 1])
+        dsa_attention.sparse_attention_triton(q, big_k, big_v, *rest, gate=gate, rows=rows, prefill=True,
+                                              out=wide[None, 1:T + 1])
         assert torch.equal(wide[None, 1:T + 1], out) and not wide[0].any() and not wide[-1].any()
         with pytest.raises(ValueError, match="out must be"):
-            K.sparse_attention_triton(q, big_k, big_v, *rest, rows=rows, out=wide[None, :T].transpose(3, 4))
+            dsa_attention.sparse_attention_triton(q, big_k, big_v, *rest, rows=rows, out=wide[None, :T].transpose(3, 4))
 
 
 @pytest.mark.parametrize("G,Hg,hd,blk", [(2, 2, 48, 8), (1, 3, 32, 4)] if INTERPRET else
@@ -947,16 +967,17 @@ def test_dense_prefix_is_sparse_attention_over_every_history_region(G, Hg, hd, b
     assert torch.equal(ref, want)
     valid = (ids < (pos // blk)[:, None, :, None]).contiguous()
     for block_n in (16, 64):
-        out = K.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5, block_n=block_n)
+        out = dsa_attention.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5, block_n=block_n)
         d = report(f"dense prefix block_n={block_n}", out, ref)
         assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
-    sparse = K.sparse_attention_triton(q, k, v, ids.contiguous(), valid, pos, blk, hd ** -0.5, block_n=64, prefill=True)
+    sparse = dsa_attention.sparse_attention_triton(q, k, v, ids.contiguous(), valid, pos, blk, hd ** -0.5, block_n=64,
+                                                   prefill=True)
     assert (out.float() - sparse.float()).abs().max() <= 2 * bf16_ulp(ref.float().abs().max())  # out: block_n 64
     gate = randn(T, G * Hg, seed=7)
     if not K._triton(q):  # the dispatcher on the reference path: the reference, then the gate
         assert torch.equal(K.dense_prefix(q, k, v, p0, blk, hd ** -0.5, gate), K.gate_heads(ref, gate))
     with pytest.raises(ValueError, match="dense prefix"):
-        K.dense_prefix_triton(q, k[:, :p0 + T - 1], v[:, :p0 + T - 1], p0, blk, 1.0)
+        dsa_attention.dense_prefix_triton(q, k[:, :p0 + T - 1], v[:, :p0 + T - 1], p0, blk, 1.0)
 
 
 @pytest.mark.parametrize("G,Hg,hd,blk,topk", [(2, 2, 48, 8, 3), (1, 3, 32, 4, 5)] if INTERPRET else
@@ -977,17 +998,18 @@ def test_dense_prefix_over_a_selection_is_sparse_attention(G, Hg, hd, blk, topk,
     ref = K.sparse_attention_ref(q, k, v, ids, valid, pos, blk, hd ** -0.5)
     assert torch.equal(K.dense_prefix_ref(q, k, v, p0, blk, hd ** -0.5, ids=ids, valid=valid), ref)
     for block_n in (16, 64):
-        out = K.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5, ids, valid, block_n=block_n)
+        out = dsa_attention.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5, ids, valid, block_n=block_n)
         d = report(f"dense prefix over a selection block_n={block_n}", out, ref)
         assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
     # a selection that differs from every region changes the result: the mask is read
-    every = K.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5)
+    every = dsa_attention.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5)
     assert not torch.equal(out, every)
     # the output gate (logits a strided column slice, as in the packed projection) applied in the kernel, written
     # into a slice of a larger output: gate_heads of the ungated kernel's output
     gate = randn(T, G * Hg + 3, seed=7)[:, 1:1 + G * Hg]
     rows = torch.zeros(1, T + 2, G, Hg, hd, dtype=torch.bfloat16, device=DEV)
-    K.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5, ids, valid, gate=gate, out=rows[:, 1:T + 1], block_n=block_n)
+    dsa_attention.dense_prefix_triton(q, k, v, p0, blk, hd ** -0.5, ids, valid, gate=gate, out=rows[:, 1:T + 1],
+                                      block_n=block_n)
     want = K.gate_heads(out, gate)
     assert torch.equal(rows[:, 1:T + 1], want) if INTERPRET else (rows[:, 1:T + 1].float() - want.float()).abs().max() \
         <= 2 ** -7 * want.float().abs().max()
@@ -1003,26 +1025,26 @@ def test_dense_prefix_over_a_selection_is_sparse_attention(G, Hg, hd, blk, topk,
 
 @pytest.mark.parametrize("T,D,E,k", [(1, 192, 12, 3), (3, 192, 12, 3), (20, 256, 40, 8), (80, 128, 24, 4)])
 @pytest.mark.parametrize("parts", [1, 4])
-def test_route(T, D, E, k, parts, monkeypatch):
-    monkeypatch.setitem(K.TUNING, "router_parts", parts)  # the hoisted K step in 1 or 4 MMA chains
+def test_route(T, D, E, k, parts):
+    tuned = dict(router_parts=parts)  # the hoisted K step in 1 or 4 MMA chains
     x, w = randn(T, D, seed=1), randn(E, D, seed=2, scale=0.05)
     bias = randn(E, seed=3, scale=0.1, dtype=torch.float32)
-    ids, wts = K.route_triton(x, w, bias, k, 3.0)
+    ids, wts = moe_route.route_triton(x, w, bias, k, 3.0, **tuned)
     rids, rwts = K.route_ref(x, w, bias, k, 3.0)
     assert torch.equal(ids, rids)  # random scores: no near-ties at this size
     assert (wts - rwts).abs().max() <= 1e-6 * 3
     # quant: the logits kernel also writes act_quant(x) for the FP8 experts (D = 192: a ragged last 128-block)
-    qids, qwts, (xq, sx) = K.route_triton(x, w, bias, k, 3.0, quant=True)
-    want_q, want_s = K.act_quant_triton(x)
+    qids, qwts, (xq, sx) = moe_route.route_triton(x, w, bias, k, 3.0, quant=True, **tuned)
+    want_q, want_s = moe_route.act_quant_triton(x)
     assert torch.equal(qids, ids) and torch.equal(qwts, wts)
     assert bytes_equal(xq, want_q) and torch.equal(sx, want_s)
     # the K loop instead of the one K step read before the PDL wait (prefill's shapes): same bits in one MMA chain
     # (parts apply to the one-step form only)
-    hids, hwts, (hxq, hsx) = K.route_triton(x, w, bias, k, 3.0, quant=True, hoist=False)
+    hids, hwts, (hxq, hsx) = moe_route.route_triton(x, w, bias, k, 3.0, quant=True, hoist=False, **tuned)
     assert torch.equal(hids, ids) and bytes_equal(hxq, xq) and torch.equal(hsx, sx)
     assert torch.equal(hwts, wts) if parts == 1 else (hwts - rwts).abs().max() <= 1e-6 * 3
     with pytest.raises(ValueError, match="xq must be"):
-        K._x_quant(x, (xq[:, :-1], sx))
+        experts._x_quant(x, (xq[:, :-1], sx))
 
 
 def test_route_ties_to_the_lower_id():
@@ -1031,8 +1053,8 @@ def test_route_ties_to_the_lower_id():
     E, k = 40, 8
     bias = (torch.randint(-6, 6, (E,), generator=_gen(5)).float() / 8).to(DEV)
     bias[3], bias[11] = 0.0, -0.0
-    ids, wts = K.route_triton(torch.zeros(3, 64, dtype=torch.bfloat16, device=DEV), randn(E, 64, seed=2), bias, k,
-                              2.0)
+    ids, wts = moe_route.route_triton(torch.zeros(3, 64, dtype=torch.bfloat16, device=DEV), randn(E, 64, seed=2), bias,
+                                      k, 2.0)
     want = torch.sort(-(0.5 + bias), stable=True).indices[:k]
     assert torch.equal(ids, want.expand(3, k))
     assert torch.equal(wts, torch.full_like(wts, 2.0 / k))  # every (0.5 + b) - b is 0.5 exactly, their sum 4
@@ -1047,7 +1069,7 @@ def test_route_ties_to_the_lower_id():
 def test_gpu_moe_dispatch_real_shape(T):
     """One EP=8 rank's dispatch (44 of 352 experts, top-8) at prefill chunk lengths: the stable sort's bits."""
     ids = torch.stack([torch.randperm(352, generator=_gen(t))[:8] for t in range(T)]).to(DEV)
-    for a, b in zip(K.moe_dispatch_triton(ids, 88, 44), K.moe_dispatch_ref(ids, 88, 44)):
+    for a, b in zip(moe_route.moe_dispatch_triton(ids, 88, 44), K.moe_dispatch_ref(ids, 88, 44)):
         assert torch.equal(a, b)
 
 
@@ -1061,7 +1083,7 @@ def test_gpu_moe_fp8_real_shape(T):
     wts = torch.rand(T, k, generator=g).to(DEV)
     (w1, s1), (w3, s3), (w2, s2) = fp8_weights(E, F, D, 1), fp8_weights(E, F, D, 3), fp8_weights(E, D, F, 5)
     x = randn(T, D, seed=T)
-    out = K.moe_experts_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0)
+    out = experts.moe_experts_triton(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0)
     ref = K.moe_experts_ref(x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0)
     d = report(f"GPU moe fp8 T={T}", out, ref)
     assert d.max() <= 2e-2 * ref.float().abs().max()
@@ -1069,7 +1091,7 @@ def test_gpu_moe_fp8_real_shape(T):
 
 @gpu
 @pytest.mark.parametrize("T", [1, 4, 16])
-def test_gpu_moe_decode_real_shape(T, monkeypatch):
+def test_gpu_moe_decode_real_shape(T):
     """The decode path (global ids of rank 2, shared expert) against the reference and against the sorted path."""
     E, D, F, Fs, k, first = 44, 4096, 1536, 192, 8, 88
     g = _gen(T + 100)
@@ -1084,9 +1106,9 @@ def test_gpu_moe_decode_real_shape(T, monkeypatch):
               7.0)
     x = randn(T, D, seed=T)
     args = (x, ids, wts, w1, w3, w2, s1, s3, s2, 7.0, first, shared)
-    out = K.moe_experts_decode_triton(*args)
+    out = experts.moe_experts_decode_triton(*args)
     ref = K.moe_experts_ref(*args)
-    old = K.moe_experts_sorted_triton(*args)
+    old = experts.moe_experts_sorted_triton(*args)
     assert out.dtype == torch.float32
     d = report(f"GPU moe decode T={T}", out, ref)
     assert d.max() <= 2e-2 * ref.float().abs().max()
@@ -1095,13 +1117,14 @@ def test_gpu_moe_decode_real_shape(T, monkeypatch):
     # 32 and 12 K blocks: the same additions in the same order (T = 1 defaults to 4); at 3 stages, as 4 K blocks an
     # iteration at T > 1's 4 stages exceed an H200 block's shared memory (240 KB)
     for ku in ((1, 1), (4, 4)):
-        assert torch.equal(K.moe_experts_decode_triton(*args, k_unroll=ku, num_stages=(3, 3)), out)
+        assert torch.equal(experts.moe_experts_decode_triton(*args, k_unroll=ku, num_stages=(3, 3)), out)
     # a register cap (T > 1) changes no arithmetic
     nocap = ((0, 0), (0, 0))
-    monkeypatch.setitem(K.TUNING, "moe_maxnreg", nocap if K.TUNING["moe_maxnreg"] != nocap else ((0, 0), (168, 168)))
-    assert torch.equal(K.moe_experts_decode_triton(*args), out)
+    cap = dict(moe_maxnreg=nocap if K.TUNING["moe_maxnreg"] != nocap else ((0, 0), (168, 168)))
+    assert torch.equal(experts.moe_experts_decode_triton(*args, **cap), out)
     # TMA tiles or pointers: the same bits
-    assert torch.equal(K.moe_experts_decode_triton(*args, tma=True), K.moe_experts_decode_triton(*args, tma=False))
+    assert torch.equal(experts.moe_experts_decode_triton(*args, tma=True, **cap),
+                       experts.moe_experts_decode_triton(*args, tma=False, **cap))
 
 
 @gpu
@@ -1124,12 +1147,13 @@ def test_gpu_sparse_decode_real_shape(ctx):
     args = _attn_case(S, 1, G, Hg, hd, blk, topk, ctx)
     ref = K.sparse_attention_ref(*args)
     for block_n in (64, 32):
-        out = K.sparse_attention_triton(*args, block_n=block_n)
+        out = dsa_attention.sparse_attention_triton(*args, block_n=block_n)
         d = report(f"GPU sparse decode ctx={ctx} block_n={block_n}", out, ref)
         assert d.max() <= 1e-2 * ref.float().abs().max() + 2e-3
     gate = randn(S, G * Hg, seed=5)  # the output gate in the merge: torch's sigmoid within a bf16 step of its own
     want = K.gate_heads(out, gate)
-    d = report(f"GPU sparse decode ctx={ctx} gated", K.sparse_attention_triton(*args, block_n=32, gate=gate), want)
+    gated = dsa_attention.sparse_attention_triton(*args, block_n=32, gate=gate)
+    d = report(f"GPU sparse decode ctx={ctx} gated", gated, want)
     assert d.max() <= 2 ** -7 * want.float().abs().max()
 
 
@@ -1146,12 +1170,13 @@ def test_gpu_select_regions_real_shape(S, T, R):
     sc[0, 0, 0, ::3] = -0.0  # -0.0 among the zeros
     sc[0, 0, 0, 5], sc[-1, 0, -1, :100] = float("nan"), float("-inf")
     nh = (R - torch.arange(T, device=DEV) * (R // T) - torch.arange(S, device=DEV)[:, None] * 7).clamp_min(0)
-    ids, valid = K.select_regions_triton(sc, nh, 512)
+    ids, valid = dsa_index.select_regions_triton(sc, nh, 512)
     rids, rvalid = K.select_regions_ref(sc, nh, 512)
     assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
     if T == 1:  # short histories in the same cache (decode's short path up to SHORT_LANES regions, then chunk 0)
-        nh = torch.tensor([100, K.SHORT_LANES, K.SHORT_LANES + 1, 3000], device=DEV)[torch.arange(S) % 4, None]
-        ids, valid = K.select_regions_triton(sc, nh, 512)
+        lanes = dsa_index.SHORT_LANES
+        nh = torch.tensor([100, lanes, lanes + 1, 3000], device=DEV)[torch.arange(S) % 4, None]
+        ids, valid = dsa_index.select_regions_triton(sc, nh, 512)
         rids, rvalid = K.select_regions_ref(sc, nh, 512)
         assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
 

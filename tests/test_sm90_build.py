@@ -3,10 +3,10 @@
 The interpreter runs a kernel's Python and accepts code the GPU compiler rejects (e.g. a plain Python global read
 inside a jit function: kernel.py's QBLOCK once compiled under the interpreter and failed for the GPU). GPU time is
 scarce, so this test records every launch of a small model run under the interpreter (kernel, argument types,
-constexprs, options) with the GPU's launch shapes (kernel._GPU_LAUNCH: tiles, stages, unrolling), and compiles each
-distinct one for sm90 in a fresh process (sass.py's launch_record and build; no GPU needed), with the GPU's values
-of the interpreter-only constexprs (DOT_DTYPE bf16, PRECISE) and PDL on; a build that needs more shared memory than
-an H200 block has fails.
+constexprs, options) with the GPU's launch shapes (kernels.common._GPU_LAUNCH: tiles, stages, unrolling), and
+compiles each distinct one for sm90 in a fresh process (sass.py's launch_record and build; no GPU needed), with the
+GPU's values of the interpreter-only constexprs (DOT_DTYPE bf16, PRECISE) and PDL on; a build that needs more shared
+memory than an H200 block has fails.
 """
 import json
 import os
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import kernel
+from kernels import common, expert_gemm, experts, moe_route
 from sass import build, launch_records
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -29,8 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_every_launched_kernel_compiles_for_sm90(interpreted_model_run, monkeypatch, tmp_path):
     seen = dict(interpreted_model_run[2])  # the model's launches (conftest), then the ones it does not reach
     monkeypatch.setattr(kernel, "_triton", lambda x: True)
-    monkeypatch.setattr(kernel, "_GPU_LAUNCH", True)
-    monkeypatch.setattr(kernel, "_sms", lambda: 132)  # the H200's
+    monkeypatch.setattr(common, "_GPU_LAUNCH", True)
+    monkeypatch.setattr(common, "_sms", lambda: 132)  # the H200's
     # the launches that this model run does not reach
     with launch_records(seen):
         x, ids = torch.randn(3, 192).bfloat16(), torch.tensor([[0, 1], [1, 2], [2, 0]])
@@ -39,14 +40,14 @@ def test_every_launched_kernel_compiles_for_sm90(interpreted_model_run, monkeypa
         # BF16 experts at one token with 4 K blocks (the FP8 path unrolls 4 of them there: 240 KB for BF16 tiles)
         xb, wb = torch.randn(1, 512).bfloat16(), torch.randn(2, 128, 512).bfloat16()
         wd = torch.randn(2, 512, 128).bfloat16()
-        kernel.moe_experts_decode_triton(xb, torch.tensor([[0, 1]]), torch.rand(1, 2), wb, wb, wd, None, None, None,
-                                         7.0)
+        experts.moe_experts_decode_triton(xb, torch.tensor([[0, 1]]), torch.rand(1, 2), wb, wb, wd, None, None, None,
+                                          7.0)
         sb, sd = torch.rand(2, 1, 4) + 0.5, torch.rand(2, 4, 1) + 0.5  # and FP8 ones (moe_unroll)
-        kernel.moe_experts_decode_triton(xb, torch.tensor([[0, 1]]), torch.rand(1, 2), kernel.to_e4m3(wb),
-                                         kernel.to_e4m3(wb), kernel.to_e4m3(wd), sb, sb, sd, 7.0)
-        kernel.moe_experts_sorted_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0)  # prefill's path
-        xq, sx = kernel.act_quant_triton(x)
-        kernel.grouped_gemm_triton(xq, sx, w1, s1, torch.tensor([0, 1, 1, 3], dtype=torch.int32))
+        experts.moe_experts_decode_triton(xb, torch.tensor([[0, 1]]), torch.rand(1, 2), kernel.to_e4m3(wb),
+                                          kernel.to_e4m3(wb), kernel.to_e4m3(wd), sb, sb, sd, 7.0)
+        experts.moe_experts_sorted_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0)  # prefill's path
+        xq, sx = moe_route.act_quant_triton(x)
+        expert_gemm.grouped_gemm_triton(xq, sx, w1, s1, torch.tensor([0, 1, 1, 3], dtype=torch.int32))
     names = {r["name"] for r in seen.values()}
     assert {"_sliding_attn_kernel", "_moe_decode_up_kernel", "_router_logits_kernel", "_select_regions_kernel",
             "_grouped_gemm_kernel", "_add_norm_kernel", "_banded_attn_kernel", "_dense_prefix_kernel",
@@ -63,7 +64,7 @@ def test_every_launched_kernel_compiles_for_sm90(interpreted_model_run, monkeypa
 def test_sass_tool_reports_the_router_loops():
     """sass.py (the offline SASS report) records, builds and summarises a snippet's launches."""
     snippet = ("x = torch.randn(1, 256).bfloat16(); w = torch.randn(40, 256).bfloat16()\n"
-               "K.route_triton(x, w, torch.zeros(40), 4, 3.0, quant=True)")
+               "K.route(x, w, torch.zeros(40), 4, 3.0, quant=True)")
     # --tune: one MMA chain keeps the GEMM in its K loop (4 parts make it one 3-D dot outside any loop)
     out = subprocess.run([sys.executable, os.path.join(ROOT, "sass.py"), snippet, "--only", "logits",
                           "--tune", "router_parts=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -118,7 +119,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-import kernel
+from kernels import expert_gemm
 for gated, block_n, gather in ((False, 128, False), (True, 128, True), (False, 256, False), (True, 256, False),
                               (True, 256, True)):
     wn = block_n // 2
@@ -134,7 +135,7 @@ for gated, block_n, gather in ((False, 128, False), (True, 128, True), (False, 2
     cons = dict(GATED=gated, GATHER=gather, HAS_LIMIT=True, BLOCK_M=128, BLOCK_N=block_n, BLOCK_E=64,
                 STAGES=3 if block_n == 256 else 4, PRECISE=True, MATH_REGS=232)
     sig.update({k: "constexpr" for k in cons})
-    src = GluonASTSource(fn=kernel._grouped_wgmma_kernel, signature=sig, constexprs=cons,
+    src = GluonASTSource(fn=expert_gemm._grouped_wgmma_kernel, signature=sig, constexprs=cons,
                          attrs={(j,): [["tt.divisibility", 16]] for j in (1, 2, 3, 7, 8, 9, 10, 11, 20)})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     open(sys.argv[1], "w").write(k.asm["ptx"])
@@ -147,9 +148,9 @@ for gated, block_n, gather in ((False, 128, False), (True, 128, True), (False, 2
 
 @pytest.mark.skipif(not INTERPRET, reason="a CPU build")
 def test_gluon_grouped_gemm_compiles_for_sm90(tmp_path):
-    """kernel._grouped_wgmma_kernel (Gluon, run on sm90 GPUs only) built for an H200: its variants (gated or not, 128
-    or 256 B tile rows, x's rows by TMA or gathered by cp.async) fit its shared memory, spill (almost) nothing, and
-    ptxas keeps the wgmmas asynchronous (its C7514 note: serialised)."""
+    """expert_gemm._grouped_wgmma_kernel (Gluon, run on sm90 GPUs only) built for an H200: its variants (gated or
+    not, 128 or 256 B tile rows, x's rows by TMA or gathered by cp.async) fit its shared memory, spill (almost)
+    nothing, and ptxas keeps the wgmmas asynchronous (its C7514 note: serialised)."""
     import triton
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

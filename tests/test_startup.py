@@ -32,8 +32,9 @@ def gpu_launches(monkeypatch):
     then its reference, whose results the model goes on with (the interpreter is too slow for a whole engine's run).
     The switch between the two is per thread (start-up's parallel builds call kernels from several)."""
     import kernel
-    monkeypatch.setattr(kernel, "_GPU_LAUNCH", True)
-    monkeypatch.setattr(kernel, "_sms", lambda: 132)
+    from kernels import common
+    monkeypatch.setattr(common, "_GPU_LAUNCH", True)
+    monkeypatch.setattr(common, "_sms", lambda: 132)
     on = threading.local()
     monkeypatch.setattr(kernel, "_triton", lambda x: getattr(on, "triton", False))
 
