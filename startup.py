@@ -537,8 +537,8 @@ class Startup:
 
     def _built_marker(self, passes: list) -> str:
         """A file in Triton's cache directory that says a start-up of this rank built every kernel of these warm-up
-        passes: named by a hash of the code that makes the launches (kernel.py and kernels/, model.py, the engine's files), the
-        passes, the model's config and TP size, Triton's version and the device."""
+        passes: named by a hash of the code that makes the launches (kernel.py and kernels/, model.py, the engine's
+        files), the passes, the model's config and TP size, Triton's version and the device."""
         e = self.e
         h = hashlib.sha256()
         for f in (*kernel.SOURCE_FILES, M.__file__, *self.code, sampling.__file__, __file__):
