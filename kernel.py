@@ -4,7 +4,7 @@ model.py calls only the public functions below. Triton kernels run for CUDA tens
 chose the references; CPU tensors always take the `*_ref` PyTorch reference. The references are the numerical
 contract: they round to bf16 / e4m3 exactly where the deployed kernels do (those points decide the last bits and,
 through DSA region selection and greedy argmax, eventually the tokens), and every kernel is tested against them
-(tests/test_kernels.py; speed and real-shape checks: bench_kernels.py). This file reads top to bottom as that
+(tests/test_kernels.py; speed and real-shape checks: tools.bench_kernels). This file reads top to bottom as that
 contract, in model order (norms and RoPE, sliding-window attention, DSA, router and MoE, GEMMs, the TP reduction):
 each op's reference, then its public dispatcher.
 The Triton kernels live in kernels/, one family per module (common: the plumbing and the switches tests flip;
@@ -45,9 +45,9 @@ def _triton(x: torch.Tensor) -> bool:
     return _backend["triton"] and x.is_cuda
 
 
-# Launch choices: the decode step's each the winner of whole steps timed on the H200 (bench_decode.py --whole-rank
+# Launch choices: the decode step's each the winner of whole steps timed on the H200 (tools.bench_decode --whole-rank
 # --candidates re-times the step with the other values), prefill's dense_tiles set from its two kernels' rates
-# (bench_prefill.py --tune sweeps it). The dispatchers below pass them to the launchers in kernels/, whose parameters
+# (tools.bench_prefill --tune sweeps it). The dispatchers below pass them to the launchers in kernels/, whose parameters
 # of the same names default to these values (tests/test_kernels.py checks that they agree); an argument passed to a
 # launcher overrides them. The numbers behind each value: PERF_LOG.md, "kernel.TUNING, key by key". A tuple's axis
 # is named on its line; the decode experts' entries are (T == 1, T > 1) of the decode step's T tokens, each a
@@ -75,7 +75,7 @@ TUNING = {
 
 def set_tuning(items) -> None:
     """Applies "KEY=VALUE" strings (a Python literal, converted to the default's type) to TUNING; ValueError names a
-    bad key or value. The benchmarks' and sass.py's --tune."""
+    bad key or value. The benchmarks' and tools.sass's --tune."""
     for item in items:
         key, _, value = item.partition("=")
         if key not in TUNING:

@@ -85,12 +85,13 @@ def tp_reduce_add(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None = N
 
 
 class OneShotReduce:
-    """An opt-in tp_reduce_add for CUDA decode batches (set_one_shot; bench_reduce.py and bench_decode.py --one-shot
-    time it against the gather path): the partial is copied into this rank's symmetric-memory buffer, then ONE kernel
-    (kernel.peer_add_norm_triton) waits for every rank's copy and adds them in rank order with the residual and the
-    norm, in the gather path's order (bench_reduce.py checks the bits). Consecutive calls alternate two buffer
-    slots, so a rank's write for call i+2 cannot overtake a peer still reading call i (it has waited for every rank's
-    call-i+1 signal); Block.step reduces twice per layer, so every step, and every captured graph, starts in slot 0."""
+    """An opt-in tp_reduce_add for CUDA decode batches (set_one_shot; tools.bench_reduce and tools.bench_decode
+    --one-shot time it against the gather path): the partial is copied into this rank's symmetric-memory buffer, then
+    ONE kernel (kernel.peer_add_norm_triton) waits for every rank's copy and adds them in rank order with the residual
+    and the norm, in the gather path's order (tools.bench_reduce checks the bits). Consecutive calls alternate two
+    buffer slots, so a rank's write for call i+2 cannot overtake a peer still reading call i (it has waited for every
+    rank's call-i+1 signal); Block.step reduces twice per layer, so every step, and every captured graph, starts in
+    slot 0."""
 
     def __init__(self, rows: int, D: int, device):
         import torch.distributed._symmetric_memory as symm_mem
@@ -367,7 +368,7 @@ class Attention(nn.Module):
         G, hd = self.n_groups, self.cfg.head_dim
         if not self.dsa:
             # with spare slots, R rounded up to a multiple of 16: on the H200 the whole rank's 1-token step took
-            # 14.6 ms with rings of 515 slots and 8.1 ms with 528 (bench_decode --whole-rank --tokens-per-row 4);
+            # 14.6 ms with rings of 515 slots and 8.1 ms with 528 (tools.bench_decode --whole-rank --tokens-per-row 4);
             # the fused kernel alone is not slower at 515 (13.7 vs 13.3 us), so the cause is not isolated
             R = self.cfg.sliding_window + slack
             R = -(-R // 16) * 16 if slack else R

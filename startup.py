@@ -116,8 +116,8 @@ class MemoryPlan:
 
 def prefill_workspace(cfg, chunk: int) -> int:
     """Activation bytes of one prefill pass of `chunk` tokens: ~64 B per token and hidden unit (an H200 measurement of
-    one TP=8 rank's layer, bench_prefill.py: 4.4 GiB at 16384 tokens, 0.8 GiB of it weights), plus the DSA scores'
-    128 MiB bound."""
+    one TP=8 rank's layer, tools.bench_prefill: 4.4 GiB at 16384 tokens, 0.8 GiB of it weights), plus the DSA
+    scores' 128 MiB bound."""
     return chunk * cfg.hidden_size * 64 + (128 << 20)
 
 

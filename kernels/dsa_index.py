@@ -199,7 +199,7 @@ _indexer_scores_prefill = _unspecialised(_indexer_scores_kernel, "T", "R", "q_st
 
 def indexer_scores_triton(q, w, summ, w_scale=1.0, block_t=None, block_r=None, num_warps=4, block_pc=None,
                           q_e4m3=False, rows=None, n_hist=None, blk=1, prefill=False):
-    """Triton indexer_scores_ref. block_t / block_r / num_warps: tile overrides (bench_kernels.py sweep_indexer; each
+    """Triton indexer_scores_ref. block_t / block_r / num_warps: tile overrides (tools.bench_kernels sweep_indexer; each
     score is one dot over P and a sum over heads in order whatever the tile; the sweep shows whether the GPU's MMA
     for another tile shape gives the same bits). block_pc: P slices of the chained dots (default: all of P in one
     dot; 64, with 64 x 128 tiles at 8 warps, builds for sm90 without spills, and no timing has chosen it).

@@ -507,8 +507,9 @@ def moe_experts_decode_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     2. down: per (hit expert, D tile): y[slot] bf16 [T*k, D] (a quantised on load); the shared expert's down too.
     3. combine: slot-order fp32 sum per token, plus the shared output when given.
     Programs of ranks past the number of hit experts exit at once, so no host sync and no data-dependent grid.
-    block_n / num_warps / num_stages / k_unroll: (gate/up, down) pairs overriding the tuned defaults (bench_kernels.py
-    sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up (same bits).
+    block_n / num_warps / num_stages / k_unroll: (gate/up, down) pairs overriding the tuned defaults
+    (tools.bench_kernels sweep); k_unroll: K blocks per loop iteration of the routed tiles and the shared gate/up
+    (same bits).
     FP8 routed tiles go through _decode_tile_swapped, the weight rows as the MMA's M side (fp8 wgmma at 64 rows). tma
     (FP8, T <= 16; default moe_tma): their weights (and the gate/up's x, all tokens as rows) through TMA descriptors
     (_decode_descs); the same bits.

@@ -201,8 +201,8 @@ def _peer_add_norm_kernel(res_ptr, bufs_ptr, pads_ptr, w_ptr, res_out_ptr, h_ptr
 
 def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0, flag_off=0):
     """add_norm_ref(res, [every rank's partial row], w, eps), the partials read from the W ranks' symmetric-memory
-    buffers: the one-shot TP reduction, an opt-in path (model.OneShotReduce; bench_reduce.py checks and times it,
-    bench_decode.py --one-shot times the step with it). bufs, pads: int64 [W] device tensors of every rank's buffer
+    buffers: the one-shot TP reduction, an opt-in path (model.OneShotReduce; tools.bench_reduce checks and times it,
+    tools.bench_decode --one-shot times the step with it). bufs, pads: int64 [W] device tensors of every rank's buffer
     and int32 signal-pad addresses (a torch.distributed._symmetric_memory handle's buffer_ptrs / signal_pad_ptrs);
     rank r's row t of this call is at element slot_off + t * D of its buffer, in parts_dtype; the flags at flag_off ..
     flag_off + T * W - 1."""

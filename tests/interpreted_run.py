@@ -27,7 +27,7 @@ def run_model(lm):
     import model as M
     from invariants import pinned
     from kernels import common
-    from sass import launch_records
+    from tools.sass import launch_records
     g = torch.Generator().manual_seed(3)
     ids, cont = torch.randint(11, 700, (30,), generator=g).tolist(), torch.randint(11, 700, (16,), generator=g).tolist()
 

@@ -193,13 +193,13 @@ def test_decode_stress_graph_equals_eager_as_requests_leave(tp1_models, batch):
 
 @cuda
 def test_bench_kernels_checks_and_gemm_run_clean():
-    """bench_kernels.py's real-shape checks followed by the GEMM benchmarks: every check within its tolerance and no
+    """tools.bench_kernels's real-shape checks followed by the GEMM benchmarks: every check within its tolerance and no
     CUDA error (an unsynchronised graph-timing harness once read freed memory here: 'illegal memory access')."""
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "bench_kernels.py"), "--only", "check", "gemm"], capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, TRITON_INTERPRET="0"))
+    r = subprocess.run([sys.executable, "-m", "tools.bench_kernels", "--only", "check", "gemm"],
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True,
+                       timeout=900, env=dict(os.environ, TRITON_INTERPRET="0"))
     assert r.returncode == 0 and "illegal" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-4000:]
 
 
@@ -256,8 +256,8 @@ def test_cuda_speculative_graphs_equal_eager(converted):
 @cuda
 def test_no_compile_or_capture_after_start_up(tp1_models):
     """The engine's promise on the GPU: after start-up, requests of any prompt length and batch size compile no
-    Triton kernel and capture no CUDA graph (counted by hooks: bench_request.Counters)."""
-    from bench_request import Counters
+    Triton kernel and capture no CUDA graph (counted by hooks: tools.bench_request.Counters)."""
+    from tools.bench_request import Counters
     gpu = tp1_models("fp8_text", "cuda")
     counters = Counters()
     eng = engine.Engine(gpu, engine.EngineConfig(max_batch=16, max_context=2048, prefill_chunk=512))

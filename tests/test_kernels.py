@@ -696,7 +696,7 @@ def test_banded_attention_matches_reference(H, G, hd, off, n, W):
 
 
 def test_set_tuning_parses_values_and_names_bad_ones(monkeypatch):
-    """--tune KEY=VALUE (bench_decode.py, bench_prefill.py, bench_request.py, sass.py): Python literals converted to
+    """--tune KEY=VALUE (tools.bench_decode, bench_prefill, bench_request, sass): Python literals converted to
     the default's type; an unknown key or a malformed value is named."""
     monkeypatch.setattr(K, "TUNING", dict(K.TUNING))
     K.set_tuning(["moe_block_n=(32, 64)", "router_parts=1"])
@@ -710,7 +710,8 @@ def test_set_tuning_parses_values_and_names_bad_ones(monkeypatch):
 def test_launchers_default_to_the_tuned_values():
     """The dispatchers pass kernel.TUNING's entries to the launchers in kernels/ (which never read kernel.py): every
     launcher parameter named after a TUNING key defaults to its value, so a launcher called directly (tests,
-    bench_kernels.py) launches what its dispatcher does; every key but dense_tiles (kernel.dense_tiles_end's) is one."""
+    tools.bench_kernels) launches what its dispatcher does; every key but dense_tiles (kernel.dense_tiles_end's) is
+    one."""
     import inspect
     tuned = set()
     for f in (sliding.sliding_decode_triton, dsa_attention.sparse_attention_triton, moe_route.route_triton,
@@ -723,10 +724,10 @@ def test_launchers_default_to_the_tuned_values():
 
 
 def test_candidates_are_timed_between_two_timings_of_the_defaults():
-    """bench_decode.py --candidates: a timer that speeds up by 1% per call (the drift seen on the H200) and a
+    """tools.bench_decode --candidates: a timer that speeds up by 1% per call (the drift seen on the H200) and a
     candidate 3% slower than the defaults: timed around it, the ratio is exactly 1.03 (timed after the defaults, it
     looked 2% slower). A failing candidate is reported and the tuning restored either way."""
-    import bench_decode
+    from tools import bench_decode
     tuning, calls = {"choice": "a", "other": 1}, []
 
     def timed():

@@ -611,10 +611,10 @@ def test_sigterm_ends_streams_and_every_rank_exits_0(server):
 
 
 def test_bench_serve_measures_a_local_server(tp1_models, capsys):
-    """bench_serve.py --local's path on the tiny model: the load through the engine alone (its closed loop of
+    """tools.bench_serve --local's path on the tiny model: the load through the engine alone (its closed loop of
     clients), then serve.py's HTTP side and engine loop in-process, driven by the benchmark's streaming clients; every
     request decodes its max_tokens (ignore_eos) and each cell reports, the server beside the engine."""
-    import bench_serve
+    from tools import bench_serve
     lm = tp1_models("bf16_text")
     s = bench_serve.local_engine(lm, bench_serve.word_tokenizer(lm.cfg.vocab_size), 2, 128, 32)
     with torch.inference_mode():

@@ -4,7 +4,7 @@ The interpreter runs a kernel's Python and accepts code the GPU compiler rejects
 inside a jit function: kernel.py's QBLOCK once compiled under the interpreter and failed for the GPU). GPU time is
 scarce, so this test records every launch of a small model run under the interpreter (kernel, argument types,
 constexprs, options) with the GPU's launch shapes (kernels.common._GPU_LAUNCH: tiles, stages, unrolling), and
-compiles each distinct one for sm90 in a fresh process (sass.py's launch_record and build; no GPU needed), with the
+compiles each distinct one for sm90 in a fresh process (tools.sass's launch_record and build; no GPU needed), with the
 GPU's values of the interpreter-only constexprs (DOT_DTYPE bf16, PRECISE) and PDL on; a build that needs more shared
 memory than an H200 block has fails.
 """
@@ -19,7 +19,7 @@ import torch
 
 import kernel
 from kernels import common, expert_gemm, experts, moe_route
-from sass import build, launch_records
+from tools.sass import build, launch_records
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,11 +62,11 @@ def test_every_launched_kernel_compiles_for_sm90(interpreted_model_run, monkeypa
 
 @pytest.mark.skipif(not INTERPRET, reason="a CPU build")
 def test_sass_tool_reports_the_router_loops():
-    """sass.py (the offline SASS report) records, builds and summarises a snippet's launches."""
+    """tools.sass (the offline SASS report) records, builds and summarises a snippet's launches."""
     snippet = ("x = torch.randn(1, 256).bfloat16(); w = torch.randn(40, 256).bfloat16()\n"
                "K.route(x, w, torch.zeros(40), 4, 3.0, quant=True)")
     # --tune: one MMA chain keeps the GEMM in its K loop (4 parts make it one 3-D dot outside any loop)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "sass.py"), snippet, "--only", "logits",
+    out = subprocess.run([sys.executable, "-m", "tools.sass", snippet, "--only", "logits",
                           "--tune", "router_parts=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "_router_logits_kernel" in out.stdout and "_router_select_kernel" not in out.stdout
@@ -77,7 +77,7 @@ def test_sass_tool_reports_the_router_loops():
 def test_sass_summary_counts_mma_chains_and_wgmma_waits():
     """sass.summary on hand-written sm90 SASS: three mma.sync adding into one accumulator (R44; the one into R40 starts
     a chain of its own from zero), and a wgmma group waited for inside the loop."""
-    import sass
+    from tools import sass
     lines = ["MOV R44, RZ", "HMMA.16816.F32.BF16 R44, R28.reuse, R36, R44", "HMMA.16816.F32.BF16 R40, R28, R38, RZ",
              "HMMA.16816.F32.BF16 R44, R30, R36, R44", "HMMA.16816.F32.BF16 R44, R32, R36, R44",
              "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P0 BRA 0x10"]
@@ -90,7 +90,7 @@ def test_sass_compare_pairs_launches_and_tells_offsets_from_code(tmp_path):
     """sass.compare on two hand-written --save directories: a kernel renamed and given a new constexpr pairs with its
     old launch; the same instructions with other argument offsets pass, a changed instruction or an unpaired launch
     fails."""
-    import sass
+    from tools import sass
 
     def saved(d, launches):
         os.makedirs(d)

@@ -69,7 +69,7 @@ def test_a_padded_prefill_reads_nothing_back_to_the_host(tp1_models, monkeypatch
     run, as gpu_launches makes them, then the references). The eager prefill, which reads the cache lengths unless
     told them, is caught reading."""
     import contextlib
-    import sass
+    from tools import sass
     from torch.utils._python_dispatch import TorchDispatchMode
     lm = tp1_models("fp8_text")
     launchers = path == "triton launchers"
@@ -115,8 +115,8 @@ def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, 
     is one that start-up made, each launch keyed as Triton compiles it (sass.launch_key: constexprs, each integer's
     class, each pointer's alignment), with fresh prompts prefilled eagerly or padded (graph_prefill), and with MTP
     drafts (speculative: verify and draft steps, the MTP layers' absorb of each padded prompt's real rows).
-    bench_request.py counts real compilations on the GPU."""
-    import sass
+    tools.bench_request counts real compilations on the GPU."""
+    from tools import sass
     from conftest import load_tp1
     lm = load_tp1(converted("fp8_text", 1, keep_mtp=True)) if speculative else tp1_models("fp8_text")
     warm, seen = set(), set()
@@ -148,7 +148,7 @@ def test_start_up_builds_from_threads_until_a_start_up_has_built_its_kernels(tp1
     or another cache directory build from threads again; without threads nothing is marked."""
     import triton
 
-    import sass
+    from tools import sass
     lm = tp1_models("fp8_text")
     built, in_order = [], []
 
@@ -183,7 +183,7 @@ def test_start_up_builds_ahead_from_threads_every_launch_of_the_warm_up_in_order
     """Start-up's parallel kernel builds make every launch of the warm-up passes in order, which they replace: each
     pass run from a thread, in a cache of its own as long as the pass needs (not the engine's), makes the launches
     the same pass makes on the engine's cache."""
-    import sass
+    from tools import sass
     lm = tp1_models("fp8_text")
     ahead, warm, threads = set(), set(), set()
 
@@ -265,7 +265,7 @@ def test_start_up_builds_the_decode_steps_from_threads_before_capturing_them(tp1
     and the slots hold nothing after start-up."""
     import triton
 
-    import sass
+    from tools import sass
     lm = tp1_models("fp8_text")
     ahead, captured, warmed_on = set(), set(), set()
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))  # no start-up has built into it

@@ -1,13 +1,13 @@
 """Correctness at real shapes and speed of the Triton kernels (kernels/) on one GPU (TP = 8 local sizes).
 
-    python bench_kernels.py                      # checks against the references (exit 1 if any is out of
-                                                 # its tolerance), then every benchmark
-    python bench_kernels.py --only gemm moe      # groups: check gemm sweep sweep_prefill moe attn
-                                                 # norm route floors
+    python -m tools.bench_kernels                      # checks against the references (exit 1 if any is out of
+                                                       # its tolerance), then every benchmark
+    python -m tools.bench_kernels --only gemm moe      # groups: check gemm sweep sweep_prefill moe attn
+                                                       # norm route floors
 
-Ceilings (measured with PyTorch on the H200 machine): HBM 4.28 TB/s (a copy, read + write), fp8 _scaled_mm
-1263 TFLOP/s, bf16 GEMM 767 TFLOP/s (both 8192^3); fp8 _scaled_mm with 1x128 / 128x128 block scales (cuBLAS,
-blockwise_scaled_mm) 1099 TFLOP/s at 22528 x 3072 x 4096, 974 at 22528 x 4096 x 1536 (2026-12-03). Times are medians
+Ceilings (tools.rank's, measured with PyTorch on the H200 machine): HBM 4.28 TB/s (a copy, read + write), fp8
+_scaled_mm 1263 TFLOP/s, bf16 GEMM 767 TFLOP/s (both 8192^3); fp8 _scaled_mm with 1x128 / 128x128 block scales
+(cuBLAS, blockwise_scaled_mm) 1099 TFLOP/s at 22528 x 3072 x 4096, 974 at 22528 x 4096 x 1536. Times are medians
 of CUDA-graph replays (triton.testing.do_bench_cudagraph: device time, as a graph-captured decode step sees it);
 "eager" is triton.testing.do_bench of plain Python calls, which for the small decode cases measures the host's launch
 overhead (Triton's Python launcher), not the GPU.
@@ -22,8 +22,8 @@ import triton.language as tl
 
 import kernel as K
 from kernels import common, dsa_attention, dsa_index, expert_gemm, experts, linear, moe_route, norm_rope, sliding
+from tools.rank import FP8_FLOPS, HBM_BPS
 
-HBM, FP8_PEAK, BF16_PEAK = 4.28e12, 1263e12, 767e12
 DEV = "cuda"
 
 
@@ -288,8 +288,8 @@ def bench_gemm_shape(label, rows_per_expert, E, N, Kd, what):
     t_loop = eager(lambda: [torch._scaled_mm(xe, w[e].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
                             for e in range(E)]) if rows_per_expert <= 512 else float("nan")
     print(f"  fp8 grouped {what:4s} {label:8s} M={M:6d} N={N} K={Kd}: {t * 1e6:8.1f} us "
-          f"{flops / t / 1e12:7.1f} TFLOP/s ({flops / t / FP8_PEAK * 100:5.1f}% of fp8 peak) "
-          f"{io / t / 1e9:7.0f} GB/s ({io / t / HBM * 100:5.1f}% HBM) | dense _scaled_mm same FLOPs "
+          f"{flops / t / 1e12:7.1f} TFLOP/s ({flops / t / FP8_FLOPS * 100:5.1f}% of fp8 peak) "
+          f"{io / t / 1e9:7.0f} GB/s ({io / t / HBM_BPS * 100:5.1f}% HBM) | dense _scaled_mm same FLOPs "
           f"{t_ref * 1e6:7.1f} us {flops / t_ref / 1e12:6.1f} TFLOP/s | per-expert _scaled_mm loop "
           f"{t_loop * 1e6:7.1f} us", flush=True)
 
@@ -427,7 +427,7 @@ def bench_moe(T, E=44):
     wbytes = used * 3 * Fw * D
     flops = 2 * rows * 3 * Fw * D
     print(f"  moe_experts fp8 T={T:5d} ({rows} local rows, {used} experts): {t * 1e6:8.1f} us, weights "
-          f"{wbytes / t / 1e9:6.0f} GB/s ({wbytes / t / HBM * 100:5.1f}% HBM), {flops / t / 1e12:6.1f} TFLOP/s "
+          f"{wbytes / t / 1e9:6.0f} GB/s ({wbytes / t / HBM_BPS * 100:5.1f}% HBM), {flops / t / 1e12:6.1f} TFLOP/s "
           f"| eager {te * 1e6:7.1f} us", flush=True)
 
 
@@ -446,7 +446,7 @@ def bench_select(S, T, R):
     t_ref = bench(lambda: K.select_regions_ref(sc, nh, 512))
     byts = sc.numel() * 4
     print(f"  select_regions S={S:2d} T={T:3d} R={R:6d} topk=512: {t * 1e6:7.1f} us, scores {byts / t / 1e9:6.0f} GB/s "
-          f"({byts / t / HBM * 100:4.1f}% HBM) | torch reference {t_ref * 1e6:7.1f} us | eager {te * 1e6:6.1f} us",
+          f"({byts / t / HBM_BPS * 100:4.1f}% HBM) | torch reference {t_ref * 1e6:7.1f} us | eager {te * 1e6:6.1f} us",
           flush=True)
 
 
@@ -510,7 +510,7 @@ def bench_moe_decode(T, E=44):
     routed_bytes, shared_bytes = used * 3 * Fw * D, 3 * sh[0].numel() * 2
     wbytes = routed_bytes + shared_bytes
     print(f"  moe decode fp8+shared T={T:2d} ({int((ids >= 0).sum())} local rows, {used} experts): {t * 1e6:6.1f} us, "
-          f"weights {wbytes / t / 1e9:5.0f} GB/s ({wbytes / t / HBM * 100:4.1f}% HBM) | routed only "
+          f"weights {wbytes / t / 1e9:5.0f} GB/s ({wbytes / t / HBM_BPS * 100:4.1f}% HBM) | routed only "
           f"{t_routed * 1e6:6.1f} us {routed_bytes / t_routed / 1e9:5.0f} GB/s | sorted path + torch shared "
           f"{t_sorted * 1e6:6.1f} us | eager {te * 1e6:6.1f} us", flush=True)
 
@@ -598,7 +598,7 @@ def bench_attention(ctx, S=1):
     t_sdpa = eager(lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True))
     dense = S * N * hd * 2 * 2
     print(f"  sparse decode S={S} ctx={ctx:7d} ({keys} keys): {t * 1e6:7.1f} us, {byts / t / 1e9:6.0f} GB/s "
-          f"({byts / t / HBM * 100:4.1f}% HBM) | dense SDPA same cache {t_sdpa * 1e6:8.1f} us "
+          f"({byts / t / HBM_BPS * 100:4.1f}% HBM) | dense SDPA same cache {t_sdpa * 1e6:8.1f} us "
           f"({dense / t_sdpa / 1e9:5.0f} GB/s) | speed-up {t_sdpa / t:5.1f}x | eager {te * 1e6:6.1f} us", flush=True)
 
 
@@ -627,16 +627,15 @@ def bench_sliding(B, R=512, split_len=32, Q=1, num_warps=None):
     pos = torch.arange(4096, 4096 + B * Q, device=DEV)
     rk, rv = torch.randn(2, B, G, R, hd, device=DEV).bfloat16().unbind(0)
     qw, kw = torch.randn(2, hd, device=DEV).mul(0.2).unbind(0)
-    ang = torch.rand(4096 + B * Q, hd // 2, device=DEV) * 6  # 32 columns (a DSA layer's) until 2026-11-30
+    ang = torch.rand(4096 + B * Q, hd // 2, device=DEV) * 6
     c, s = ang.cos().bfloat16(), ang.sin().bfloat16()
     a = (qkvg, pos, rk, rv, qw, kw, c, s, 1e-5, hd ** -0.5, W, H, G)
     t = bench(lambda: sliding.sliding_decode_triton(*a, split_len=split_len, num_warps=num_warps))
     t_ref = bench(lambda: K.sliding_decode_ref(*a))
     byts = 2 * rk.numel() * 2 + qkvg.numel() * 2
     print(f"  sliding decode B={B:2d} Q={Q} R={R} split_len={split_len} warps={num_warps or 'tuned'}: "
-          f"{t * 1e6:6.2f} us "
-          f"{byts / t / 1e9:6.0f} GB/s ({byts / t / HBM * 100:4.1f}% HBM) | torch path (graph) {t_ref * 1e6:6.1f} us",
-          flush=True)
+          f"{t * 1e6:6.2f} us {byts / t / 1e9:6.0f} GB/s ({byts / t / HBM_BPS * 100:4.1f}% HBM) | torch path (graph) "
+          f"{t_ref * 1e6:6.1f} us", flush=True)
 
 
 def bench_norm_rope(T, n, d, half):
@@ -649,7 +648,7 @@ def bench_norm_rope(T, n, d, half):
     byts = 2 * x.numel() * 2 + 2 * c.numel() * 2
     t_ref = eager(lambda: K.norm_rope_ref(x, w, c, s, 1e-5))
     print(f"  norm_rope T={T} n={n} d={d} half={half}: {t * 1e6:7.1f} us {byts / t / 1e9:6.0f} GB/s "
-          f"({byts / t / HBM * 100:4.1f}% HBM) | torch reference {t_ref * 1e6:7.1f} us | eager {te * 1e6:6.1f} us",
+          f"({byts / t / HBM_BPS * 100:4.1f}% HBM) | torch reference {t_ref * 1e6:7.1f} us | eager {te * 1e6:6.1f} us",
           flush=True)
 
 
@@ -661,7 +660,7 @@ def bench_route(T):
     t, te = bench(f), eager(f)
     t_ref = eager(lambda: K.route_ref(x, w, bias, 8, 3.0))
     byts = w.numel() * 2 + x.numel() * 2 + T * 8 * 16
-    print(f"  route T={T:5d} E=352: {t * 1e6:7.1f} us {byts / t / 1e9:6.0f} GB/s ({byts / t / HBM * 100:4.1f}% HBM)"
+    print(f"  route T={T:5d} E=352: {t * 1e6:7.1f} us {byts / t / 1e9:6.0f} GB/s ({byts / t / HBM_BPS * 100:4.1f}% HBM)"
           f" | torch reference {t_ref * 1e6:7.1f} us | eager {te * 1e6:6.1f} us", flush=True)
 
 
@@ -732,7 +731,7 @@ def main(only=GROUPS):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=GROUPS, default=GROUPS,
                     help="run only these groups (one process per group keeps a CUDA fault from ending the rest)")
     main(only=ap.parse_args().only)

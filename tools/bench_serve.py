@@ -1,7 +1,7 @@
 """Load a running serve.py with concurrent streaming clients: TTFT and decode speed as clients see them.
 
     torchrun --standalone --nproc-per-node=8 serve.py --tp-dir /data/step5-shards/tp8 --max-batch 16 &
-    python bench_serve.py --url http://127.0.0.1:8000 --clients 1 4 16 --prompt-tokens 1024 8192 --max-tokens 256
+    python -m tools.bench_serve --url http://127.0.0.1:8000 --clients 1 4 16 --prompt-tokens 1024 8192 --max-tokens 256
 
 Each (clients, prompt length) cell runs `clients` streaming clients at once, each sending --requests requests one
 after the other: /v1/completions with a prompt of random token ids (a fresh prompt per request, so no prefix is reused),
@@ -9,9 +9,9 @@ ignore_eos and max_tokens, so every request decodes exactly max_tokens tokens. P
 sent -> first token), aggregate decode tok/s (every token after each request's first, over the cell's wall time), the
 median stream's decode tok/s, and inter-token gaps p50 / p99. One request first warms the server up.
 
-    python bench_serve.py --local --clients 1 4 16 --prompt-tokens 1024 8192     # one GPU, no shards needed
+    python -m tools.bench_serve --local --clients 1 4 16 --prompt-tokens 1024 8192     # one GPU, no shards needed
 
---local serves one whole TP=EP=8 rank of random FP8 weights (bench_request.py's) on this process's GPU through
+--local serves one whole TP=EP=8 rank of random FP8 weights (tools.rank's build) on this process's GPU through
 serve.py's own HTTP side and engine loop, with a word-level tokenizer over the rank's vocabulary window (ids in
 [--ids]), and measures it the same way from a client process of its own (clients never share the server's
 interpreter); before serving, it runs each cell's load through the engine alone (no HTTP, the same closed loop of
@@ -181,7 +181,8 @@ def main(url: str, key: str | None, clients: list, prompt_tokens: list, requests
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--api-key", default=os.environ.get("STEP5_API_KEY"))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
@@ -206,7 +207,7 @@ if __name__ == "__main__":
     if a.local:
         import torch
 
-        from bench_request import build
+        from tools.rank import build
         m = build()
         s = local_engine(m, word_tokenizer(m.cfg.vocab_size // m.cfg.tp_size), a.max_batch, a.max_context,
                          a.prefill_chunk, a.build_threads)

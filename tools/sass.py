@@ -9,7 +9,7 @@ opcodes, its own chain and its wgmma waits.
 tests/test_sm90_build.py builds every launch of a model run the same way. A decode kernel that is issue-bound pays
 its loop's instructions per K block; but counts only guide: a shorter loop has measured slower (PERF_LOG.md).
 
-    python sass.py "x = torch.randn(1, 4096).bfloat16(); w = torch.randn(352, 4096).bfloat16()
+    python -m tools.sass "x = torch.randn(1, 4096).bfloat16(); w = torch.randn(352, 4096).bfloat16()
     K.route(x, w, torch.zeros(352), 8, 3.0, quant=True)" [--tune KEY=VALUE] [--only NAME] [--dump DIR]
 
 The snippet has torch, K (= kernel) and the kernels/ modules (moe_route.route_triton, ...) in scope; --tune sets
@@ -21,8 +21,8 @@ minutes) before and after, then compare (launches paired by kernel name, after -
 constexprs they share; instructions compared as text, then again without the constant-bank offsets of the
 arguments):
 
-    python sass.py --save DIR_BEFORE; ...; python sass.py --save DIR_AFTER
-    python sass.py --compare DIR_BEFORE DIR_AFTER [--rename OLD=NEW]
+    python -m tools.sass --save DIR_BEFORE; ...; python -m tools.sass --save DIR_AFTER
+    python -m tools.sass --compare DIR_BEFORE DIR_AFTER [--rename OLD=NEW]
 """
 import argparse
 import collections
@@ -39,7 +39,7 @@ import torch
 import triton.language as tl  # kernels/ (whose @triton.jit needs TRITON_INTERPRET set first) is imported later
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's: kernel.py, kernels/, tests/
 BUILD = """
 import importlib, json, sys
 import triton, triton.language as tl
@@ -200,7 +200,7 @@ def record(snippet: str, tune: list) -> list:
     try:
         kernel.set_tuning(tune)
     except ValueError as e:
-        sys.exit(f"sass.py: {e}")
+        sys.exit(f"tools.sass: {e}")
     scope = {m.name: importlib.import_module(f"kernels.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)}
     with torch.inference_mode(), launch_records({}) as seen:
         exec(snippet, {**scope, "torch": torch, "K": kernel, "kernel": kernel})
@@ -248,12 +248,11 @@ def cuobjdump(*args) -> str:
 
 def save(out_dir: str):
     """The model run's launches built for sm90: out_dir/index.json (each launch's record and file) and
-    out_dir/<i>.sass (its instructions, the function's name left out)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import interpreted_run
+    out_dir/<i>.sass (its instructions, the function's name left out). The run is tests/interpreted_run.py's, in a
+    process of its own as the test session runs it."""
     os.makedirs(out_dir, exist_ok=True)
     run = os.path.join(out_dir, "model_run.pt")
-    interpreted_run.main(run)
+    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "interpreted_run.py"), run], cwd=ROOT, check=True)
     launches = list(torch.load(run, weights_only=False)[2].values())
     index = []
     for i, (r, b) in enumerate(zip(launches, build(launches, out_dir))):
@@ -266,7 +265,7 @@ def save(out_dir: str):
             entry["file"] = f"{i}.sass"
         index.append(entry)
     json.dump(index, open(os.path.join(out_dir, "index.json"), "w"), indent=1)
-    print(f"sass.py: {len(index)} launches of {len({e['record']['name'] for e in index})} kernels in {out_dir}")
+    print(f"tools.sass: {len(index)} launches of {len({e['record']['name'] for e in index})} kernels in {out_dir}")
 
 
 def compare(before: str, after: str, renames: dict) -> bool:
@@ -314,7 +313,7 @@ def compare(before: str, after: str, renames: dict) -> bool:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.sass", description=__doc__.splitlines()[0])
     ap.add_argument("snippet", nargs="?",
                     help="Python run with torch, K (= kernel) and the kernels/ modules in scope, on CPU tensors")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
@@ -332,12 +331,13 @@ def main():
     if (a.snippet is None) == (a.save is None):
         ap.error("give a snippet, or --save DIR, or --compare BEFORE AFTER")
     if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter must be on before triton is imported
-        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, TRITON_INTERPRET="1"))
+        os.execve(sys.executable, [sys.executable, "-m", "tools.sass", *sys.argv[1:]],
+                  dict(os.environ, TRITON_INTERPRET="1"))
     if a.save:
         return save(a.save)
     launches = [r for r in record(a.snippet, a.tune) if not a.only or a.only in r["name"]]
     if not launches:
-        sys.exit("sass.py: the snippet launched no kernel of kernels/" + (f" matching {a.only!r}" if a.only else ""))
+        sys.exit("tools.sass: the snippet launched no kernel of kernels/" + (f" matching {a.only!r}" if a.only else ""))
     with tempfile.TemporaryDirectory() as tmp:
         for i, (r, b) in enumerate(zip(launches, build(launches, tmp))):
             if "error" in b:

@@ -10,8 +10,8 @@ pass by the larger sum over its layers. Then the projected 92-layer prefill (69 
 the DSA layer at the largest N the time of the sparse-attention pieces of its last chunk. Timed after a first pass
 over the whole prompt (printed too: it includes the Triton compiles); best of --reps.
 
-    python bench_prefill.py [--tokens 8192 32768 131072] [--chunk 16384] [--layers sliding dsa] [--profile]
-                            [--tune KEY=VALUE] [--sweep KEY=V1,V2,...]
+    python -m tools.bench_prefill [--tokens 8192 32768 131072] [--chunk 16384] [--layers sliding dsa] [--profile]
+                                  [--tune KEY=VALUE] [--sweep KEY=V1,V2,...]
 """
 import argparse
 import cProfile
@@ -22,10 +22,9 @@ import torch
 
 import kernel
 import model as M
-from bench_decode import kernel_table, real_rank_config, randomise
 from engine import PREFILL_CHUNK
+from tools.rank import BF16_FLOPS, FP8_FLOPS, kernel_table, randomise, real_rank_config
 
-BF16_FLOPS, FP8_FLOPS = 767e12, 1263e12  # H200 dense GEMM ceilings measured with PyTorch (ENVIRONMENT.md)
 LAYER_ID = {"sliding": 4, "dsa": 7}
 
 
@@ -209,7 +208,8 @@ def main(tokens: list, C: int, layers: list, reps: int, profile: bool = False):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_prefill", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help=f"default {PREFILL_CHUNK}, the engine's")
     ap.add_argument("--layers", nargs="+", choices=list(LAYER_ID), default=list(LAYER_ID))
@@ -233,7 +233,7 @@ if __name__ == "__main__":
     except ValueError as e:
         raise SystemExit(str(e).replace("--tune", "--sweep", 1))
     if not torch.cuda.is_available():
-        raise SystemExit("bench_prefill.py needs a CUDA device")
+        raise SystemExit("tools.bench_prefill needs a CUDA device")
     for v in values.split(",") if a.sweep else [None]:
         if v is not None:
             kernel.set_tuning([f"{key}={v}"])

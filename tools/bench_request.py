@@ -1,5 +1,5 @@
 """What a user sees: requests through the engine (engine.py) on one GPU holding one whole TP=EP=8 rank of random FP8
-weights (92 layers; bench_decode.py's builder), start-up included.
+weights (92 layers; tools.rank's build), start-up included.
 
 Per engine: the start-up (warm-up, i.e. Triton compilation, and CUDA graph capture, timed separately), then
 requests of P prompt tokens and N new tokens at batch B: time to first token, decode tokens/s as the host saw them
@@ -7,18 +7,17 @@ requests of P prompt tokens and N new tokens at batch B: time to first token, de
 (the engine's promise: none). The replayed step's rate beside it (the same engine's bucket graph, timed alone)
 is what the decode rate rests on. Run it twice with the same TRITON_CACHE_DIR for a cold and a warm start.
 
-    TRITON_CACHE_DIR=$(mktemp -d) python bench_request.py                 # cold start, then the request table
-    python bench_request.py --cases 1x1024,1x4096,1x32768,1x131072,16x1024,16x4096 --new 256
-    python bench_request.py --max-context 8192 --cases 1x4096           # the same request on a small cache
-    python bench_request.py --cases "" --profile 8192 32768 131072      # where a prefill's time goes, by family
-    python bench_request.py --cases "" --profile 32768 --tune sparse_block_n=32   # a launch choice through the engine
+    TRITON_CACHE_DIR=$(mktemp -d) python -m tools.bench_request           # cold start, then the request table
+    python -m tools.bench_request --cases 1x1024,1x4096,1x32768,1x131072,16x1024,16x4096 --new 256
+    python -m tools.bench_request --max-context 8192 --cases 1x4096     # the same request on a small cache
+    python -m tools.bench_request --cases "" --profile 8192 32768 131072    # where a prefill's time goes, by family
+    python -m tools.bench_request --cases "" --profile 32768 --tune sparse_block_n=32   # a launch choice
 
 --profile P ...: one request's prefill of P tokens (to its first token) under the profiler: per kernel family, its
 share of the prefill's wall time, and for the GEMMs and attention their rate against the H200's FLOP ceilings
 (bf16 767, fp8 1263 TFLOP/s). "idle" is wall time with no kernel running (the host behind the device).
 """
 import argparse
-import dataclasses
 import json
 import time
 
@@ -28,8 +27,7 @@ import engine as E
 import kernel
 import model as M
 import startup
-from bench_decode import randomise, real_rank_config, time_step
-from bench_prefill import BF16_FLOPS, FP8_FLOPS
+from tools.rank import BF16_FLOPS, FP8_FLOPS, build, time_step
 
 
 class Counters:
@@ -60,16 +58,6 @@ class Counters:
 
     def snapshot(self):
         return self.compiles, self.captures
-
-
-def build(seed: int = 0, mtp: int = 0) -> M.Step5ForCausalLM:
-    cfg = dataclasses.replace(real_rank_config(8), mtp_layers_kept=mtp)
-    with torch.device("meta"):
-        m = M.Step5ForCausalLM(cfg, set(cfg.moe_layers), 0)
-    randomise(m, seed=seed)
-    m.finalize()
-    M.set_parallel(1, 0)  # one GPU holds one rank's shapes; the sums are of one partial
-    return m
 
 
 def run_case(eng: E.Engine, batch: int, P: int, new: int, seed: int, after: E.Request | None = None) -> dict:
@@ -258,7 +246,7 @@ def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_request", description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x1024,1x4096,1x32768,1x131072,16x1024,16x4096",
                     help="comma-separated BATCHxPROMPT cases")
     ap.add_argument("--new", type=int, default=256, help="new tokens per request")

@@ -14,10 +14,12 @@ choices (or only the KEYs) set to each of its alternatives (ALTERNATIVES; TOGETH
 the defaults timed just before and after it; --tune KEY=VALUE changes a default for the whole run (e.g. --tune
 "moe_stages=((3, 3), (3, 3))").
 
-    python bench_decode.py [--batch 1] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
-    python bench_decode.py --whole-rank --tune "moe_stages=((4, 4), (4, 3))" --tune "moe_unroll=((4, 4), (1, 1))"
-    python bench_decode.py [--whole-rank] --tokens-per-row 4    # a speculative verify step (3 drafts)
-    torchrun --nproc-per-node=2 bench_decode.py --whole-rank [--one-shot]
+From the repository root (torchrun takes a module with -m, as python does):
+
+    python -m tools.bench_decode [--batch 1] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
+    python -m tools.bench_decode --whole-rank --tune "moe_stages=((4, 4), (4, 3))" --tune "moe_unroll=((4, 4), (1, 1))"
+    python -m tools.bench_decode [--whole-rank] --tokens-per-row 4    # a speculative verify step (3 drafts)
+    torchrun --standalone --nproc-per-node=2 -m tools.bench_decode --whole-rank [--one-shot]
 """
 import argparse
 import os
@@ -31,6 +33,7 @@ import config
 import model as M
 from sampling import greedy
 from startup import Graph
+from tools.rank import HBM_BPS, kernel_table, profiled, randomise, real_rank_config, time_step
 
 # the other values of kernel.TUNING's launch choices, each measured and not taken (PERF_LOG.md: "kernel.TUNING, key
 # by key"); --candidates re-times the step with each
@@ -47,31 +50,6 @@ ALTERNATIVES = {"sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32], "rout
                 "skinny_parts": [1, 2, 8], "skinny_warps": [8]}
 # several keys at once: name -> the TUNING entries they set together
 TOGETHER = {"moe_down_3cta": {"moe_maxnreg": ((0, 0), (168, 168)), "moe_stages": ((3, 3), (3, 2))}}
-HBM_BPS = 4.28e12  # H200 device-to-device copy bandwidth (read + write), measured with PyTorch
-
-
-def real_rank_config(tp: int = 8) -> config.Step5Config:
-    from tiny_checkpoint import real_text_config
-    return config.Step5Config.from_dict(real_text_config(tp_size=tp, expert_parallel_size=tp,
-                                                         tp_layout_version=config.LAYOUT_VERSION))
-
-
-def randomise(mod: torch.nn.Module, seed: int = 0, device="cuda"):
-    """Random weights on `device` for every parameter of mod (also parameters still on the meta device)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    for sub in mod.modules():
-        for name, p in list(sub._parameters.items()):
-            if p is None:
-                continue
-            if p.dtype == kernel.FP8:  # |x| <= 448 before the cast: CUDA turns larger values into NaN
-                t = (torch.randn(p.shape, device=device, generator=g) * 64).clamp(-448, 448).to(kernel.FP8)
-            elif name.endswith("weight_scale_inv"):
-                t = torch.full(p.shape, 1e-3 / 64, device=device)
-            elif p.dim() == 1:
-                t = torch.randn(p.shape, device=device, generator=g) * 0.1
-            else:
-                t = (torch.randn(p.shape, device=device, generator=g) * p.shape[-1] ** -0.5).to(p.dtype)
-            sub._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
 
 
 def fill_cache(cache: M.Cache, context: int):
@@ -84,24 +62,9 @@ def fill_cache(cache: M.Cache, context: int):
     cache.lengths.fill_(context)
 
 
-def profiled(fn):
-    """The profiler's events of one eager call of fn (device activities: kernels, copies, memsets)."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        fn()
-        torch.cuda.synchronize()
-    return p
-
-
 def count_kernels(fn) -> int:
     """Device activities of one eager call: the nodes a CUDA graph of it replays."""
     return sum(1 for e in profiled(fn).events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
-def kernel_table(fn, rows: int) -> str:
-    """Device time per kernel of one eager call: where a step's time goes."""
-    return profiled(fn).key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
 
 
 def replay_table(replay, rows: int, reps: int = 3) -> str:
@@ -154,16 +117,6 @@ def captured(fn, *inputs, state=lambda: ()) -> Graph:
     with torch.inference_mode():
         g.capture()
     return g
-
-
-def time_step(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / iters
 
 
 def bench_layers(cfg, batch: int, context: int, profile: bool, q: int = 1):
@@ -223,8 +176,9 @@ def bench_layers(cfg, batch: int, context: int, profile: bool, q: int = 1):
 def timed_around(timed, trials: dict, tuning: dict) -> dict:
     """name -> (candidate seconds, defaults seconds) for each trial (a dict of tuning changes), or name -> the
     exception its timing raised. The defaults are timed just before and just after each candidate and averaged:
-    timed once before all of them, the defaults looked ~2% slower than every candidate (H200, 2026-12-02, a candidate
-    equal to the old default included), so a drift within the process cancels. tuning is restored after each."""
+    timed once before all of them, the defaults looked ~2% slower than every candidate (on the H200, a candidate
+    equal to the old default included; PERF_LOG "kernel.TUNING, key by key"), so a drift within the process cancels.
+    tuning is restored after each."""
     default, out = dict(tuning), {}
     for name, tune in trials.items():
         before = timed()
@@ -358,7 +312,8 @@ def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--torch-ref", action="store_true", help="time the PyTorch reference path instead of Triton")
@@ -387,6 +342,6 @@ if __name__ == "__main__":
         raise SystemExit(f"--candidates {' '.join(sorted(bad))}: no alternatives; those with some: "
                          f"{', '.join([*ALTERNATIVES, *TOGETHER])}")
     if not torch.cuda.is_available():
-        raise SystemExit("bench_decode.py needs a CUDA device")
+        raise SystemExit("tools.bench_decode needs a CUDA device")
     cands = a.candidates if a.candidates else a.candidates == []  # [] (the flag alone): every choice
     main(a.batch, a.context, a.torch_ref, a.profile, a.whole_rank, a.tokens_per_row, a.one_shot, cands, a.capacity)

@@ -13,7 +13,9 @@ CUDA graph of 2 x 92 chained reductions (a whole step's worth), per call:
            the norm; checked bit-identical to `gather` too.
 and prints an estimate for W = 8 from a latency + bandwidth model fitted to the W measured here (stated in the output).
 
-    torchrun --standalone --nproc-per-node=2 bench_reduce.py [--batch 1 16]
+From the repository root (torchrun takes a module with -m, as python does):
+
+    torchrun --standalone --nproc-per-node=2 -m tools.bench_reduce [--batch 1 16]
 On CPU (gloo, `--device cpu`) only `gather` runs, eagerly: a smoke test of the script, not a measurement.
 """
 import argparse
@@ -137,7 +139,8 @@ def main(batches: list, device: str):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_reduce", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
