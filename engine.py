@@ -7,10 +7,15 @@ without copying any other request's cache.
     reqs = eng.run([Request(ids, max_new_tokens=64, stop_ids=frozenset({4}))])
 
 How it works, and where each part lives:
-- Start-up (startup.py, Startup): the constructor plans the device memory and settles the context that fits beside
-  the weights (an engine that does not fit is refused, naming the flags); Engine.start compiles every kernel variant
-  a request can reach (warm-up prefill passes, from threads while Triton's cache lacks them), allocates the caches
-  and captures the CUDA graphs. No request compiles or captures anything.
+- Start-up (startup.py, Startup; its docstring says how): the constructor plans the device memory and settles the
+  context that fits beside the weights (rank 0 says the plan; an engine that does not fit is refused, naming the
+  flags); Engine.start compiles every kernel variant a request can reach (warm-up prefill passes, from threads while
+  Triton's cache lacks them), allocates the caches and captures the CUDA graphs: one decode step per batch bucket
+  (1, 2, 4, ... up to max_batch; a speculative engine's verify and draft steps have their own), the fresh prompts'
+  prefill graphs and the next turns' extension graphs.
+- Nothing compiles or captures after start-up. No launch argument that varies with a request (prompt, chunk or
+  context length, batch size) is a specialised int or a constexpr; prefill launches go through unspecialised
+  kernels; decode batches pad to their bucket.
 - A step (Engine.step): release the slots of requests that ended; admit waiting requests into free slots (the one
   whose cache holds the longest prefix of the prompt, else the least recently used: a conversation's next turn
   prefills only what its slot does not hold, Engine._reuse); prefill up to `prefill_chunk` prompt tokens, packed over
@@ -18,15 +23,28 @@ How it works, and where each part lives:
   over the slots that decode; then read the previous decode step's tokens and hand them to their requests, which end
   at a stop id or at max_new_tokens (Finish). The host reads a step's tokens after the next step is queued, so the
   device never waits for it.
-- Prefill: a fresh prompt of up to startup.GRAPH_PREFILL tokens replays the prefill graph of its padded length in a
-  staging row that its slot then adopts; a short next turn replays extension graphs (decode steps of up to 64 tokens
-  for its slot); anything else runs one eager pass over the packed pieces. An eager pass of a few thousand tokens
-  costs the host more than its kernels take.
+- Prefill, short prompts as graphs. An eager prefill pass of up to a few thousand tokens is bound by the host's
+  ~1,200 Python launches, not by its kernels. So a fresh prompt (no cached prefix, no image) of up to
+  startup.GRAPH_PREFILL tokens replays the prefill graph of its length padded to a power of two (32 ... 4,096) in a
+  one-row staging cache; its slot then adopts the staging row's keys, values, region summaries and pending indexer
+  rows, and the ring slots of its real tokens. A conversation's next turn of up to EXTEND_TURN tokens on top of its
+  slot's cache replays extension graphs: decode steps of up to 64 tokens for that slot (startup.EXTEND: 16, 32 or
+  64; positions, slot and token count are device inputs). An engine step's prompts replay their graphs when their
+  padded lengths add up to at most the largest prefill graph's (4,096 tokens). Padding follows the real tokens, so
+  none of them attends to it or shares a routing or region decision with it; its writes past the real tokens are
+  overwritten before anything reads them, but for the pending DSA indexer rows it overwrites past a region boundary,
+  which the layers put back. With `speculative=K` the graphs also return the real rows, which the MTP layers absorb
+  after each replay. The real rows differ from an unpadded pass only as two prefill chunkings do (the GEMMs' row
+  counts). Anything else (chunks of long prompts, longer turns, larger bursts of requests, prompts with images, and
+  every prompt without CUDA graphs) runs one eager pass over the packed pieces.
 - Decode: one static-shape function of the slot of each row, replayed as a CUDA graph per batch bucket (padding rows
   of a bucket point at slots that do not decode in the step and write only where their slot's next token would go).
   Greedy rows take the step's argmax; sampled rows draw by their own seed and count (sampling.py: token choice, the
   same on every rank without a broadcast). With `speculative=K` a decode step verifies K drafts of the checkpoint's
   MTP layers per request (speculative.py).
+- A step costs what the slots hold: the decode kernels skip the cache past every row's history, so a 4k-token
+  conversation on a cache sized for 208k positions pays 0.3% more per step than on an 8k cache (4.946 against
+  4.931 ms on an H200: PERF_LOG "the decode step on a long cache"), not the long context.
 - A step that raises ends every request in the engine ("error") and frees the slots (Engine.abandon); the engine
   takes new requests.
 """

@@ -6,6 +6,23 @@ fresh prompt's prefill per padded length and a next turn's extension steps. One 
 makes in its constructor (its plan settles the engine's context) and runs from Engine.start; what it makes goes
 into the engine (cache, mtps, graphs, prefill_graphs, extend_graphs, max_context).
 
+- The memory plan. Before allocating, rank 0 says the weights, caches, prefill workspace, graphs and headroom against
+  the free device memory (MemoryPlan.line); a plan that does not fit is refused, naming the flag to lower. Without a
+  max_context the context is what fits, capped at the config's max_position_embeddings, and the ranks take the least
+  any of them fits (one whole TP=8 rank of FP8 weights on an H200 with 16 slots: about 205k positions, PERF_LOG "the
+  clean-up's decode step against the tree before it").
+- The builds. Warm-up prefill passes reach every Triton kernel variant a request can reach; then each batch bucket's
+  graph is captured, and the times are said. On a GPU the passes run first from a pool of threads (the rank's share
+  of the node's CPU cores, at most 16), each in a small cache of its own, before the engine's caches are allocated,
+  so Triton compiles their kernels side by side (each variant once: one_build_per_variant); the plan is then made
+  again on what is left, and each batch bucket's decode step runs once from the same pool before the graphs are
+  captured.
+- Triton's disk cache. Triton keeps compiled kernels in ~/.triton/cache (or $TRITON_CACHE_DIR): a second start on
+  the same machine reads them instead of compiling, and a copy of that directory on another node with the same GPU,
+  driver and Triton skips the compile there too. A start-up leaves a marker there if it can (`step5-built-*`,
+  _built_marker: named by the code, the model, the passes and the GPU); a start-up that finds its marker warms up in
+  order instead of from threads, which would only read the cache and contend for the GIL.
+
 Tests drive it through its public methods (run, warm_pass, build_ahead, warm_graphs_ahead), wrapping them on the
 engine's own Startup object to record what each makes.
 """
