@@ -61,7 +61,9 @@ import speculative
 import startup
 from sampling import RowSampling, Sampling, choose, is_int, sample
 
-PREFILL_CHUNK = 16384  # prefill tokens per engine step (packed over requests); PERF_LOG 2026-12-02: 16k vs 8k / 32k
+# Prefill tokens per engine step (packed over requests): 16k against 8k / 32k in PERF_LOG's table, row "prefill,
+# chunks of 16384 on a growing cache".
+PREFILL_CHUNK = 16384
 # A conversation's next turn of up to this many new tokens prefills as extension steps (startup.EXTEND) when the
 # prefill graphs run. The bound of 4 steps is chosen, not measured: a 64-token step reads most of a rank's experts, so
 # many would cost more kernel time than one eager pass costs the host (tools.bench_request --turn measures it).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set-up and entry points.  bash run.sh demo   -> tiny checkpoint -> convert (TP=2) -> torchrun generate on CPU
-#                           bash run.sh test   -> the whole test suite
+#                           bash run.sh test   -> the whole test suite (quick: the quick tier, tests marked slow left out)
 # Both create .venv on first use: CPU torch 2.13.0 first, so the requirement ranges never pull a CUDA build.
 # Python: $PYTHON if set, else the first of python3.11, python3.12, python3.10, python3 that is 3.10-3.12.
 set -euo pipefail
@@ -38,10 +38,14 @@ case "${1:-}" in
     ;;
   test)
     shift
-    .venv/bin/python -m pytest -q tests test_vision.py "$@"
+    if [ "${1:-}" = quick ]; then  # the edit-test loop: every test but those marked slow (pytest.ini)
+      shift
+      set -- -m "not slow" "$@"
+    fi
+    .venv/bin/python -m pytest -q tests "$@"
     ;;
   *)
-    echo "usage: bash run.sh demo | test [pytest args]" >&2
+    echo "usage: bash run.sh demo | test [quick] [pytest args]" >&2
     exit 2
     ;;
 esac

@@ -46,7 +46,8 @@ from sampling import Sampling
 # A step prefills at most this many prompt tokens, so running streams keep their pace while a long prompt comes in.
 # A chunk's host enqueue (~0.2 s for 92 layers on an H200 host) bounds a step whatever its size: 4096 tokens take
 # about that on the device, so a step stalls the streams no longer than 2048 did and prefills twice as much
-# (16 streams of 1k-token prompts: 1043 against 914 tok/s, PERF_LOG 2026-12-04); the CLI takes 16k.
+# (16 streams of 1k-token prompts: 1043 against 914 tok/s, PERF_LOG "... the DSA prefill's dense regime, the server
+# measured"); the CLI takes 16k.
 PREFILL_CHUNK = 4096
 MAX_BATCH = 16  # slots (the README's decode figures: batch 16 costs 2x batch 1 per step, for 16x the tokens)
 MAX_QUEUE = 64  # requests waiting for a slot beyond --max-batch; more are answered 503 with Retry-After

@@ -1,7 +1,7 @@
-"""Drivers and instruments of the engine and the model for tests (and test_vision.py at the root): one batch on an
-engine made for it (generate), a packed prefill without an engine (prefill), and test instruments installed onto
-existing objects: a started engine's prefill and extension graphs that log each replay (record_replays), MTP drafts
-replaced by given tokens (force_drafts).
+"""Drivers and instruments of the engine and the model for tests: one batch on an engine made for it (generate), a
+packed prefill without an engine (prefill), and test instruments installed onto existing objects: a started engine's
+prefill and extension graphs that log each replay (record_replays), MTP drafts replaced by given tokens
+(force_drafts).
 """
 import time
 

@@ -262,6 +262,7 @@ def test_fp8_layer_disagreeing_with_quantization_config(ckpts, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
+@pytest.mark.slow
 def test_unreadable_source_file_is_the_only_problem_reported(ckpts, tmp_path, damage):
     """The tensors of an unreadable file are unknown, not BF16: no false FP8/BF16 disagreement, no wrong summary."""
     ck = str(tmp_path / "ck")
@@ -619,6 +620,7 @@ def test_config_mtp_layers_kept_is_validated(value, needle):
     assert str(e.value) == needle
 
 
+@pytest.mark.slow
 def test_check_only_with_keep_mtp_audits_the_mtp_layers(ckpts, tmp_path):
     ck = str(tmp_path / "ck")
     shutil.copytree(ckpts["bf16_text"], ck)
@@ -690,6 +692,7 @@ def _peak_mib(code):
     return int(out.split()[-1]) / 1024
 
 
+@pytest.mark.slow
 def test_conversion_memory_stays_below_one_rank_shard(tmp_path):
     """At TP=1 one rank's shard is the whole checkpoint; streaming must add far less than that."""
     ck = make_checkpoint(str(tmp_path / "ck"), vl=False, n_files=6,
@@ -773,6 +776,7 @@ NON_FINITE = [("model.layers.1.mlp.up_proj.weight", b"\xc0\x7f", 512 * 256 - 1, 
 
 @pytest.mark.parametrize("name,raw,flat,index,value", NON_FINITE,
                          ids=[n[0].split(".", 3)[-1] + n[4] for n in NON_FINITE])
+@pytest.mark.slow
 def test_non_finite_weight_is_refused_naming_tensor_file_and_index(ckpts, tmp_path, name, raw, flat, index, value):
     ck = str(tmp_path / "ck")
     shutil.copytree(ckpts["fp8_vl"], ck)
@@ -853,6 +857,7 @@ def test_config_size_or_scale_of_zero_or_less_is_refused(ckpts, edit, needle):
     (("vision_config", "layer_norm_eps"), float("nan")), (("vision_config", "rope_theta"), float("inf")),
     (("vision_config", "mlp_ratio"), float("nan")),
 ])
+@pytest.mark.slow
 def test_non_finite_config_number_is_refused_naming_the_field(ckpts, tmp_path, path, value):
     """Python's json reads NaN / Infinity / -Infinity as floats; every reader of a config (convert.py, and
     config.load_config for generate.py's per-rank configs) refuses them, naming the field."""
@@ -1027,6 +1032,7 @@ def _start_held(go, args):
     raise AssertionError(f"the held run ended early: {p.communicate()}")
 
 
+@pytest.mark.slow
 def test_a_second_conversion_into_the_same_out_dir_is_refused_at_once(ckpts, converted, tmp_path):
     import socket
     out, go = str(tmp_path / "out"), str(tmp_path / "go")
@@ -1113,6 +1119,7 @@ def _scale_in_its_own_file(ck, name="model.layers.3.moe.up_proj.weight_scale_inv
 
 @pytest.mark.parametrize("check_only", [True, False], ids=["check-only", "convert"])
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
+@pytest.mark.slow
 def test_scale_grid_in_a_missing_or_truncated_file_is_one_problem(ckpts, tmp_path, damage, check_only):
     """A partial download: the FP8 weight's file is complete, its weight_scale_inv's file is not."""
     ck = str(tmp_path / "ck")
@@ -1154,6 +1161,7 @@ def _tokenizer_json_is_a_directory(ck):
     (_latin1_tokenizer_config, "tokenizer_config.json: not UTF-8 text ('utf-8' codec can't decode byte 0xe9"),
     (_tokenizer_json_is_a_directory, "tokenizer.json: is a directory, not a file"),
 ], ids=["truncated tokenizer.json", "latin-1 tokenizer_config.json", "tokenizer.json is a directory"])
+@pytest.mark.slow
 def test_bad_tokenizer_file_is_named(ckpts, tmp_path, damage, needle, check_only):
     """The tokenizer files convert.py copies are checked first: JSON ones must be UTF-8 JSON, the rest UTF-8."""
     ck = str(tmp_path / "ck")
@@ -1167,6 +1175,7 @@ def test_bad_tokenizer_file_is_named(ckpts, tmp_path, damage, needle, check_only
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_with_one_line_and_the_rerun_resumes(ckpts, converted, tmp_path):
     import signal
     out, go = str(tmp_path / "out"), str(tmp_path / "go")
@@ -1256,6 +1265,7 @@ def _duplicate_header_key(ck):
     (_duplicate_header_key, 'model-00001-of-00004.safetensors: header: key "'),
 ], ids=["index-named file is a directory", "index is a directory", "duplicate key in the index",
         "duplicate key in config.json", "duplicate key in a safetensors header"])
+@pytest.mark.slow
 def test_directories_and_duplicate_keys_are_named(ckpts, tmp_path, case, needle):
     ck = str(tmp_path / "ck")
     shutil.copytree(ckpts["fp8_vl"], ck)

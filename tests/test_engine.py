@@ -121,6 +121,7 @@ def test_a_cancelled_request_frees_its_slot_for_a_waiting_one(lm):
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(lm):
     """A fresh prompt runs as the pass of its padded length (32 ... 256: CUDA graphs on a GPU, eager here) in the
     staging row, adopted by its slot, and a next turn as decode steps of up to 64 tokens (16, 32 or 64) on its slot:

@@ -108,6 +108,7 @@ def image_batch(tmp) -> list:
 
 @pytest.mark.parametrize("kind,images,tps", [("fp8_vl", False, (2, 4)), ("bf16_text", False, (2,)),
                                              ("fp8_vl", True, (2,))])  # TP=4 once: 4 ranks on CI's 2 cores
+@pytest.mark.slow
 def test_greedy_tokens_and_logits_agree_across_tp(kind, images, tps, converted, tmp_path):
     reqs = image_batch(tmp_path) if images else PROMPTS
     lengths = [len(r["prompt_ids"]) if isinstance(r, dict) else len(r) for r in reqs]
@@ -147,6 +148,7 @@ def tp1_model(tp1_models):
 EOS = [1, 2, 4]
 
 
+@pytest.mark.slow
 def test_each_batch_request_gets_its_tokens_alone(tp1_model, converted, tmp_path):
     """Position independence inside one batch is exact (reversing the batch gives each row its bits); a batch of
     another size runs GEMMs of other row counts, so the batch's decisions are pinned into the single runs and a
@@ -217,6 +219,7 @@ def test_eos_request_leaves_the_batch_and_no_cache_is_copied(tp1_model, monkeypa
     assert len(set(storage)) == 1  # every step wrote into the same cache tensors
 
 
+@pytest.mark.slow
 def test_max_new_tokens_zero_returns_empty_completions(tp1_model, converted, tmp_path):
     assert helpers.generate(tp1_model, PROMPTS, 0, EOS)[0] == [[], [], []]
     doc = gen_json(1, converted("fp8_vl", 1), "--prompt-json-batch", write_json(tmp_path / "b.json", PROMPTS[:2]),
@@ -226,6 +229,7 @@ def test_max_new_tokens_zero_returns_empty_completions(tp1_model, converted, tmp
 
 
 # ---------------------------------------------------------------------------------------------- text output
+@pytest.mark.slow
 def test_prompt_text_print_ids_and_speed_lines(converted):
     r = torchrun(2, "--tp-dir", converted("bf16_text", 2), "--ep-size", 2, "--prompt", "请介绍一下张量并行。",
                  "--max-new-tokens", 4, "--print-ids")
@@ -273,6 +277,7 @@ def test_bad_malformed_json(tp2, tmp_path):
                           str(bad), "not valid JSON")
 
 
+@pytest.mark.slow
 def test_bad_ids_outside_vocab_and_empty_prompt(tp2, tmp_path):
     # both in one batch file would stop at the first; two files, two runs
     p = write_json(tmp_path / "oov.json", {"prompt_ids": [11, 12, 1024, 13]})
@@ -283,6 +288,7 @@ def test_bad_ids_outside_vocab_and_empty_prompt(tp2, tmp_path):
                           "request 1", "non-empty")
 
 
+@pytest.mark.slow
 def test_bad_batch_lists_every_bad_request(tp2, tmp_path):
     reqs = [[11, 12], {"prompt": 5}, {"ids": [11, 12]}, {"prompt_ids": [11, "x"]}, [11, 13],
             {"prompt_ids": [11], "prompt": "both"}]
@@ -302,12 +308,14 @@ def test_bad_batch_lists_every_bad_request(tp2, tmp_path):
         "expected [ids...] or {\"prompt_ids\": [ids...]}", "keys ['ids']")
 
 
+@pytest.mark.slow
 def test_bad_image_placeholders_without_image_inputs(tp2, tmp_path):
     p = write_json(tmp_path / "p.json", [11, 5, 5, 12])  # id 5 is the tiny VL checkpoint's <im_patch>
     assert_all_ranks_fail(launch_ranks(2, ["--tp-dir", tp2, "--prompt-json", p]),
                           "request 0", "2 image placeholder(s)", "0 feature row(s)")
 
 
+@pytest.mark.slow
 def test_ep_size_defaults_to_the_shards(tp2, tmp_path):
     p = write_json(tmp_path / "p.json", [11, 12, 13])
     res = launch_ranks(2, ["--tp-dir", tp2, "--prompt-json", p, "--max-new-tokens", 2, "--json"])
@@ -324,6 +332,7 @@ def wide_image(path) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_image_file_and_prepared_inputs_give_the_same_tokens(tp2, tmp_path):
     img = wide_image(tmp_path / "wide.png")
     prep = tmp_path / "prep.safetensors"
@@ -346,6 +355,7 @@ def test_image_file_and_prepared_inputs_give_the_same_tokens(tp2, tmp_path):
     assert json.loads(res[0][1])["completion_token_ids"] == by_file["completion_token_ids"]
 
 
+@pytest.mark.slow
 def test_bad_image_files_and_requests(tp2, converted, tmp_path):
     img = wide_image(tmp_path / "wide.png")
     fake = tmp_path / "fake.jpg"
@@ -417,6 +427,7 @@ def test_text_that_is_not_utf8_and_a_failing_chat_template_are_named(converted):
     assert_all_ranks_fail(res, "--prompt: the text is not valid UTF-8")
 
 
+@pytest.mark.slow
 def test_stdout_that_cannot_be_written_ends_the_run_with_one_line(converted):
     """Rank 0's stdout on a full disk (or a pipe whose reader left): the run ends on every rank as it would, and rank
     0 then says once that the output is lost, instead of dying mid-run and taking the other rank's collective down."""
@@ -430,6 +441,7 @@ def test_stdout_that_cannot_be_written_ends_the_run_with_one_line(converted):
 
 
 # ---------------------------------------------------------------------------------------------- sampling
+@pytest.mark.slow
 def test_sampling_at_tp2_is_the_same_on_every_rank_and_reproducible(converted, tmp_path):
     batch = write_json(tmp_path / "b.json", PROMPTS)
 
@@ -459,6 +471,7 @@ def test_bad_sampling_settings(kw, words):
         assert w in str(e.value), (w, str(e.value))
 
 
+@pytest.mark.slow
 def test_bad_sampling_flags_end_every_rank_with_one_message(tmp_path):
     p = write_json(tmp_path / "p.json", [11, 12, 13])
     run = lambda *a: launch_ranks(2, ["--tp-dir", tmp_path, "--prompt-json", p, *a])  # noqa: E731  (dir never read)
@@ -473,6 +486,7 @@ def mtp_out(converted):
     return lambda tp: converted("bf16_text", tp, keep_mtp=True)
 
 
+@pytest.mark.slow
 def test_speculative_cli_and_bad_flags(mtp_out, converted, tmp_path):
     batch = write_json(tmp_path / "b.json", PROMPTS[:2])
     res = launch_ranks(2, ["--tp-dir", mtp_out(2), "--prompt-json-batch", batch, "--max-new-tokens", 6, "--json",
@@ -543,6 +557,7 @@ def speed_lines(err: str) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_interactive_turns_reuse_the_cache_and_reset_refuse_and_stop(converted):
     """A three-turn chat at TP=2 from piped stdin: turns 2 and 3 prefill only what the cache does not hold (at least
     the last turn's prompt is reused); /reset starts over; a turn past --max-context is refused with a message and the
@@ -607,6 +622,7 @@ def test_interactive_turns_reuse_the_cache_and_reset_refuse_and_stop(converted):
         assert all(rc in (0, runtime.EXIT_INTERRUPTED) for rc, _, _ in res), res
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_ends_the_other_with_one_line(converted):
     """kill -9 of rank 1 during an answer: rank 0's next collective fails; it says so in one line and exits
     EXIT_FAILED, no traceback."""
@@ -623,6 +639,7 @@ def test_a_rank_that_dies_ends_the_other_with_one_line(converted):
         "error: rank 0: lost another rank ("), err[-3000:]
 
 
+@pytest.mark.slow
 def test_streamed_text_is_the_json_completion(converted):
     """A single request's text streams to stdout as it is decoded; it is the --json document's completion, and on a
     terminal (stdout and stderr on one file) its line ends before the speed line."""
@@ -637,6 +654,7 @@ def test_streamed_text_is_the_json_completion(converted):
 
 
 # ---------------------------------------------------------------------------------------------- hardening
+@pytest.mark.slow
 def test_bad_ranks_of_two_conversions_are_named_before_loading(tp2, tmp_path):
     """Every rank's config and shard metadata must come from one conversion: a config-r1.json with one number edited
     is named with the field, before any weight is read."""
@@ -650,6 +668,7 @@ def test_bad_ranks_of_two_conversions_are_named_before_loading(tp2, tmp_path):
                           "text_config.rms_norm_eps", "rank 0", "another conversion")
 
 
+@pytest.mark.slow
 def test_bad_non_finite_inputs_and_logits_stop_with_a_message(converted, tmp_path):
     """NaN image embeddings are refused naming the file and tensor; a NaN config number names the field; a NaN weight
     that makes the logits non-finite stops generation naming the request and the token."""
@@ -679,6 +698,7 @@ def test_bad_non_finite_inputs_and_logits_stop_with_a_message(converted, tmp_pat
                           "new token 0")
 
 
+@pytest.mark.slow
 def test_bad_flags_are_reported_once_in_every_run_under_torchrun(tmp_path):
     """Validated before any rank can exit, and printed by rank 0 after every rank agreed: the message appears in
     every run (it was lost in about half of them), once, argparse's too; torchrun then exits with its own 1."""
@@ -692,6 +712,7 @@ def test_bad_flags_are_reported_once_in_every_run_under_torchrun(tmp_path):
     assert r.returncode == 0 and r.stdout.count("usage:") == 1, r.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_bad_paths_files_and_requests_are_named(converted, tmp_path):
     vl = converted("fp8_vl", 1)
     p = write_json(tmp_path / "p.json", [11, 12, 13])
@@ -755,6 +776,7 @@ def wait_line(proc, text: str, lines: list, timeout: float = 120):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_every_rank_with_one_line(converted):
     """SIGINT (torchrun forwards Ctrl-C to every worker) mid-generation: rank 0 prints one 'interrupted' line, no rank
     prints a traceback, every rank exits with 130."""
@@ -785,6 +807,7 @@ def test_ctrl_c_ends_every_rank_with_one_line(converted):
     assert not any("Traceback" in "".join(e) for e in errs), "".join(errs[0])[-3000:] + "".join(errs[1])[-3000:]
 
 
+@pytest.mark.slow
 def test_workers_exit_when_their_launcher_is_killed(converted):
     """kill -9 of torchrun: each worker notices its parent is gone (PR_SET_PDEATHSIG, and a watchdog) and exits
     within seconds instead of holding its GPU."""

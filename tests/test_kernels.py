@@ -123,6 +123,7 @@ def _moe_case(T, D, F, E, k, fp8, seed):
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("T,D,F,E,k", [(1, 128, 64, 3, 2), (5, 192, 160, 4, 3), (24, 256, 96, 6, 4)])
+@pytest.mark.slow
 def test_moe_experts_matches_dense_reference(fp8, T, D, F, E, k):
     args = _moe_case(T, D, F, E, k, fp8, seed=T)
     out = experts.moe_experts_triton(*args, 7.0)
@@ -136,6 +137,7 @@ def test_moe_experts_matches_dense_reference(fp8, T, D, F, E, k):
 
 @pytest.mark.parametrize("T,k,E,first", [(0, 2, 4, 0), (3, 2, 4, 0), (700, 3, 5, 2), (20, 4, 6, 100),
                                          (5000, 8, 2, 1)])
+@pytest.mark.slow
 def test_moe_dispatch_matches_reference(T, k, E, first):
     """The counting sort gives the stable sort's rows, offsets and inverse bit for bit: no slots, fewer slots than
     segments, slots of other ranks' experts (ids below and above this rank's range, sorted last), experts with no
@@ -247,6 +249,7 @@ def _moe_decode_case(T, k, E, first, fp8, shared, seed, D=192, F=160, Fs=48):
     (3, 2, 4, 4, True, None),    # no clamp anywhere
     (17, 2, 3, 3, 5.0, 7.0),     # 17 rows on one expert: two 16-row chunks (routed and shared)
 ])
+@pytest.mark.slow
 def test_moe_decode_matches_reference(fp8, T, k, E, first, shared, limit):
     """The sort-free decode path, and the sorted path with the same arguments, against moe_experts_ref."""
     args, sh = _moe_decode_case(T, k, E, first, fp8, shared, seed=T + 3 * k)
@@ -469,6 +472,7 @@ for pdl in (True, False):
 """
 
 
+@pytest.mark.slow
 def test_pdl_prologue_compiles_for_sm90():
     """kernels.common._pdl's prologue compiled ahead of time for an H200 (no GPU needed; in a fresh process, as the
     interpreter's kernels cannot be compiled): griddepcontrol.wait, then launch_dependents, before the kernel's
@@ -609,6 +613,7 @@ def _check_sliding(args, H, hd, label, max_ulps, **kw):
 @pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("R", [8, 11])
 @pytest.mark.parametrize("B,pos", [(1, [3]), (2, [7, 8]), (3, [0, 29, 53])])
+@pytest.mark.slow
 def test_sliding_decode(B, pos, R, G, hd, half):
     """Positions below the window, at it, and wrapped several times; a ring without (R = W) and with spare slots;
     one split (default) and 3 splits merged by log-sum-exp (split_len=4).
@@ -644,6 +649,7 @@ def test_sliding_decode_addresses_its_ring_rows(Q):
 
 @pytest.mark.parametrize("B,first,Q,R", [(B, first, Q, R) for B, first in ((1, [0]), (2, [5, 30]))
                                          for Q, R in ((3, 10), (4, 13))] + [(1, [30], 8, 15)])
+@pytest.mark.slow
 def test_sliding_decode_multi_token(B, first, Q, R):
     """Q tokens per ring row (a speculative verify step, or a next turn's extension step): the keys are written
     by their own launch, then each query sees the window of its own position; rows starting at 0, inside the first
@@ -665,6 +671,7 @@ def test_sliding_decode_multi_token(B, first, Q, R):
 @pytest.mark.parametrize("H,G,hd", [(4, 2, 24), (4, 1, 32), (3, 3, 16)] if INTERPRET else
                          [(4, 2, 48), (4, 1, 32), (8, 1, 64)])
 @pytest.mark.parametrize("off,n,W", [(0, 13, 5), (4, 9, 5), (3, 21, 8), (0, 1, 4)])
+@pytest.mark.slow
 def test_banded_attention_matches_reference(H, G, hd, off, n, W):
     """The prefill chunk's banded attention (query i sees keys (off + i - W, off + i]) through the Triton kernel:
     chunks starting after cached keys (off > 0) or not, a window longer than the chunk, a padded second head_dim
@@ -884,6 +891,7 @@ def _select_case(S, G, T, R, seed, ties):
     (1, 1, 4, 300, 3, [[8, 2, 9, 200]], 32, True),  # decode's short path (8 lanes) beside a history past it
     (1, 1, 3, 37, 8, [[8, 5, 30]], 4096, True),  # the short path in a one-launch selection
 ])
+@pytest.mark.slow
 def test_select_regions_triton_bit_identical(S, G, T, R, topk, n_hist, chunk, ties):
     sc = _select_case(S, G, T, R, seed=R + topk, ties=ties)
     nh = torch.tensor(n_hist, device=DEV)
@@ -954,6 +962,7 @@ def test_sparse_attention(S, T, G, Hg, hd, blk, topk, L, splits):
 @pytest.mark.parametrize("G,Hg,hd,blk", [(2, 2, 48, 8), (1, 3, 32, 4)] if INTERPRET else
                          [(1, 8, 192, 8), (2, 4, 64, 8)])
 @pytest.mark.parametrize("p0,T", [(0, 21), (13, 9), (40, 1), (5, 44)])
+@pytest.mark.slow
 def test_dense_prefix_is_sparse_attention_over_every_history_region(G, Hg, hd, blk, p0, T):
     """Prefill queries that select every history region (the dense-equivalence regime) through the tile of whole
     regions' queries: within the sparse kernel's distance of the reference, and close to the per-query sparse kernel
@@ -984,6 +993,7 @@ def test_dense_prefix_is_sparse_attention_over_every_history_region(G, Hg, hd, b
 @pytest.mark.parametrize("G,Hg,hd,blk,topk", [(2, 2, 48, 8, 3), (1, 3, 32, 4, 5)] if INTERPRET else
                          [(1, 8, 192, 8, 4), (2, 4, 64, 8, 3)])
 @pytest.mark.parametrize("p0,T", [(13, 60), (75, 9), (90, 1), (250, 20)])
+@pytest.mark.slow
 def test_dense_prefix_over_a_selection_is_sparse_attention(G, Hg, hd, blk, topk, p0, T):
     """Prefill queries past the dense regime through the dense tiles, each history key masked by its query's own
     selection (exact top-k of random scores, so queries of one tile select different regions): within the sparse
@@ -1026,6 +1036,7 @@ def test_dense_prefix_over_a_selection_is_sparse_attention(G, Hg, hd, blk, topk,
 
 @pytest.mark.parametrize("T,D,E,k", [(1, 192, 12, 3), (3, 192, 12, 3), (20, 256, 40, 8), (80, 128, 24, 4)])
 @pytest.mark.parametrize("parts", [1, 4])
+@pytest.mark.slow
 def test_route(T, D, E, k, parts):
     tuned = dict(router_parts=parts)  # the hoisted K step in 1 or 4 MMA chains
     x, w = randn(T, D, seed=1), randn(E, D, seed=2, scale=0.05)
@@ -1188,8 +1199,7 @@ def test_gpu_select_regions_real_shape(S, T, R):
                          + [(1, 515, 4096, 4), (16, 528, 100, 4)])
 def test_gpu_sliding_decode_real_shape(B, R, p, Q, span):
     """A sliding layer's decode at TP = 8: H = 8 heads, one KV group, hd 192, W = 512; rotary span 192 (the sliding
-    layers' table: partial_rotary_factor 1) or 64 (the DSA layers' 1/3, what this test used alone before
-    2026-11-30); row b's Q tokens at positions p + 37 b + j (p = 4096: the ring has wrapped 8 times)."""
+    layers' table: partial_rotary_factor 1) or 64 (the DSA layers' 1/3); row b's Q tokens at positions p + 37 b + j (p = 4096: the ring has wrapped 8 times)."""
     import model
     H, G, hd, W = 8, 1, 192, 512
     tables = model.rope_table(span, 10000.0, None, p + 37 * B + Q, DEV)

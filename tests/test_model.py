@@ -168,6 +168,7 @@ def test_decode_summaries_equal_prefill_summaries_bit_for_bit(lm):
 @torch.inference_mode()
 @pytest.mark.parametrize("kind", ["bf16_text", "fp8_text"])
 @pytest.mark.parametrize("n", [5, 30, 47])  # inside the window, past the 16-slot ring, past topk*8 (pruning)
+@pytest.mark.slow
 def test_prefill_then_decode_equals_longer_prefill(tp1_models, kind, n):
     """Prefill n + decode steps equals one-shot prefills of the longer prompts. The two paths run GEMMs of other
     row counts, so their logits differ in last bits; a router or DSA near-tie would turn that into an O(1) change,
@@ -192,6 +193,7 @@ def test_prefill_then_decode_equals_longer_prefill(tp1_models, kind, n):
 @torch.inference_mode()
 @pytest.mark.parametrize("kind,chunk", [("bf16_text", 1), ("fp8_text", 5), ("bf16_text", 8), ("fp8_text", 13),
                                         ("bf16_text", 16), ("fp8_text", 33)])  # a token, odd, a region, the ring
+@pytest.mark.slow
 def test_chunked_prefill_equals_one_shot(tp1_models, kind, chunk):
     """Prefill in chunks on a growing cache (ring continuation, DSA pending rows carried across chunks, summaries of
     regions completed inside a chunk, selection over all history) equals the one-shot prefill, for a batch whose
@@ -271,6 +273,7 @@ def test_multi_token_decode_equals_token_by_token(tp1_models, kind):
         lm.forward(torch.tensor([c[:Q] for c in cont]), lm.new_cache(2, 64))
 
 
+@pytest.mark.slow
 def test_model_on_the_triton_kernels_matches_the_references(interpreted_model_run):
     """The whole model with every Triton kernel (the interpreter on CPU, the GPU's launch shapes) against the PyTorch
     references (conftest.interpreted_model_run): a batched prefill, a prefill chunk on top of it, one-token steps

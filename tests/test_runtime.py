@@ -62,6 +62,7 @@ def test_prefill_progress_times_each_prefill_from_its_own_start(monkeypatch):
     ("generate.py", generate.parser, ["--prompt", "hi"], engine.PREFILL_CHUNK, None),
     ("serve.py", serve.parser, [], 4096, 16),
 ])
+@pytest.mark.slow
 def test_each_front_end_declares_the_engine_flags_with_its_own_defaults(script, parse, source, chunk, batch):
     """One group of engine flags, two sets of defaults: generate.py prefills engine.PREFILL_CHUNK tokens a step and
     sizes its slots from the batch; serve.py prefills 4096 a step, so running streams keep their pace, over 16 slots.

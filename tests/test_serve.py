@@ -165,6 +165,7 @@ def agree(model, prompt: list, got: list, want: list):
 
 
 # ---------------------------------------------------------------------------------------------- endpoints
+@pytest.mark.slow
 def test_health_models_and_the_api_key(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"  # no key needed
     assert [m.id for m in server.client().models.list().data] == ["step5"]
@@ -388,6 +389,7 @@ def test_concurrent_greedy_requests_get_their_solo_tokens(server, tp1):
 
 
 @pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.slow
 def test_engine_decodes_while_every_slot_is_held(tp1_models, converted, k):
     """Continuous batching's usual state: every slot held, one request prefilling (in chunks over several steps) while
     the others decode in a bucket that needs a padding row. Padding then points at the prefilling slot (plain decode)
@@ -455,6 +457,7 @@ def test_disconnected_stream_frees_its_slot(server):
     assert server.idle(10), server.health()
 
 
+@pytest.mark.slow
 def test_bounded_load(server):
     """12 + 48 requests from 12 client threads (more than --max-batch + --max-queue: some are answered 503 with
     Retry-After, and retried), mixed prompt lengths and max_tokens, streamed and not, one in six streams dropped
@@ -570,6 +573,7 @@ def stream_lines(srv: Server, max_tokens: int = 500):
         yield from (line for line in r.iter_lines() if line)
 
 
+@pytest.mark.slow
 def test_speculative_serving_and_a_dead_rank(converted, tmp_path):
     """A speculative server (MTP shards, --speculative 2: the engine's step kind, nothing else in the server) answers
     greedy and sampled requests; then a rank killed mid-stream: rank 0 ends the stream with an error event and exits

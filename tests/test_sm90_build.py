@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.skipif(not INTERPRET, reason="records the interpreter's launches (CPU CI)")
 @torch.inference_mode()
+@pytest.mark.slow
 def test_every_launched_kernel_compiles_for_sm90(interpreted_model_run, monkeypatch, tmp_path):
     seen = dict(interpreted_model_run[2])  # the model's launches (conftest), then the ones it does not reach
     monkeypatch.setattr(kernel, "_triton", lambda x: True)
@@ -61,6 +62,7 @@ def test_every_launched_kernel_compiles_for_sm90(interpreted_model_run, monkeypa
 
 
 @pytest.mark.skipif(not INTERPRET, reason="a CPU build")
+@pytest.mark.slow
 def test_sass_tool_reports_the_router_loops():
     """tools.sass (the offline SASS report) records, builds and summarises a snippet's launches."""
     snippet = ("x = torch.randn(1, 256).bfloat16(); w = torch.randn(40, 256).bfloat16()\n"
@@ -147,6 +149,7 @@ for gated, block_n, gather in ((False, 128, False), (True, 128, True), (False, 2
 
 
 @pytest.mark.skipif(not INTERPRET, reason="a CPU build")
+@pytest.mark.slow
 def test_gluon_grouped_gemm_compiles_for_sm90(tmp_path):
     """expert_gemm._grouped_wgmma_kernel (Gluon, run on sm90 GPUs only) built for an H200: its variants (gated or
     not, 128 or 256 B tile rows, x's rows by TMA or gathered by cp.async) fit its shared memory, spill (almost)

@@ -36,6 +36,7 @@ SPEC_NEW = 10
 
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("drafts", ["mtp", "right", "wrong"])
+@pytest.mark.slow
 def test_speculative_output_is_plain_greedy(mtp_model, k, drafts, monkeypatch):
     """Whatever the drafts, every emitted token is the main model's argmax: the output equals plain greedy. With
     plain greedy's own tokens as drafts every draft is accepted; with wrong ones none is, and the rolled-back rows
@@ -57,6 +58,7 @@ def test_speculative_output_is_plain_greedy(mtp_model, k, drafts, monkeypatch):
         assert st["accepted"] == [0] * k
 
 
+@pytest.mark.slow
 def test_speculative_with_an_image_request_is_plain_greedy(converted, tmp_path, monkeypatch):
     """An image request through speculative decoding: the prefill places the image features (the MTP layers read the
     placeholder token's embedding at image positions, see speculative.Speculator); with the MTP drafts or with plain

@@ -109,6 +109,7 @@ def test_a_padded_prefill_reads_nothing_back_to_the_host(tp1_models, monkeypatch
 
 @pytest.mark.parametrize("graph_prefill, speculative", [(0, 0), (256, 0), (256, 1)])
 @torch.inference_mode()
+@pytest.mark.slow
 def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, converted, gpu_launches,
                                                                     graph_prefill, speculative):
     """Nothing compiles on the request path: every Triton launch of requests of other prompt lengths and batch sizes
@@ -140,6 +141,7 @@ def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, 
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_start_up_builds_from_threads_until_a_start_up_has_built_its_kernels(tp1_models, gpu_launches, monkeypatch,
                                                                              tmp_path):
     """The builds from threads are for a Triton cache that lacks the warm-up's kernels: a start-up leaves a marker in
@@ -178,6 +180,7 @@ def test_start_up_builds_from_threads_until_a_start_up_has_built_its_kernels(tp1
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_start_up_builds_ahead_from_threads_every_launch_of_the_warm_up_in_order(tp1_models, gpu_launches, monkeypatch,
                                                                                  tmp_path):
     """Start-up's parallel kernel builds make every launch of the warm-up passes in order, which they replace: each

@@ -7,7 +7,7 @@ written here and compared on the tiny checkpoint's encoder (with a negative cont
 The multimodal model (the FP8 VL tiny checkpoint through convert.py and model.py): the pixel path equals the
 image_embeds path, bad multimodal inputs raise one ValueError, an image request gets the in-process tokens through
 generate.py under torchrun and its own tokens in a batch with a text request (decisions pinned), and an unsupported
-vision mode fails at load. (conftest.py at the repository root sets TRITON_INTERPRET before kernel.py is imported.)
+vision mode fails at load. (tests/conftest.py sets TRITON_INTERPRET before kernel.py is imported.)
 """
 import json
 import math
@@ -28,7 +28,7 @@ import helpers
 import model as M
 import tiny_checkpoint
 from config import ConfigError, VisionConfig
-from invariants import NOISE, pinned, tokens_agree_up_to_near_tie
+from invariants import NOISE, ROOT, pinned, tokens_agree_up_to_near_tie
 from vision_encoder import VisionModel, apply_rope2d, rope_cos_sin, tokens_per_view
 
 BF16 = torch.bfloat16
@@ -108,6 +108,7 @@ def test_real_state_dict_matches_inventory():
 
 @pytest.mark.parametrize("batch", [1, 2, 7])
 @pytest.mark.parametrize("side, grid, rows", [(728, 52, 169), (504, 36, 81)])
+@pytest.mark.slow
 def test_real_geometry_shapes(batch, side, grid, rows):
     m = real_model_on_meta()
     x = torch.empty(batch, 3, side, side, device="meta")
@@ -427,7 +428,6 @@ def test_image_features_bad_input(tiny, args, match):
 # path give the same tokens; bad multimodal inputs raise one clear ValueError; through generate.py under torchrun
 # an image request gives the in-process tokens, and in a batch with a text request each gets the tokens it gets
 # alone; an unsupported vision mode in the per-rank config fails at load.
-ROOT8 = os.path.dirname(os.path.abspath(__file__))
 IM_START, IM_PATCH, IM_END = 6, 5, 7
 EOS8 = [1, 2, 4]
 NEW8 = 4
@@ -505,11 +505,12 @@ def test_mm_bad_inputs_raise_value_error(vl_model, n_ph, kw, match):
 def _torchrun(n, *args):
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", f"--nproc-per-node={n}",
            "generate.py", *map(str, args)]
-    r = subprocess.run(cmd, cwd=ROOT8, capture_output=True, text=True, timeout=180)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, "\n".join(x for x in r.stderr.splitlines() if not x.startswith(("W1", "E1")))[:6000]
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_mm_generate_image_request_through_the_cli_and_in_batch(vl_model, vl_out, tmp_path):
     """The CLI's image path gives the in-process tokens at TP=1 exactly (TP=2 and 4 with images: the pinned cross-TP
     comparison of tests/test_generate.py). In a batch with a text request each gets its tokens alone (the batch's
@@ -557,7 +558,7 @@ def test_mm_unsupported_vision_select_layer_fails_at_load(vl_out, tmp_path):
         port = s.getsockname()[1]
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     r = subprocess.run([sys.executable, "generate.py", "--tp-dir", d, "--ep-size", "1", "--prompt-json",
-                        tmp_path / "p.json"], cwd=ROOT8, env=env, capture_output=True, text=True, timeout=120)
+                        tmp_path / "p.json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     err = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert len(err) == 1 and "vision_select_layer" in err[0] and "config-r0.json" in err[0], r.stderr[-2000:]
