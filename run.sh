@@ -42,7 +42,7 @@ case "${1:-}" in
       shift
       set -- -m "not slow" "$@"
     fi
-    .venv/bin/python -m pytest -q tests "$@"
+    .venv/bin/python -m pytest -q tests test_vision.py "$@"
     ;;
   *)
     echo "usage: bash run.sh demo | test [quick] [pytest args]" >&2

@@ -7,7 +7,7 @@ written here and compared on the tiny checkpoint's encoder (with a negative cont
 The multimodal model (the FP8 VL tiny checkpoint through convert.py and model.py): the pixel path equals the
 image_embeds path, bad multimodal inputs raise one ValueError, an image request gets the in-process tokens through
 generate.py under torchrun and its own tokens in a batch with a text request (decisions pinned), and an unsupported
-vision mode fails at load. (tests/conftest.py sets TRITON_INTERPRET before kernel.py is imported.)
+vision mode fails at load. (conftest.py at the repository root sets TRITON_INTERPRET before kernel.py is imported.)
 """
 import json
 import math

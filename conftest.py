@@ -1,4 +1,4 @@
-"""Fixtures shared by the test files, and the quick tier (`bash run.sh test quick`: tests marked slow left out)."""
+"""Fixtures shared by tests/ and test_vision.py (the vision tests stand at the root beside vision_encoder.py)."""
 import os
 import signal
 import sys
@@ -6,7 +6,7 @@ import sys
 # The Triton interpreter must be chosen before any @triton.jit decorates a kernel (kernel.py is imported by several
 # test files): CPU-only CI runs every Triton kernel under it. Set TRITON_INTERPRET=0 to run the kernels on a GPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the product's modules, and the tests' shared helpers
 
 import pytest  # noqa: E402
