@@ -18,8 +18,6 @@ import contextlib
 import itertools
 import json
 import os
-import select
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ import engine as E
 import runtime as R
 from runtime import UserError
 from sampling import Sampling
+from terminal import Keys
 
 IMAGE_KEYS = ("pixel_values", "patch_pixel_values", "num_patches", "image_embeds")
 MAX_LISTED = 10  # bad requests listed in one message
@@ -69,7 +68,7 @@ def prepare_requests(a: "Args", cfg: config.Step5Config, vl, tok, max_context: i
     new = a.max_new_tokens
 
     def text_request(text, images, where):
-        p = chat.text_ids(tok, vl, text, list(images or []), where, a.raw_prompt)[0]
+        p = chat.text_ids(tok, vl, text, list(images or []), where, a.raw_prompt)
         extra = f" (with {len(images)} image block(s))" if images else ""
         check_ids(p.ids, where + extra, cfg, new, max_context)
         return p
@@ -246,52 +245,6 @@ def split(kw: dict) -> tuple[Args, R.EngineFlags]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Ctrl-C in the chat
-
-
-class Interrupt:
-    """Ctrl-C on rank 0: a flag the decode loop polls (it never raises inside a collective). In a terminal the
-    keys are read from stdin (terminal signals off: torchrun would turn Ctrl-C into a kill of every rank);
-    a SIGINT sent to the process sets the flag too, and at the prompt (`reading`) ends the chat as Ctrl-D does:
-    when every rank got it (torchrun forwards it), the others are gone and nothing could go on."""
-
-    def __init__(self):
-        self.hit = False
-        self.reading = False
-        self.tty = sys.stdin.isatty()
-        self.saved = None
-        if self.tty:
-            import termios
-            self.saved = termios.tcgetattr(sys.stdin)
-            mode = termios.tcgetattr(sys.stdin)
-            mode[3] &= ~termios.ISIG  # Ctrl-C arrives as the byte 0x03
-            termios.tcsetattr(sys.stdin, termios.TCSANOW, mode)
-        signal.signal(signal.SIGINT, self._on_sigint)
-
-    def _on_sigint(self, *_):
-        self.hit = True
-        R.SIGINT_SEEN.set()
-        if self.reading:
-            raise KeyboardInterrupt
-
-    def poll(self) -> bool:
-        """Whether Ctrl-C came since the last clear (reads pending keys in a terminal)."""
-        if self.tty and select.select([sys.stdin], [], [], 0)[0]:
-            if "\x03" in os.read(sys.stdin.fileno(), 1024).decode("utf-8", "replace"):
-                self.hit = True
-        return self.hit
-
-    def clear(self):
-        self.hit = False
-        R.SIGINT_SEEN.clear()
-
-    def restore(self):
-        if self.saved is not None:
-            import termios
-            termios.tcsetattr(sys.stdin, termios.TCSANOW, self.saved)
-
-
-# --------------------------------------------------------------------------------------------------
 # the run
 
 
@@ -436,55 +389,30 @@ def report(out, tok, n_tok, eos, print_ids, as_json):
 # --interactive: a chat whose cache is reused turn after turn
 
 
-HELP = "commands: /reset (a new conversation), /image FILE (attach to the next turn), /exit (or Ctrl-D)"
-
-
-def read_turn(intr: Interrupt) -> str | None:
-    """Rank 0: the next line of stdin (None at its end, or on a SIGINT while waiting for it)."""
-    if intr.tty:
-        sys.stderr.write("> ")
-        sys.stderr.flush()
-    intr.reading = True
-    try:
-        line = sys.stdin.readline()
-    except KeyboardInterrupt:
-        return None
-    finally:
-        intr.reading = False
-    if not line:
-        return None
-    return line.rstrip("\n").replace("\x03", "") if "\x03" not in line else ""  # a Ctrl-C in the line drops it
+HELP = ("commands: /reset (a new conversation), /image FILE (attach to the next turn), /exit (or Ctrl-D); Ctrl-C "
+        "stops an answer")
 
 
 @dataclass
-class Conversation:
-    """Rank 0: the chat so far (its turns, the placeholder blocks of its images) and the /image files for the next
-    turn."""
-    messages: list = field(default_factory=list)
-    blocks: list = field(default_factory=list)
+class Chat:
+    """Rank 0: the conversation, the /image files for its next turn, and the keyboard."""
+    conv: chat.Conversation
+    keys: Keys
     pending: list = field(default_factory=list)
 
 
-@dataclass
-class Turn:
-    """Rank 0: the user turn being answered, as the conversation keeps it."""
-    text: str
-    n_images: int
-    blocks: list  # the placeholder blocks of every image of the conversation, this turn's included
-
-
-def next_turn(s: R.Session, a: Args, intr: Interrupt, conv: Conversation, rid: int,
-              limit: int) -> tuple[R.Decision, Turn | None]:
+def next_turn(s: R.Session, a: Args, c: Chat, rid: int, limit: int) -> tuple[R.Decision, chat.Turn | None]:
     """Rank 0: lines of stdin until one decides: a turn to answer (one new request, the whole conversation so far),
     or the end (/exit, Ctrl-D, a SIGINT at the prompt). Commands and refused turns are answered here."""
     say = s.say
     while True:
-        line = read_turn(intr)
+        line = c.keys.read_line()
         word = "" if line is None else line.strip()
         if line is None or word == "/exit":
             return R.Decision(stop=True), None
         if word == "/reset":
-            conv.messages, conv.blocks, conv.pending = [], [], []
+            c.conv.reset()
+            c.pending = []
             say("(a new conversation)")
         elif word.startswith("/image"):
             f = word[len("/image"):].strip()
@@ -493,15 +421,15 @@ def next_turn(s: R.Session, a: Args, intr: Interrupt, conv: Conversation, rid: i
             elif not os.path.isfile(f):
                 say(f"{f or '/image'}: no such image file")
             else:
-                conv.pending.append(f)
+                c.pending.append(f)
                 say(f"(image {f} goes with the next turn)")
         elif word.startswith("/"):
             say(f"unknown command {word.split()[0]}; {HELP}")
         elif line.strip():
-            images, conv.pending = conv.pending, []
+            images, c.pending = c.pending, []
             try:
-                p, blocks = chat.text_ids(s.tok, s.vl, line, images, "this turn", a.raw_prompt, conv.messages,
-                                          conv.blocks)
+                turn = c.conv.ask(line, images, "this turn")
+                p = turn.prompt
                 if len(p.ids) + a.max_new_tokens > limit:
                     raise UserError(f"this turn: the conversation ({len(p.ids)} tokens) + --max-new-tokens "
                                     f"{a.max_new_tokens} exceed the context of {limit} tokens; /reset starts a "
@@ -511,27 +439,27 @@ def next_turn(s: R.Session, a: Args, intr: Interrupt, conv: Conversation, rid: i
                 say(f"error: {e}")
                 continue
             stop = frozenset() if a.ignore_eos else frozenset(s.eos)
-            new = R.New(rid, p.ids, p.images, a.max_new_tokens, a.sampling, stop, continues=bool(conv.messages))
-            return R.Decision(new=[new]), Turn(line, len(images), blocks)
+            new = R.New(rid, p.ids, p.images, a.max_new_tokens, a.sampling, stop, continues=bool(c.conv.messages))
+            return R.Decision(new=[new]), turn
 
 
 def interactive(s: R.Session, a: Args) -> list:
     """Rank 0 reads each user turn and decides; every rank applies its decision (runtime.Driver, as the server's
     engine loop does) and extends the conversation's slot with the tokens its cache does not hold yet (the engine
-    keeps the longest common prefix of the rendered conversation). After each step of an answer, rank 0 decides
-    whether Ctrl-C cancels it."""
+    keeps the longest common prefix of the ids: chat.Conversation keeps the last prompt's and answer's ids where the
+    template renders them alike). After each step of an answer, rank 0 decides whether Ctrl-C cancels it."""
     R.load(s, "(interactive)")
     R.start_engine(s, 1, s.flags.max_context)
     drv = R.Driver(s)
-    intr = Interrupt() if s.rank == 0 else None
     k = s.flags.speculative
     limit = s.eng.max_context - (k + 1 if k else 0)
     s.say(f"interactive: up to {limit} tokens of conversation; {HELP}")
-    conv, rids = Conversation(), itertools.count()  # rank 0's
+    c = Chat(chat.Conversation(s.tok, s.vl, a.raw_prompt), Keys()) if s.rank == 0 else None
+    rids = itertools.count()  # rank 0's
     answers, last = [], None  # each turn's ids; the last turn's request (its features: the conversation's images)
     try:
         while True:
-            d, turn = next_turn(s, a, intr, conv, next(rids), limit) if s.rank == 0 else (None, None)
+            d, turn = next_turn(s, a, c, next(rids), limit) if s.rank == 0 else (None, None)
             d = drv.agree(d)
             if d.stop:
                 break
@@ -543,29 +471,26 @@ def interactive(s: R.Session, a: Args) -> list:
             rid = d.new[0].rid
             req = drv.reqs[rid]
             stream = Stream(s, req) if s.rank == 0 else None
-            if intr is not None:
-                intr.clear()
+            if c is not None:
+                c.keys.clear()
             t0 = time.perf_counter()
             with torch.inference_mode(), engine_errors():
                 while s.eng.busy():
                     for u in drv.step():
                         if stream is not None:
                             stream.push(u.ids)
-                    d = R.Decision(cancel=[rid] if intr.poll() else []) if s.rank == 0 else None  # rank 0's Ctrl-C
+                    d = R.Decision(cancel=[rid] if c.keys.poll() else []) if s.rank == 0 else None  # rank 0's Ctrl-C
                     drv.apply(drv.agree(d))
             report_speed(s, [req], t0, stream, a.print_ids)
             if req.finish == "cancelled":
                 s.say("(stopped)")
-            if s.rank == 0:
-                answer = s.tok.decode([t for t in req.out if t not in s.eos], skip_special_tokens=False)
-                conv.messages += [{"role": "user", "content": chat.IMAGE_MARKER * turn.n_images + turn.text},
-                                  {"role": "assistant", "content": answer}]
-                conv.blocks = turn.blocks
+            if c is not None:
+                c.conv.answered(turn, req.out, s.eos)
             answers.append(req.out)
             last = req
     finally:
-        if intr is not None:
-            intr.restore()
+        if c is not None:
+            c.keys.restore()
     return answers
 
 

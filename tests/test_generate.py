@@ -582,11 +582,12 @@ def test_interactive_turns_reuse_the_cache_and_reset_refuse_and_stop(converted):
     assert "Traceback" not in err and "Traceback" not in res[1][2]
     lines = speed_lines(err)
     assert len(lines) == 4, err
-    (n1, m1, _), (n2, m2, _), (n3, m3, _), (n4, m4, _) = lines
+    (n1, m1, d1), (n2, m2, d2), (n3, m3, _), (n4, m4, _) = lines
     import config
     blk = config.load_config(os.path.join(d, "config-r0.json"))[0].sparse.block  # reuse stops at a region boundary
-    # each turn reuses at least the last turn's prompt (down to a region boundary); only the rest is computed
-    assert m1 == 0 and m2 >= n1 // blk * blk > 0 and m3 >= (n2 + m2) // blk * blk > m2, lines
+    # each turn reuses the last turn's prompt and answer, as generated (down to a region boundary: the last emitted
+    # token was never fed); only the rest is computed
+    assert m1 == 0 and m2 >= (n1 + d1) // blk * blk > 0 and m3 >= (n2 + m2 + d2) // blk * blk > m2, lines
     assert n4 + m4 == n1, lines  # after /reset the first turn again (its tokens may be reused from the slot)
     assert res[0][1].count("\n") == 4  # one answer line per answered turn
 
@@ -620,6 +621,23 @@ def test_interactive_turns_reuse_the_cache_and_reset_refuse_and_stop(converted):
         if during_answer:
             assert res[0][0] == runtime.EXIT_INTERRUPTED and res[0][2].rstrip().endswith("interrupted"), res[0][2]
         assert all(rc in (0, runtime.EXIT_INTERRUPTED) for rc, _, _ in res), res
+
+
+@pytest.mark.slow
+def test_turns_after_an_image_turn_hold_the_whole_conversation(converted, tmp_path):
+    """A turn whose typed <image> marker places its /image file: the three turns after it have growing prompts (the
+    history once held two markers for one image, and every later prompt was cut at the second)."""
+    chat = Chat(1, ["--tp-dir", converted("fp8_vl", 1), "--max-new-tokens", 4])
+    chat.wait_for("interactive: up to")
+    chat.say(f"/image {wide_image(tmp_path / 'wide.png')}")
+    chat.wait_for("goes with the next turn")
+    for i, line in enumerate(["What is in <image> here?", "and then?", "tell me more about it", "why is that so?"]):
+        chat.say(line)
+        chat.wait_for("prefill:", i + 1)
+    res = chat.close()
+    assert res[0][0] == 0, res[0][2][-3000:]
+    sizes = [n + m for n, m, _ in speed_lines(res[0][2])]
+    assert len(sizes) == 4 and sizes == sorted(set(sizes)), (sizes, res[0][2][-3000:])
 
 
 @pytest.mark.slow
