@@ -1,6 +1,7 @@
 """Generation with Step-5 on converted per-rank shards, under torchrun: one batch, or an interactive chat.
 
     torchrun --standalone --nproc-per-node=N generate.py --tp-dir OUT/tpN --prompt "..."
+    torchrun ... generate.py --tp-dir OUT/tpN --prompt-file long_prompt.txt
     torchrun ... generate.py --tp-dir OUT/tpN --prompt "..." --temperature 0.7 --top-p 0.9 [--top-k 50] [--seed 0]
     torchrun ... generate.py --tp-dir OUT/tpN --prompt-json ids.json [--image-inputs image-inputs.safetensors]
     torchrun ... generate.py --tp-dir OUT/tpN --prompt-json-batch batch.json
@@ -14,6 +15,7 @@ The engine (engine.py) owns the cache, the kernels and the CUDA graphs; the runt
 load and the engine's flags; chat.py the chat template; this file is the command line around them.
 """
 import argparse
+import codecs
 import contextlib
 import itertools
 import json
@@ -35,6 +37,9 @@ from terminal import Keys
 
 IMAGE_KEYS = ("pixel_values", "patch_pixel_values", "num_patches", "image_embeds")
 MAX_LISTED = 10  # bad requests listed in one message
+# --prompt-file: a file longer than this many bytes per position of max_position_embeddings cannot fit and is refused
+# before it is read (a token of a byte-level BPE averages ~4 bytes; 32 is room for long tokens, chosen, not measured)
+PROMPT_FILE_BYTES_PER_TOKEN = 32
 
 
 # --------------------------------------------------------------------------------------------------
@@ -73,8 +78,10 @@ def prepare_requests(a: "Args", cfg: config.Step5Config, vl, tok, max_context: i
         check_ids(p.ids, where + extra, cfg, new, max_context)
         return p
 
-    if a.prompt is not None:
-        p = text_request(a.prompt, a.images, "--prompt")
+    if a.prompt is not None or a.prompt_file is not None:
+        flag = "--prompt" if a.prompt is not None else f"--prompt-file {a.prompt_file}"
+        text = a.prompt if a.prompt is not None else read_prompt_file(a.prompt_file, cfg)
+        p = text_request(text, a.images, flag)
         return [chat.Prompt(p.ids, p.images or a.image_inputs)]
     if a.prompt_json is not None:
         path = a.prompt_json
@@ -121,6 +128,29 @@ def prepare_requests(a: "Args", cfg: config.Step5Config, vl, tok, max_context: i
         more = f"; and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
         raise UserError(f"{path}: {len(bad)} of {len(entries)} requests are bad: " + "; ".join(bad[:MAX_LISTED]) + more)
     return reqs
+
+
+def read_prompt_file(path: str, cfg: config.Step5Config) -> str:
+    """--prompt-file: the file's text as it is (UTF-8), refused unread past what max_position_embeddings tokens hold
+    at PROMPT_FILE_BYTES_PER_TOKEN bytes a token."""
+    limit = PROMPT_FILE_BYTES_PER_TOKEN * cfg.max_position_embeddings
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise UserError(f"--prompt-file {path}: no such file") from None
+    except IsADirectoryError:
+        raise UserError(f"--prompt-file {path}: is a directory") from None
+    except OSError as e:
+        raise UserError(f"--prompt-file {path}: cannot read it ({e.strerror or e})") from None
+    if len(data) > limit:
+        raise UserError(f"--prompt-file {path}: more than {limit} bytes, past what max_position_embeddings="
+                        f"{cfg.max_position_embeddings} tokens hold at {PROMPT_FILE_BYTES_PER_TOKEN} bytes a token")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompt-file {path}: not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})"
+                        ) from None
 
 
 def save_prepared(path: str, p: chat.Prompt):
@@ -184,6 +214,7 @@ def load_image_inputs(path: str) -> dict:
 class Args:
     """generate.py's own options (its flags by their dest names; the engine's are runtime.EngineFlags)."""
     prompt: str | None = None
+    prompt_file: str | None = None
     prompt_json: str | None = None
     prompt_json_batch: str | None = None
     interactive: bool = False
@@ -213,16 +244,20 @@ def check_args(a: Args, flags: R.EngineFlags):
     if a.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {a.max_new_tokens} must be >= 0")
     flags.check()
-    sources = sum(x is not None for x in (a.prompt, a.prompt_json, a.prompt_json_batch)) + a.interactive
+    sources = (sum(x is not None for x in (a.prompt, a.prompt_file, a.prompt_json, a.prompt_json_batch))
+               + a.interactive)
     if sources != 1:
-        raise UserError("give exactly one of --prompt, --prompt-json, --prompt-json-batch, --interactive")
-    if a.raw_prompt and a.prompt is None and not a.interactive:
-        raise UserError("--raw-prompt is only valid with --prompt or --interactive")
+        raise UserError("give exactly one of --prompt, --prompt-file, --prompt-json, --prompt-json-batch, "
+                        "--interactive")
+    text = a.prompt is not None or a.prompt_file is not None
+    if a.raw_prompt and not text and not a.interactive:
+        raise UserError("--raw-prompt is only valid with --prompt, --prompt-file or --interactive")
     if a.image_inputs and (a.prompt_json_batch or a.interactive):
-        raise UserError("--image-inputs applies to --prompt / --prompt-json; name image files inside the batch JSON "
-                        "(or /image FILE in --interactive) instead")
-    if a.images and a.prompt is None:
-        raise UserError("--image applies to --prompt; use \"images\" entries inside a --prompt-json-batch file or "
+        raise UserError("--image-inputs applies to --prompt, --prompt-file and --prompt-json; name image files inside "
+                        "the batch JSON (or /image FILE in --interactive) instead")
+    if a.images and not text:
+        raise UserError("--image applies to --prompt and --prompt-file; use \"images\" entries inside a "
+                        "--prompt-json-batch file or "
                         "/image FILE in --interactive")
     if a.images and a.image_inputs:
         raise UserError("--image and --image-inputs are exclusive")
@@ -255,7 +290,8 @@ def main(tp_dir: str, **kw) -> list:
     check_args(a, flags)
     images = "--image" if a.images else "--image-inputs" if a.image_inputs else None
     with R.process(flags.device) as (rank, world, dev):
-        s = R.setup(flags, rank, world, dev, needs_tokenizer=a.prompt is not None or a.interactive, images=images)
+        s = R.setup(flags, rank, world, dev, images=images,
+                    needs_tokenizer=a.prompt is not None or a.prompt_file is not None or a.interactive)
         out = interactive(s, a) if a.interactive else one_batch(s, a)
         dist.barrier()  # no rank tears the group down while another still talks to it
         return out
@@ -360,11 +396,9 @@ class Stream:
             sys.stdout.flush()
 
     def close(self, print_ids: bool):
-        if self.text is None:
-            print("(no tokenizer)")
-        else:
+        if self.text is not None:
             sys.stdout.write(self.text.flush() + "\n")
-        if print_ids:
+        if print_ids or self.text is None:  # without a tokenizer the ids are the output
             print(f"ids: {self.req.out}")
         sys.stdout.flush()
 
@@ -376,12 +410,14 @@ def report(out, tok, n_tok, eos, print_ids, as_json):
     if as_json:
         doc = ({**results[0], "eos_token_ids": eos} if len(results) == 1
                else {"batch_size": len(results), "eos_token_ids": eos, "results": results})
-        print(json.dumps(doc, ensure_ascii=False))
+        utf8 = codecs.lookup(sys.stdout.encoding or "ascii").name == "utf-8"
+        print(json.dumps(doc, ensure_ascii=not utf8))  # \uXXXX escapes where stdout cannot show the text
         return
     for i, r in enumerate(results):
         head = f"[{i}] " if len(results) > 1 else ""
-        print(f"{head}{r['completion'] if r['completion'] is not None else '(no tokenizer)'}")
-        if print_ids:
+        if r["completion"] is not None:
+            print(f"{head}{r['completion']}")
+        if print_ids or r["completion"] is None:  # without a tokenizer the ids are the output
             print(f"{head}ids: {r['completion_token_ids']}")
 
 
@@ -501,18 +537,21 @@ def interactive(s: R.Session, a: Args) -> list:
 def parser() -> R.Parser:
     ap = R.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", help="user text; the chat template is applied unless --raw-prompt")
+    ap.add_argument("--prompt-file", metavar="FILE", help="user text read from FILE (UTF-8, as it is), as --prompt: "
+                    "for prompts longer than a command line holds")
     ap.add_argument("--prompt-json", help=f"exact ids: {ID_FORMS}")
     ap.add_argument("--prompt-json-batch", help='[[ids...], ...] or {"prompts": [{"prompt_ids": [...], '
                     '"image_inputs": "file.safetensors"}, {"prompt": "text", "images": ["photo.jpg"]}, ...]}')
     ap.add_argument("--interactive", action="store_true", help="a multi-turn chat on stdin; answers stream; the "
                     "conversation's cache is reused turn after turn")
     ap.add_argument("--image", dest="images", action="append", metavar="FILE",
-                    help="an image file for --prompt (repeatable, in order); each goes where the text has an "
+                    help="an image file for --prompt / --prompt-file (repeatable, in order); each goes where the "
+                    "text has an "
                     f"{chat.IMAGE_MARKER} marker, or before the text without markers")
     ap.add_argument("--save-image-inputs", metavar="OUT.safetensors",
                     help="also write the prepared image tensors there and the prompt ids to OUT.json")
     ap.add_argument("--image-inputs", help="safetensors with pixel_values [+ patch_pixel_values, num_patches] "
-                    "or image_embeds, for --prompt / --prompt-json")
+                    "or image_embeds, for --prompt / --prompt-file / --prompt-json")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ignore-eos", action="store_true",
                     help="generate exactly --max-new-tokens tokens per request, past any EOS (benchmarks, tests)")

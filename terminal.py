@@ -104,7 +104,7 @@ class Keys:
         line = self.stdin.readline()
         if not line:
             return None
-        return line.rstrip("\n") if CTRL_C not in line else ""  # a Ctrl-C in the line (a terminal without ISIG) drops it
+        return line.rstrip("\n") if CTRL_C not in line else ""  # a Ctrl-C in the line drops it
 
     def _say(self, text: str):
         self.echo.write(text)
