@@ -50,9 +50,13 @@ class Keys:
     restore at the end. `hit`: a Ctrl-C (or SIGINT) since the last clear."""
 
     def __init__(self, stdin=None, echo=None):
-        self.stdin, self.echo = stdin or sys.stdin, echo or sys.stderr
+        """echo: where the prompt and the typed keys are shown (default: stderr, or the terminal itself where stderr
+        goes elsewhere: with the terminal's own echo off, the user would type blind)."""
+        self.stdin = stdin or sys.stdin
         self.fd = self.stdin.fileno()
         self.tty = os.isatty(self.fd)
+        self.echo = echo or (sys.stderr if sys.stderr.isatty() or not self.tty
+                             else open(os.ttyname(self.fd), "w", errors="backslashreplace"))
         self.hit, self.reading, self.ahead = False, False, ""
         self.saved = self.watchdog = None
         if self.tty:
