@@ -137,11 +137,7 @@ def read_prompt_file(path: str, cfg: config.Step5Config) -> str:
     try:
         with open(path, "rb") as f:
             data = f.read(limit + 1)
-    except FileNotFoundError:
-        raise UserError(f"--prompt-file {path}: no such file") from None
-    except IsADirectoryError:
-        raise UserError(f"--prompt-file {path}: is a directory") from None
-    except OSError as e:
+    except OSError as e:  # no such file, a directory, no permission
         raise UserError(f"--prompt-file {path}: cannot read it ({e.strerror or e})") from None
     if len(data) > limit:
         raise UserError(f"--prompt-file {path}: more than {limit} bytes, past what max_position_embeddings="

@@ -35,17 +35,23 @@ def pieces(tok, text: str) -> list:
     return [t for c in text for t in tok(c, add_special_tokens=False)["input_ids"]]
 
 
+def next_turn(tok, answer: str):
+    """A turn answered with `answer` (generated one character at a time, then EOS), and the next turn -> (the
+    conversation, the first turn, the generated ids, the next turn, the next turn's rendering)."""
+    conv = chat.Conversation(tok, None, raw=False)
+    t1 = conv.ask("hello there", [], "turn 1")
+    out = pieces(tok, answer) + [tok.eos_token_id]
+    conv.answered(t1, out, [tok.eos_token_id])
+    t2 = conv.ask("and then?", [], "turn 2")
+    return conv, t1, out, t2, chat.render(tok, conv.messages + [t2.message], raw=False)
+
+
 def test_a_next_turn_keeps_the_generated_ids_its_template_renders_alike(converted):
     """The tiny checkpoint's template renders an answer as its text and <|im_end|>, as generated: the next turn's ids
     begin with the last prompt's ids and the generated ids themselves (the slot's cache then holds all of them), not
     with the tokenizer's own split of the answer's text."""
     tok = tokenizer_of(converted)
-    conv = chat.Conversation(tok, None, raw=False)
-    t1 = conv.ask("hello there", [], "turn 1")
-    out = pieces(tok, "hello") + [tok.eos_token_id]
-    conv.answered(t1, out, [tok.eos_token_id])
-    t2 = conv.ask("and then?", [], "turn 2")
-    rendered = chat.render(tok, conv.messages + [t2.message], raw=False)
+    conv, t1, out, t2, rendered = next_turn(tok, "hello")
     assert conv.messages[-1] == {"role": "assistant", "content": "hello"}
     assert t2.prompt.ids[:len(t1.prompt.ids) + len(out)] == t1.prompt.ids + out
     assert tok.decode(t2.prompt.ids, skip_special_tokens=False) == rendered
@@ -64,16 +70,12 @@ def test_a_next_turn_takes_the_templates_ids_where_it_renders_the_answer_otherwi
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
                          "{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    conv = chat.Conversation(tok, None, raw=False)
-    t1 = conv.ask("hello there", [], "turn 1")
-    out = pieces(tok, "<think>hmm</think>hello") + [tok.eos_token_id]
-    conv.answered(t1, out, [tok.eos_token_id])
-    t2 = conv.ask("and then?", [], "turn 2")
-    rendered = chat.render(tok, conv.messages + [t2.message], raw=False)
-    assert "hmm" not in rendered and rendered.startswith(tok.decode(t1.prompt.ids, skip_special_tokens=False))
+    _, t1, _, t2, rendered = next_turn(tok, "<think>hmm</think>hello")
+    first = tok.decode(t1.prompt.ids, skip_special_tokens=False)
+    assert "hmm" not in rendered and rendered.startswith(first)
     n = len(t1.prompt.ids)
     assert t2.prompt.ids[:n] == t1.prompt.ids
-    assert t2.prompt.ids[n:] == tok(rendered[len(tok.decode(t1.prompt.ids)):], add_special_tokens=False)["input_ids"]
+    assert t2.prompt.ids[n:] == tok(rendered[len(first):], add_special_tokens=False)["input_ids"]
 
 
 def test_image_markers_are_counted_over_the_whole_conversation(converted, tmp_path):

@@ -501,7 +501,7 @@ def test_prompt_file_is_the_prompt_text(converted, tmp_path):
     by_file = gen_json(1, d, "--prompt-file", f, "--max-new-tokens", 4)
     assert by_file == by_arg
     run = lambda *a: launch_ranks(1, ["--tp-dir", d, *a])  # noqa: E731
-    assert_all_ranks_fail(run("--prompt-file", tmp_path / "none.txt"), "--prompt-file", "none.txt: no such file")
+    assert_all_ranks_fail(run("--prompt-file", tmp_path / "none.txt"), "--prompt-file", "none.txt: cannot read it (No such file")
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     assert_all_ranks_fail(run("--prompt-file", tmp_path / "latin1.txt"), "latin1.txt: not UTF-8 text (byte 3")
     (tmp_path / "big.txt").write_text("x" * (generate.PROMPT_FILE_BYTES_PER_TOKEN * 2048 + 1))
