@@ -1,8 +1,11 @@
 """Chat rendering, shared by both front ends: a conversation -> the prompt's ids (the tokenizer's chat template, image
-placeholder blocks spliced in at markers), the checks a prompt text passes, the reasoning markers, and ids -> text as
-they are decoded (TextStream).
+placeholder blocks spliced in at markers), the checks a prompt text passes, the CLI's chat as it goes (Conversation:
+its images, and the ids of its last prompt and answer kept where the template renders them alike), the reasoning
+markers, and ids -> text as they are decoded (TextStream).
 """
+import secrets
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import image_processing
 from runtime import UserError
@@ -52,49 +55,125 @@ def splice(tok, rendered: str, blocks: list, raw: bool, marker: str = IMAGE_MARK
     return ids
 
 
-def text_ids(tok, vl, text: str, images: list, where: str, raw: bool, messages: list = (),
-             blocks: list = ()) -> tuple[Prompt, list]:
-    """A user turn (after `messages`, earlier turns whose images have the placeholder `blocks`) -> (its prompt,
-    the blocks of every image so far); each IMAGE_MARKER becomes that image's placeholder block (crops, then the
-    overview), built from the tokenizer. UserError names `where`."""
-    if not isinstance(text, str):
-        raise UserError(f'{where}: "prompt" must be a string, got {type(text).__name__} {text!r}')
-    at = not_utf8(text)
-    if at is not None:
-        raise UserError(f"{where}: the text is not valid UTF-8 (character {at}: {text[at]!r})")
-    if tok is None:
-        raise UserError(f"{where}: a text prompt needs a tokenizer: none found in <tp-dir>/../tokenizer_files; "
-                        "pass --tokenizer")
-    if images and vl is None:
-        raise UserError(f"{where}: images given but the shards hold a text-only model")
-    if images and tok.convert_tokens_to_ids(image_processing.IMAGE_TOKENS[0]) != vl.image_token_id:
-        raise UserError(f"the tokenizer's {image_processing.IMAGE_TOKENS[0]} id differs from the config's "
-                        f"image_token_id={vl.image_token_id}")
-    literal = literal_image_token(text)
-    if literal:
-        raise UserError(f"{where}: the text holds the image token {literal!r} literally; images go in with "
-                        f"--image (or \"images\") and an {IMAGE_MARKER} marker")
-    marks = text.count(IMAGE_MARKER)
-    if marks and marks != len(images):
-        raise UserError(f"{where}: the text holds {marks} {IMAGE_MARKER} marker(s) for {len(images)} image(s)")
-    if images and not marks:  # no markers: the images come first in the user turn, in order
-        text = IMAGE_MARKER * len(images) + text
-    try:
-        rendered = render(tok, list(messages) + [{"role": "user", "content": text}], raw)
-    except UserError:
-        raise
-    except Exception as e:  # a template that does not compile or raises: jinja's and the tokenizer's own errors
-        raise UserError(f"{where}: the tokenizer's chat template failed ({type(e).__name__}: {str(e)[:300]}); fix "
-                        "chat_template in the tokenizer files, or use --raw-prompt") from None
-    inputs, blocks = None, list(blocks)
-    if images:
+class Span(NamedTuple):
+    """A stretch of a conversation's rendered text and the ids that stand for it (each image marker's block in it)."""
+    text: str
+    ids: list
+
+
+@dataclass
+class Turn:
+    """A user turn as Conversation.ask prepared it, not yet part of the conversation: its prompt (the conversation so
+    far and this turn), its message, the blocks of every image so far and the spans of the prompt."""
+    prompt: Prompt
+    message: dict
+    blocks: list
+    spans: list
+
+
+class Conversation:
+    """A chat as the chat template renders it: its messages, the placeholder blocks of its images, and the spans of
+    its last prompt and answer (rank 0 of the CLI; a single --prompt is a conversation of one turn).
+
+    Images: an image sits in its user message as this conversation's own marker, random so that no text holds it (an
+    `<image>` in an answer stays text), and each `<image>` a user types stands for one of that turn's images. The
+    rendered conversation must hold one marker per image, each then replaced by its image's block; a template that
+    drops or repeats a message with an image is refused.
+
+    Ids: the engine reuses a slot's cache for the longest common prefix of a turn's ids with what the slot holds (the
+    last prompt and the generated answer). So a turn keeps the ids of each span of the last prompt and answer that
+    the template renders byte-identically at its place (the generated ids, which a tokenization of their text may
+    split otherwise); from the first span it renders otherwise (a template that drops past reasoning or trims an
+    answer), the template's tokenization of the rest wins."""
+
+    def __init__(self, tok, vl, raw: bool):
+        self.tok, self.vl, self.raw = tok, vl, raw
+        self.marker = f"<image-{secrets.token_hex(8)}>"
+        self.reset()
+
+    def reset(self):
+        self.messages, self.blocks, self.spans = [], [], []
+
+    def ask(self, text: str, images: list, where: str) -> Turn:
+        """A user turn of `text` with image files `images` -> its Turn; UserError names `where`. Each IMAGE_MARKER in
+        the text places one of the images; without markers the images come first, in order."""
+        tok, vl = self.tok, self.vl
+        if not isinstance(text, str):
+            raise UserError(f'{where}: "prompt" must be a string, got {type(text).__name__} {text!r}')
+        at = not_utf8(text)
+        if at is not None:
+            raise UserError(f"{where}: the text is not valid UTF-8 (character {at}: {text[at]!r})")
+        if tok is None:
+            raise UserError(f"{where}: a text prompt needs a tokenizer: none found in <tp-dir>/../tokenizer_files; "
+                            "pass --tokenizer")
+        if images and vl is None:
+            raise UserError(f"{where}: images given but the shards hold a text-only model")
+        if images and tok.convert_tokens_to_ids(image_processing.IMAGE_TOKENS[0]) != vl.image_token_id:
+            raise UserError(f"the tokenizer's {image_processing.IMAGE_TOKENS[0]} id differs from the config's "
+                            f"image_token_id={vl.image_token_id}")
+        literal = literal_image_token(text)
+        if literal:
+            raise UserError(f"{where}: the text holds the image token {literal!r} literally; images go in with "
+                            f"--image (or \"images\") and an {IMAGE_MARKER} marker")
+        marks = text.count(IMAGE_MARKER)
+        if marks and marks != len(images):
+            raise UserError(f"{where}: the text holds {marks} {IMAGE_MARKER} marker(s) for {len(images)} image(s)")
+        if images and not marks:  # no markers: the images come first in the user turn, in order
+            text = IMAGE_MARKER * len(images) + text
+        message = {"role": "user", "content": text.replace(IMAGE_MARKER, self.marker)}
         try:
-            batch = image_processing.preprocess([image_processing.load_image(f) for f in images], vl.vision)
-            blocks += [image_processing.image_block_ids(tok, lay, vl.vision) for lay in batch.layouts]
-        except ValueError as e:  # image_processing: an unreadable file, or a tokenizer without the image tokens
-            raise UserError(f"{where}: {e}") from None
-        inputs = batch.model_inputs()
-    return Prompt(splice(tok, rendered, blocks, raw), inputs), blocks
+            rendered = render(tok, self.messages + [message], self.raw)
+        except UserError:
+            raise
+        except Exception as e:  # a template that does not compile or raises: jinja's and the tokenizer's own errors
+            raise UserError(f"{where}: the tokenizer's chat template failed ({type(e).__name__}: {str(e)[:300]}); "
+                            "fix chat_template in the tokenizer files, or use --raw-prompt") from None
+        inputs, blocks = None, list(self.blocks)
+        if images:
+            try:
+                batch = image_processing.preprocess([image_processing.load_image(f) for f in images], vl.vision)
+                blocks += [image_processing.image_block_ids(tok, lay, vl.vision) for lay in batch.layouts]
+            except ValueError as e:  # image_processing: an unreadable file, or a tokenizer without the image tokens
+                raise UserError(f"{where}: {e}") from None
+            inputs = batch.model_inputs()
+        if rendered.count(self.marker) != len(blocks):
+            raise UserError(f"{where}: the chat template rendered {rendered.count(self.marker)} image(s) of the "
+                            f"conversation's {len(blocks)}: it dropped or repeated a message with an image")
+        ids, spans = self._ids(rendered, blocks)
+        return Turn(Prompt(ids, inputs), message, blocks, spans)
+
+    def _ids(self, rendered: str, blocks: list) -> tuple[list, list]:
+        """The rendered conversation -> (its ids, its spans): the known spans it renders at their places, then the
+        rest tokenized (each marker replaced by its block)."""
+        ids, spans, at, k = [], [], 0, 0
+        for sp in self.spans:
+            if not rendered.startswith(sp.text, at):
+                break
+            ids, at, k = ids + sp.ids, at + len(sp.text), k + sp.text.count(self.marker)
+            spans.append(sp)
+        rest = rendered[at:]
+        rest_ids = splice(self.tok, rest, blocks[k:], self.raw and at == 0, self.marker)
+        return ids + rest_ids, spans + [Span(rest, rest_ids)]
+
+    def answered(self, turn: Turn, out: list, eos):
+        """The turn and its answer (the generated ids `out`, a stop id of `eos` included when emitted) join the
+        conversation. An answer of a VL model that holds an image token (the model may emit one) keeps neither the token
+        nor its ids: in a later prompt it would stand for an image that is not there."""
+        tok = self.tok
+        answer = tok.decode([t for t in out if t not in eos], skip_special_tokens=False)
+        literal = self.vl is not None and literal_image_token(answer)
+        for t in image_processing.IMAGE_TOKENS if literal else ():
+            answer = answer.replace(t, "")
+        self.messages = self.messages + [turn.message, {"role": "assistant", "content": answer}]
+        self.blocks = turn.blocks
+        self.spans = turn.spans + ([] if literal else [Span(tok.decode(out, skip_special_tokens=False), list(out))])
+
+
+def text_ids(tok, vl, text: str, images: list, where: str, raw: bool) -> Prompt:
+    """One user turn (--prompt, a batch request's "prompt") -> its prompt: the chat template applied unless `raw`,
+    each IMAGE_MARKER replaced by that image's placeholder block (crops, then the overview), built from the
+    tokenizer. UserError names `where`."""
+    return Conversation(tok, vl, raw).ask(text, images, where).prompt
 
 
 def think_ids(tok) -> tuple | None:

@@ -1,6 +1,7 @@
 """Generation with Step-5 on converted per-rank shards, under torchrun: one batch, or an interactive chat.
 
     torchrun --standalone --nproc-per-node=N generate.py --tp-dir OUT/tpN --prompt "..."
+    torchrun ... generate.py --tp-dir OUT/tpN --prompt-file long_prompt.txt
     torchrun ... generate.py --tp-dir OUT/tpN --prompt "..." --temperature 0.7 --top-p 0.9 [--top-k 50] [--seed 0]
     torchrun ... generate.py --tp-dir OUT/tpN --prompt-json ids.json [--image-inputs image-inputs.safetensors]
     torchrun ... generate.py --tp-dir OUT/tpN --prompt-json-batch batch.json
@@ -14,12 +15,11 @@ The engine (engine.py) owns the cache, the kernels and the CUDA graphs; the runt
 load and the engine's flags; chat.py the chat template; this file is the command line around them.
 """
 import argparse
+import codecs
 import contextlib
 import itertools
 import json
 import os
-import select
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,9 +33,13 @@ import engine as E
 import runtime as R
 from runtime import UserError
 from sampling import Sampling
+from terminal import Keys
 
 IMAGE_KEYS = ("pixel_values", "patch_pixel_values", "num_patches", "image_embeds")
 MAX_LISTED = 10  # bad requests listed in one message
+# --prompt-file: a file longer than this many bytes per position of max_position_embeddings cannot fit and is refused
+# before it is read (a token of a byte-level BPE averages ~4 bytes; 32 is room for long tokens, chosen, not measured)
+PROMPT_FILE_BYTES_PER_TOKEN = 32
 
 
 # --------------------------------------------------------------------------------------------------
@@ -69,13 +73,15 @@ def prepare_requests(a: "Args", cfg: config.Step5Config, vl, tok, max_context: i
     new = a.max_new_tokens
 
     def text_request(text, images, where):
-        p = chat.text_ids(tok, vl, text, list(images or []), where, a.raw_prompt)[0]
+        p = chat.text_ids(tok, vl, text, list(images or []), where, a.raw_prompt)
         extra = f" (with {len(images)} image block(s))" if images else ""
         check_ids(p.ids, where + extra, cfg, new, max_context)
         return p
 
-    if a.prompt is not None:
-        p = text_request(a.prompt, a.images, "--prompt")
+    if a.prompt is not None or a.prompt_file is not None:
+        flag = "--prompt" if a.prompt is not None else f"--prompt-file {a.prompt_file}"
+        text = a.prompt if a.prompt is not None else read_prompt_file(a.prompt_file, cfg)
+        p = text_request(text, a.images, flag)
         return [chat.Prompt(p.ids, p.images or a.image_inputs)]
     if a.prompt_json is not None:
         path = a.prompt_json
@@ -122,6 +128,25 @@ def prepare_requests(a: "Args", cfg: config.Step5Config, vl, tok, max_context: i
         more = f"; and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
         raise UserError(f"{path}: {len(bad)} of {len(entries)} requests are bad: " + "; ".join(bad[:MAX_LISTED]) + more)
     return reqs
+
+
+def read_prompt_file(path: str, cfg: config.Step5Config) -> str:
+    """--prompt-file: the file's text as it is (UTF-8), refused unread past what max_position_embeddings tokens hold
+    at PROMPT_FILE_BYTES_PER_TOKEN bytes a token."""
+    limit = PROMPT_FILE_BYTES_PER_TOKEN * cfg.max_position_embeddings
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:  # no such file, a directory, no permission
+        raise UserError(f"--prompt-file {path}: cannot read it ({e.strerror or e})") from None
+    if len(data) > limit:
+        raise UserError(f"--prompt-file {path}: more than {limit} bytes, past what max_position_embeddings="
+                        f"{cfg.max_position_embeddings} tokens hold at {PROMPT_FILE_BYTES_PER_TOKEN} bytes a token")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompt-file {path}: not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})"
+                        ) from None
 
 
 def save_prepared(path: str, p: chat.Prompt):
@@ -185,6 +210,7 @@ def load_image_inputs(path: str) -> dict:
 class Args:
     """generate.py's own options (its flags by their dest names; the engine's are runtime.EngineFlags)."""
     prompt: str | None = None
+    prompt_file: str | None = None
     prompt_json: str | None = None
     prompt_json_batch: str | None = None
     interactive: bool = False
@@ -214,16 +240,20 @@ def check_args(a: Args, flags: R.EngineFlags):
     if a.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {a.max_new_tokens} must be >= 0")
     flags.check()
-    sources = sum(x is not None for x in (a.prompt, a.prompt_json, a.prompt_json_batch)) + a.interactive
+    sources = (sum(x is not None for x in (a.prompt, a.prompt_file, a.prompt_json, a.prompt_json_batch))
+               + a.interactive)
     if sources != 1:
-        raise UserError("give exactly one of --prompt, --prompt-json, --prompt-json-batch, --interactive")
-    if a.raw_prompt and a.prompt is None and not a.interactive:
-        raise UserError("--raw-prompt is only valid with --prompt or --interactive")
+        raise UserError("give exactly one of --prompt, --prompt-file, --prompt-json, --prompt-json-batch, "
+                        "--interactive")
+    text = a.prompt is not None or a.prompt_file is not None
+    if a.raw_prompt and not text and not a.interactive:
+        raise UserError("--raw-prompt is only valid with --prompt, --prompt-file or --interactive")
     if a.image_inputs and (a.prompt_json_batch or a.interactive):
-        raise UserError("--image-inputs applies to --prompt / --prompt-json; name image files inside the batch JSON "
-                        "(or /image FILE in --interactive) instead")
-    if a.images and a.prompt is None:
-        raise UserError("--image applies to --prompt; use \"images\" entries inside a --prompt-json-batch file or "
+        raise UserError("--image-inputs applies to --prompt, --prompt-file and --prompt-json; name image files inside "
+                        "the batch JSON (or /image FILE in --interactive) instead")
+    if a.images and not text:
+        raise UserError("--image applies to --prompt and --prompt-file; use \"images\" entries inside a "
+                        "--prompt-json-batch file or "
                         "/image FILE in --interactive")
     if a.images and a.image_inputs:
         raise UserError("--image and --image-inputs are exclusive")
@@ -246,52 +276,6 @@ def split(kw: dict) -> tuple[Args, R.EngineFlags]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Ctrl-C in the chat
-
-
-class Interrupt:
-    """Ctrl-C on rank 0: a flag the decode loop polls (it never raises inside a collective). In a terminal the
-    keys are read from stdin (terminal signals off: torchrun would turn Ctrl-C into a kill of every rank);
-    a SIGINT sent to the process sets the flag too, and at the prompt (`reading`) ends the chat as Ctrl-D does:
-    when every rank got it (torchrun forwards it), the others are gone and nothing could go on."""
-
-    def __init__(self):
-        self.hit = False
-        self.reading = False
-        self.tty = sys.stdin.isatty()
-        self.saved = None
-        if self.tty:
-            import termios
-            self.saved = termios.tcgetattr(sys.stdin)
-            mode = termios.tcgetattr(sys.stdin)
-            mode[3] &= ~termios.ISIG  # Ctrl-C arrives as the byte 0x03
-            termios.tcsetattr(sys.stdin, termios.TCSANOW, mode)
-        signal.signal(signal.SIGINT, self._on_sigint)
-
-    def _on_sigint(self, *_):
-        self.hit = True
-        R.SIGINT_SEEN.set()
-        if self.reading:
-            raise KeyboardInterrupt
-
-    def poll(self) -> bool:
-        """Whether Ctrl-C came since the last clear (reads pending keys in a terminal)."""
-        if self.tty and select.select([sys.stdin], [], [], 0)[0]:
-            if "\x03" in os.read(sys.stdin.fileno(), 1024).decode("utf-8", "replace"):
-                self.hit = True
-        return self.hit
-
-    def clear(self):
-        self.hit = False
-        R.SIGINT_SEEN.clear()
-
-    def restore(self):
-        if self.saved is not None:
-            import termios
-            termios.tcsetattr(sys.stdin, termios.TCSANOW, self.saved)
-
-
-# --------------------------------------------------------------------------------------------------
 # the run
 
 
@@ -302,7 +286,8 @@ def main(tp_dir: str, **kw) -> list:
     check_args(a, flags)
     images = "--image" if a.images else "--image-inputs" if a.image_inputs else None
     with R.process(flags.device) as (rank, world, dev):
-        s = R.setup(flags, rank, world, dev, needs_tokenizer=a.prompt is not None or a.interactive, images=images)
+        s = R.setup(flags, rank, world, dev, images=images,
+                    needs_tokenizer=a.prompt is not None or a.prompt_file is not None or a.interactive)
         out = interactive(s, a) if a.interactive else one_batch(s, a)
         dist.barrier()  # no rank tears the group down while another still talks to it
         return out
@@ -407,11 +392,9 @@ class Stream:
             sys.stdout.flush()
 
     def close(self, print_ids: bool):
-        if self.text is None:
-            print("(no tokenizer)")
-        else:
+        if self.text is not None:
             sys.stdout.write(self.text.flush() + "\n")
-        if print_ids:
+        if print_ids or self.text is None:  # without a tokenizer the ids are the output
             print(f"ids: {self.req.out}")
         sys.stdout.flush()
 
@@ -423,12 +406,14 @@ def report(out, tok, n_tok, eos, print_ids, as_json):
     if as_json:
         doc = ({**results[0], "eos_token_ids": eos} if len(results) == 1
                else {"batch_size": len(results), "eos_token_ids": eos, "results": results})
-        print(json.dumps(doc, ensure_ascii=False))
+        utf8 = codecs.lookup(sys.stdout.encoding or "ascii").name == "utf-8"
+        print(json.dumps(doc, ensure_ascii=not utf8))  # \uXXXX escapes where stdout cannot show the text
         return
     for i, r in enumerate(results):
         head = f"[{i}] " if len(results) > 1 else ""
-        print(f"{head}{r['completion'] if r['completion'] is not None else '(no tokenizer)'}")
-        if print_ids:
+        if r["completion"] is not None:
+            print(f"{head}{r['completion']}")
+        if print_ids or r["completion"] is None:  # without a tokenizer the ids are the output
             print(f"{head}ids: {r['completion_token_ids']}")
 
 
@@ -436,55 +421,30 @@ def report(out, tok, n_tok, eos, print_ids, as_json):
 # --interactive: a chat whose cache is reused turn after turn
 
 
-HELP = "commands: /reset (a new conversation), /image FILE (attach to the next turn), /exit (or Ctrl-D)"
-
-
-def read_turn(intr: Interrupt) -> str | None:
-    """Rank 0: the next line of stdin (None at its end, or on a SIGINT while waiting for it)."""
-    if intr.tty:
-        sys.stderr.write("> ")
-        sys.stderr.flush()
-    intr.reading = True
-    try:
-        line = sys.stdin.readline()
-    except KeyboardInterrupt:
-        return None
-    finally:
-        intr.reading = False
-    if not line:
-        return None
-    return line.rstrip("\n").replace("\x03", "") if "\x03" not in line else ""  # a Ctrl-C in the line drops it
+HELP = ("commands: /reset (a new conversation), /image FILE (attach to the next turn), /exit (or Ctrl-D); Ctrl-C "
+        "stops an answer")
 
 
 @dataclass
-class Conversation:
-    """Rank 0: the chat so far (its turns, the placeholder blocks of its images) and the /image files for the next
-    turn."""
-    messages: list = field(default_factory=list)
-    blocks: list = field(default_factory=list)
+class Chat:
+    """Rank 0: the conversation, the /image files for its next turn, and the keyboard."""
+    conv: chat.Conversation
+    keys: Keys
     pending: list = field(default_factory=list)
 
 
-@dataclass
-class Turn:
-    """Rank 0: the user turn being answered, as the conversation keeps it."""
-    text: str
-    n_images: int
-    blocks: list  # the placeholder blocks of every image of the conversation, this turn's included
-
-
-def next_turn(s: R.Session, a: Args, intr: Interrupt, conv: Conversation, rid: int,
-              limit: int) -> tuple[R.Decision, Turn | None]:
+def next_turn(s: R.Session, a: Args, c: Chat, rid: int, limit: int) -> tuple[R.Decision, chat.Turn | None]:
     """Rank 0: lines of stdin until one decides: a turn to answer (one new request, the whole conversation so far),
     or the end (/exit, Ctrl-D, a SIGINT at the prompt). Commands and refused turns are answered here."""
     say = s.say
     while True:
-        line = read_turn(intr)
+        line = c.keys.read_line()
         word = "" if line is None else line.strip()
         if line is None or word == "/exit":
             return R.Decision(stop=True), None
         if word == "/reset":
-            conv.messages, conv.blocks, conv.pending = [], [], []
+            c.conv.reset()
+            c.pending = []
             say("(a new conversation)")
         elif word.startswith("/image"):
             f = word[len("/image"):].strip()
@@ -493,15 +453,15 @@ def next_turn(s: R.Session, a: Args, intr: Interrupt, conv: Conversation, rid: i
             elif not os.path.isfile(f):
                 say(f"{f or '/image'}: no such image file")
             else:
-                conv.pending.append(f)
+                c.pending.append(f)
                 say(f"(image {f} goes with the next turn)")
         elif word.startswith("/"):
             say(f"unknown command {word.split()[0]}; {HELP}")
         elif line.strip():
-            images, conv.pending = conv.pending, []
+            images, c.pending = c.pending, []
             try:
-                p, blocks = chat.text_ids(s.tok, s.vl, line, images, "this turn", a.raw_prompt, conv.messages,
-                                          conv.blocks)
+                turn = c.conv.ask(line, images, "this turn")
+                p = turn.prompt
                 if len(p.ids) + a.max_new_tokens > limit:
                     raise UserError(f"this turn: the conversation ({len(p.ids)} tokens) + --max-new-tokens "
                                     f"{a.max_new_tokens} exceed the context of {limit} tokens; /reset starts a "
@@ -511,27 +471,27 @@ def next_turn(s: R.Session, a: Args, intr: Interrupt, conv: Conversation, rid: i
                 say(f"error: {e}")
                 continue
             stop = frozenset() if a.ignore_eos else frozenset(s.eos)
-            new = R.New(rid, p.ids, p.images, a.max_new_tokens, a.sampling, stop, continues=bool(conv.messages))
-            return R.Decision(new=[new]), Turn(line, len(images), blocks)
+            new = R.New(rid, p.ids, p.images, a.max_new_tokens, a.sampling, stop, continues=bool(c.conv.messages))
+            return R.Decision(new=[new]), turn
 
 
 def interactive(s: R.Session, a: Args) -> list:
     """Rank 0 reads each user turn and decides; every rank applies its decision (runtime.Driver, as the server's
     engine loop does) and extends the conversation's slot with the tokens its cache does not hold yet (the engine
-    keeps the longest common prefix of the rendered conversation). After each step of an answer, rank 0 decides
-    whether Ctrl-C cancels it."""
+    keeps the longest common prefix of the ids: chat.Conversation keeps the last prompt's and answer's ids where the
+    template renders them alike). After each step of an answer, rank 0 decides whether Ctrl-C cancels it."""
     R.load(s, "(interactive)")
     R.start_engine(s, 1, s.flags.max_context)
     drv = R.Driver(s)
-    intr = Interrupt() if s.rank == 0 else None
     k = s.flags.speculative
     limit = s.eng.max_context - (k + 1 if k else 0)
     s.say(f"interactive: up to {limit} tokens of conversation; {HELP}")
-    conv, rids = Conversation(), itertools.count()  # rank 0's
+    c = Chat(chat.Conversation(s.tok, s.vl, a.raw_prompt), Keys()) if s.rank == 0 else None
+    rids = itertools.count()  # rank 0's
     answers, last = [], None  # each turn's ids; the last turn's request (its features: the conversation's images)
     try:
         while True:
-            d, turn = next_turn(s, a, intr, conv, next(rids), limit) if s.rank == 0 else (None, None)
+            d, turn = next_turn(s, a, c, next(rids), limit) if s.rank == 0 else (None, None)
             d = drv.agree(d)
             if d.stop:
                 break
@@ -543,29 +503,26 @@ def interactive(s: R.Session, a: Args) -> list:
             rid = d.new[0].rid
             req = drv.reqs[rid]
             stream = Stream(s, req) if s.rank == 0 else None
-            if intr is not None:
-                intr.clear()
+            if c is not None:
+                c.keys.clear()
             t0 = time.perf_counter()
             with torch.inference_mode(), engine_errors():
                 while s.eng.busy():
                     for u in drv.step():
                         if stream is not None:
                             stream.push(u.ids)
-                    d = R.Decision(cancel=[rid] if intr.poll() else []) if s.rank == 0 else None  # rank 0's Ctrl-C
+                    d = R.Decision(cancel=[rid] if c.keys.poll() else []) if s.rank == 0 else None  # rank 0's Ctrl-C
                     drv.apply(drv.agree(d))
             report_speed(s, [req], t0, stream, a.print_ids)
             if req.finish == "cancelled":
                 s.say("(stopped)")
-            if s.rank == 0:
-                answer = s.tok.decode([t for t in req.out if t not in s.eos], skip_special_tokens=False)
-                conv.messages += [{"role": "user", "content": chat.IMAGE_MARKER * turn.n_images + turn.text},
-                                  {"role": "assistant", "content": answer}]
-                conv.blocks = turn.blocks
+            if c is not None:
+                c.conv.answered(turn, req.out, s.eos)
             answers.append(req.out)
             last = req
     finally:
-        if intr is not None:
-            intr.restore()
+        if c is not None:
+            c.keys.restore()
     return answers
 
 
@@ -576,18 +533,21 @@ def interactive(s: R.Session, a: Args) -> list:
 def parser() -> R.Parser:
     ap = R.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", help="user text; the chat template is applied unless --raw-prompt")
+    ap.add_argument("--prompt-file", metavar="FILE", help="user text read from FILE (UTF-8, as it is), as --prompt: "
+                    "for prompts longer than a command line holds")
     ap.add_argument("--prompt-json", help=f"exact ids: {ID_FORMS}")
     ap.add_argument("--prompt-json-batch", help='[[ids...], ...] or {"prompts": [{"prompt_ids": [...], '
                     '"image_inputs": "file.safetensors"}, {"prompt": "text", "images": ["photo.jpg"]}, ...]}')
     ap.add_argument("--interactive", action="store_true", help="a multi-turn chat on stdin; answers stream; the "
                     "conversation's cache is reused turn after turn")
     ap.add_argument("--image", dest="images", action="append", metavar="FILE",
-                    help="an image file for --prompt (repeatable, in order); each goes where the text has an "
+                    help="an image file for --prompt / --prompt-file (repeatable, in order); each goes where the "
+                    "text has an "
                     f"{chat.IMAGE_MARKER} marker, or before the text without markers")
     ap.add_argument("--save-image-inputs", metavar="OUT.safetensors",
                     help="also write the prepared image tensors there and the prompt ids to OUT.json")
     ap.add_argument("--image-inputs", help="safetensors with pixel_values [+ patch_pixel_values, num_patches] "
-                    "or image_embeds, for --prompt / --prompt-json")
+                    "or image_embeds, for --prompt / --prompt-file / --prompt-json")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ignore-eos", action="store_true",
                     help="generate exactly --max-new-tokens tokens per request, past any EOS (benchmarks, tests)")

@@ -662,6 +662,26 @@ _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn:
               torch.uint8: "U8", torch.int64: "I64"}
 
 
+def first_nonfinite(t: torch.Tensor, chunk: int = 1 << 26) -> int | None:
+    """The flat index of t's first NaN or infinity, or None, read `chunk` elements at a time (the check's own memory
+    stays small beside a large weight). FP8 has no isfinite: e4m3fn's one non-finite pattern is NaN (S.1111.111),
+    e5m2's are those with exponent 11111."""
+    if not t.is_floating_point():
+        return None
+    flat = t.reshape(-1)
+    for a in range(0, flat.numel(), chunk):
+        x = flat[a:a + chunk]
+        if x.dtype == torch.float8_e4m3fn:
+            bad = x.view(torch.uint8) & 0x7F == 0x7F
+        elif x.dtype == torch.float8_e5m2:
+            bad = x.view(torch.uint8) & 0x7C == 0x7C
+        else:
+            bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            return a + int(bad.nonzero()[0])
+    return None
+
+
 class ShardError(ValueError):
     """A shard does not match its config: the message names the file and the key(s)."""
 
@@ -702,8 +722,9 @@ class Step5ForCausalLM(nn.Module):
     def from_shard(cls, path: str, cfg: Step5Config, device="cpu", vl: "Step5VLConfig | None" = None,
                    rank: int | None = None):
         """Strict load of one rank's shard: key set, shapes, dtypes and TP/EP/rank metadata are checked from the
-        header before any weight data is read; nothing falls back to random initialisation. The rank defaults to
-        the process group's (0 without one). A VL config gives the Step5ForConditionalGeneration."""
+        header before any weight data is read; nothing falls back to random initialisation; a NaN or infinity in a
+        weight is refused, naming the tensor. The rank defaults to the process group's (0 without one). A VL config
+        gives the Step5ForConditionalGeneration."""
         from safetensors import safe_open
         if rank is None:
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -753,6 +774,11 @@ class Step5ForCausalLM(nn.Module):
             for k in expect:
                 t = f.get_slice(k)[rank * Vl:(rank + 1) * Vl] if k == "lm_head.weight" else f.get_tensor(k)
                 sd[k] = t.to(device)
+                i = first_nonfinite(sd[k])  # on the device: the weights are read there at memory speed
+                if i is not None:
+                    raise ShardError(f"{path}: {k} holds a non-finite value (flat index {i}: "
+                                     f"{sd[k].reshape(-1)[i].float().item()}); the shard is damaged (generate.py "
+                                     "--verify checks its sha256)")
         m.load_state_dict(sd, strict=True, assign=True)
         m.finalize()
         return m

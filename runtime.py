@@ -30,6 +30,7 @@ import torch.distributed as dist
 import config
 import engine as E
 import model as M
+import startup
 from sampling import Sampling
 
 PROGRESS_AFTER_S = 5.0  # a prefill that runs longer than this reports its progress on rank 0
@@ -247,6 +248,9 @@ def add_engine_flags(ap: argparse.ArgumentParser, *, prefill_chunk: int, max_bat
     g.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="launch decode kernels eagerly instead of replaying captured CUDA graphs (debugging)")
+    g.add_argument("--verify", action="store_true", help="before loading, check every rank's shard against the "
+                   "sha256 convert.py recorded beside it (model-r{rank}.safetensors.sha256): reads each shard once "
+                   "more")
 
 
 @dataclass
@@ -262,6 +266,7 @@ class EngineFlags:
     ep_size: int | None = None
     device: str = "auto"
     cuda_graph: bool = True
+    verify: bool = False
 
     @classmethod
     def split(cls, kw: dict) -> tuple["EngineFlags", dict]:
@@ -391,23 +396,46 @@ def setup(flags: EngineFlags, rank: int, world: int, dev, *, needs_tokenizer: bo
 
 
 def load(s: Session, note: str):
-    """Strict load of every rank's shard, then the engine: memory plan, warm-up, graphs (times on rank 0)."""
+    """Every rank's shard (its sha256 first with --verify), loaded strictly (model.from_shard: non-finite weights
+    refused); times on rank 0."""
     say = s.say
     say(f"loading Step-5 TP={s.world}, co-located EP={s.cfg.expert_parallel_size} on {s.dev.type} {note}")
-    t0 = time.perf_counter()
     shard = os.path.join(s.flags.tp_dir, f"model-r{s.rank}.safetensors")
+    if s.flags.verify:
+        t0 = time.perf_counter()
+        phase(verify_shard, shard, s.rank, s.world)
+        say(f"--verify: every rank's shard has the sha256 recorded beside it ({time.perf_counter() - t0:.1f} s)")
+    t0 = time.perf_counter()
     s.model = phase(lambda: M.Step5ForCausalLM.from_shard(shard, s.cfg, s.dev, s.vl, s.rank))
     if s.dev.type == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    gb = os.path.getsize(shard) / 1e9
-    say(f"loaded in {dt:.1f} s ({gb / max(dt, 1e-9):.2f} GB/s per rank); compute path: "
+    n = os.path.getsize(shard)
+    say(f"loaded {startup.size_text(n)} per rank in {dt:.1f} s ({startup.size_text(int(n / max(dt, 1e-9)))}/s); "
+        "compute path: "
         + (f"Triton kernels (kernel.py), decode as {'CUDA graphs' if s.flags.cuda_graph else 'eager launches'}"
            if s.dev.type == "cuda" else "PyTorch reference (CPU)"))
     return dt
 
 
+def verify_shard(path: str, rank: int, world: int):
+    """--verify: the shard's bytes hash to the sha256 convert.py recorded beside it (model-r{rank}.safetensors.sha256,
+    read as convert.py reads it)."""
+    import convert
+    try:
+        want = convert.recorded_sha256(path)
+    except ValueError as e:
+        raise UserError(f"{path}: {e}; --verify checks the sha256 that convert.py writes beside each shard") from None
+    got = convert.sha256_file(path, rank, world)
+    if got != want:
+        raise UserError(f"{path}: its sha256 {got[:12]}... differs from the {want[:12]}... recorded in "
+                        f"{os.path.basename(path)}.sha256: the file changed after convert.py wrote it (convert again)")
+
+
 def start_engine(s: Session, max_batch: int, max_context: int | None):
+    """The engine made (its memory plan refused naming the flags, as one message of every rank) and started. A rank
+    whose start-up runs out of memory may be inside a collective with the others, so it says so itself, in one line,
+    and leaves; the others' next collective fails."""
     f = s.flags
 
     def make():
@@ -418,7 +446,11 @@ def start_engine(s: Session, max_batch: int, max_context: int | None):
             raise UserError(str(e)) from None
     s.eng = phase(make)
     s.eng.progress = progress_printer(s)
-    s.eng.start()
+    try:
+        s.eng.start()
+    except MemoryError as e:
+        print(f"error: rank {s.rank}: {e}", file=sys.stderr, flush=True)
+        exit_now(EXIT_BAD_INPUT)
 
 
 def progress_printer(s: Session):
@@ -555,10 +587,13 @@ SIGINT_SEEN = threading.Event()
 class Stdout:
     """sys.stdout that never raises: a reader that went away (`| head`) or a full disk must not end rank 0 mid-run,
     since the other ranks would then die in their next collective. What follows the first failure is dropped, and
-    `lost` says why."""
+    `lost` says why. A stdout whose encoding cannot show a character (PYTHONIOENCODING=latin-1, a C locale) gets its
+    backslash escape, as Python's stderr does."""
 
     def __init__(self, stream):
         self.stream, self.lost = stream, None
+        if hasattr(stream, "reconfigure"):  # a character its encoding lacks is written as \uXXXX, as on stderr
+            stream.reconfigure(errors="backslashreplace")
 
     def _do(self, fn, *a):
         if self.lost is None:

@@ -7,24 +7,28 @@ makes in its constructor (its plan settles the engine's context) and runs from E
 into the engine (cache, mtps, graphs, prefill_graphs, extend_graphs, max_context).
 
 - The memory plan. Before allocating, rank 0 says the weights, caches, prefill workspace, graphs and headroom against
-  the free device memory (MemoryPlan.line); a plan that does not fit is refused, naming the flag to lower. Without a
-  max_context the context is what fits, capped at the config's max_position_embeddings, and the ranks take the least
-  any of them fits (one whole TP=8 rank of FP8 weights on an H200 with 16 slots: about 205k positions, PERF_LOG "the
-  clean-up's decode step against the tree before it").
+  the free memory (MemoryPlan.line: the GPU's, or on CPU the rank's share of the host memory available,
+  Startup.free_memory); a plan that does not fit is refused, naming the flag to lower. Without a max_context the
+  context is what fits, capped at the config's max_position_embeddings, and the ranks take the least any of them fits
+  (one whole TP=8 rank of FP8 weights on an H200 with 16 slots: about 205k positions, PERF_LOG "the clean-up's decode
+  step against the tree before it").
 - The builds. Warm-up prefill passes reach every Triton kernel variant a request can reach; then each batch bucket's
   graph is captured, and the times are said. On a GPU the passes run first from a pool of threads (the rank's share
   of the node's CPU cores, at most 16), each in a small cache of its own, before the engine's caches are allocated,
   so Triton compiles their kernels side by side (each variant once: one_build_per_variant); the plan is then made
   again on what is left, and each batch bucket's decode step runs once from the same pool before the graphs are
-  captured.
+  captured. The builds are sized to the memory left: passes run together only as far as the free memory holds their
+  caches and workspaces, the decode steps' threads likewise, and where the memory left does not hold two of the
+  largest passes side by side (a whole rank on an H100) the warm-up runs in order, inside the plan. A start-up that
+  still runs out of memory is refused in one line naming the flags that size it.
 - Triton's disk cache. Triton keeps compiled kernels in ~/.triton/cache (or $TRITON_CACHE_DIR): a second start on
   the same machine reads them instead of compiling, and a copy of that directory on another node with the same GPU,
   driver and Triton skips the compile there too. A start-up leaves a marker there if it can (`step5-built-*`,
   _built_marker: named by the code, the model, the passes and the GPU); a start-up that finds its marker warms up in
   order instead of from threads, which would only read the cache and contend for the GIL.
 
-Tests drive it through its public methods (run, warm_pass, build_ahead, warm_graphs_ahead), wrapping them on the
-engine's own Startup object to record what each makes.
+Tests drive it through its public methods (run, warm_pass, build_ahead, warm_graphs_ahead, free_memory), wrapping
+them on the engine's own Startup object to record what each makes, or to fake the memory it sees.
 """
 import contextlib
 import hashlib
@@ -50,6 +54,13 @@ GRAPH_PREFILL = 4096
 # these (the sliding rings' spare slots bound a step: _extend_sizes; engine.EXTEND_TURN bounds the turn)
 EXTEND = (16, 32, 64)
 GIB = 1 << 30
+# A build thread's memory beside its pass's cache and workspace: its stream's cuBLAS workspaces and the caching
+# allocator's rounding of its blocks (chosen, not measured)
+PER_THREAD = 256 << 20
+# Memory a plan leaves unplanned ([CPU, GPU]): on a GPU the CUDA context's growth, library workspaces and the caching
+# allocator's rounding; on the host the Python objects, the tokenizer and the activations outside the prefill
+# workspace (both chosen, not measured)
+HEADROOM = (1 * GIB, 2 * GIB)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,25 +121,52 @@ def buckets(max_batch: int) -> list:
 # memory plan
 
 
+def size_text(n: int) -> str:
+    """Bytes as a person reads them: 512 B, 14.3 MiB, 5.9 GiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def host_available() -> int:
+    """Bytes of host memory this process may still take: the kernel's MemAvailable, within the memory cgroup's limit
+    where one is set (a container's: v2 memory.max, v1 memory.limit_in_bytes, less what the group uses)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):  # not Linux
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit, used in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes",
+                                                           "memory/memory.usage_in_bytes")):
+        try:
+            with open(f"/sys/fs/cgroup/{limit}") as a, open(f"/sys/fs/cgroup/{used}") as b:
+                avail = min(avail, int(a.read()) - int(b.read()))
+        except (OSError, ValueError):  # no such group, or no limit ("max")
+            continue
+    return avail
+
+
 @dataclass
 class MemoryPlan:
-    """Device memory of an engine, in bytes: what is loaded, what the plan allocates, what is left."""
+    """Memory of an engine on its device (a GPU, or the host's share of the rank on CPU), in bytes: what is loaded,
+    what the plan allocates, what is left."""
     weights: int
     caches: int
     prefill: int
     graphs: int
     headroom: int
-    free: int  # what the device had free after loading (CPU: not checked)
+    free: int  # what the device had free after loading (the host: the rank's share of what is available)
+    where: str  # the device, as the line names it
 
     def fits(self) -> bool:
-        return self.free < 0 or self.caches + self.prefill + self.graphs + self.headroom <= self.free
+        return self.caches + self.prefill + self.graphs + self.headroom <= self.free
 
     def line(self) -> str:
-        parts = [f"weights {self.weights / GIB:.1f}", f"caches {self.caches / GIB:.2f}",
-                 f"prefill workspace {self.prefill / GIB:.2f}", f"graphs {self.graphs / GIB:.2f}",
-                 f"headroom {self.headroom / GIB:.1f}"]
-        left = "" if self.free < 0 else f"; free {self.free / GIB:.1f}"
-        return "memory plan (GiB): " + ", ".join(parts) + left
+        parts = [f"weights {size_text(self.weights)}", f"caches {size_text(self.caches)}",
+                 f"prefill workspace {size_text(self.prefill)}", f"graphs {size_text(self.graphs)}",
+                 f"headroom {size_text(self.headroom)}"]
+        return f"memory plan ({self.where}): " + ", ".join(parts) + f"; free {size_text(self.free)}"
 
 
 def prefill_workspace(cfg, chunk: int) -> int:
@@ -212,12 +250,13 @@ class Startup:
         # caches: a fixed part (sliding rings, pending rows) and bytes per position of every slot
         per_token = (self._cache_bytes(2048) - self._cache_bytes(1024)) / 1024
         fixed = self._cache_bytes(1024) - 1024 * per_token
+        free = self.free_memory()
         if e.dev.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(e.dev)
-            free += torch.cuda.memory_reserved(e.dev) - torch.cuda.memory_allocated(e.dev)
-            weights = torch.cuda.memory_allocated(e.dev)
+            weights, where = torch.cuda.memory_allocated(e.dev), str(e.dev)
         else:
-            free, weights = -1, sum(t.numel() * t.element_size() for t in m.state_dict().values())
+            weights = sum(t.numel() * t.element_size() for t in m.state_dict().values())
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            where = "host memory" + (f", this rank's 1/{ranks}" if ranks > 1 else "")
         prefill = prefill_workspace(cfg, c.prefill_chunk)
         graphs = (256 << 20) * len(buckets(c.max_batch)) if e.use_graph else 0
         sizes = self._prefill_sizes(c)
@@ -225,20 +264,27 @@ class Startup:
             graphs += self._staging_bytes(sizes[-1]) + (prefill_workspace(cfg, sizes[-1]) if e.use_graph else 0)
             graphs += (256 << 20) * len(EXTEND) if e.use_graph else 0
             graphs += 2 * sizes[-1] * cfg.hidden_size * 4 if e.k else 0  # their residual rows kept as outputs
-        headroom = 2 * GIB if e.dev.type == "cuda" else 0
+        headroom = HEADROOM[e.dev.type == "cuda"]
         ctx = c.max_context
         if ctx is None:
-            ctx = limit
-            if free >= 0:
-                fit = int((free - prefill - graphs - headroom - fixed) / per_token) - e.slack
-                ctx = min(limit, fit // 128 * 128)
+            fit = int((free - prefill - graphs - headroom - fixed) / per_token) - e.slack
+            ctx = min(limit, fit // 128 * 128)
             if ctx < 16:
-                raise MemoryError(f"no room for a KV cache after the weights ({weights / GIB:.1f} GiB, "
-                                  f"{max(free, 0) / GIB:.1f} GiB free): lower --max-batch ({c.max_batch}) or "
+                raise MemoryError(f"no room for a KV cache after the weights ({size_text(weights)}, "
+                                  f"{size_text(max(free, 0))} free on {where}): lower --max-batch ({c.max_batch}) or "
                                   f"--prefill-chunk ({c.prefill_chunk})")
         if not 1 <= ctx <= limit:
             raise ValueError(f"max_context {ctx} must be in [1, max_position_embeddings={limit}]")
-        return MemoryPlan(weights, self._cache_bytes(ctx), prefill, graphs, headroom, free), ctx
+        return MemoryPlan(weights, self._cache_bytes(ctx), prefill, graphs, headroom, free, where), ctx
+
+    def free_memory(self) -> int:
+        """Bytes the engine may still take on its device: on a GPU what the driver has free and the caching allocator
+        holds unused; on CPU the rank's share of the host memory available (the node's ranks share it)."""
+        e = self.e
+        if e.dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(e.dev)
+            return free + torch.cuda.memory_reserved(e.dev) - torch.cuda.memory_allocated(e.dev)
+        return host_available() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
     def _prefill_sizes(self, c) -> list:
         """The padded lengths of the prefill graphs: powers of two from 32 up to the first that holds
@@ -275,10 +321,20 @@ class Startup:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- the run
-    @torch.inference_mode()
     def run(self):
         """Every kernel variant a request can reach compiled (warm-up prefills, and per batch bucket the decode
-        step), the engine's caches allocated, every graph captured; times reported."""
+        step), the engine's caches allocated, every graph captured; times reported. A device that runs out of memory
+        meanwhile is a MemoryError naming the flags that size what start-up allocates."""
+        try:
+            self._run()
+        except torch.OutOfMemoryError as err:
+            e = self.e
+            raise MemoryError(f"start-up ran out of memory on {e.dev} ({str(err).splitlines()[0][:160]}); lower "
+                              f"--max-context ({e.max_context}), --max-batch ({e.config.max_batch}) or --prefill-chunk "
+                              f"({e.config.prefill_chunk})") from None
+
+    @torch.inference_mode()
+    def _run(self):
         e = self.e
         sync = torch.cuda.synchronize if e.dev.type == "cuda" else (lambda: None)
         m, B, t0 = e.model, e.config.max_batch, time.perf_counter()
@@ -291,10 +347,18 @@ class Startup:
         # start-up has built them into Triton's disk cache: then the builds only read it and the threads only contend
         # for the GIL, slower than the warm-up in order. Every rank takes one answer (the warm-up in order runs
         # collectives): from threads if any rank lacks the marker.
+        # Where the memory left does not hold two of the largest passes side by side (a whole rank on an H100), the
+        # warm-up runs in order, inside the plan; every rank takes that answer too.
         marker = self._built_marker(passes) if threads > 1 and passes else None
-        ahead = marker is not None and not os.path.exists(marker)
+        want = marker is not None and not os.path.exists(marker)
+        tight = marker is not None and not self.builds_fit(passes)
         if M.world_size > 1:
-            ahead = bool(M.tp_gather(torch.tensor([int(ahead)], device=e.dev)).max())
+            want, tight = map(bool, M.tp_gather(torch.tensor([int(want), int(tight)], device=e.dev)).max(0).values)
+        if want and tight:
+            e.say(f"start-up: {size_text(self.free_memory() - self.plan.headroom)} left beside the weights does not "
+                  f"hold two of the largest warm-up passes ({size_text(max(self._pass_bytes(*p) for p in passes))} "
+                  "each) side by side: kernels build in order")
+        ahead = want and not tight
         if ahead:
             self.build_ahead(passes, threads)
         self.replan(agree=True)  # on what the builds left free (library workspaces and loaded kernels stay behind)
@@ -318,7 +382,7 @@ class Startup:
                 e.graphs[b] = e.spec.graphs(b, pool) if e.spec else self._plain_graph(b, pool)
             e.extend_graphs = {q: self._extend_graph(q, pool) for q in self._extend_sizes(sizes)}
             if ahead:
-                self.warm_graphs_ahead(threads)
+                self.warm_graphs_ahead(self.graph_threads(threads))
             for gs in e.graphs.values():
                 for g in gs:
                     g.capture()
@@ -471,23 +535,31 @@ class Startup:
                   "eagerly")
 
     # ---- kernel builds from threads
+    def _pass_bytes(self, p0: int, n: int) -> int:
+        """Memory a warm-up pass of n tokens at position p0 takes from a thread: its cache (one slot, as long as the
+        pass needs), its prefill workspace and the thread's own (PER_THREAD)."""
+        return self._cache_bytes(p0 + n, 1) + prefill_workspace(self.e.model.cfg, n) + PER_THREAD
+
+    def builds_fit(self, passes: list) -> bool:
+        """Whether the memory left now (before the caches exist; the plan's headroom kept) holds two of the largest
+        warm-up passes side by side: where it does not, threads would mostly wait for each other, and the estimates'
+        error would land in the headroom."""
+        return self.free_memory() - self.plan.headroom >= 2 * max(self._pass_bytes(p0, n) for p0, n in passes)
+
     def build_ahead(self, passes: list, threads: int):
         """The warm-up prefill passes from a pool of threads, before the caches exist: each pass in a cache of its own
         (one slot, as long as the pass needs: its launches are those of the engine's cache, whose strides take the
         same integer classes; tests/test_startup.py compares the two), on a stream of its own, with this rank's
         collectives left out (model.alone: threads take turns in another order on every rank). Triton's compilation
-        leaves the GIL for most of its time, so the passes' kernels compile side by side. Passes wait for device
-        memory: their caches and workspaces stay within what the plan leaves beside the caches it has yet to
-        allocate. The results are discarded."""
+        leaves the GIL for most of its time, so the passes' kernels compile side by side. Passes wait for memory:
+        those running together take at most what the device has free now, the plan's headroom kept (_pass_bytes
+        each; run checked that the largest fits twice). The results are discarded."""
         e = self.e
-        m = e.model
-        m._capacity(e.max_context + e.slack)  # RoPE tables for every pass, built before any thread reads them
-        total = self.plan.caches + self.plan.prefill + self.plan.graphs if self.plan.free >= 0 else 1 << 62
-        room, ready = [total], threading.Condition()
+        e.model._capacity(e.max_context + e.slack)  # RoPE tables for every pass, built before any thread reads them
+        room, ready = [self.free_memory() - self.plan.headroom], threading.Condition()
 
         def one(p0: int, n: int):
-            # its cache and workspace; a pass larger than the whole room runs alone
-            need = min(self._cache_bytes(p0 + n, 1) + prefill_workspace(m.cfg, n), total)
+            need = self._pass_bytes(p0, n)
             with ready:
                 ready.wait_for(lambda: room[0] >= need)
                 room[0] -= need
@@ -498,6 +570,15 @@ class Startup:
                     room[0] += need
                     ready.notify_all()
         self._from_threads(threads, one, sorted(passes, key=lambda pn: -pn[1]))
+
+    def graph_threads(self, threads: int) -> int:
+        """How many of `threads` the decode steps' builds may use in the memory left beside the caches (the plan's
+        headroom kept): each thread takes the workspace of the largest step (a batch bucket's rows, or an extension
+        step's) and its own (PER_THREAD)."""
+        e = self.e
+        rows = max([b * (e.k + 1) for b in e.graphs] + list(e.extend_graphs))
+        need = prefill_workspace(e.model.cfg, rows) + PER_THREAD
+        return max(1, min(threads, (self.free_memory() - self.plan.headroom) // need))
 
     def warm_graphs_ahead(self, threads: int):
         """Each batch bucket's decode step(s) and each extension step once, eagerly, from a pool of threads (one a

@@ -440,6 +440,76 @@ def test_stdout_that_cannot_be_written_ends_the_run_with_one_line(converted):
     assert errs == ["error: cannot write to stdout (No space left on device): the output is lost"], res[0][2][-3000:]
 
 
+@pytest.mark.slow
+def test_a_stdout_that_is_not_utf8_gets_escapes(converted):
+    """Rank 0's stdout in latin-1 (PYTHONIOENCODING): the streamed text's characters latin-1 lacks are written as
+    backslash escapes (64 tokens of the tiny vocabulary hold some), the run ends as usual; --json escapes them in
+    JSON's own form."""
+    args = ["--tp-dir", converted("bf16_text", 1), "--prompt", "请介绍一下张量并行。", "--max-new-tokens", 64,
+            "--ignore-eos"]
+    (rc, so, se), = launch_ranks(1, args, env_extra={"PYTHONIOENCODING": "latin-1"})
+    assert rc == 0 and "Traceback" not in se and "\\u" in so, se[-3000:]
+    (rc, so, se), = launch_ranks(1, [*args, "--json"], env_extra={"PYTHONIOENCODING": "latin-1"})
+    assert rc == 0 and so.isascii() and len(json.loads(so)["completion_token_ids"]) == 64, se[-3000:]
+
+
+@pytest.mark.slow
+def test_bad_cpu_plan_past_the_hosts_memory_names_the_flag(converted, tmp_path):
+    """On CPU the memory plan is made against the host memory available to the rank: slots it cannot hold are
+    refused naming the flag, before anything is allocated."""
+    p = write_json(tmp_path / "p.json", [11, 12, 13])
+    d = converted("bf16_text", 1)
+    assert_all_ranks_fail(launch_ranks(1, ["--tp-dir", d, "--prompt-json", p, "--max-batch", 100000,
+                                           "--max-context", 512]),
+                          "the engine does not fit", "(host memory)", "lower --max-context (512) or --max-batch (100000)")
+    assert_all_ranks_fail(launch_ranks(1, ["--tp-dir", d, "--prompt-json", p, "--max-batch", 10 ** 8]),
+                          "no room for a KV cache", "free on host memory", "lower --max-batch (100000000)")
+
+
+@pytest.mark.slow
+def test_bad_verify_names_a_shard_whose_bytes_changed(converted, tmp_path):
+    """--verify hashes every rank's shard against the sha256 convert.py recorded beside it, before loading: 2,000
+    flipped bytes in rank 1's shard (which load and run without it) are named with the file; a shard without its
+    record is named too."""
+    d = tmp_path / "tp2"
+    shutil.copytree(converted("bf16_text", 2), d)
+    p = write_json(tmp_path / "p.json", [11, 12, 13])
+    res = launch_ranks(2, ["--tp-dir", d, "--prompt-json", p, "--max-new-tokens", 2, "--verify"])
+    assert all(rc == 0 for rc, _, _ in res) and "--verify: every rank's shard has the sha256" in res[0][2], res[0][2]
+    shard = d / "model-r1.safetensors"
+    data = bytearray(shard.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 2000] = bytes(b ^ 0x01 for b in data[mid:mid + 2000])  # mantissa bits: still finite weights
+    shard.write_bytes(bytes(data))
+    res = launch_ranks(2, ["--tp-dir", d, "--prompt-json", p, "--max-new-tokens", 2])
+    assert all(rc == 0 for rc, _, _ in res), res[0][2][-3000:]
+    assert_all_ranks_fail(launch_ranks(2, ["--tp-dir", d, "--prompt-json", p, "--verify"]), str(shard),
+                          "differs from the", "recorded in model-r1.safetensors.sha256")
+    os.remove(d / "model-r1.safetensors.sha256")
+    assert_all_ranks_fail(launch_ranks(2, ["--tp-dir", d, "--prompt-json", p, "--verify"]), str(shard),
+                          "model-r1.safetensors.sha256 missing")
+
+
+@pytest.mark.slow
+def test_prompt_file_is_the_prompt_text(converted, tmp_path):
+    """--prompt-file FILE gives the file's text as --prompt gives it (for prompts past argv's 128 KiB); a missing
+    file, one that is not UTF-8 and one past what the context could hold are named."""
+    d = converted("bf16_text", 1)
+    f = tmp_path / "prompt.txt"
+    f.write_text("请介绍一下张量并行。", encoding="utf-8")
+    by_arg = gen_json(1, d, "--prompt", "请介绍一下张量并行。", "--max-new-tokens", 4)
+    by_file = gen_json(1, d, "--prompt-file", f, "--max-new-tokens", 4)
+    assert by_file == by_arg
+    run = lambda *a: launch_ranks(1, ["--tp-dir", d, *a])  # noqa: E731
+    assert_all_ranks_fail(run("--prompt-file", tmp_path / "none.txt"), "--prompt-file", "none.txt: cannot read it (No such file")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    assert_all_ranks_fail(run("--prompt-file", tmp_path / "latin1.txt"), "latin1.txt: not UTF-8 text (byte 3")
+    (tmp_path / "big.txt").write_text("x" * (generate.PROMPT_FILE_BYTES_PER_TOKEN * 2048 + 1))
+    assert_all_ranks_fail(run("--prompt-file", tmp_path / "big.txt"), "big.txt: more than 65536 bytes",
+                          "max_position_embeddings=2048")
+    assert_all_ranks_fail(run("--prompt-file", f, "--prompt", "hi"), "exactly one of --prompt, --prompt-file")
+
+
 # ---------------------------------------------------------------------------------------------- sampling
 @pytest.mark.slow
 def test_sampling_at_tp2_is_the_same_on_every_rank_and_reproducible(converted, tmp_path):
@@ -582,11 +652,12 @@ def test_interactive_turns_reuse_the_cache_and_reset_refuse_and_stop(converted):
     assert "Traceback" not in err and "Traceback" not in res[1][2]
     lines = speed_lines(err)
     assert len(lines) == 4, err
-    (n1, m1, _), (n2, m2, _), (n3, m3, _), (n4, m4, _) = lines
+    (n1, m1, d1), (n2, m2, d2), (n3, m3, _), (n4, m4, _) = lines
     import config
     blk = config.load_config(os.path.join(d, "config-r0.json"))[0].sparse.block  # reuse stops at a region boundary
-    # each turn reuses at least the last turn's prompt (down to a region boundary); only the rest is computed
-    assert m1 == 0 and m2 >= n1 // blk * blk > 0 and m3 >= (n2 + m2) // blk * blk > m2, lines
+    # each turn reuses the last turn's prompt and answer, as generated (down to a region boundary: the last emitted
+    # token was never fed); only the rest is computed
+    assert m1 == 0 and m2 >= (n1 + d1) // blk * blk > 0 and m3 >= (n2 + m2 + d2) // blk * blk > m2, lines
     assert n4 + m4 == n1, lines  # after /reset the first turn again (its tokens may be reused from the slot)
     assert res[0][1].count("\n") == 4  # one answer line per answered turn
 
@@ -620,6 +691,23 @@ def test_interactive_turns_reuse_the_cache_and_reset_refuse_and_stop(converted):
         if during_answer:
             assert res[0][0] == runtime.EXIT_INTERRUPTED and res[0][2].rstrip().endswith("interrupted"), res[0][2]
         assert all(rc in (0, runtime.EXIT_INTERRUPTED) for rc, _, _ in res), res
+
+
+@pytest.mark.slow
+def test_turns_after_an_image_turn_hold_the_whole_conversation(converted, tmp_path):
+    """A turn whose typed <image> marker places its /image file: the three turns after it have growing prompts (the
+    history once held two markers for one image, and every later prompt was cut at the second)."""
+    chat = Chat(1, ["--tp-dir", converted("fp8_vl", 1), "--max-new-tokens", 4])
+    chat.wait_for("interactive: up to")
+    chat.say(f"/image {wide_image(tmp_path / 'wide.png')}")
+    chat.wait_for("goes with the next turn")
+    for i, line in enumerate(["What is in <image> here?", "and then?", "tell me more about it", "why is that so?"]):
+        chat.say(line)
+        chat.wait_for("prefill:", i + 1)
+    res = chat.close()
+    assert res[0][0] == 0, res[0][2][-3000:]
+    sizes = [n + m for n, m, _ in speed_lines(res[0][2])]
+    assert len(sizes) == 4 and sizes == sorted(set(sizes)), (sizes, res[0][2][-3000:])
 
 
 @pytest.mark.slow
@@ -671,7 +759,8 @@ def test_bad_ranks_of_two_conversions_are_named_before_loading(tp2, tmp_path):
 @pytest.mark.slow
 def test_bad_non_finite_inputs_and_logits_stop_with_a_message(converted, tmp_path):
     """NaN image embeddings are refused naming the file and tensor; a NaN config number names the field; a NaN weight
-    that makes the logits non-finite stops generation naming the request and the token."""
+    is refused at load naming the shard and the tensor; finite weights that make the logits non-finite (an overflow)
+    stop generation naming the request and the token."""
     from safetensors.torch import load_file, save_file
     vl = converted("fp8_vl", 1)
     save_file({"image_embeds": torch.full((169, 256), float("nan"))}, str(tmp_path / "nan.safetensors"))
@@ -692,7 +781,14 @@ def test_bad_non_finite_inputs_and_logits_stop_with_a_message(converted, tmp_pat
     from safetensors import safe_open
     with safe_open(str(bad / "model-r0.safetensors"), "pt") as f:
         meta = f.metadata()
-    t["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
+    q = t["model.layers.0.self_attn.q_proj.weight"].clone()
+    t["model.layers.0.self_attn.q_proj.weight"][3, 5] = float("nan")
+    save_file(t, str(bad / "model-r0.safetensors"), metadata=meta)
+    i = 3 * q.shape[1] + 5
+    assert_all_ranks_fail(launch_ranks(1, ["--tp-dir", bad, "--prompt-json", p]), "model-r0.safetensors",
+                          "model.layers.0.self_attn.q_proj.weight holds a non-finite value", f"flat index {i}: nan")
+    t["model.layers.0.self_attn.q_proj.weight"] = q
+    t["lm_head.weight"].fill_(3e38)  # finite, but the head's sums overflow
     save_file(t, str(bad / "model-r0.safetensors"), metadata=meta)
     assert_all_ranks_fail(launch_ranks(1, ["--tp-dir", bad, "--prompt-json", p]), "request 0", "non-finite logits",
                           "new token 0")
@@ -762,6 +858,9 @@ def test_bad_paths_files_and_requests_are_named(converted, tmp_path):
     assert_all_ranks_fail(run("--tp-dir", out, "--prompt", "hi"), "tokenizer.json", "not a readable tokenizer")
     (rc, so, se), = run("--tp-dir", out, "--prompt-json", p, "--json")
     assert rc == 0 and "warning:" in se and "tokenizer.json" in se and json.loads(so)["completion"] is None, se
+    ids = json.loads(so)["completion_token_ids"]
+    (rc, so, se), = run("--tp-dir", out, "--prompt-json", p)  # streamed: without a tokenizer the ids are the output
+    assert rc == 0 and so == f"ids: {ids}\n", (so, se[-2000:])
     shutil.copy(os.path.join(vl, "..", "tokenizer_files", "tokenizer.json"), tj)
     tc = out / ".." / "tokenizer_files" / "tokenizer_config.json"
     tc.write_bytes(b"\xff\xfe not utf-8")

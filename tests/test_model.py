@@ -371,3 +371,17 @@ def test_alone_stands_in_for_the_gather_in_its_thread_only():
         assert other == [False] and not getattr(M._thread, "alone", False)
     finally:
         M.set_parallel(1, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_non_finite_weight_is_found_at_its_index(dtype):
+    """first_nonfinite finds a NaN or an infinity (FP8 by its bit patterns) at its flat index, across the chunks it
+    reads, and nothing in finite tensors (FP8's largest values included)."""
+    t = torch.linspace(-400, 400, 1000).to(dtype).reshape(10, 100)
+    assert M.first_nonfinite(t, chunk=64) is None
+    for i, v in ((0, float("nan")), (517, float("nan")), (999, float("-inf"))):
+        if dtype == torch.float8_e4m3fn and v != v or dtype != torch.float8_e4m3fn:  # e4m3fn has no infinity
+            x = t.clone()
+            x.view(-1)[i] = torch.tensor(v).to(dtype)
+            assert M.first_nonfinite(x, chunk=64) == i, (dtype, i, v)
+    assert M.first_nonfinite(torch.arange(5)) is None

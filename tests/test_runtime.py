@@ -118,3 +118,14 @@ def test_driver_applies_rank_0s_decisions_to_the_engine(tp1_models):
         drv.apply(runtime.Decision(cancel=[8, 9]))  # 9 was never submitted: nothing to cancel
         updates = drv.step()
         assert [(u.rid, u.done, u.req.finish) for u in updates] == [(8, True, "cancelled")] and drv.reqs == {}
+
+
+def test_stdout_writes_what_its_encoding_cannot_show_as_escapes():
+    """A stdout that is not UTF-8 (PYTHONIOENCODING=latin-1) gets a backslash escape for a character it lacks, as
+    Python's stderr does, instead of a UnicodeEncodeError that would end rank 0 mid-run."""
+    import io
+    raw = io.BytesIO()
+    out = runtime.Stdout(io.TextIOWrapper(raw, encoding="latin-1"))
+    out.write("naïve 张量 🙂\n")
+    out.flush()
+    assert out.lost is None and raw.getvalue() == "naïve \\u5f20\\u91cf \\U0001f642\n".encode("latin-1")

@@ -302,3 +302,70 @@ def test_start_up_builds_the_decode_steps_from_threads_before_capturing_them(tp1
     assert captured and not missed, "decode launches the threads did not make:\n" + "\n".join(
         map(str, sorted(missed, key=str)))
     assert not eng.cache.lengths.any()
+
+
+@torch.inference_mode()
+@pytest.mark.slow
+def test_start_up_sizes_its_builds_to_the_memory_left(tp1_models, gpu_launches, monkeypatch, tmp_path):
+    """The free memory start-up sees (a figure faked on the engine's Startup object) sizes its builds: where it holds
+    two of the largest warm-up passes side by side they run from threads, as many together as it holds, and the
+    decode steps' threads likewise; where it does not (a whole rank on an H100), the warm-up runs in order."""
+    import triton
+
+    from tools import sass
+    import time
+    lm = tp1_models("fp8_text")
+
+    def start(spare_passes: float):
+        """A start-up whose device has the plan's needs and `spare_passes` of its largest pass free beside them ->
+        (its log: the passes run from threads, the most running at once and the most memory they took together,
+        the threads given the decode steps, the passes run in order; the memory the builds had)."""
+        monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / str(spare_passes)))  # no start-up built there
+        eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=256, prefill_chunk=64, build_threads=8))
+        st, warm, lock = eng.startup, eng.startup.warm_pass, threading.Lock()
+        log = {"ahead": [], "running": [], "most": 0, "most_bytes": 0, "order": 0}
+        largest = max(st._pass_bytes(p0, n) for p0, n in lm.warm_lengths(eng.max_context, 64))
+        p = st.plan
+        free = p.caches + p.prefill + p.graphs + p.headroom + int(spare_passes * largest)
+        st.free_memory = lambda: free - (p.caches if eng.cache is not None else 0)  # the instrument
+
+        def logged_warm(p0, n, cache=None, mtps=None, main=True):
+            if cache is None:
+                log["order"] += 1
+                return warm(p0, n, main=main)
+            with lock:
+                log["running"].append(st._pass_bytes(p0, n))
+                log["most"] = max(log["most"], len(log["running"]))
+                log["most_bytes"] = max(log["most_bytes"], sum(log["running"]))
+            time.sleep(0.05)  # the threads' passes overlap
+            with lock:
+                log["running"].remove(st._pass_bytes(p0, n))
+            log["ahead"].append((p0, n))
+        st.warm_pass = logged_warm
+        st.warm_graphs_ahead = lambda threads: log.update(graph_threads=threads)
+        with sass.launch_keys(set(), execute=False):
+            eng.start()
+        return log, free - p.headroom
+    passes = lm.warm_lengths(256, 64)
+    log, room = start(spare_passes=1.5)
+    assert log["ahead"] == [] and log["order"] > 0 and "graph_threads" not in log  # tight: in order
+    log, room = start(spare_passes=2.5)
+    assert sorted(log["ahead"]) == sorted(passes) and log["order"] == 0 and 2 <= log["most"] < 8, log
+    assert log["most_bytes"] <= room and 1 <= log["graph_threads"] <= 8, (log, room)
+    log, room = start(spare_passes=40)
+    assert log["most"] > 2 and log["most_bytes"] <= room and log["graph_threads"] == 8, (log, room)
+
+
+def test_a_start_up_that_runs_out_of_memory_names_the_flags(tp1_models):
+    """An out-of-memory error during start-up (raised here from a warm-up pass, as a GPU raises it) is one
+    MemoryError that names the flags sizing what start-up allocates, not a traceback."""
+    lm = tp1_models("fp8_text")
+    eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=256, prefill_chunk=64, build_threads=0))
+
+    def out_of_memory(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    eng.startup.warm_pass = out_of_memory
+    eng.startup._plain_graph = out_of_memory  # the CPU warms no pass: its decode graphs' warm-up runs
+    with pytest.raises(MemoryError, match=r"start-up ran out of memory on cpu \(CUDA out of memory. Tried to allocate "
+                       r"2.00 GiB\); lower --max-context \(256\), --max-batch \(2\) or --prefill-chunk \(64\)"):
+        eng.start()
