@@ -4,10 +4,11 @@ the API's objects, serve.Hub carries them to and from the engine loop.
 
 Limits, each bounding memory or time before the work it guards:
 - Connections: at most --max-connections open; a connection past the cap closes the one idle the longest (no request
-  in progress), or is refused if none is idle: either way closed at once (RST), never held. A connection without a
-  request in progress (fresh, between requests, or still sending its headers) is closed HEADER_TIMEOUT_S after it
-  opened or its last answer ended; keep-alive connections after KEEP_ALIVE_S (uvicorn's). A half-closed client
-  socket still gets its answer; a client that is gone is noticed when an answer is written to it.
+  in progress, no bytes waiting to be read), or is refused if none is idle: either way closed at once (RST), never
+  held. A connection without a request in progress (fresh, between requests, or still sending its headers) is
+  closed HEADER_TIMEOUT_S after it opened or its last answer ended; keep-alive connections after KEEP_ALIVE_S
+  (uvicorn's). A half-closed client socket still gets its answer; a client that is gone is noticed when an answer
+  is written to it.
 - Bodies: at most MAX_BODY each, BODY_BUDGET for all bodies held at once (past it: 503 overloaded); a body must keep
   coming (BODY_CHUNK_S between chunks) and arrive within BODY_TIMEOUT_S (else 408).
 - Preparation (JSON, checks, tokenization) runs in threads, in lanes by body size so a small request never waits
@@ -15,13 +16,16 @@ Limits, each bounding memory or time before the work it guards:
   lane of their own, one request at a time, once their prepared pixels fit serve.Hub.images.
 - The log: one line per condition per LOG_EVERY_S (the first at once, then a count), uvicorn's own lines too.
 """
+import array
 import asyncio
 import contextlib
+import fcntl
 import hmac
 import logging
 import math
 import socket
 import struct
+import termios
 import threading
 import time
 from dataclasses import dataclass, field
@@ -137,8 +141,8 @@ class Conns:
         self.open = {}  # Conn -> None (an ordered set)
 
     def admit(self, c) -> bool:
-        if len(self.open) >= self.cap:
-            idle = min((o for o in self.open if not o.busy()), key=lambda o: o.since, default=None)
+        if len(self.open) >= self.cap:  # the order of `open` is that of `since`: the first idle one is the oldest
+            idle = next((o for o in self.open if not o.busy() and not o.pending()), None)
             if idle is None:
                 self.closed("refused", f"at --max-connections {self.cap}, none idle: a new connection was refused")
                 return False
@@ -147,6 +151,11 @@ class Conns:
             idle.drop()
         self.open[c] = None
         return True
+
+    def touch(self, c):
+        """c has no request in progress from now (c.since): it moves to the end of the order."""
+        if self.open.pop(c, 0) is None:
+            self.open[c] = None
 
     def closed(self, reason: str, line: str):
         self.metrics.closed.labels(reason).inc()
@@ -178,8 +187,20 @@ def connection_class(conns: Conns):
         def busy(self) -> bool:
             return self.cycle is not None and not self.cycle.response_complete
 
+        def pending(self) -> bool:
+            """Bytes of a request wait in the kernel's buffer (a client that connected and sent at once, not yet
+            read): not idle."""
+            sock = self.transport.get_extra_info("socket")
+            if sock is None:
+                return False
+            n = array.array("i", [0])
+            with contextlib.suppress(OSError):
+                fcntl.ioctl(sock.fileno(), termios.FIONREAD, n)
+            return n[0] > 0
+
         def on_response_complete(self):
             self.since = time.monotonic()
+            conns.touch(self)
             super().on_response_complete()
             if self.eof and not self.busy():
                 self.transport.close()

@@ -777,7 +777,8 @@ def test_sigterm_in_a_long_step_closes_the_http_side_before_the_step_ends(tp2, t
     """A server whose engine holds the step that prefills a 77-token prompt until the test opens a gate
     (tests/gated_serve.py): SIGTERM while it is held closes the HTTP side at once (/health says so with nothing in
     flight, new requests get 503 shutting_down, the stream in flight ends with abort, an upload in progress gets 503),
-    all before the step ends; then every rank exits 0 without a traceback. The same server checks CORS:
+    all before the step ends; then every rank exits 0 without a traceback. The same server checks that a small
+    request is answered while big bodies wait for their preparation (held by the instrument too), and CORS:
     --allowed-origins answers a preflight from its origin, not from another."""
     gate, log = tmp_path / "gate", str(tmp_path / "rank0.err")
     gate.mkdir()
@@ -794,6 +795,19 @@ def test_sigterm_in_a_long_step_closes_the_http_side_before_the_step_ends(tp2, t
         r = httpx.options(srv.url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **pre})
         assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
         assert httpx.get(srv.url + "/v1/models", headers={"Origin": origin}).headers["access-control-allow-origin"]
+
+        big = {"prompt": "tensor " * 300_000, "max_tokens": 1}  # 2.1 MB: the lane of big bodies
+        with ThreadPoolExecutor(5) as ex:
+            bigs = [ex.submit(srv.post, "/v1/completions", big) for _ in range(5)]
+            t0 = time.monotonic()
+            while not (gate / "preparing").exists() and time.monotonic() - t0 < 30:
+                time.sleep(0.05)
+            c, _ = complete(srv, [11, 12, 13], 1)  # while five big ones wait, one of them held in preparation
+            assert len(c.token_ids) == 1 and not any(b.done() for b in bigs)
+            (gate / "prepare").touch()
+            for b in bigs:
+                r = b.result(timeout=60)
+                assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 
         def held_stream():
             body = {"prompt": ids_prompt(77, 1), "max_tokens": 50, "stream": True, "ignore_eos": True}
@@ -827,6 +841,7 @@ def test_sigterm_in_a_long_step_closes_the_http_side_before_the_step_ends(tp2, t
         assert "stopped: every rank exits" in text and "Traceback" not in text, text[-3000:]
     finally:
         (gate / "open").touch()
+        (gate / "prepare").touch()
         if p.poll() is None:
             p.kill()
 
