@@ -391,7 +391,7 @@ def main(**kw):
         if hub is not None:
             hub.close(Event([], finish="abort"))
             http.should_exit = True
-            thread.join(H.SHUTDOWN_S + 2)
+            thread.join(H.SHUTDOWN_S)  # a daemon thread: what is left of uvicorn's drain ends with the process
             s.say("stopped: every rank exits")
         if drv.group is not None:
             dist.barrier(group=drv.group)

@@ -201,6 +201,7 @@ class Answer:
                     yield sse({**self._object([c], False, usage), **first})
                     first = {}
         except ApiError as e:
+            self.cancel()  # the other choices end with it
             yield sse(e.body())
             return
         if self.job.include_usage:

@@ -512,13 +512,13 @@ def start(srv: Served, sock):
     """uvicorn in a daemon thread (it never keeps the process alive) on the socket bound at start-up. -> (the
     uvicorn Server, its thread)."""
     import uvicorn
-    rate_filter = LogFilter(srv.rate)
+    app, conns = make_app(srv)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=connection_class(conns),
+                            timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=SHUTDOWN_S)
+    rate_filter = LogFilter(srv.rate)  # after the Config, which sets up uvicorn's logging
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).addFilter(rate_filter)
-    app, conns = make_app(srv)
-    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                         http=connection_class(conns), timeout_keep_alive=KEEP_ALIVE_S,
-                                         timeout_graceful_shutdown=SHUTDOWN_S))
+    http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True, name="http")
     thread.start()
     while not http.started and thread.is_alive():

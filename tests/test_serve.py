@@ -529,7 +529,12 @@ def wait_for_line(log: str, text: str, within: float = 20.0) -> str:
 
 def test_disconnects_are_one_line_never_a_traceback(server):
     """A client gone during its upload, and one gone (reset) while its answer is made: a line each in the log, no
-    traceback, and the request's slot is free."""
+    traceback, and the request's slot is free. Twenty requests that are not HTTP: uvicorn's warning once."""
+    for _ in range(20):
+        s = raw(server, b"NOT HTTP AT ALL\r\n\r\n")
+        assert reply(s).startswith(b"HTTP/1.1 400")
+        s.close()
+    assert 1 <= open(server.log).read().count("Invalid HTTP request") <= 2  # a line, and perhaps its count
     s = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100000\r\n\r\n", b'{"prompt": "' + b"a" * 1000)
     s.close()
