@@ -373,6 +373,7 @@ def make_app(srv: Served):
         srv.hub.check_open(1)  # 503 before the body is read
         async with body_of(request) as data:
             jobs = await (small if len(data) <= SMALL_BODY else big).run(make, data, *args)
+        del data  # its budget is given back: so are its bytes, before images are decoded
         for job in jobs:
             if job.pending:
                 await images.run(decode, job)

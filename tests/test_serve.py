@@ -783,13 +783,14 @@ def test_sigterm_in_a_long_step_closes_the_http_side_before_the_step_ends(tp2, t
     (tests/gated_serve.py): SIGTERM while it is held closes the HTTP side at once (/health says so with nothing in
     flight, new requests get 503 shutting_down, the stream in flight ends with abort, an upload in progress gets 503),
     all before the step ends; then every rank exits 0 without a traceback. The same server checks that a small
-    request is answered while big bodies wait for their preparation (held by the instrument too), and CORS:
-    --allowed-origins answers a preflight from its origin, not from another."""
+    request is answered while big bodies wait for their preparation (held by the instrument too), CORS
+    (--allowed-origins answers a preflight from its origin, not from another) and --metrics-without-key."""
     gate, log = tmp_path / "gate", str(tmp_path / "rank0.err")
     gate.mkdir()
     origin = "https://app.example"
     p = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "tests/gated_serve.py", "--tp-dir", tp2,
-                          "--port", "0", "--max-batch", "2", "--max-context", str(CONTEXT), "--allowed-origins", origin],
+                          "--port", "0", "--max-batch", "2", "--max-context", str(CONTEXT), "--allowed-origins", origin,
+                          "--api-key", KEY, "--metrics-without-key"],
                          cwd=ROOT, env=dict(env(), STEP5_GATE=str(gate)), stdout=subprocess.DEVNULL,
                          stderr=open(log, "w"))
     srv = Server(wait_serving([p], log), [p], log)
@@ -800,6 +801,8 @@ def test_sigterm_in_a_long_step_closes_the_http_side_before_the_step_ends(tp2, t
         r = httpx.options(srv.url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **pre})
         assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
         assert httpx.get(srv.url + "/v1/models", headers={"Origin": origin}).headers["access-control-allow-origin"]
+        assert httpx.get(srv.url + "/v1/models").status_code == 401  # the key is needed, but not for /metrics
+        assert httpx.get(srv.url + "/metrics").status_code == 200
 
         big = {"prompt": "tensor " * 300_000, "max_tokens": 1}  # 2.1 MB: the lane of big bodies
         with ThreadPoolExecutor(5) as ex:
@@ -816,7 +819,8 @@ def test_sigterm_in_a_long_step_closes_the_http_side_before_the_step_ends(tp2, t
 
         def held_stream():
             body = {"prompt": ids_prompt(77, 1), "max_tokens": 50, "stream": True, "ignore_eos": True}
-            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
                 return [line for line in r.iter_lines() if line]
         with ThreadPoolExecutor(1) as ex:
             stream = ex.submit(held_stream)
