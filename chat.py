@@ -1,8 +1,12 @@
 """Chat rendering, shared by both front ends: a conversation -> the prompt's ids (the tokenizer's chat template, image
 placeholder blocks spliced in at markers), the checks a prompt text passes, the CLI's chat as it goes (Conversation:
 its images, and the ids of its last prompt and answer kept where the template renders them alike), the reasoning
-markers, and ids -> text as they are decoded (TextStream).
+markers, text tokenized in bounded pieces that stop at a limit (BoundedTokenizer: a hostile text costs at most its
+limit's ids), and ids -> text as they are decoded (TextStream).
 """
+import bisect
+import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -209,3 +213,138 @@ class TextStream:
         text = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
         return text[len(done):]
+
+
+# --------------------------------------------------------------------------------------------------
+# text -> ids in bounded pieces: a long text is refused before most of it is tokenized
+
+PIECE = 16384  # characters of text normalized, pre-tokenized and tokenized at once
+EDGE = 64  # a cut stays this many characters away from a window's end and from any added token (see BoundedTokenizer)
+MAX_RUN = 4 * PIECE  # a run without a cut point this long (no space, no punctuation) is cut anyway
+NORMALIZERS = ("NFC", "NFKC", "NFD", "NFKD")  # normalize(normalize(a) + b) == normalize(a + b): a window's tail carries
+
+
+class TooManyIds(ValueError):
+    """A text gave more ids than its limit; `made`: how many were made before it stopped."""
+
+    def __init__(self, made: int, limit: int):
+        super().__init__(f"more than {limit} tokens")
+        self.made, self.limit = made, limit
+
+
+def stable(c: str) -> bool:
+    """No Unicode normalization joins c with what comes before it or reorders a mark across it, so a text cut just
+    before c normalizes as its two sides do: code points below the combining marks (ASCII, Latin), CJK punctuation and
+    ideographs, kana, Hangul syllables, fullwidth forms, emoji. A conservative list, not the Unicode property."""
+    o = ord(c)
+    return (o < 0x300 or 0x3000 <= o <= 0x3029 or 0x3041 <= o <= 0x3096 or 0x30A0 <= o <= 0x30FF
+            or 0x4E00 <= o <= 0x9FFF or 0xAC00 <= o <= 0xD7A3 or 0xFF01 <= o <= 0xFF60 or 0x1F300 <= o <= 0x1FAFF)
+
+
+def _kinds(node) -> list:
+    """The component types of a tokenizer.json normalizer or pre_tokenizer (Sequence flattened)."""
+    if node is None:
+        return []
+    if node.get("type") == "Sequence":
+        return [k for n in node.get("normalizers", node.get("pretokenizers", [])) for k in _kinds(n)]
+    return [node]
+
+
+class BoundedTokenizer:
+    """Text -> the ids the tokenizer gives the whole text, made in pieces of about PIECE characters and stopped as soon
+    as they pass a limit: a request's text costs at most its limit + one piece of ids, whatever its length.
+
+    A piece ends where the whole text's pre-tokenization has a boundary too, so the pieces' ids are the whole text's:
+    at the start of a pre-token of the window's own pre-tokenization, before a stable() character (normalization does
+    not cross it), at least EDGE characters before the window's end and from any added token's string (there, a
+    pre-token could continue past the window, or the added-token split gives other pre-tokens than the window's
+    regex). That holds for normalizers of NORMALIZERS and pre-tokenizers that split by regex (ByteLevel without a
+    prefix space, Split, Digits); another pipeline, or added tokens that strip spaces, is tokenized whole (`whole`
+    says why). A run of MAX_RUN characters without such a boundary is cut anyway: its ids may differ at the cut."""
+
+    def __init__(self, tok, piece: int = PIECE):
+        self.tok, self.piece = tok, piece
+        backend = tok.backend_tokenizer
+        spec = json.loads(backend.to_str())
+        added = list(backend.get_added_tokens_decoder().values())
+        norms = [n["type"] for n in _kinds(spec.get("normalizer"))]
+        pres = _kinds(spec.get("pre_tokenizer"))
+        self.whole = None  # why this tokenizer's text is tokenized whole, or None
+        if any(n not in NORMALIZERS for n in norms):
+            self.whole = f"its normalizer ({', '.join(norms)}) is not one of {', '.join(NORMALIZERS)}"
+        elif not pres or any(p["type"] not in ("ByteLevel", "Split", "Digits") or p.get("add_prefix_space")
+                             or p.get("behavior") == "Removed" for p in pres):
+            self.whole = f"its pre-tokenizer ({', '.join(p['type'] for p in pres) or 'none'}) does not split by regex"
+        elif any(a.lstrip or a.rstrip or a.single_word for a in added):
+            self.whole = "an added token strips spaces or matches single words only"
+        self.normalize = backend.normalizer.normalize_str if backend.normalizer is not None else (lambda s: s)
+        self.pre_tokenize = backend.pre_tokenizer.pre_tokenize_str if backend.pre_tokenizer is not None else None
+        strings = sorted({a.content for a in added}, key=len, reverse=True)
+        self.added = re.compile("|".join(map(re.escape, strings))) if strings else None
+        self.longest_added = max(map(len, strings), default=0)
+        a, b = (tok("a", add_special_tokens=s)["input_ids"] for s in (False, True))
+        at = next((i for i in range(len(b) - len(a) + 1) if b[i:i + len(a)] == a), None)
+        if at is None:
+            self.whole = self.whole or "add_special_tokens changes the text's own ids"
+            at = 0
+        self.around = (b[:at], b[at + len(a):])  # the ids add_special_tokens puts before and after a text's
+
+    def ids(self, text: str, limit: int, special: bool = False) -> list:
+        """text -> its ids (with the tokenizer's special tokens around them when `special`), or TooManyIds once they
+        pass `limit`, before the rest of the text is tokenized."""
+        if self.whole is not None:
+            out = self.tok(text, add_special_tokens=special)["input_ids"]
+            if len(out) > limit:
+                raise TooManyIds(len(out), limit)
+            return out
+        head, tail = self.around if special else ([], [])
+        out, made = list(head), 0
+        rest, at = "", 0  # normalized text not tokenized yet; where the raw text goes on
+        while True:
+            chunk = text[at:at + self.piece]
+            at += len(chunk)
+            window = self.normalize(rest + chunk)
+            cut = len(window) if at >= len(text) else self._cut(window)
+            if cut:
+                got = self.tok(window[:cut], add_special_tokens=False)["input_ids"]
+                made += len(got)
+                out += got
+                if len(out) + len(tail) > limit:
+                    raise TooManyIds(made, limit)
+            rest = window[cut:]
+            if at >= len(text) and not rest:
+                return out + list(tail)
+
+    def splice(self, rendered: str, blocks: list, marker: str, limit: int) -> list:
+        """splice() within a limit: the rendered text's ids, the k-th marker replaced by blocks[k]; TooManyIds as
+        soon as they pass `limit`."""
+        pieces = rendered.split(marker)
+        ids = self.ids(pieces[0], limit)
+        for block, piece in zip(blocks, pieces[1:]):
+            ids += block
+            if len(ids) > limit:
+                raise TooManyIds(len(ids), limit)
+            ids += self.ids(piece, limit - len(ids))
+        return ids
+
+    def _cut(self, window: str) -> int:
+        """Where the window's text is cut (what follows waits for the next window), or 0: no cut yet. The latest of:
+        an added token's start (the tokenizer splits there first), or a pre-token's start before a stable()
+        character, EDGE characters from the window's end and from any added token."""
+        margin = max(EDGE, self.longest_added)
+        found = [m.span() for m in self.added.finditer(window)] if self.added is not None else []
+        starts, ends = [a for a, _ in found], [b for _, b in found]
+
+        def ok(s: int) -> bool:  # a stable character, no added token within the margin
+            i = bisect.bisect_left(starts, s + margin)
+            return stable(window[s]) and not (i and ends[i - 1] + margin > s)
+        last = len(window) - margin
+        token = max((a for a in starts if 0 < a <= last), default=0)
+        for _, (s, _) in reversed(self.pre_tokenize(window)):
+            if s <= token:
+                break
+            if s <= last and ok(s):
+                return s
+        if token or len(window) < MAX_RUN:
+            return token
+        return next((s for s in range(last, 0, -1) if ok(s)), last)  # a run without a boundary: cut anyway

@@ -1,7 +1,7 @@
 """Drivers and instruments of the engine and the model for tests: one batch on an engine made for it (generate), a
 packed prefill without an engine (prefill), and test instruments installed onto existing objects: a started engine's
 prefill and extension graphs that log each replay (record_replays), MTP drafts replaced by given tokens
-(force_drafts).
+(force_drafts); a tokenizer that counts the ids its calls make (Counting).
 """
 import time
 
@@ -99,3 +99,20 @@ def force_drafts(monkeypatch, ref: list, prompts: list, shift: int):
             out.append([(ref[b][i0 + j] + shift) % 1024 if 0 <= i0 + j < len(ref[b]) else 0 for j in range(k)])
         return torch.tensor(out, device=slots.device)
     monkeypatch.setattr(Speculator, "draft", draft)
+
+
+class Counting:
+    """A tokenizer that counts what its calls make (ids and calls), forwarding everything else."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.calls, self.longest = tok, 0, 0, 0
+
+    def __call__(self, text, **kw):
+        out = self.tok(text, **kw)
+        self.ids += len(out["input_ids"])
+        self.calls += 1
+        self.longest = max(self.longest, len(text))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)

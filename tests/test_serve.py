@@ -13,6 +13,7 @@ import os
 import random
 import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -32,15 +33,17 @@ import engine
 import helpers
 import model as M
 import runtime
-import serve
+import serve_answers
+import serve_http
 from invariants import NOISE, ROOT, TORCHRUN, tokens_agree_up_to_near_tie
 from sampling import Sampling, uniform
 
 KEY = "serve-test-key"
 NEW = 4  # tokens per request: one decode step of the tiny TP=2 model takes ~0.1 s on 2 shared cores
 START_S = 120  # a server start (torchrun, load, engine start) is ~10 s here; a hang fails the test
-MAX_BATCH, MAX_QUEUE, CONTEXT = 8, 2, 1024
-ARGS = ["--port", 0, "--max-batch", MAX_BATCH, "--max-queue", MAX_QUEUE, "--max-context", CONTEXT]
+MAX_BATCH, MAX_QUEUE, CONTEXT, CAP = 8, 2, 1024, 32
+ARGS = ["--port", 0, "--max-batch", MAX_BATCH, "--max-queue", MAX_QUEUE, "--max-context", CONTEXT,
+        "--max-connections", CAP]
 
 
 def ids_prompt(n: int, seed: int) -> list:
@@ -345,7 +348,9 @@ BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
      "messages[0].content[0].image_url.url"),
     ("completions", {"prompt": [11, 1024]}, "prompt"),
     ("completions", {"prompt": [11, 5]}, "prompt"),  # the image placeholder id
-    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": ["a", [11, "b"]]}, "prompt[1]"),
+    ("completions", {"prompt": [[]]}, "prompt[0]"),
+    ("completions", {"prompt": []}, "prompt"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
 ]
@@ -373,8 +378,178 @@ def test_bad_bodies(server):
     assert httpx.post(url, json=[1, 2], headers=h).status_code == 400
     r = server.post("/v1/completions", {"model": "other", "prompt": "hi"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
-    r = httpx.post(url, content=b" " * (serve.MAX_BODY + 1), headers=h)
+    r = httpx.post(url, content=b" " * (serve_http.MAX_BODY + 1), headers=h)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+# ---------------------------------------------------------------------------------------------- compatibility
+@pytest.mark.slow
+def test_completions_take_the_four_prompt_forms(server):
+    """prompt as a string, a list of strings, a list of ids, a list of id lists (the official client sends each):
+    a choice per prompt with its index, whole and streamed."""
+    text = "The quick brown fox"
+    for prompt, n in ((text, 1), ([text, "Sparse attention"], 2), ([11, 12, 13], 1), ([[11, 12, 13], [14, 15]], 2)):
+        kw = dict(model="step5", prompt=prompt, max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True,
+                                                                                          "return_token_ids": True})
+        r = server.client().completions.create(**kw)
+        assert sorted(c.index for c in r.choices) == list(range(n)), r
+        assert all(len(c.token_ids) == NEW and c.finish_reason == "length" for c in r.choices), r
+        assert r.usage.completion_tokens == n * NEW
+        chunks = list(server.client().completions.create(**kw, stream=True))
+        ends = [ch.choices[0].index for ch in chunks if ch.choices[0].finish_reason == "length"]
+        assert sorted(ends) == list(range(n)), chunks
+        for i in range(n):
+            ids = [t for ch in chunks if ch.choices[0].index == i for t in ch.choices[0].token_ids or []]
+            assert len(ids) == NEW
+
+
+def test_models_head_options_and_errors_in_openais_shape(server):
+    """GET /v1/models/{id} (the client's models.retrieve), a 404 in OpenAI's shape for another id; HEAD wherever
+    GET is; OPTIONS refused while CORS is off (no --allowed-origins)."""
+    assert server.client().models.retrieve("step5").id == "step5"
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client().models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    assert '"gpt-4"' in e.value.body["message"] and e.value.body["type"] == "invalid_request_error"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/health", "/v1/models", "/v1/models/step5", "/metrics"):
+        r = httpx.head(server.url + path, headers=auth)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+    r = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": "https://app.example",
+                                                                    "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+
+
+def test_metrics_in_prometheus_text(server):
+    """GET /metrics needs the key and parses as Prometheus text; one request moves its counters by its usage."""
+    from prometheus_client.parser import text_string_to_metric_families
+    assert httpx.get(server.url + "/metrics").status_code == 401
+
+    def scrape() -> tuple[set, dict]:
+        text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        fams = list(text_string_to_metric_families(text))
+        return {f.name for f in fams}, {(s.name, tuple(sorted(s.labels.items()))): s.value
+                                         for f in fams for s in f.samples}
+    _, before = scrape()
+    c, u = complete(server, [11, 12, 13])
+    names, after = scrape()
+    assert {f"step5:{n}" for n in ("requests", "request_finish", "prompt_tokens", "prompt_tokens_cached",
+                                    "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                                    "e2e_request_latency_seconds", "engine_step_seconds", "num_requests_running",
+                                    "num_requests_waiting", "num_slots", "startup_seconds", "http_connections",
+                                    "http_connections_closed")} <= names, names
+
+    def moved(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+    assert moved("step5:prompt_tokens_total") == u.prompt_tokens == 3
+    assert moved("step5:generation_tokens_total") == u.completion_tokens == NEW
+    assert moved("step5:requests_total", endpoint="/v1/completions", outcome="ok") == 1
+    assert moved("step5:request_finish_total", reason="length") == 1
+    assert moved("step5:time_to_first_token_seconds_count") == 1
+    assert moved("step5:inter_token_latency_seconds_count") == NEW - 1
+    assert after[("step5:startup_seconds", (("phase", "total"),))] > 0
+    assert after[("step5:num_slots", ())] == MAX_BATCH
+
+
+def raw(srv: Server, head: bytes, body: bytes = b"") -> socket.socket:
+    """A socket that has sent an HTTP request's head (its Authorization added) and these body bytes."""
+    host, port = srv.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(head.replace(b"\r\n\r\n", f"\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode(), 1) + body)
+    return s
+
+
+def reply(s: socket.socket) -> bytes:
+    data = b""
+    while x := s.recv(65536):
+        data += x
+    return data
+
+
+def test_a_half_closed_client_gets_its_answer(server):
+    """A client that shuts its socket's sending side after its request (as some tools do) is not gone: it gets the
+    whole answer."""
+    body = json.dumps({"prompt": [11, 12, 13], "max_tokens": NEW, "temperature": 0, "ignore_eos": True}).encode()
+    s = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n", body)
+    s.shutdown(socket.SHUT_WR)
+    data = reply(s)
+    s.close()
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    assert json.loads(data.split(b"\r\n\r\n", 1)[1])["usage"]["completion_tokens"] == NEW
+
+
+def test_a_text_of_megabytes_is_refused_naming_its_field(server):
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello world " * 700_000}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages", err
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_idle_sockets_stay_within_the_connection_cap(server):
+    """500 sockets that never send a byte: rank 0 holds at most --max-connections of them (a new one closes the one
+    idle the longest), /health still answers, and the log has a line, not a flood."""
+    pid = rank_pid(server.procs[0].pid, 0)
+    before, lines, evicted = fds(pid), open(server.log).read().count("\n"), closed(server, "evicted")
+    host, port = server.url.removeprefix("http://").split(":")
+    socks = []
+    try:
+        for _ in range(500):
+            socks.append(socket.create_connection((host, int(port))))
+        assert server.health()["status"] == "ok"  # accepted after the 500: all of them were handled by then
+        assert fds(pid) - before <= CAP, (before, fds(pid))
+    finally:
+        for s in socks:
+            s.close()
+    assert closed(server, "evicted") - evicted >= 500 - CAP
+    new = open(server.log).read().splitlines()[lines:]
+    assert sum("connections:" in x for x in new) <= 2 and "Too many open files" not in "".join(new), new
+
+
+def closed(srv: Server, reason: str) -> float:
+    """step5:http_connections_closed_total{reason} of the server's /metrics."""
+    text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    m = re.search(r'^step5:http_connections_closed_total\{reason="%s"\} (\S+)$' % reason, text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_for_line(log: str, text: str, within: float = 20.0) -> str:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within:
+        found = [x for x in open(log).read().splitlines() if text in x]
+        if found:
+            return found[-1]
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not in the log:\n{open(log).read()[-2000:]}")
+
+
+def test_disconnects_are_one_line_never_a_traceback(server):
+    """A client gone during its upload, and one gone (reset) while its answer is made: a line each in the log, no
+    traceback, and the request's slot is free. Twenty requests that are not HTTP: uvicorn's warning once."""
+    for _ in range(20):
+        s = raw(server, b"NOT HTTP AT ALL\r\n\r\n")
+        assert reply(s).startswith(b"HTTP/1.1 400")
+        s.close()
+    assert 1 <= open(server.log).read().count("Invalid HTTP request") <= 2  # a line, and perhaps its count
+    s = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n", b'{"prompt": "' + b"a" * 1000)
+    s.close()
+    wait_for_line(server.log, "a client disconnected during its upload")
+    body = json.dumps({"prompt": [11, 12, 13], "max_tokens": 500, "temperature": 0, "ignore_eos": True}).encode()
+    s = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n", body)
+    t0 = time.monotonic()
+    while server.health()["in_flight"] == 0 and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, as a crashed client's
+    s.close()
+    assert server.idle(10), server.health()
+    wait_for_line(server.log, "a client disconnected while its answer was made")
+    assert "Traceback" not in open(server.log).read()
 
 
 # ---------------------------------------------------------------------------------------------- batching
@@ -474,8 +649,8 @@ def test_bounded_load(server):
             try:
                 return attempt(i)
             except openai.APIStatusError as e:
-                assert e.status_code == 503 and e.response.headers["retry-after"] == "1", e
-                assert e.body["code"] == "server_busy"
+                assert e.status_code == 503 and int(e.response.headers["retry-after"]) >= 1, e
+                assert e.body["code"] == "overloaded" and e.body["type"] == "server_error", e.body
                 busy[i] += 1
                 time.sleep(0.1)  # sooner than Retry-After asks: the test's time is short
 
@@ -527,14 +702,14 @@ def test_output_splits_reasoning_and_holds_back_stop_strings(tp2):
     assert think is not None
     ans = tok("The quick brown fox jumps", add_special_tokens=False)["input_ids"]
     reason = tok("Tensor parallelism", add_special_tokens=False)["input_ids"]
-    o = serve.Output(tok, frozenset({4}), [], think, True)  # the prompt left a <think> open
+    o = serve_answers.Output(tok, frozenset({4}), [], think, True)  # the prompt left a <think> open
     deltas = []
     for t in reason + [think[1]] + ans + [4]:
         deltas += o.push([t])[0]
     deltas += o.close()
     assert "".join(t for ch, t in deltas if ch == "reasoning") == "Tensor parallelism"
     assert "".join(t for ch, t in deltas if ch == "content") == "The quick brown fox jumps"
-    o = serve.Output(tok, frozenset(), ["brown f"], None, False)
+    o = serve_answers.Output(tok, frozenset(), ["brown f"], None, False)
     sent = ""
     for t in ans:
         sent += "".join(x for _, x in o.push([t])[0])
@@ -588,7 +763,9 @@ def test_speculative_serving_and_a_dead_rank(converted, tmp_path):
         assert [next(lines) for _ in range(2)]
         srv.procs[1].kill()
         rest = list(lines)
-        assert any('"error"' in line for line in rest), rest[-3:]
+        errors = [json.loads(line[len("data: "):])["error"] for line in rest if '"error"' in line]
+        assert errors and errors[0]["type"] == "server_error" and "lost another rank" in errors[0]["message"], rest
+        assert not re.search(r"\d+\.\d+\.\d+\.\d+|\[|gloo|:\d+", errors[0]["message"]), errors  # no peer address
         assert srv.procs[0].wait(timeout=60) == runtime.EXIT_FAILED
         log = open(srv.log).read()
         err = [line for line in log.splitlines() if line.startswith("error:")]
@@ -598,6 +775,84 @@ def test_speculative_serving_and_a_dead_rank(converted, tmp_path):
         for p in srv.procs:
             if p.poll() is None:
                 p.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_in_a_long_step_closes_the_http_side_before_the_step_ends(tp2, tmp_path):
+    """A server whose engine holds the step that prefills a 77-token prompt until the test opens a gate
+    (tests/gated_serve.py): SIGTERM while it is held closes the HTTP side at once (/health says so with nothing in
+    flight, new requests get 503 shutting_down, the stream in flight ends with abort, an upload in progress gets 503),
+    all before the step ends; then every rank exits 0 without a traceback. The same server checks that a small
+    request is answered while big bodies wait for their preparation (held by the instrument too), CORS
+    (--allowed-origins answers a preflight from its origin, not from another) and --metrics-without-key."""
+    gate, log = tmp_path / "gate", str(tmp_path / "rank0.err")
+    gate.mkdir()
+    origin = "https://app.example"
+    p = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "tests/gated_serve.py", "--tp-dir", tp2,
+                          "--port", "0", "--max-batch", "2", "--max-context", str(CONTEXT), "--allowed-origins", origin,
+                          "--api-key", KEY, "--metrics-without-key"],
+                         cwd=ROOT, env=dict(env(), STEP5_GATE=str(gate)), stdout=subprocess.DEVNULL,
+                         stderr=open(log, "w"))
+    srv = Server(wait_serving([p], log), [p], log)
+    try:
+        pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        r = httpx.options(srv.url + "/v1/chat/completions", headers={"Origin": origin, **pre})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin, r.headers
+        r = httpx.options(srv.url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **pre})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        assert httpx.get(srv.url + "/v1/models", headers={"Origin": origin}).headers["access-control-allow-origin"]
+        assert httpx.get(srv.url + "/v1/models").status_code == 401  # the key is needed, but not for /metrics
+        assert httpx.get(srv.url + "/metrics").status_code == 200
+
+        big = {"prompt": "tensor " * 300_000, "max_tokens": 1}  # 2.1 MB: the lane of big bodies
+        with ThreadPoolExecutor(5) as ex:
+            bigs = [ex.submit(srv.post, "/v1/completions", big) for _ in range(5)]
+            t0 = time.monotonic()
+            while not (gate / "preparing").exists() and time.monotonic() - t0 < 30:
+                time.sleep(0.05)
+            c, _ = complete(srv, [11, 12, 13], 1)  # while five big ones wait, one of them held in preparation
+            assert len(c.token_ids) == 1 and not any(b.done() for b in bigs)
+            (gate / "prepare").touch()
+            for b in bigs:
+                r = b.result(timeout=60)
+                assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+        def held_stream():
+            body = {"prompt": ids_prompt(77, 1), "max_tokens": 50, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
+                return [line for line in r.iter_lines() if line]
+        with ThreadPoolExecutor(1) as ex:
+            stream = ex.submit(held_stream)
+            t0 = time.monotonic()
+            while not (gate / "reached0").exists() and time.monotonic() - t0 < 60:
+                time.sleep(0.05)
+            assert (gate / "reached0").exists(), open(log).read()[-2000:]
+            up = raw(srv, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n", b'{"prompt": "')
+            os.kill(rank_pid(p.pid, 0), signal.SIGTERM)
+            t0 = time.monotonic()
+            while srv.health()["status"] == "ok" and time.monotonic() - t0 < 10:
+                time.sleep(0.02)
+            h = srv.health()
+            assert h == {"status": "shutting down", "in_flight": 0, "running": 0, "waiting": 0}, h
+            r = srv.post("/v1/completions", {"prompt": [11, 12], "max_tokens": 1})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+            assert r.json()["error"]["type"] == "server_error"
+            lines = stream.result(timeout=30)
+            assert lines[-1] == "data: [DONE]" and '"finish_reason": "abort"' in lines[-2], lines
+            answer = reply(up)
+            assert answer.startswith(b"HTTP/1.1 503") and b"shutting_down" in answer, answer
+            assert not (gate / "open").exists() and p.poll() is None  # the step is still held: nothing waited for it
+            (gate / "open").touch()
+        assert p.wait(timeout=60) == 0, open(log).read()[-3000:]
+        text = open(log).read()
+        assert "stopped: every rank exits" in text and "Traceback" not in text, text[-3000:]
+    finally:
+        (gate / "open").touch()
+        (gate / "prepare").touch()
+        if p.poll() is None:
+            p.kill()
 
 
 def test_sigterm_ends_streams_and_every_rank_exits_0(server):

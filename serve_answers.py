@@ -1,0 +1,213 @@
+"""serve.py's answers (rank 0's event loop): a request's engine events -> text (detokenized, stop strings, the
+<think> split) -> the API's objects: the whole completion, or the chunks of an SSE stream. One Answer may carry
+several choices (a completions request with a list of prompts), each its own engine request.
+"""
+import json
+import secrets
+import time
+
+import chat
+from serve_requests import ApiError
+
+
+# --------------------------------------------------------------------------------------------------
+# output text
+
+
+class Output:
+    """One request's ids -> text deltas, as ("content" | "reasoning", text) pairs. Stop ids give no text; with
+    `think` ids, the text between <think> and </think> is reasoning (the tokens themselves give none). Stop strings
+    end the content before the first one; content that could still begin one (len(longest) - 1 characters) is held
+    back until it cannot, so streamed and whole answers are the same text."""
+
+    def __init__(self, tok, stop_ids: frozenset, stops: list, think: tuple | None, reasoning: bool):
+        self.stop_ids, self.stops, self.think = stop_ids, stops, think
+        self.keep = max((len(s) for s in stops), default=1) - 1
+        self.channel = "reasoning" if reasoning else "content"
+        self.streams = {"content": chat.TextStream(tok), "reasoning": chat.TextStream(tok)}
+        self.held = ""  # content not sent yet (it may begin a stop string)
+        self.ids = []  # the completion's ids so far (none after a stop string)
+        self.stopped = False  # a stop string was found
+
+    def push(self, ids: list) -> tuple[list, list]:
+        """-> (deltas, the ids taken: those after a stop string are dropped)."""
+        out, n0 = [], len(self.ids)
+        for t in ids:
+            if self.stopped:
+                break
+            self.ids.append(t)
+            if t in self.stop_ids:
+                continue
+            if self.think is not None and t in self.think:
+                out += self._flush(self.channel)
+                self.channel = "reasoning" if t == self.think[0] else "content"
+                continue
+            out += self._text(self.channel, self.streams[self.channel].push([t]))
+        return _merge(out), self.ids[n0:]
+
+    def close(self) -> list:
+        """The text still held (not after a stop string)."""
+        if self.stopped:
+            return []
+        out = self._flush("reasoning") + self._flush("content")
+        if self.held and not self.stopped:
+            out.append(("content", self.held))
+        self.held = ""
+        return _merge(out)
+
+    def _flush(self, channel: str) -> list:
+        return self._text(channel, self.streams[channel].flush())
+
+    def _text(self, channel: str, piece: str) -> list:
+        if not piece or self.stopped:
+            return []
+        if channel == "reasoning":
+            return [("reasoning", piece)]
+        self.held += piece
+        hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            text, self.held = self.held[:min(hits)], ""
+        else:
+            cut = len(self.held) - self.keep
+            text, self.held = self.held[:max(cut, 0)], self.held[max(cut, 0):]
+        return [("content", text)] if text else []
+
+
+def _merge(deltas: list) -> list:
+    out = []
+    for ch, text in deltas:
+        if out and out[-1][0] == ch:
+            out[-1] = (ch, out[-1][1] + text)
+        else:
+            out.append((ch, text))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the API's objects
+
+
+def usage_of(jobs: list, outs: list, cached: list) -> dict:
+    p, n = sum(len(j.ids) for j in jobs), sum(len(o.ids) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": sum(cached)}}
+
+
+def finish_of(out: Output, finish: str | None) -> str:
+    if out.stopped:
+        return "stop"
+    return {"stop": "stop", "length": "length"}.get(finish, "abort")
+
+
+class Answer:
+    """One request's events -> OpenAI objects: chunks of a stream, or the whole completion. jobs[i] is choice i,
+    lives[i] its engine request (all post to one queue, as (index, Event))."""
+
+    def __init__(self, srv, jobs: list, lives: list):
+        self.srv, self.jobs, self.lives, self.job = srv, jobs, lives, jobs[0]  # job: the settings they share
+        self.outs = [Output(srv.tok, j.stop_ids, j.stop, srv.think if j.chat else None, j.reasoning) for j in jobs]
+        self.kind = "chatcmpl" if self.job.chat else "cmpl"
+        self.id = f"{self.kind}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self.cached = [0] * len(jobs)
+        self.outcome = "ok"  # how it ended, for the metrics: ok, engine_error, disconnected
+
+    def cancel(self):
+        """Every choice whose answer is not complete is cancelled (its slot is freed at the next step)."""
+        for lv in self.lives:
+            if not lv.ended:
+                lv.ended = True
+                self.srv.hub.cancel(lv)
+
+    async def events(self):
+        """-> (index, deltas, ids, finish) per engine event, finish set on each choice's last; a stop string cancels
+        its choice's request. An engine error ends the whole answer."""
+        done = [False] * len(self.jobs)
+        while not all(done):
+            i, ev = await self.lives[0].queue.get()
+            lv, out = self.lives[i], self.outs[i]
+            if done[i]:  # a choice a stop string ended: its request's last events (until the cancel) are not read
+                continue
+            if ev.error is not None:
+                lv.ended = True
+                self.outcome = "engine_error"
+                raise ApiError(ev.status, ev.error, None, "engine_error" if ev.status >= 500 else "invalid_value")
+            self.cached[i] = ev.cached
+            deltas, ids = out.push(ev.ids)
+            if out.stopped and not lv.ended:
+                lv.ended = True
+                self.srv.hub.cancel(lv)
+            if ev.finish is not None or out.stopped:
+                lv.ended = done[i] = True
+                yield i, deltas + out.close(), ids, finish_of(out, ev.finish)
+            elif deltas or ids:
+                yield i, deltas, ids, None
+
+    def _choice(self, i: int, deltas: list, ids: list | None, finish: str | None, whole: bool) -> dict:
+        text = "".join(t for ch, t in deltas if ch == "content")
+        reasoning = "".join(t for ch, t in deltas if ch == "reasoning")
+        if self.job.chat:
+            msg = {"role": "assistant", "content": text} if whole else {"content": text} if text else {}
+            if self.srv.think is not None and (reasoning or whole):
+                msg["reasoning_content"] = reasoning or None
+            c = {"index": i, ("message" if whole else "delta"): msg, "logprobs": None, "finish_reason": finish}
+        else:
+            c = {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+        if self.job.token_ids and ids is not None:
+            c["token_ids"] = ids
+        return c
+
+    def _object(self, choices: list, whole: bool, usage=False) -> dict:
+        kind = ("chat.completion" if whole else "chat.completion.chunk") if self.job.chat else "text_completion"
+        o = {"id": self.id, "object": kind, "created": self.created, "model": self.srv.name, "choices": choices}
+        if usage is not False:
+            o["usage"] = usage
+        return o
+
+    def _prompt_ids(self) -> dict:
+        """return_token_ids: the prompt's ids, on the object for a chat, on each choice of a completion (its own)."""
+        return {"prompt_token_ids": self.job.ids} if self.job.token_ids and self.job.chat else {}
+
+    def _with_prompt(self, i: int, c: dict) -> dict:
+        if self.job.token_ids and not self.job.chat:
+            c["prompt_token_ids"] = self.jobs[i].ids
+        return c
+
+    async def whole(self) -> dict:
+        got = [([], [], None) for _ in self.jobs]
+        async for i, d, ids, finish in self.events():
+            deltas, all_ids, _ = got[i]
+            got[i] = (deltas + d, all_ids + ids, finish)
+        choices = [self._with_prompt(i, self._choice(i, _merge(d), ids, f, True)) for i, (d, ids, f) in enumerate(got)]
+        return {**self._object(choices, True, usage_of(self.jobs, self.outs, self.cached)), **self._prompt_ids()}
+
+    async def chunks(self):
+        """SSE lines: a role chunk (chat), one chunk per event (its choice's index), each choice's finish, the usage
+        (include_usage), [DONE]. A completion's first chunk of each choice carries its prompt ids (return_token_ids)."""
+        usage = None if self.job.include_usage else False
+        first, fresh = self._prompt_ids(), set(range(len(self.jobs)))
+        if self.job.chat:
+            c = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield sse({**self._object([c], False, usage), **first})
+            first = {}
+        try:
+            async for i, deltas, ids, finish in self.events():
+                if deltas or (ids and self.job.token_ids) or finish:
+                    c = self._choice(i, deltas, ids, finish, False)
+                    if i in fresh:
+                        fresh.discard(i)
+                        c = self._with_prompt(i, c)
+                    yield sse({**self._object([c], False, usage), **first})
+                    first = {}
+        except ApiError as e:
+            self.cancel()  # the other choices end with it
+            yield sse(e.body())
+            return
+        if self.job.include_usage:
+            yield sse(self._object([], False, usage_of(self.jobs, self.outs, self.cached)))
+        yield "data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

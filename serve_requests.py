@@ -1,0 +1,408 @@
+"""serve.py's requests: a JSON body of one of the APIs -> checked Jobs, or an ApiError in the API's own error shape
+naming the field. The OpenAI shapes live here (POST /v1/chat/completions, POST /v1/completions); another API's
+request shapes belong here too, beside them, turned into the same Jobs.
+
+Everything here runs in a preparation lane's thread (serve_http.py) and bounds its work before doing it: a text is
+tokenized in pieces and refused as soon as its ids pass the context (chat.BoundedTokenizer), an id list is measured
+before it is read, an image's size is read from its header and its prepared pixels are counted from its layout
+before it is decoded; images are decoded one at a time later (decode_images, in the image lane).
+"""
+import base64
+import binascii
+import io
+import json
+import math
+import secrets
+from dataclasses import dataclass, replace
+
+import chat
+import image_processing
+import runtime as R
+from sampling import Sampling
+
+DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default (the CLI's default is greedy)
+MAX_IMAGE_BYTES = 20 << 20  # bytes of one decoded image file
+MAX_IMAGE_PIXELS = 50_000_000  # pixels of one image, checked from its header before it is decoded
+MAX_IMAGES = 16  # images per request
+# Prepared pixels of one request's images (float32 overviews and crops, counted from the layouts before decoding):
+# 16 images of 3024 x 3024 (36 crops and an overview each) take 1.86 GB. They stay in memory until the engine loop
+# takes the request, so the server holds at most this much of them at once too (serve.Hub.images).
+MAX_PREPARED = 2 << 30
+MAX_STOP = 4  # stop strings per request (the OpenAI API's limit)
+REFUSED = {  # OpenAI fields this server does not implement -> the values that change nothing (others: a 400)
+    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": (),
+    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "logit_bias": ({},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "response_format":
+    ({"type": "text"},), "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (),
+}
+ROLES = ("system", "developer", "user", "assistant")
+
+
+# --------------------------------------------------------------------------------------------------
+# errors: the API's shape, naming the field
+
+
+class ApiError(Exception):
+    """An answer other than 200: its status, the message, the field it names and a code. 5xx are server_error."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def bad(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def shown(v, n: int = 80) -> str:
+    """A value as a message quotes it: JSON (strings in double quotes), cut to n characters."""
+    text = json.dumps(v, ensure_ascii=False)
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def parse_body(data: bytes, model_name: str) -> dict:
+    """A request body -> its JSON object, checked for the fields every endpoint shares."""
+    try:
+        body = json.loads(data)
+    except RecursionError:
+        raise bad(None, "the request body nests JSON too deeply") from None
+    except ValueError as e:  # not JSON, not UTF-8, an integer of more than 4300 digits
+        raise bad(None, f"the request body is not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    m = body.get("model")
+    if m is not None and m != model_name:
+        raise ApiError(404, f"model {shown(m)} does not exist; this server serves {shown(model_name)}", "model",
+                       "model_not_found")
+    for name, ok in REFUSED.items():
+        v = body.get(name)
+        if v is not None and not any(_is(v, x) for x in ok):
+            raise bad(name, f"{name}={shown(v)} is not supported by this server", "unsupported_parameter")
+    return body
+
+
+# --------------------------------------------------------------------------------------------------
+# Jobs: one engine request each
+
+
+@dataclass
+class Job:
+    """One checked prompt of a request: what the engine runs, and how its answer is written."""
+    ids: list
+    images: dict | None  # prepared image tensors (image_processing.ImageBatch.model_inputs), or None
+    max_tokens: int
+    sampling: Sampling
+    stop_ids: frozenset  # EOS ids (none with ignore_eos)
+    stop: list  # stop strings
+    stream: bool = False
+    include_usage: bool = False
+    token_ids: bool = False  # return_token_ids
+    chat: bool = True
+    reasoning: bool = False  # the prompt leaves a <think> block open: the answer starts in reasoning_content
+    index: int = 0  # its choice's index (a completions request with a list of prompts has one per prompt)
+    pending: list | None = None  # images opened (header read), decoded by decode_images
+    image_bytes: int = 0  # their prepared pixels' bytes (held against serve.Hub.images until the engine takes them)
+
+
+@dataclass
+class Limits:
+    """What a request is checked against (rank 0)."""
+    context: int  # prompt + max_tokens (the engine's max_context, less a speculative step's extra rows)
+    vocab: int
+    default_max_tokens: int
+    image_token: int | None  # the placeholder id (None: a text-only model)
+    vision: object  # the VisionConfig, or None
+    max_prompts: int  # prompts of one completions request (each takes a place: --max-batch + --max-queue)
+
+
+def _is(v, ok) -> bool:
+    return type(v) is type(ok) and v == ok
+
+
+def _int(body: dict, name: str, lo: int | None = None):
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(name, f"{name} must be an integer, got {shown(v)}")
+    if lo is not None and v < lo:
+        raise bad(name, f"{name} {v} must be >= {lo}")
+    return v
+
+
+def _num(body: dict, name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    try:
+        f = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError:  # an integer past float's range
+        f = math.inf
+    if not math.isfinite(f):
+        raise bad(name, f"{name} must be a finite number, got {shown(v, 40)}")
+    return f
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(name, f"{name} must be true or false, got {shown(v)}")
+    return v
+
+
+def sampling_of(body: dict) -> Sampling:
+    t = _num(body, "temperature", DEFAULT_TEMPERATURE)
+    top_p = _num(body, "top_p", 1.0)
+    top_k = body.get("top_k")
+    top_k = 0 if top_k is None or _is(top_k, -1) else top_k  # -1: "off", as other servers spell it
+    seed = body.get("seed")
+    s = Sampling(t, top_k, top_p, secrets.randbits(63) if seed is None else seed)
+    p = None
+    if t == 0:  # greedy: top_p / top_k restrict nothing (OpenAI clients send them beside it), but are checked as given
+        p = replace(s, temperature=1.0).problem()
+        s = replace(s, top_k=0, top_p=1.0)
+    p = p or s.problem()
+    if p:
+        raise bad(p.split()[0], p)  # problem() names the field first
+    return s
+
+
+def stops_of(body: dict) -> list:
+    v = body.get("stop")
+    if v is None:
+        return []
+    v = [v] if isinstance(v, str) else v
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v) or len(v) > MAX_STOP:
+        raise bad("stop", f"stop must be a non-empty string or a list of at most {MAX_STOP} of them, got "
+                  f"{shown(body['stop'])}")
+    return v
+
+
+def max_tokens_of(body: dict, n_prompt: int, lim: Limits, prompt_param: str) -> int:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    n = _int(body, name, 1)
+    left = lim.context - n_prompt
+    if n is None:
+        if left < 1:
+            raise too_long(prompt_param, f"({n_prompt} tokens) leaves no room", lim)
+        return min(left, lim.default_max_tokens)
+    if n > left:
+        raise bad(name, f"the prompt ({n_prompt} tokens) + {name} {n} exceed the context of {lim.context} tokens",
+                  "context_length_exceeded")
+    return n
+
+
+def too_long(param: str, what: str, lim: Limits) -> ApiError:
+    return bad(param, f"{param} {what} in the context of {lim.context} tokens (prompt + max_tokens)",
+               "context_length_exceeded")
+
+
+def job_of(body: dict, ids: list, lim: Limits, eos: list, chat: bool, prompt_param: str, reasoning: bool = False,
+           index: int = 0) -> Job:
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and (not stream or not isinstance(opts, dict)):
+        raise bad("stream_options", "stream_options is only allowed with stream: true, as an object")
+    usage = _bool(opts or {}, "include_usage")
+    stop_ids = frozenset() if _bool(body, "ignore_eos") else frozenset(eos)
+    return Job(ids, None, max_tokens_of(body, len(ids), lim, prompt_param), sampling_of(body), stop_ids,
+               stops_of(body), stream, usage, _bool(body, "return_token_ids"), chat, reasoning, index)
+
+
+def check_text(text: str, param: str):
+    """A prompt text must encode as UTF-8 (chat.not_utf8) and hold no image token literally."""
+    at = chat.not_utf8(text)
+    if at is not None:
+        raise bad(param, f"{param} is not valid Unicode: a lone surrogate {text[at]!r} at character {at}")
+    literal = chat.literal_image_token(text)
+    if literal:
+        raise bad(param, f"{param} holds the image token {shown(literal)} literally; images go in image_url parts")
+
+
+def text_ids(btok: chat.BoundedTokenizer, text: str, param: str, lim: Limits) -> list:
+    """A completions prompt's text -> its ids (the tokenizer's special tokens around them, as generate.py
+    --raw-prompt), refused as soon as they pass the context."""
+    check_text(text, param)
+    try:
+        return btok.ids(text, lim.context - 1, special=True)
+    except chat.TooManyIds as e:
+        raise too_long(param, f"has more than {e.limit} tokens: no room", lim) from None
+
+
+def ids_of(p: list, param: str, lim: Limits) -> list:
+    """A prompt of token ids, its length checked before any id is read."""
+    if not p:
+        raise bad(param, f"{param} gives no tokens")
+    if len(p) >= lim.context:
+        raise too_long(param, f"({len(p)} tokens) leaves no room", lim)
+    if not all(type(t) is int for t in p):
+        i = next(i for i, t in enumerate(p) if type(t) is not int)
+        raise bad(param, f"{param}: position {i} is {shown(p[i], 40)}, not a token id")
+    if min(p) < 0 or max(p) >= lim.vocab:
+        i, t = next((i, t) for i, t in enumerate(p) if not 0 <= t < lim.vocab)
+        raise bad(param, f"{param}: token id {t} (position {i}) is outside the vocabulary [0, {lim.vocab})")
+    if lim.image_token is not None and lim.image_token in p:
+        raise bad(param, f"{param}: token id {lim.image_token} (position {p.index(lim.image_token)}) is the image "
+                  "placeholder; images go in chat image_url parts")
+    return p
+
+
+def completion_jobs(body: dict, btok: chat.BoundedTokenizer, lim: Limits, eos: list) -> list:
+    """A completions request -> a Job per prompt. prompt takes the four OpenAI forms: a string, a list of strings, a
+    list of token ids, a list of lists of token ids."""
+    p = body.get("prompt")
+    if isinstance(p, str) or isinstance(p, list) and p and type(p[0]) is int:
+        prompts = [("prompt", p)]
+    elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) > lim.max_prompts:
+            raise bad("prompt", f"{len(p)} prompts: this server takes at most {lim.max_prompts} at once")
+        prompts = [(f"prompt[{i}]", x) for i, x in enumerate(p)]
+    else:
+        raise bad("prompt", "prompt must be a non-empty string, a list of strings, a list of token ids or a list of "
+                  f"lists of token ids, got {shown(p)}")
+    jobs = []
+    for i, (param, x) in enumerate(prompts):
+        ids = text_ids(btok, x, param, lim) if isinstance(x, str) else ids_of(x, param, lim)
+        if not ids:
+            raise bad(param, f"{param} gives no tokens")
+        jobs.append(job_of(body, ids, lim, eos, False, param, index=i))
+    return jobs
+
+
+# --------------------------------------------------------------------------------------------------
+# chat requests and their images
+
+
+def open_image(url, param: str, lim: Limits):
+    """A base64 data: URL -> an undecoded PIL image (its header read: size and format known)."""
+    from PIL import Image, UnidentifiedImageError
+    if lim.vision is None:
+        raise bad(param, "this server's model is text-only: it takes no images")
+    if not isinstance(url, str) or not url.startswith("data:"):
+        what = "an http(s) URL" if isinstance(url, str) and url.startswith(("http://", "https://")) else shown(url, 60)
+        raise bad(param, f"{param} is {what}: images are never fetched; send a base64 data: URL "
+                  "(data:image/png;base64,...)")
+    head, _, data = url.partition(",")
+    if head not in ("data:image/png;base64", "data:image/jpeg;base64", "data:image/jpg;base64"):
+        raise bad(param, f"{param}: expected data:image/png;base64,... or data:image/jpeg;base64,..., got "
+                  f"{shown(head, 60)}")
+    if len(data) * 3 // 4 > MAX_IMAGE_BYTES + 3:
+        raise bad(param, f"{param}: the image is larger than {MAX_IMAGE_BYTES >> 20} MiB", "image_too_large")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad(param, f"{param}: not valid base64") from None
+    try:
+        im = Image.open(io.BytesIO(raw))
+    except Image.DecompressionBombError:  # a header of over twice Pillow's pixel limit
+        raise bad(param, f"{param}: more than {MAX_IMAGE_PIXELS // 10 ** 6} Mpx", "image_too_large") from None
+    except (UnidentifiedImageError, OSError):
+        raise bad(param, f"{param}: not a PNG or JPEG image (Pillow cannot identify it)") from None
+    if im.format not in ("PNG", "JPEG"):
+        raise bad(param, f"{param}: a {im.format} image; PNG and JPEG are accepted")
+    w, h = im.size
+    if w * h == 0:
+        raise bad(param, f"{param}: the image has zero size ({w}x{h})")
+    side = max(w, h) if image_processing.plan(w, h, image_processing.geometry(lim.vision)).padded else 0
+    if max(w * h, side * side) > MAX_IMAGE_PIXELS:  # a thin strip is decoded into a square of its long side
+        what = f"{w}x{h}" + (f" (a strip, padded to {side}x{side})" if side else "")
+        raise bad(param, f"{param}: {what} is more than {MAX_IMAGE_PIXELS // 10 ** 6} Mpx", "image_too_large")
+    return im
+
+
+def chat_job(body: dict, btok: chat.BoundedTokenizer, lim: Limits, eos: list, think: tuple | None) -> Job:
+    """A chat request -> its Job: the conversation rendered by the chat template, each image part's placeholder
+    block spliced in where the part was (a marker no text holds), its ids refused as soon as they pass the context;
+    the images opened (their headers read), decoded later by decode_images."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "messages must be a non-empty list")
+    marker = f"<image-{secrets.token_hex(8)}>"
+    conv, images = [], []
+    for i, m in enumerate(msgs):
+        at = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else None
+            raise bad(f"{at}.role", f"{at}.role must be one of {list(ROLES)}, got {shown(role, 40)} (this "
+                      "server has no tools)")
+        if m.get("tool_calls"):
+            raise bad(f"{at}.tool_calls", f"{at}.tool_calls: this server has no tools", "unsupported_parameter")
+        c = m.get("content")
+        if c is None and m["role"] == "assistant":
+            c = ""
+        if isinstance(c, str):
+            check_text(c, f"{at}.content")
+            text = c
+        elif isinstance(c, list):
+            text = ""
+            for j, part in enumerate(c):
+                pat = f"{at}.content[{j}]"
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    check_text(part["text"], f"{pat}.text")
+                    text += part["text"]
+                elif kind == "image_url" and m["role"] == "user":
+                    if len(images) == MAX_IMAGES:
+                        raise bad("messages", f"more than {MAX_IMAGES} images: at most {MAX_IMAGES} per request")
+                    u = part.get("image_url")
+                    images.append(open_image(u.get("url") if isinstance(u, dict) else u, f"{pat}.image_url.url", lim))
+                    text += marker
+                else:
+                    raise bad(f"{pat}.type", f"{pat}: expected a text part or (in a user message) an image_url "
+                              f"part, got {shown(part)}")
+        else:
+            raise bad(f"{at}.content", f"{at}.content must be a string or a list of parts")
+        conv.append({"role": "system" if m["role"] == "developer" else m["role"], "content": text})
+    if conv[-1]["role"] != "user":
+        raise bad(f"messages[{len(conv) - 1}].role", "the last message must be the user's")
+    try:
+        rendered = chat.render(btok.tok, conv, raw=False)
+    except R.UserError as e:
+        raise ApiError(500, str(e), None, "no_chat_template") from None
+    except Exception as e:  # the template's own errors (jinja, raise_exception) name what it refuses
+        raise bad("messages", f"the chat template refused the conversation: {e}") from None
+    if rendered.count(marker) != len(images):
+        raise bad("messages", "the chat template dropped an image part")
+    geo = image_processing.geometry(lim.vision) if images else None
+    layouts = [image_processing.plan(*im.size, geo) for im in images]
+    prepared = sum(4 * 3 * (geo.overview ** 2 + lay.n_crops * geo.crop ** 2) for lay in layouts)
+    if prepared > MAX_PREPARED:
+        raise bad("messages", f"the images prepare to {prepared / 2 ** 30:.1f} GiB of pixels (overviews and crops); "
+                  f"a request's images may take at most {MAX_PREPARED / 2 ** 30:.0f} GiB", "image_too_large")
+    try:
+        blocks = [image_processing.image_block_ids(btok.tok, lay, lim.vision) for lay in layouts]
+    except ValueError as e:  # a tokenizer without the image tokens
+        raise ApiError(500, str(e), None, "no_image_tokens") from None
+    try:
+        ids = btok.splice(rendered, blocks, marker, lim.context - 1)
+    except chat.TooManyIds as e:
+        raise too_long("messages", f"have more than {e.limit} tokens: no room", lim) from None
+    reasoning = think is not None and _last(ids, think[0]) > _last(ids, think[1])
+    job = job_of(body, ids, lim, eos, True, "messages", reasoning)  # the length, before any pixel is decoded
+    job.pending, job.image_bytes = images or None, prepared
+    return job
+
+
+def decode_images(job: Job, lim: Limits):
+    """The image lane: a Job's images decoded one at a time (each freed once prepared) into job.images."""
+    def decoded(images: list):
+        while images:
+            im = images.pop(0)
+            im.load()  # decode now: a truncated file fails here
+            yield im
+    try:
+        job.images = image_processing.preprocess(decoded(job.pending), lim.vision).model_inputs()
+    except (OSError, ValueError) as e:
+        raise bad("messages", f"an image could not be decoded ({e})") from None
+    job.pending = None
+
+
+def _last(ids: list, t: int) -> int:
+    return max((i for i, x in enumerate(ids) if x == t), default=-1)
