@@ -21,8 +21,8 @@ How it works, and where each part lives:
   prefills only what its slot does not hold, Engine._reuse); prefill up to `prefill_chunk` prompt tokens, packed over
   the requests as pieces (Piece), and choose the first token of each prompt that completes; queue one decode step
   over the slots that decode; then read the previous decode step's tokens and hand them to their requests, which end
-  at a stop id or at max_new_tokens (Finish). The host reads a step's tokens after the next step is queued, so the
-  device never waits for it.
+  at a stop id or at max_new_tokens (Finish). The host reads a step's tokens after the next step is queued (its
+  forward, when the step is constrained: below), so the device never waits for it.
 - Prefill, short prompts as graphs. An eager prefill pass of up to a few thousand tokens is bound by the host's
   ~1,200 Python launches, not by its kernels. So a fresh prompt (no cached prefix, no image) of up to
   startup.GRAPH_PREFILL tokens replays the prefill graph of its length padded to a power of two (32 ... 4,096) in a
@@ -39,9 +39,15 @@ How it works, and where each part lives:
   every prompt without CUDA graphs) runs one eager pass over the packed pieces.
 - Decode: one static-shape function of the slot of each row, replayed as a CUDA graph per batch bucket (padding rows
   of a bucket point at slots that do not decode in the step and write only where their slot's next token would go).
-  Greedy rows take the step's argmax; sampled rows draw by their own seed and count (sampling.py: token choice, the
-  same on every rank without a broadcast). With `speculative=K` a decode step verifies K drafts of the checkpoint's
-  MTP layers per request (speculative.py).
+  The forward graph takes greedy's argmax, which feeds the next step. When a request of the step needs more
+  (Request.chosen_fully: a draw, bias, penalties, logprobs, a grammar, a reasoning budget) a choose graph follows
+  (choice.py: per-slot device rows of every request's parameters and state, so any mix replays one graph; draws by
+  each request's own seed and count, the same on every rank without a broadcast). A grammar's mask for token t + 1
+  depends on token t: with a constrained request the host reads the previous step's tokens after queuing the
+  forward, advances each matcher and fills the bitmask (grammar.py) while the forward runs, then queues the choose
+  graph that applies it; every rank runs its own matcher. Steps without one keep the overlap above: no host round
+  trip. With `speculative=K` a decode step verifies K drafts of the checkpoint's MTP layers per request
+  (speculative.py: verify, accept and draft graphs; each verify position gets its own mask).
 - A step costs what the slots hold: the decode kernels skip the cache past every row's history, so a 4k-token
   conversation on a cache sized for 208k positions pays 0.3% more per step than on an 8k cache (4.946 against
   4.931 ms on an H200: PERF_LOG "the decode step on a long cache"), not the long context.
@@ -261,7 +267,8 @@ class Engine:
         self.next_tok = torch.zeros(B, dtype=torch.long, device=self.dev)  # each slot's next token to feed
         self.count = torch.zeros(B, dtype=torch.long, device=self.dev)  # tokens each slot's request emitted
         self.grammars = grammars  # compiles constrained requests' grammars (None: such requests are refused)
-        self.choice = choice.Slots(B, cfg.vocab_size, self.dev)  # each slot's choice parameters and state
+        # each slot's choice parameters and state, as wide as the gathered logits (the vocabulary, padded to the ranks)
+        self.choice = choice.Slots(B, model.lm_head.weight.shape[0] * M.world_size, self.dev)
         # the grammar masks of a step's rows (a verify step: K + 1 per request): the host fills them, the choose step
         # reads them where a row's request is constrained
         shape = (B * (self.k + 1), (cfg.vocab_size + 31) // 32)

@@ -8,10 +8,10 @@ rows of the token bitmask the engine's choose step applies (engine.py says when;
 
 Why llguidance (PERF_LOG "grammar libraries at the real vocabulary"): its resource caps are fuel counts, not clocks,
 so a grammar that is too large or too slow fails the same way on every rank, and each rank can run its own matcher
-without a per-step broadcast; it compiles a JSON schema in 1.5-6 ms at a 128,896-token vocabulary (xgrammar: 64-72
-ms), has no runtime dependencies, reads Lark natively and computes draft-token masks. Its masks cost more than
-xgrammar's (a mean of 75-130 us a token against 21-107 us, p99 up to 2.5 ms in strings with a pattern), which the
-forward of the next step hides.
+without a per-step broadcast; it compiles a JSON schema in 0.7-6 ms at a 128,896-token vocabulary (xgrammar: 64-72
+ms), has no runtime dependencies, reads Lark natively and masks draft tokens. Its masks cost more than xgrammar's
+(means of 74-111 us a token against 21-107 us, p99 up to ~2 ms while a pattern's lexer states are first built), which
+the forward of the next step hides.
 
 The tokenizer view spans the model's whole vocabulary (ids the tokenizer has no token for are never allowed) and is
 built once per process on the first compile (~2 s and ~200 MB at 128,896 tokens). Special tokens (the chat markers,

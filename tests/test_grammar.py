@@ -158,6 +158,31 @@ def test_a_token_the_grammar_refuses_is_a_dead_end_naming_the_field(grammars):
 
 
 # ---------------------------------------------------------------------------------------------- the engine
+@torch.inference_mode()
+def test_a_dead_end_in_the_engine_finishes_its_request_as_an_error_naming_the_grammar(converted, monkeypatch):
+    """A matcher that finds no allowed token (here forced after the first mask) finishes its request with "error" and a
+    message naming the field; the requests beside it go on, and so does the engine."""
+    from conftest import load_tp1
+    d = converted("bf16_text", 1)
+    model = load_tp1(d)
+    grammars = G.Grammars(os.path.join(d, "..", "tokenizer_files", "tokenizer.json"), V, EOS)
+    calls, real = [0], G.Matcher.fill
+
+    def fill(self, rows, drafts=()):
+        calls[0] += 1
+        if calls[0] > 1:
+            return self._fail("the json_object allows no next token")
+        return real(self, rows, drafts)
+    monkeypatch.setattr(G.Matcher, "fill", fill)
+    eng = E.Engine(model, E.EngineConfig(max_batch=2, max_context=64), grammars=grammars)
+    eng.start()
+    bad, other = eng.run([E.Request([0, 3, 40], 20, frozenset({EOS}), constraint=G.Constraint(G.Kind.JSON_OBJECT)),
+                          E.Request([0, 3, 41], 8)])
+    assert bad.finish == "error" and bad.error == "response_format: the json_object allows no next token"
+    assert len(bad.out) == 1 and other.finish == "length" and len(other.out) == 8
+    assert eng.run([E.Request([0, 3, 41], 8)])[0].out == other.out
+
+
 def schemas() -> list:
     """Bounded schemas: nested objects, arrays, enums, number ranges, string lengths, required and optional keys."""
     s = [
@@ -267,6 +292,42 @@ def test_constrained_requests_sampled_with_a_reasoning_budget_give_valid_answers
     stopped = sum(r.finish == "stop" for r in done)
     assert stopped >= 0.8 * len(done), f"{stopped} of {len(done)} stopped"
     assert all(r.finish in ("stop", "length") for r in reqs if r.constraint is None)
+
+
+@pytest.mark.parametrize("drafts", ["right", "wrong"])
+@pytest.mark.slow
+def test_speculative_drafts_are_checked_against_the_grammar_position_by_position(converted, monkeypatch, drafts):
+    """Constrained greedy requests with speculative 2 and forced drafts: plain decoding's own tokens (so whole verify
+    steps are accepted, and each position's mask must be the grammar's after the drafts before it) or tokens off by
+    one (refused by the grammar or by the model). Every answer replays through a fresh matcher and validates; with the
+    right drafts most are accepted."""
+    from conftest import load_tp1
+    from helpers import force_drafts
+    d = converted("bf16_text", 1, keep_mtp=True)
+    model = load_tp1(d)
+    tokf = os.path.join(d, "..", "tokenizer_files", "tokenizer.json")
+    grammars = G.Grammars(tokf, V, EOS)
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_file=tokf)
+    cs = [schemas()[0], schemas()[3], G.Constraint(G.Kind.REGEX, REGEX), G.Constraint.choice(CHOICES)]
+    prompts = [[0, 3, 30 + i, 31, 32] for i in range(len(cs))]
+
+    def run(k):
+        eng = E.Engine(model, E.EngineConfig(max_batch=4, max_context=128, speculative=k), grammars=grammars)
+        eng.start()
+        return eng.run([E.Request(p, 80, frozenset({EOS}), constraint=c) for p, c in zip(prompts, cs)]), eng
+    plain, _ = run(0)
+    force_drafts(monkeypatch, [r.out for r in plain], prompts, int(drafts == "wrong"))
+    spec, eng = run(2)
+    for r in spec:
+        assert r.finish == "stop", (r.finish, r.error, tok.decode(r.out))
+        assert check_answer(grammars, r, None).accepting()
+        validate(r.constraint, tok.decode(r.out[:-1]))
+    st = eng.spec.stats
+    if drafts == "right":
+        assert sum(st["accepted"]) > 0.5 * sum(st["proposed"]), st
+    else:
+        assert sum(st["accepted"]) < 0.2 * sum(st["proposed"]), st
 
 
 @pytest.mark.slow
