@@ -166,9 +166,10 @@ class Speculator:
             return a, main
 
         def accept_full(slots, live):  # -> ..., and the logprobs [b, k+1], top ids and theirs [b, k+1, TOP]
-            a, toks, lps = self._accept(slots, live, g_verify.out[1])
+            a, toks, lps = self._accept(slots, g_verify.out[1])
             commit(slots, live, a, toks)
-            choice.advance(e.choice, slots, toks, (torch.arange(k + 1, device=dev) <= a[:, None]) & (live[:, None] > 0))
+            emitted = (torch.arange(k + 1, device=dev) <= a[:, None]) & (live[:, None] > 0)
+            choice.advance(e.choice, slots, toks, emitted)
             return (a, toks, *lps)
 
         def draft(slots, kept, start, h, toks):
@@ -187,8 +188,9 @@ class Speculator:
 
     def decode(self, reqs: list, prev, out):
         """Queue one verify step over the requests -> (the requests, pinned host copies of [accepted, tokens...,
-        drafts...] per row and of the logprobs of a step chosen fully, their event: Engine.to_host). With a constrained request the host reads the previous step and fills
-        each position's mask while verify runs (Engine._masks)."""
+        drafts...] per row and of the logprobs of a step chosen fully, their event: Engine.to_host). With a
+        constrained request the host reads the previous step and fills each position's mask while verify runs
+        (Engine._masks)."""
         e = self.e
         n = len(reqs)
         b = next(x for x in e.graphs if x >= n)
@@ -226,7 +228,7 @@ class Speculator:
             r.drafts = row[k + 2:]
         return out
 
-    def _accept(self, slots, live, lg):
+    def _accept(self, slots, lg):
         """The full choose step of a verify step -> (accepted drafts a [b], the step's tokens [b, k+1], logprobs of
         each position's token: choice.logprobs' three, [b, k+1, ...]). Each position is processed (choice.process)
         with the output counts and reasoning state it has if the drafts before it are accepted, and with its own mask;

@@ -115,7 +115,7 @@ def test_penalised_greedy_tokens_are_the_reference_argmax_of_teacher_forced_logi
     first = eng.run([E.Request(prompt, 1)])[0].out[0]  # biased up: it repeats until the penalties push it down
     s = Sampling(presence_penalty=2.0, frequency_penalty=1.5, repetition_penalty=1.3, logit_bias={first: 30.0})
     r, other = eng.run([E.Request(prompt, 10, sampling=s), E.Request(ids(9, 62), 10)])
-    assert len(r.out) == 10 and other.out == E.Engine.run(engine(lm), [E.Request(ids(9, 62), 10)])[0].out
+    assert len(r.out) == 10 and other.out == engine(lm).run([E.Request(ids(9, 62), 10)])[0].out
     cache = lm.new_cache(1, 64)
     logits = [lm.forward(torch.tensor(prompt), cache, [20])[0]]
     for t in r.out[:-1]:
@@ -146,9 +146,10 @@ def test_a_reasoning_budget_forces_the_end_of_reasoning(lm):
     reasoning early, and then nothing is forced."""
     eng = engine(lm, B=5)
     end, p = 900, ids(15, 64)
-    plain, *reqs = eng.run([E.Request(p, 8)] + [E.Request(p, 8, reasoning=choice.Reasoning(end, b)) for b in (0, 3, None)]
-                           + [E.Request(p, 8, reasoning=choice.Reasoning(E.Engine.run(engine(lm, B=1), [
-                               E.Request(p, 2)])[0].out[1], 2))])
+    own_end = engine(lm, B=1).run([E.Request(p, 2)])[0].out[1]  # the model's own second token
+    plain, *reqs = eng.run([E.Request(p, 8)]
+                           + [E.Request(p, 8, reasoning=choice.Reasoning(end, b)) for b in (0, 3, None)]
+                           + [E.Request(p, 8, reasoning=choice.Reasoning(own_end, 2))])
     plain = plain.out
     assert end not in plain
     assert reqs[0].out[0] == end and reqs[0].out[1:] != plain[:7]  # the answer after the forced end reads it

@@ -129,7 +129,8 @@ def host_costs(tokenizer: str, walks: int, steps: int):
     print(f"{'grammar':>12} {'compile ms':>10} | mask us: {'median':>6} {'p90':>6} {'p99':>6} {'max':>6} {'mean':>6} "
           f"| tokens  RSS MB", flush=True)
     cases = [(k, G.Constraint.json_schema(s)) for k, s in SCHEMAS.items()]
-    cases += [("json_object", G.Constraint(G.Kind.JSON_OBJECT)), ("regex", G.Constraint(G.Kind.REGEX, r"[0-9]{3}-[a-z]{2,9}"))]
+    cases += [("json_object", G.Constraint(G.Kind.JSON_OBJECT)),
+              ("regex", G.Constraint(G.Kind.REGEX, r"[0-9]{3}-[a-z]{2,9}"))]
     for name, c in cases:
         t = time.perf_counter()
         grammars.compiled(c)
