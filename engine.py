@@ -251,6 +251,9 @@ class Engine:
         if c.speculative and cfg.sparse and c.speculative + 1 > cfg.sparse.block:  # Model.keep_pending's bound
             raise ValueError(f"speculative decoding with {c.speculative} drafts writes more than a DSA region of "
                              f"{cfg.sparse.block} tokens per step")
+        if grammars is not None and grammars.vocab_size != cfg.vocab_size:
+            raise ValueError(f"the grammars' tokenizer view spans {grammars.vocab_size} ids; the model's vocabulary "
+                             f"{cfg.vocab_size}")
         self.model, self.config, self.say = model, c, say
         self.dev = model.lm_head.weight.device
         self.k = c.speculative

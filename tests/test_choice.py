@@ -235,4 +235,6 @@ def test_bad_choice_fields_are_refused_naming_the_field(lm):
     import grammar as G
     with pytest.raises(ValueError, match="response_format: this engine has no tokenizer view"):
         eng.submit(E.Request(ids(5, 1), 2, frozenset({4}), constraint=G.Constraint(G.Kind.JSON_OBJECT)))
+    with pytest.raises(ValueError, match="view spans 2048 ids; the model's vocabulary 1024"):
+        E.Engine(lm, E.EngineConfig(max_batch=1, max_context=64), grammars=G.Grammars("unused.json", 2048, 4))
     assert not eng.busy() and M.world_size == 1

@@ -161,7 +161,8 @@ def test_a_token_the_grammar_refuses_is_a_dead_end_naming_the_field(grammars):
 @torch.inference_mode()
 def test_a_dead_end_in_the_engine_finishes_its_request_as_an_error_naming_the_grammar(converted, monkeypatch):
     """A matcher that finds no allowed token (here forced after the first mask) finishes its request with "error" and a
-    message naming the field; the requests beside it go on, and so does the engine."""
+    message naming the field; the requests beside it go on, and so does the engine. A constrained request without a
+    stop id, or whose grammar does not compile, is refused naming the field."""
     from conftest import load_tp1
     d = converted("bf16_text", 1)
     model = load_tp1(d)
@@ -181,6 +182,12 @@ def test_a_dead_end_in_the_engine_finishes_its_request_as_an_error_naming_the_gr
     assert bad.finish == "error" and bad.error == "response_format: the json_object allows no next token"
     assert len(bad.out) == 1 and other.finish == "length" and len(other.out) == 8
     assert eng.run([E.Request([0, 3, 41], 8)])[0].out == other.out
+    with pytest.raises(ValueError, match="response_format: a constrained request needs a stop id"):
+        eng.submit(E.Request([0, 3, 40], 4, constraint=G.Constraint(G.Kind.JSON_OBJECT)))
+    with pytest.raises(ValueError, match="guided_regex: the regex cannot be compiled"):
+        eng.submit(E.Request([0, 3, 40], 4, frozenset({EOS}),
+                             constraint=G.Constraint(G.Kind.REGEX, "(", field="guided_regex")))
+    assert not eng.busy()
 
 
 def schemas() -> list:
