@@ -21,8 +21,8 @@ How it works, and where each part lives:
   prefills only what its slot does not hold, Engine._reuse); prefill up to `prefill_chunk` prompt tokens, packed over
   the requests as pieces (Piece), and choose the first token of each prompt that completes; queue one decode step
   over the slots that decode; then read the previous decode step's tokens and hand them to their requests, which end
-  at a stop id or at max_new_tokens (Finish). The host reads a step's tokens after the next step is queued, so the
-  device never waits for it.
+  at a stop id or at max_new_tokens (Finish). The host reads a step's tokens after the next step is queued (its
+  forward, when the step is constrained: below), so the device never waits for it.
 - Prefill, short prompts as graphs. An eager prefill pass of up to a few thousand tokens is bound by the host's
   ~1,200 Python launches, not by its kernels. So a fresh prompt (no cached prefix, no image) of up to
   startup.GRAPH_PREFILL tokens replays the prefill graph of its length padded to a power of two (32 ... 4,096) in a
@@ -39,9 +39,15 @@ How it works, and where each part lives:
   every prompt without CUDA graphs) runs one eager pass over the packed pieces.
 - Decode: one static-shape function of the slot of each row, replayed as a CUDA graph per batch bucket (padding rows
   of a bucket point at slots that do not decode in the step and write only where their slot's next token would go).
-  Greedy rows take the step's argmax; sampled rows draw by their own seed and count (sampling.py: token choice, the
-  same on every rank without a broadcast). With `speculative=K` a decode step verifies K drafts of the checkpoint's
-  MTP layers per request (speculative.py).
+  The forward graph takes greedy's argmax, which feeds the next step. When a request of the step needs more
+  (Request.chosen_fully: a draw, bias, penalties, logprobs, a grammar, a reasoning budget) a choose graph follows
+  (choice.py: per-slot device rows of every request's parameters and state, so any mix replays one graph; draws by
+  each request's own seed and count, the same on every rank without a broadcast). A grammar's mask for token t + 1
+  depends on token t: with a constrained request the host reads the previous step's tokens after queuing the
+  forward, advances each matcher and fills the bitmask (grammar.py) while the forward runs, then queues the choose
+  graph that applies it; every rank runs its own matcher. Steps without one keep the overlap above: no host round
+  trip. With `speculative=K` a decode step verifies K drafts of the checkpoint's MTP layers per request
+  (speculative.py: verify, accept and draft graphs; each verify position gets its own mask).
 - A step costs what the slots hold: the decode kernels skip the cache past every row's history, so a 4k-token
   conversation on a cache sized for 208k positions pays 0.3% more per step than on an 8k cache (4.946 against
   4.931 ms on an H200: PERF_LOG "the decode step on a long cache"), not the long context.
@@ -56,10 +62,13 @@ from typing import NamedTuple
 
 import torch
 
+import choice
+import grammar
 import model as M
 import speculative
 import startup
-from sampling import RowSampling, Sampling, choose, is_int, sample
+from choice import Reasoning
+from sampling import Sampling, greedy, is_int
 
 # Prefill tokens per engine step (packed over requests): 16k against 8k / 32k in PERF_LOG's table, row "prefill,
 # chunks of 16384 on a growing cache".
@@ -85,24 +94,55 @@ class Finish(str, enum.Enum):
     __str__ = str.__str__
 
 
+class Logprob(NamedTuple):
+    """A token's log-probability under the model's own distribution (choice.py: before bias, penalties, masks and
+    temperature), and the most likely tokens there [(id, logprob), ...], most likely first."""
+    logprob: float
+    top: list
+
+
 @dataclass(eq=False)
 class Request:
     """One generation. ids: the prompt; features: its image feature rows [n, D] bf16, one per image placeholder of
-    ids in order (model.image_features), or None."""
+    ids in order (model.image_features), or None. The defaults of the rest are plain generation:
+    - logprobs: report each emitted token's Logprob with this many top alternatives (0..choice.TOP) in
+      token_logprobs; echo: also each prompt token's (prompt_logprobs, None for the first), max_new_tokens 0
+      included; the prompt is then prefilled whole (no cache reuse).
+    - constraint: the answer follows this grammar (grammar.Constraint; the engine needs Grammars); EOS (a stop id)
+      only where the grammar may end; a dead end finishes the request as "error" (error names the field).
+    - reasoning: the prompt opened a reasoning block (choice.Reasoning): the constraint applies after its end, and
+      its budget forces the end.
+    n choices of one prompt are n requests, choice j with sampling.derived(j)."""
     ids: list
     max_new_tokens: int
     stop_ids: frozenset = frozenset()
     sampling: Sampling = field(default_factory=Sampling)
     features: torch.Tensor | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    constraint: grammar.Constraint | None = None
+    reasoning: Reasoning | None = None
     # set by the engine
     rid: int = -1
     out: list = field(default_factory=list)  # emitted ids (a stop id included)
+    token_logprobs: list = field(default_factory=list)  # a Logprob per emitted id (with logprobs)
+    prompt_logprobs: list = field(default_factory=list)  # a Logprob per prompt id, None for the first (with echo)
     finish: Finish | None = None
+    error: str | None = None  # why it finished "error", when the engine knows (a grammar's dead end)
     slot: int = -1
     cached: int = 0  # prompt tokens reused from the slot's cache
     prefilled: int = 0  # prompt tokens in the cache so far
     t_first: float | None = None  # perf_counter of the first token
     key: list = field(default_factory=list)  # the prompt as prefix reuse compares it (reuse_key)
+    compiled: grammar.Compiled | None = None  # the constraint compiled (Engine.check)
+    matcher: grammar.Matcher | None = None  # its state on this rank (from admission)
+    drafts: list = field(default_factory=list)  # the drafts its next verify step feeds, as the host read them
+
+    @property
+    def chosen_fully(self) -> bool:
+        """Its tokens need the full-vocabulary choose step (choice.py), not greedy's argmax alone."""
+        return (self.sampling.processed or self.logprobs is not None or self.constraint is not None
+                or (self.reasoning is not None and self.reasoning.budget is not None))
 
     def embeds(self, model, a: int, b: int):
         """Input rows of prompt tokens a..b-1 [b - a, D] bf16 with the image features at their placeholders, or None
@@ -178,12 +218,24 @@ class StepOutput:
     finished: list = field(default_factory=list)
 
 
+@dataclass
+class Inflight:
+    """A queued decode step whose tokens the host has not read: its requests, pinned host copies of its outputs
+    (tokens, or speculative rows [accepted, tokens..., drafts...]; then the logprobs [n, P], top ids and top logprobs
+    [n, P, choice.TOP] of a step chosen fully) and the event that marks them done (None on the CPU)."""
+    reqs: list
+    host: tuple
+    ev: object
+    read: bool = False
+
+
 class EngineError(RuntimeError):
     """A request's computation went wrong (non-finite logits): the message names the request and the step."""
 
 
 class Engine:
-    def __init__(self, model: M.Step5ForCausalLM, config: EngineConfig, say=lambda *a: None):
+    def __init__(self, model: M.Step5ForCausalLM, config: EngineConfig, say=lambda *a: None,
+                 grammars: grammar.Grammars | None = None):
         c, cfg = config, model.cfg
         for name in ("max_batch", "max_context", "prefill_chunk", "speculative", "build_threads", "graph_prefill"):
             v = getattr(c, name)
@@ -199,6 +251,9 @@ class Engine:
         if c.speculative and cfg.sparse and c.speculative + 1 > cfg.sparse.block:  # Model.keep_pending's bound
             raise ValueError(f"speculative decoding with {c.speculative} drafts writes more than a DSA region of "
                              f"{cfg.sparse.block} tokens per step")
+        if grammars is not None and grammars.vocab_size != cfg.vocab_size:
+            raise ValueError(f"the grammars' tokenizer view spans {grammars.vocab_size} ids; the model's vocabulary "
+                             f"{cfg.vocab_size}")
         self.model, self.config, self.say = model, c, say
         self.dev = model.lm_head.weight.device
         self.k = c.speculative
@@ -214,9 +269,17 @@ class Engine:
         self.slots = [Slot() for _ in range(B)]
         self.next_tok = torch.zeros(B, dtype=torch.long, device=self.dev)  # each slot's next token to feed
         self.count = torch.zeros(B, dtype=torch.long, device=self.dev)  # tokens each slot's request emitted
+        self.grammars = grammars  # compiles constrained requests' grammars (None: such requests are refused)
+        # each slot's choice parameters and state, as wide as the gathered logits (the vocabulary, padded to the ranks)
+        self.choice = choice.Slots(B, model.lm_head.weight.shape[0] * M.world_size, self.dev)
+        # the grammar masks of a step's rows (a verify step: K + 1 per request): the host fills them, the choose step
+        # reads them where a row's request is constrained
+        shape = (B * (self.k + 1), (cfg.vocab_size + 31) // 32)
+        self.mask = torch.full(shape, -1, dtype=torch.int32, device=self.dev)
+        self.mask_host = torch.full(shape, -1, dtype=torch.int32, pin_memory=self.dev.type == "cuda")
         self.waiting, self.running = [], []  # requests queued for a slot; requests holding one
         self.steps, self.rids = 0, itertools.count()
-        self.inflight = None  # (requests, host copy) of the decode step whose tokens the host has not read yet
+        self.inflight = None  # the decode step whose tokens the host has not read yet (Inflight)
         self.spec = speculative.Speculator(self) if self.k else None
         self.graphs = {}  # batch bucket -> its decode step's startup.Graph(s)
         self.prefill_graphs = {}  # padded length -> startup.Graph of a fresh prompt's prefill
@@ -265,8 +328,27 @@ class Engine:
         p = req.sampling.problem() if isinstance(req.sampling, Sampling) else "sampling must be a Sampling"
         if p:
             raise ValueError(p)
+        bad = next((t for t in req.sampling.logit_bias or () if t >= V), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: {bad} is not a token id in [0, {V})")
+        if req.logprobs is not None and (not is_int(req.logprobs) or not 0 <= req.logprobs <= choice.TOP):
+            raise ValueError(f"logprobs {req.logprobs!r} must be an integer in [0, {choice.TOP}]")
+        if not isinstance(req.echo, bool) or req.echo and req.logprobs is None:
+            raise ValueError(f"echo {req.echo!r} must be a bool, and echo needs logprobs (0 for the tokens' own)")
+        if req.reasoning is not None:
+            p = (req.reasoning.problem(V) if isinstance(req.reasoning, Reasoning)
+                 else "reasoning must be a choice.Reasoning")
+            if p:
+                raise ValueError(p)
         req.ids = req.ids if plain and type(req.ids) is list else [int(t) for t in req.ids]
         req.stop_ids = frozenset(int(t) for t in req.stop_ids)
+        if req.constraint is not None:
+            field_ = getattr(req.constraint, "field", "constraint")
+            if self.grammars is None:
+                raise ValueError(f"{field_}: this engine has no tokenizer view for constrained decoding")
+            if not req.stop_ids:
+                raise ValueError(f"{field_}: a constrained request needs a stop id (its grammar ends at one)")
+            req.compiled = self.grammars.compiled(req.constraint)  # a cache hit when a front end compiled it
 
     def submit(self, req: Request) -> Request:
         """Queue a request (checked first: Engine.check)."""
@@ -323,6 +405,8 @@ class Engine:
         short of the prompt (its last token must be fed), at a DSA region boundary (the region in progress is
         recomputed), within the rings' spare slots. Speculative decoding also recomputes the rows its MTP layers read
         past the common prefix, and the ones a draft step reads (2K + 2 from the prompt's end)."""
+        if req.echo:  # every prompt token's logprob is computed by its own prefill
+            return 0
         n = min(common_prefix(req.key, slot.held), len(req.ids) - 1)
         if self.k:
             n = min(n - self.k - 2, len(req.ids) - 2 * self.k - 2)
@@ -332,7 +416,7 @@ class Engine:
 
     def _admit(self, out: StepOutput):
         for req in list(self.waiting):
-            if req.finish is not None or req.max_new_tokens == 0:  # cancelled while waiting, or nothing to do
+            if req.finish is not None or req.max_new_tokens == 0 and not req.echo:  # cancelled, or nothing to do
                 req.finish = req.finish or Finish.LENGTH
                 self.waiting.remove(req)
                 out.finished.append(req)
@@ -347,6 +431,10 @@ class Engine:
             self.cache.lengths[best] = n
             self.cache.requests[best] = req.rid
             self.count[best] = 0
+            self.choice.take(best, req)
+            if req.compiled is not None:
+                req.matcher = self.grammars.matcher(req.compiled, req.stop_ids,
+                                                    req.reasoning.end_id if req.reasoning else None)
             for c in self.mtps:
                 c.lengths[best] = n
             req.slot, req.cached, req.prefilled = best, n, n
@@ -378,11 +466,12 @@ class Engine:
         if pre:
             self._prefill(pre, out)
         dec = [r for r in self.running if r.prefilled == len(r.ids) and r.finish is None and r.out]
-        prev = self.inflight
-        busy = set() if prev is None else set(map(id, prev[0]))
+        prev, self.inflight = self.inflight, None
+        busy = set() if prev is None else set(map(id, prev.reqs))
         live = [r for r in dec if len(r.out) + (id(r) in busy) < r.max_new_tokens]
-        self.inflight = (self.spec.decode if self.spec else self._decode)(live) if live else None
-        self._emit(prev, out)
+        if live:
+            self.inflight = Inflight(*(self.spec.decode if self.spec else self._decode)(live, prev, out))
+        self._emit(prev, out)  # unless a constrained step read it already
         for r in [r for r in self.running if r.finish is not None]:
             self._release(r, out)
         return out
@@ -405,16 +494,29 @@ class Engine:
         for p in pieces:
             p.req.prefilled = p.start + p.n
             self.slots[p.req.slot].held = p.req.key[:p.req.prefilled]
-        first = [(p.req, lg) for p, lg in zip(pieces, logits) if p.req.prefilled == len(p.req.ids)]
+        done = [(p.req, lg) for p, lg in zip(pieces, logits) if p.req.prefilled == len(p.req.ids)]
+        for r, _ in done:
+            if r.max_new_tokens == 0:  # an echo request for the prompt's logprobs alone
+                r.finish = Finish.LENGTH
+        first = [(r, lg) for r, lg in done if r.max_new_tokens > 0 and r.finish is None]
         if not first:
             return
         rs = [r for r, _ in first]
+        n = len(rs)
         slots = torch.tensor([r.slot for r in rs], device=self.dev)
-        tok = choose(torch.stack([x for _, x in first]), [r.sampling for r in rs], self.count, slots)
+        logits = torch.stack([x for _, x in first])
+        lps = None
+        if any(r.chosen_fully for r in rs):
+            self._masks(rs, 1)
+            tok, *lps = choice.choose(logits, self.choice, slots, self.mask[:n], self.count[slots],
+                                      torch.ones(n, dtype=torch.long, device=self.dev))
+            lps = [x[:, None].tolist() for x in lps]  # as a decode step's: one position per row
+        else:
+            tok = greedy(logits)
         self.next_tok[slots] = tok.clamp(min=0)
         self.count[slots] = 1
-        for r, t in zip(rs, tok.tolist()):  # a host read: the prompt's first token is reported at once
-            self._take(r, [t], out, "its prefill")
+        for i, (r, t) in enumerate(zip(rs, tok.tolist())):  # a host read: the prompt's first token is reported at once
+            self._take(r, [t], out, "its prefill", None if lps is None else [x[i] for x in lps])
         if self.spec:  # queued after that read, which would otherwise wait for the drafts too
             self.spec.first_drafts(rs, slots)
 
@@ -424,7 +526,7 @@ class Engine:
         length; up to EXTEND_TURN tokens on top of a cached prefix, extension steps of up to 64 tokens each. And only
         when their padded lengths add up to at most the largest prefill graph's (their replays then cost about one such
         pass of kernels, no more than an eager pass of that size costs the host); else None: one eager pass."""
-        if not self.prefill_graphs:
+        if not self.prefill_graphs or any(pc.req.echo for pc in pieces):  # echo reads every row's logits
             return None
         plan, total = [], 0
         for pc in pieces:
@@ -444,7 +546,8 @@ class Engine:
         return plan if total <= max(self.prefill_graphs) else None
 
     def _eager_prefill(self, pieces: list) -> torch.Tensor:
-        """One pass over the pieces, packed -> the logits [pieces, V/tp] of each piece's last token."""
+        """One pass over the pieces, packed -> the logits [pieces, V/tp] of each piece's last token; an echo piece's
+        prompt logprobs from every row of the pass."""
         ids = torch.tensor([t for p in pieces for t in p.req.ids[p.start:p.start + p.n]], dtype=torch.long,
                            device=self.dev)
         rows = [p.req.slot for p in pieces]
@@ -458,10 +561,21 @@ class Engine:
         if self.progress is not None:
             first, start, longest = pieces[0].start, pieces[0].req.cached, max(len(p.req.ids) for p in pieces)
             hook = (lambda i, layers: self.progress(first, sum(lens), longest, i, layers, start))
+        held = [p.start for p in pieces]
+        if not self.spec and not any(p.req.echo for p in pieces):
+            return self.model.forward(ids, self.cache, lens, rows=rows, embeds=embeds, held=held, progress=hook)
         if self.spec:
-            return self.spec.prefill(pieces, ids, embeds, hook)
-        return self.model.forward(ids, self.cache, lens, rows=rows, embeds=embeds, held=[p.start for p in pieces],
-                                  progress=hook)
+            hidden = self.spec.prefill(pieces, ids, embeds, hook)
+        else:
+            hidden = self.model.forward_rows(ids, self.cache, lens, rows=rows, embeds=embeds, held=held, progress=hook)
+        starts = list(itertools.accumulate([0] + lens))
+        for p, o in zip(pieces, starts):
+            if p.req.echo:  # row i predicts prompt token start + i + 1
+                targets = p.req.ids[p.start + 1:p.start + p.n + 1]
+                got = choice.prompt_logprobs(self.model, hidden[o:o + len(targets)], targets, p.req.logprobs)
+                p.req.prompt_logprobs += ([None] if p.start == 0 else []) + [Logprob(*x) for x in got]
+        return self.model.logits(hidden[torch.tensor([o + p.n - 1 for p, o in zip(pieces, starts)],
+                                                     device=self.dev)])
 
     def _replay_prefill(self, g: startup.Graph, p: Piece) -> torch.Tensor:
         """A piece (the rest of its request's prompt, or part of it) by a prefill or extension graph (inputs: the ids,
@@ -502,61 +616,93 @@ class Engine:
         g.inputs[1].copy_(torch.tensor([1] * n + [0] * (b - n), pin_memory=pinned), non_blocking=pinned)
         return pad
 
-    def _decode(self, reqs: list):
-        """Queue one plain decode step over the requests -> (requests, the host copy of their tokens)."""
+    def _decode(self, reqs: list, prev: Inflight | None, out: StepOutput) -> tuple:
+        """Queue one plain decode step over the requests. Its forward graph takes greedy's argmax; when a request needs
+        more (sampling.Sampling.processed, logprobs, a grammar, a reasoning budget: Request.chosen_fully) the choose
+        graph follows, and with a constrained request the host first reads the previous step (the forward runs
+        meanwhile), advances their grammars and fills their masks (_masks). Otherwise the host reads the previous
+        step after this one is queued (step)."""
         n = len(reqs)
         b = next(x for x in self.graphs if x >= n)
-        g = self.graphs[b][0]
-        self.fill_inputs(g, reqs, b)
-        logits, tok = g()
-        slots = g.inputs[0][:n]
-        if any(r.sampling.temperature > 0 for r in reqs):
-            tok = sample(logits[:n], RowSampling.of([r.sampling for r in reqs], self.dev), self.count[slots])
-            self.next_tok[slots] = tok.clamp(min=0)
-        self.count[slots] += 1
-        return reqs, self.to_host(tok[:n])
+        g_fwd, g_pick = self.graphs[b]
+        self.fill_inputs(g_fwd, reqs, b)
+        logits, tok = g_fwd()
+        if not any(r.chosen_fully for r in reqs):
+            self.count[g_fwd.inputs[0][:n]] += 1
+            return (reqs, *self.to_host(tok[:n]))
+        if any(r.matcher is not None for r in reqs):
+            self._emit(prev, out)
+            self._masks(reqs, 1)
+        tok, lp, ids, lps = g_pick()
+        return (reqs, *self.to_host(tok[:n], lp[:n, None], ids[:n, None], lps[:n, None]))
 
-    def to_host(self, t: torch.Tensor):
-        """A pinned host copy of a step's tokens t, queued on the current stream -> (the copy, the event that marks it
-        done; None on the CPU, where the copy is done)."""
-        if t.device.type != "cuda":
-            return t.clone(), None
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
+    def _masks(self, reqs: list, P: int):
+        """The grammar masks of a step's rows (P positions per request: a verify step's K + 1, fed its drafts) into
+        the host buffer, then to the device, where the choose step reads those of constrained requests. A request
+        whose grammar allows no token here finishes ("error", naming its field); its rows allow all (never used)."""
+        if not any(r.matcher is not None for r in reqs):
+            return
+        rows = self.mask_host[:len(reqs) * P]
+        for i, r in enumerate(reqs):
+            at = rows[i * P:(i + 1) * P]
+            if r.matcher is None or r.finish is not None:
+                continue
+            if r.matcher.fill(at, r.drafts[:P - 1]) is grammar.Status.DEAD_END:
+                r.finish, r.error = Finish.ERROR, r.matcher.error
+                at.fill_(-1)
+        pinned = self.dev.type == "cuda"
+        self.mask[:len(reqs) * P].copy_(rows, non_blocking=pinned)
+
+    def to_host(self, *ts: torch.Tensor) -> tuple:
+        """Pinned host copies of a step's outputs, queued on the current stream -> (the copies, the event that marks
+        them done; None on the CPU, where the copies are done)."""
+        if ts[0].device.type != "cuda":
+            return tuple(t.clone() for t in ts), None
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in ts)
+        for h, t in zip(host, ts):
+            h.copy_(t, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
         return host, ev
 
-    def _emit(self, step, out: StepOutput):
-        """The host reads a queued step's tokens (waiting for that step only) and hands them to their requests."""
-        if step is None:
+    def _emit(self, step: Inflight | None, out: StepOutput):
+        """The host reads a queued step's outputs (waiting for that step only), once, and hands them to their
+        requests."""
+        if step is None or step.read:
             return
-        reqs, (host, ev) = step
-        if ev is not None:
-            ev.synchronize()
-        rows = host.tolist()
-        for r, t in zip(reqs, self.spec.unpack(rows) if self.spec else [[t] for t in rows]):
-            self._take(r, t, out, "a decode step")
+        step.read = True
+        if step.ev is not None:
+            step.ev.synchronize()
+        rows, *lps = (h.tolist() for h in step.host)
+        toks = self.spec.unpack(rows, step.reqs) if self.spec else [[t] for t in rows]
+        for i, (r, t) in enumerate(zip(step.reqs, toks)):
+            self._take(r, t, out, "a decode step", [x[i] for x in lps] if lps else None)
 
-    def _take(self, r: Request, toks: list, out: StepOutput, where: str):
-        """Append a step's tokens to a request, stopping at a stop id or at max_new_tokens."""
+    def _take(self, r: Request, toks: list, out: StepOutput, where: str, lps: list | None = None):
+        """Append a step's tokens to a request, stopping at a stop id or at max_new_tokens; its logprobs (lps: the
+        step's [P] logprobs, [P, TOP] top ids and theirs, position j for token j) and its grammar advanced."""
         if r.finish is not None:
             return
         if r.t_first is None:
             r.t_first = time.perf_counter()
         new = []
-        for t in toks:
+        for j, t in enumerate(toks):
             if t < 0:
                 raise EngineError(f"request {r.rid}: non-finite logits at new token {len(r.out)} ({where}): the "
                                   "weights or inputs hold NaN or Inf")
             r.out.append(t)
             new.append(t)
+            if r.logprobs is not None and lps is not None:
+                lp, ids, top = lps[0][j], lps[1][j], lps[2][j]
+                r.token_logprobs.append(Logprob(lp, list(zip(ids[:r.logprobs], top[:r.logprobs]))))
             if t in r.stop_ids:
                 r.finish = Finish.STOP
                 break
             if len(r.out) >= r.max_new_tokens:
                 r.finish = Finish.LENGTH
                 break
+        if r.matcher is not None and r.matcher.advance(new) is grammar.Status.DEAD_END:
+            r.finish, r.error = Finish.ERROR, r.matcher.error
         if new:
             out.tokens.append((r, new))
 

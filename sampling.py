@@ -1,11 +1,12 @@
 """Token choice: this rank's logits window -> the next tokens, identical on every rank without a broadcast. Every rank
 gathers the same full-vocabulary logits in rank order (full_vocab, greedy), and a sampled row draws from a
 counter-based random stream of its own request (seed, counter), so no generator state is shared and a request's
-draws do not depend on its batch. The engine's decode graph takes greedy's tokens; `choose` takes a prompt's first
-token; speculative.py's acceptance uses probabilities / draw / uniform.
+draws do not depend on its batch. The engine's decode graph takes greedy's tokens; choice.py's choose step (bias,
+penalties, grammar masks, the reasoning budget, logprobs) ends in probabilities / draw; speculative.py's acceptance
+uses them with uniform.
 """
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,15 +44,30 @@ def is_number(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+LOGIT_BIAS_MAX = 1024  # entries of one request's logit_bias (the per-slot device table's width)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """One request's token choice: greedy at temperature 0, else a draw from softmax(logits / temperature) within the
-    top_k most likely tokens (0: all), then within the top_p nucleus (1: all). `seed` keys the request's own random
-    stream: whatever else runs in the batch never changes its draws (on the same device type)."""
+    tokens at least min_p times as likely as the most likely one (0: all), then within the top_k most likely tokens
+    (0: all), then within the top_p nucleus (1: all). `seed` keys the request's own random stream: whatever else runs
+    in the batch never changes its draws (on the same device type).
+
+    Before that, the logits are processed in this order (choice.py): logit_bias {token id: bias in [-100, 100]}
+    added; repetition_penalty (> 0; 1: none) divides the positive and multiplies the negative logits of every token
+    of the prompt and of the output so far (the usual multiplicative rule); frequency_penalty times each token's
+    count in the output so far and presence_penalty once for each token present in it are subtracted (OpenAI's
+    definitions, both in [-2, 2]). Greedy rows take the argmax of the processed logits."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict | None = None
 
     def problem(self, name=lambda field: field) -> str | None:
         """None, or what is wrong, naming the field as name(field) calls it (a flag, a request field)."""
@@ -62,12 +78,49 @@ class Sampling:
             return f"{p} {self.top_p} must be in (0, 1] (1 keeps every token)"
         if not is_int(self.top_k) or not 0 <= self.top_k < 2 ** 63:
             return f"{k} {self.top_k} must be an integer in [0, 2**63) (0 keeps every token)"
-        if self.temperature == 0 and (self.top_k != 0 or self.top_p != 1):
-            return (f"{f'{k} {self.top_k}' if self.top_k else f'{p} {self.top_p}'} needs {t} > 0 ({t} 0 is greedy "
-                    "decoding)")
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            return f"{name('min_p')} {self.min_p} must be in [0, 1] (0 keeps every token)"
+        if self.temperature == 0 and (self.top_k != 0 or self.top_p != 1 or self.min_p != 0):
+            what = (f"{k} {self.top_k}" if self.top_k else f"{p} {self.top_p}" if self.top_p != 1
+                    else f"{name('min_p')} {self.min_p}")
+            return f"{what} needs {t} > 0 ({t} 0 is greedy decoding)"
         if not is_int(self.seed) or not 0 <= self.seed < 2 ** 63:
             return f"{name('seed')} {self.seed} must be an integer in [0, 2**63)"
+        for f in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, f)
+            if not is_number(v) or not -2 <= v <= 2:
+                return f"{name(f)} {v} must be a number in [-2, 2]"
+        r = self.repetition_penalty
+        if not is_number(r) or not 0 < r < float("inf"):
+            return f"{name('repetition_penalty')} {r} must be a finite number > 0 (1: none)"
+        return self._bias_problem(name("logit_bias"))
+
+    def _bias_problem(self, field: str) -> str | None:
+        b = self.logit_bias
+        if b is None:
+            return None
+        if not isinstance(b, dict):
+            return f"{field} must be a map of token id to bias, got {type(b).__name__}"
+        if len(b) > LOGIT_BIAS_MAX:
+            return f"{field} holds {len(b)} entries; at most {LOGIT_BIAS_MAX}"
+        for tok, v in b.items():
+            if not is_int(tok) or tok < 0:
+                return f"{field}: {tok!r} is not a token id"
+            if not is_number(v) or not -100 <= v <= 100:
+                return f"{field}[{tok}] = {v!r} must be a number in [-100, 100]"
         return None
+
+    @property
+    def processed(self) -> bool:
+        """The choice needs the full-vocabulary choose step (a draw, a filter or a change of the logits), not greedy's
+        argmax alone."""
+        return bool(self.temperature > 0 or self.presence_penalty or self.frequency_penalty
+                     or self.repetition_penalty != 1 or self.logit_bias)
+
+    def derived(self, j: int) -> "Sampling":
+        """The sampling of choice j of a request for n choices (n > 1 is n requests): its own random stream, the seed
+        plus j (mod 2**63)."""
+        return replace(self, seed=(self.seed + j) % 2 ** 63)
 
 
 # splitmix64's constants as signed int64 (torch's int64 arithmetic wraps like uint64)
@@ -100,23 +153,32 @@ class RowSampling:
     top_k: torch.Tensor  # int64, 0 = all
     top_p: torch.Tensor  # fp32
     seed: torch.Tensor  # int64
+    min_p: torch.Tensor  # fp32, 0 = all
 
     @staticmethod
     def of(samplings: list, device) -> "RowSampling":
         return RowSampling(torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device),
                            torch.tensor([s.top_k for s in samplings], dtype=torch.long, device=device),
                            torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device),
-                           torch.tensor([s.seed for s in samplings], dtype=torch.long, device=device))
+                           torch.tensor([s.seed for s in samplings], dtype=torch.long, device=device),
+                           torch.tensor([s.min_p for s in samplings], dtype=torch.float32, device=device))
+
+    def repeat(self, n: int) -> "RowSampling":
+        """Each row's parameters n times over (the positions of a speculative verify step)."""
+        return RowSampling(*(t.repeat_interleave(n) for t in vars(self).values()))
 
 
 def probabilities(full: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     """Full-vocabulary logits [B, V] -> each row's sampling distribution [B, V] fp32: softmax(logits / temperature)
-    restricted to its top_k most likely tokens, then to its top_p nucleus (the smallest set of most likely tokens
-    whose mass reaches top_p), renormalised. Greedy rows (temperature 0) get a one-hot at the argmax."""
+    restricted to the tokens at least min_p times as likely as the most likely one, then to its top_k most likely
+    tokens, then to its top_p nucleus (the smallest set of most likely tokens whose mass reaches top_p),
+    renormalised. Greedy rows (temperature 0) get a one-hot at the argmax."""
     x = full.float()
     greedy_row = rs.temperature == 0
     t = torch.where(greedy_row, 1.0, rs.temperature)[:, None]
     x = (x - x.amax(-1, keepdim=True)) / t  # largest 0: a tiny temperature gives -inf, never inf - inf
+    # min_p: p_i >= min_p * p_max, i.e. x_i >= log(min_p) with the largest x at 0 (min_p 0: log 0 = -inf keeps all)
+    x = x.masked_fill(x < torch.log(rs.min_p)[:, None], float("-inf"))
     # most likely first; stable, so tied logits keep the lowest id first (as greedy's argmax)
     xs, ids = x.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(x.shape[-1], device=x.device)
@@ -139,17 +201,3 @@ def draw(probs: torch.Tensor, rs: RowSampling, counters: torch.Tensor) -> torch.
     e = -torch.log(uniform(rs.seed, counters * 4, probs.shape[-1]))  # stream 0 of the counter
     tok = (probs / e).argmax(-1)
     return torch.where(torch.isfinite(probs).all(-1), tok, -1)
-
-
-def sample(logits: torch.Tensor, rs: RowSampling, counters: torch.Tensor) -> torch.Tensor:
-    """This rank's logits window [B, V/tp] -> [B] int64 drawn per row by its own parameters and random stream (greedy
-    rows: the argmax), the same on every rank: every rank holds the same full-vocabulary logits and draws alike."""
-    return draw(probabilities(full_vocab(logits), rs), rs, counters)
-
-
-def choose(logits: torch.Tensor, samplings: list, count: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Tokens [B] for logits rows [B, V/tp] of requests with these Samplings: greedy when every row is, else each row's
-    draw at its slot's count (count [max_batch]: tokens each slot's request emitted; slots [B])."""
-    if all(s.temperature == 0 for s in samplings):
-        return greedy(logits)
-    return sample(logits, RowSampling.of(samplings, logits.device), count[slots])

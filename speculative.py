@@ -6,7 +6,8 @@ import itertools
 
 import torch
 
-from sampling import RowSampling, Sampling, draw, full_vocab, greedy, probabilities, uniform
+import choice
+from sampling import draw, full_vocab, greedy, probabilities, uniform
 from startup import Graph
 
 
@@ -22,6 +23,13 @@ class Speculator:
     overwrote a key that a kept row still needs; K/V, pending indexer rows and region summaries at rejected positions
     are rewritten before any kept query reads them. Acceptance, rollback and drafting run on the device, so a step is
     queued without the host reading the last one.
+
+    A step is three graphs: verify (the main model's forward over the K + 1 fed tokens), accept (greedy's, or the
+    full choose step's: choice.py's processing per position, each position's counts and reasoning state as if the
+    drafts before it were accepted, and its own grammar mask), then draft. With a constrained request the host reads
+    the last step's tokens and drafts while verify runs, and fills each position's mask (grammar.Matcher.fill: the
+    matcher walks the drafts and rolls back) before accept; a draft the grammar refuses is masked out, so it is
+    rejected and every later position is dropped with it.
 
     Drafting: MTP depth j's row at position p reads depth j-1's residual at p (depth -1: the main model's) and the
     token at p + j + 1; depth j's draft is its row at the last kept position L. Rows past L - j read drafts, so they
@@ -52,15 +60,13 @@ class Speculator:
 
     def prefill(self, pieces, ids, embeds, hook):
         """A prefill pass of the main model over the pieces (engine.Piece; every row kept), absorbed by the MTP layers
-        -> the last row's logits of each piece."""
+        -> the main model's residual rows [T, D]."""
         m = self.e.model
         lens, rows = [pc.n for pc in pieces], [pc.req.slot for pc in pieces]
         hidden = m.forward_rows(ids, self.e.cache, lens, rows=rows, embeds=embeds, held=[pc.start for pc in pieces],
                                 progress=hook)  # [T, D]
         self.absorb(pieces, ids, hidden)
-        starts = list(itertools.accumulate([0] + lens))
-        ends = torch.tensor([s + pc.n - 1 for pc, s in zip(pieces, starts)], device=self.e.dev)
-        return m.logits(hidden[ends])
+        return hidden
 
     def absorb(self, pieces, ids, hidden):
         """The main model's rows of a prefill pass (hidden [T, D], ids [T]: the pieces' tokens, packed; pieces:
@@ -100,6 +106,9 @@ class Speculator:
         L = torch.tensor([len(r.ids) - 1 for r in reqs], device=self.e.dev)
         self.tok[slots, (L + 1) % self.S] = self.e.next_tok[slots]
         self.drafts[slots] = self.draft(slots, L)
+        if any(r.matcher is not None for r in reqs):  # their first verify step's masks read these drafts
+            for r, d in zip(reqs, self.drafts[slots].tolist()):
+                r.drafts = d
 
     def draft(self, slots, L):
         """Each depth's K + 1 + j rows L - K - j .. L of the slots [R] -> drafts [R, K]. Static shapes: rows past L
@@ -122,36 +131,66 @@ class Speculator:
         return out
 
     def graphs(self, b: int, pool) -> list:
-        """A verify graph and a draft graph for batch bucket b."""
+        """The graphs of a verify step for batch bucket b: verify, accept (greedy's), accept (chosen fully), draft.
+        Inputs: the slots and live rows of verify, shared by the others; accept writes draft's other inputs."""
         e, k, m, S = self.e, self.e.k, self.e.model, self.S
         dev, D = e.dev, m.cfg.hidden_size
         slots = torch.arange(b, device=dev)
         live = torch.ones(b, dtype=torch.long, device=dev)
 
-        def verify(slots, live):  # -> residuals [b*(k+1), D], logits [b*(k+1), V/tp], greedy ids [b, k+1]
+        def verify(slots, live):  # -> residuals [b*(k+1), D], logits [b*(k+1), V/tp], greedy ids [b, k+1], start [b]
+            start = e.cache.lengths[slots]  # the positions of the pending tokens
             fed = torch.cat([e.next_tok[slots][:, None], self.drafts[slots]], 1)  # [b, k+1]
             m.hold_pending(e.cache, slots)  # the DSA pending rows, for keep_pending after acceptance
             h = m.forward_rows(fed, e.cache, rows=slots, live=live)
             lg = m.logits(h)
-            return h, lg, greedy(lg).view(b, k + 1)
+            return h, lg, greedy(lg).view(b, k + 1), start
+        g_verify = Graph(verify, [slots, live], e.use_graph, state=lambda: (e.cache.lengths,), pool=pool)
+        d_in = [torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev),
+                torch.zeros(b * (k + 1), D, device=dev), torch.zeros(b, k + 1, dtype=torch.long, device=dev)]
+
+        def commit(slots, live, a, toks):
+            """Roll back the rejected rows, feed the next token, count the emitted ones, and give draft its inputs."""
+            h, _, _, start = g_verify.out
+            kept = start + a  # the last kept position: the new pending token's predecessor
+            e.cache.lengths[slots] = torch.where(live > 0, kept + 1, start)
+            e.next_tok[slots] = toks.gather(1, a[:, None])[:, 0].clamp(min=0)
+            e.count[slots] += (a + 1) * live
+            for dst, src in zip(d_in, (kept, start, h, toks)):
+                dst.copy_(src)
+
+        def accept_greedy(slots, live):  # -> accepted drafts [b], the step's tokens [b, k+1]
+            main = g_verify.out[2]
+            a = (self.drafts[slots] == main[:, :k]).long().cumprod(1).sum(1)
+            commit(slots, live, a, main)
+            return a, main
+
+        def accept_full(slots, live):  # -> ..., and the logprobs [b, k+1], top ids and theirs [b, k+1, TOP]
+            a, toks, lps = self._accept(slots, g_verify.out[1])
+            commit(slots, live, a, toks)
+            emitted = (torch.arange(k + 1, device=dev) <= a[:, None]) & (live[:, None] > 0)
+            choice.advance(e.choice, slots, toks, emitted)
+            return (a, toks, *lps)
 
         def draft(slots, kept, start, h, toks):
             """The DSA pending rows of the kept tokens put back, the verify rows into the rings (toks[j]: the token
-            after position start + j), then the drafts."""
+            after position start + j), then the drafts -> the slots' drafts [b, k]."""
             m.keep_pending(e.cache, slots, start, kept - start + 1)
             steps = start[:, None] + torch.arange(k + 1, device=dev)  # [b, k+1]: positions of the verify rows
             self.h[0][slots[:, None], steps % S] = h.view(b, k + 1, D)
             self.tok[slots[:, None], (steps + 1) % S] = toks
             self.drafts[slots] = self.draft(slots, kept)
-        zeros = torch.zeros(b, dtype=torch.long, device=dev)
-        g_verify = Graph(verify, [slots, live], e.use_graph, state=lambda: (e.cache.lengths,), pool=pool)
-        g_draft = Graph(draft, [slots, zeros, zeros.clone(), torch.zeros(b * (k + 1), D, device=dev),
-                                torch.zeros(b, k + 1, dtype=torch.long, device=dev)], e.use_graph,
-                        state=lambda: [c.lengths for c in e.mtps], pool=pool)
-        return [g_verify, g_draft]
+            return self.drafts[slots]
+        state = lambda: (e.cache.lengths, *e.startup._choice_state())  # noqa: E731
+        return [g_verify, Graph(accept_greedy, [slots, live], e.use_graph, state=state, pool=pool),
+                Graph(accept_full, [slots, live], e.use_graph, state=state, pool=pool),
+                Graph(draft, [slots, *d_in], e.use_graph, state=lambda: [c.lengths for c in e.mtps], pool=pool)]
 
-    def decode(self, reqs: list):
-        """Queue one verify + draft step over the requests -> (requests, the host copy of [accepted, tokens...])."""
+    def decode(self, reqs: list, prev, out):
+        """Queue one verify step over the requests -> (the requests, pinned host copies of [accepted, tokens...,
+        drafts...] per row and of the logprobs of a step chosen fully, their event: Engine.to_host). With a
+        constrained request the host reads the previous step and fills each position's mask while verify runs
+        (Engine._masks)."""
         e = self.e
         n = len(reqs)
         b = next(x for x in e.graphs if x >= n)
@@ -160,50 +199,60 @@ class Speculator:
             r = e.steps % n
             n = max(x for x in e.graphs if x <= n)
             reqs, b = (reqs[r:] + reqs[:r])[:n], n
-        g_verify, g_draft = e.graphs[b]
+        g_verify, g_greedy, g_full, g_draft = e.graphs[b]
         # a padding row rewrites its slot's recent rows: forget the slot
         for i in e.fill_inputs(g_verify, reqs, b, pads):
             e.slots[i].held = []
             e.slots[i].stale = e.slots[i].owner is not None
-        slots, live = g_verify.inputs
-        start = e.cache.lengths[slots]  # the positions of the pending tokens
-        h, lg, main = g_verify()
-        a, toks = self._accept(lg, main, reqs, b)  # [b] accepted drafts, [b, k+1] the step's tokens
-        kept = start + a  # the last kept position: the new pending token's predecessor
-        e.cache.lengths[slots] = torch.where(live > 0, kept + 1, start)  # roll back the rejected rows
-        e.next_tok[slots] = toks.gather(1, a[:, None])[:, 0].clamp(min=0)
-        e.count[slots] += (a + 1) * live
-        for dst, src in zip(g_draft.inputs, (slots, kept, start, h, toks)):
-            if dst is not src:
-                dst.copy_(src)
-        g_draft()
+        g_verify()
+        full = any(r.chosen_fully for r in reqs)
+        if any(r.matcher is not None for r in reqs):
+            e._emit(prev, out)
+            e._masks(reqs, e.k + 1)
+        a, toks, *lps = (g_full if full else g_greedy)()
+        drafts = g_draft()
         self.stats["verify_steps"] += 1
         self.stats["verify_rows"] += n
-        return reqs, e.to_host(torch.cat([a[:n, None], toks[:n]], 1))
+        return (reqs, *e.to_host(torch.cat([a[:n, None], toks[:n], drafts[:n]], 1), *(x[:n] for x in lps)))
 
-    def unpack(self, rows: list) -> list:
-        """Host rows [accepted, tokens...] -> each request's emitted tokens (and the acceptance counts)."""
-        out = []
-        for row in rows:
+    def unpack(self, rows: list, reqs: list) -> list:
+        """Host rows [accepted, tokens..., drafts...] -> each request's emitted tokens; the drafts its next verify
+        step feeds go to the request (its masks walk them); the acceptance counts to the stats."""
+        k, out = self.e.k, []
+        for row, r in zip(rows, reqs):
             a = row[0]
-            for j in range(self.e.k):
+            for j in range(k):
                 self.stats["proposed"][j] += 1
                 self.stats["accepted"][j] += j < a
             out.append(row[1:a + 2])
+            r.drafts = row[k + 2:]
         return out
 
-    def _accept(self, lg, main, reqs, b):
-        """-> (accepted drafts a [b], the step's tokens [b, k+1]: the accepted drafts, then the next token). Greedy
-        rows: drafts equal to the main model's argmax; sampled rows: the speculative-sampling rule."""
-        e, k = self.e, self.e.k
-        slots = e.graphs[b][0].inputs[0]
+    def _accept(self, slots, lg):
+        """The full choose step of a verify step -> (accepted drafts a [b], the step's tokens [b, k+1], logprobs of
+        each position's token: choice.logprobs' three, [b, k+1, ...]). Each position is processed (choice.process)
+        with the output counts and reasoning state it has if the drafts before it are accepted, and with its own mask;
+        greedy rows accept the drafts equal to the processed argmax, sampled rows follow the speculative-sampling
+        rule on the processed distribution."""
+        e, k, st = self.e, self.e.k, self.e.choice
+        b, P = slots.shape[0], k + 1
         drafts = self.drafts[slots]  # [b, k]
-        a = (drafts == main[:, :k]).long().cumprod(1).sum(1)  # [b]
-        if all(r.sampling.temperature == 0 for r in reqs):
-            return a, main
-        n = len(reqs)
-        rs = RowSampling.of([r.sampling for r in reqs] + [Sampling()] * (b - n), e.dev)
-        probs = probabilities(full_vocab(lg), _repeat(rs, k + 1)).view(b, k + 1, -1)
+        full = full_vocab(lg)  # [b*P, V]
+        V = full.shape[1]
+        fed = torch.zeros(b, P, V, dtype=torch.int32, device=e.dev)
+        fed[:, 1:].scatter_(2, drafts[:, :, None], 1)
+        counts = (st.counts[slots][:, None] + fed.cumsum(1, dtype=torch.int32)).view(b * P, V)
+        hit = torch.cat([torch.zeros(b, 1, dtype=torch.bool, device=e.dev),
+                         (drafts == st.think_end[slots][:, None]).cumsum(1) > 0], 1)  # an end among the drafts before
+        thinking = st.thinking[slots][:, None] & ~hit  # [b, P]
+        left = st.think_left[slots][:, None] - (thinking.long().cumsum(1) - thinking.long())
+        x = choice.process(full, st, slots.repeat_interleave(P), e.mask[:b * P], counts, thinking.flatten(),
+                           left.flatten())
+        rs = choice.rows_of(st, slots)
+        probs = probabilities(x, rs.repeat(P)).view(b, P, V)
+        finite = torch.isfinite(full.amax(-1)).view(b, P)
+        main = torch.where(finite, x.argmax(-1).view(b, P), -1)
+        a = (drafts == main[:, :k]).long().cumprod(1).sum(1)
         base = e.count[slots]  # the index of the step's first token in its request
         u = uniform(rs.seed, base * 4 + 1, k)  # counter stream 1: acceptance
         px = probs[:, :k].gather(2, drafts[:, :, None])[:, :, 0]  # [b, k]
@@ -214,9 +263,8 @@ class Speculator:
         pa = torch.where((acc < k)[:, None], pa.scatter(1, rej, 0.0), pa)
         nxt = draw(pa, rs, base + acc)  # keyed by the emitted token's index
         toks = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, acc[:, None], nxt[:, None])
+        toks = torch.where(finite, toks, -1)
         sampled = rs.temperature > 0
-        return torch.where(sampled, acc, a), torch.where(sampled[:, None], toks, main)
-
-
-def _repeat(rs: RowSampling, n: int) -> RowSampling:
-    return RowSampling(*(t.repeat_interleave(n) for t in (rs.temperature, rs.top_k, rs.top_p, rs.seed)))
+        a, toks = torch.where(sampled, acc, a), torch.where(sampled[:, None], toks, main)
+        lp, ids, top = choice.logprobs(full, toks.flatten())
+        return a, toks, (lp.view(b, P), ids.view(b, P, -1), top.view(b, P, -1))

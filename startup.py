@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+import choice
 import kernel
 import model as M
 import sampling
@@ -72,7 +73,9 @@ class Graph:
     into the graph's own input tensors. `state()` names tensors fn updates in place (cache lengths): the warm-up and
     capture runs restore them, so only replays advance the state. The warm-up also writes K/V, pending indexer rows
     and ring slots at the next position of the slots it is given, which the slots' next real step overwrites.
-    Without `use_graph` (CPU, or --no-cuda-graph) fn runs eagerly."""
+    Without `use_graph` (CPU, or --no-cuda-graph) fn runs eagerly. `out` holds the last outputs (a captured graph's
+    static ones): a graph that runs after this one in a step reads them there (a decode step's choose graph reads
+    its forward graph's logits)."""
 
     def __init__(self, fn, inputs: list, use_graph: bool, state=lambda: (), pool=None):
         self.fn, self.inputs, self.use_graph, self.state, self.pool = fn, inputs, use_graph, state, pool
@@ -89,7 +92,7 @@ class Graph:
     def warm(self):
         """fn once, eagerly on the current stream (its launches compile), the state put back."""
         with self._state_kept():
-            self.fn(*self.inputs)
+            self.out = self.fn(*self.inputs)
 
     def capture(self):
         """Warm-up and capture (without graphs: the warm-up alone, so start-up has run every step's launches)."""
@@ -107,7 +110,8 @@ class Graph:
 
     def __call__(self):
         if not self.use_graph:
-            return self.fn(*self.inputs)
+            self.out = self.fn(*self.inputs)
+            return self.out
         self.graph.replay()
         return self.out
 
@@ -429,17 +433,33 @@ class Startup:
 
     # ---- the graphs
     def _plain_graph(self, b: int, pool) -> list:
+        """A plain decode step of batch bucket b: the forward graph (-> this rank's logits [b, V/tp] and greedy's
+        tokens [b], -1 for non-finite logits, fed as the slots' next tokens) and the choose graph that may follow it
+        (engine.Engine._decode; choice.choose on the forward's logits and the grammar masks -> tokens, fed instead,
+        and logprobs; the slots' random counters and choice state advance for the live rows)."""
         e = self.e
         rows = torch.arange(b, device=e.dev)
         live = torch.ones(b, dtype=torch.long, device=e.dev)
         cache, m = e.cache, e.model
 
-        def step(rows, live):  # -> this rank's logits [b, V/tp], the greedy tokens [b] (-1: non-finite logits)
+        def step(rows, live):
             logits = m.forward(e.next_tok[rows], cache, rows=rows, live=live)
             tok = sampling.greedy(logits)
             e.next_tok[rows] = tok.clamp(min=0)
             return logits, tok
-        return [Graph(step, [rows, live], e.use_graph, state=lambda: (cache.lengths,), pool=pool)]
+        fwd = Graph(step, [rows, live], e.use_graph, state=lambda: (cache.lengths,), pool=pool)
+
+        def pick(rows, live):
+            tok, *lps = choice.choose(fwd.out[0], e.choice, rows, e.mask[:b], e.count[rows], live)
+            e.next_tok[rows] = tok.clamp(min=0)
+            e.count[rows] += live
+            return (tok, *lps)
+        return [fwd, Graph(pick, [rows, live], e.use_graph, state=lambda: self._choice_state(), pool=pool)]
+
+    def _choice_state(self) -> tuple:
+        """What a choose step updates in place: the slots' random counters and choice state (choice.Slots)."""
+        st = self.e.choice
+        return self.e.count, st.counts, st.thinking, st.think_left
 
     def _extend_sizes(self, sizes: list) -> list:
         """The extension graphs' token counts (with the prefill graphs): at most what the sliding rings' spare slots

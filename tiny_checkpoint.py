@@ -103,8 +103,57 @@ def tiny_vision_config(**overrides) -> dict:
 SPECIAL_TOKENS = ["<s>", "</s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<im_patch>", "<im_start>",
                   "<im_end>", "<patch_start>", "<patch_end>", "<patch_newline>"]
 IMAGE_TOKEN = "<im_patch>"
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# The Step-3.5 vocabulary's reasoning and tool markers (STEP5_CHAT.md §6), single special tokens; added after the BPE
+# is trained, so they take the ids right after it and every other id stays where it was.
+CHAT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# A chat template of the Step-3.5 form, written from STEP5_CHAT.md: BOS, then <|im_start|>ROLE\n ... <|im_end|>\n
+# turns; tools in a first system turn; tool calls as <tool_call><function=NAME><parameter=KEY> blocks; consecutive
+# tool results in one tool_response turn; reasoning written back only after the last user message; the generation
+# prompt opens a reasoning block.
+CHAT_TEMPLATE = (
+    "{% macro text(c) %}{% if c is string %}{{ c }}{% elif c %}{% for p in c %}"
+    "{% if p.type == 'image' %}<im_patch>{% elif p.text is defined %}{{ p.text }}"
+    "{% elif p.value is defined %}{{ p.value }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    "{{ bos_token }}"
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
+    "{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0].role == 'system' %}{{ text(messages[0].content) }}\n\n{% endif %}"
+    "# Tools\nYou may call one or more functions to assist with the user query. The functions follow in JSONSchema "
+    "format:\n<tools>{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
+    "To call a function, answer ONLY in this format, with no suffix:\n<tool_call>\n<function=example_function>\n"
+    "<parameter=example_parameter>\nvalue\n</parameter>\n</function>\n</tool_call>\n<IMPORTANT>\nThe "
+    "<function=...> block nests inside <tool_call>; every required parameter must be given.\n</IMPORTANT>"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and not (loop.first and tools) %}"
+    "<|im_start|>{{ 'observation' if m.name == 'observation' and not loop.first else 'system' }}\n"
+    "{{ text(m.content) }}<|im_end|>\n"
+    "{% elif m.role == 'user' %}<|im_start|>user\n{{ text(m.content) }}<|im_end|>\n"
+    "{% elif m.role == 'assistant' %}"
+    "{% set content = text(m.content) %}{% set reasoning = '' %}"
+    "{% if m.reasoning_content is string %}{% set reasoning = m.reasoning_content %}"
+    "{% elif '</think>' in content %}"
+    "{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
+    "{% set content = content.split('</think>')[-1].strip('\n') %}{% endif %}"
+    "<|im_start|>assistant\n"
+    "{% if loop.index0 > ns.last_user and reasoning %}<think>\n{{ reasoning }}\n</think>\n{% endif %}"
+    "{{ content }}"
+    "{% for tc in m.tool_calls or [] %}{% set f = tc.function if tc.function is defined else tc %}"
+    "{% if content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n<function={{ f.name }}>"
+    "{% for k, v in (f.arguments or {}).items() %}{{ '\\n' }}<parameter={{ k }}>\n"
+    "{% if v is mapping or (v is iterable and v is not string) %}{{ v | tojson }}{% else %}{{ v | string }}"
+    "{% endif %}{{ '\\n' }}</parameter>{% endfor %}{{ '\\n' }}</function>\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or loop.previtem.role != 'tool' %}<|im_start|>tool_response\n{% endif %}"
+    "<tool_response>{{ text(m.content) }}</tool_response>"
+    "{% if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
 _CORPUS = [
     "Tensor parallelism splits each weight matrix across devices so every rank holds one slice.",
     "Expert parallelism places whole experts on different ranks and routes tokens to them.",
@@ -118,7 +167,8 @@ _CORPUS = [
 
 
 def write_tokenizer(out_dir: str, vocab_size: int):
-    """Byte-level BPE tokenizer.json + tokenizer_config.json; specials at ids 0..len(SPECIAL_TOKENS)-1."""
+    """Byte-level BPE tokenizer.json + tokenizer_config.json; specials at ids 0..len(SPECIAL_TOKENS)-1, the chat
+    markers (CHAT_TOKENS) right after the trained vocabulary."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -127,8 +177,12 @@ def write_tokenizer(out_dir: str, vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 1000), special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([" ".join(_CORPUS)] * 4 + _CORPUS * 8, trainer=trainer)
+    first = tok.get_vocab_size()
+    tok.add_special_tokens(CHAT_TOKENS)
     for i, s in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
+    for i, s in enumerate(CHAT_TOKENS):
+        assert tok.token_to_id(s) == first + i < vocab_size, (s, tok.token_to_id(s))
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "LlamaTokenizerFast",  # the legacy class name the real file carries

@@ -268,3 +268,45 @@ def test_no_compile_or_capture_after_start_up(tp1_models):
         eng.run([engine.Request(torch.randint(11, 1000, (n,), generator=g).tolist(), 4) for _ in range(batch)])
     after = counters.snapshot()
     assert after == before, f"compiled {counters.names[before[0]:]}, {after[1] - before[1]} captures"
+
+
+@cuda
+@pytest.mark.parametrize("speculative", [0, 2])
+def test_cuda_structured_graphs_equal_eager(converted, speculative):
+    """The split decode step (the forward graph, then the choose graph with the grammar masks the host filled while
+    the forward ran) and the verify step's accept graphs, replayed as CUDA graphs, give the eager run's tokens and
+    logprobs exactly: constrained requests with a reasoning budget, penalised and biased sampling, logprobs and echo,
+    beside plain greedy ones; then nothing compiled or captured after start-up."""
+    import config
+    import choice
+    import grammar
+    from sampling import Sampling
+    from tools.bench_request import Counters
+    d = converted("bf16_text", 1, keep_mtp=True)
+    cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
+    gpu = M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg, "cuda")
+    grammars = grammar.Grammars(os.path.join(d, "..", "tokenizer_files", "tokenizer.json"), cfg.vocab_size, 4)
+    schema = grammar.Constraint.json_schema({"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "yy"]}},
+        "required": ["a", "b"], "additionalProperties": False})
+    counters = Counters()
+
+    def run(graph):
+        eng = engine.Engine(gpu, engine.EngineConfig(max_batch=6, max_context=256, speculative=speculative,
+                                                     cuda_graph=graph), grammars=grammars)
+        eng.start()
+        before = counters.snapshot()
+        reqs = [engine.Request(p, 24, frozenset({4}), Sampling(1.0, seed=i), constraint=c,
+                               reasoning=choice.Reasoning(900, 3), logprobs=2)
+                for i, (p, c) in enumerate(zip(PROMPTS, [schema, grammar.Constraint(grammar.Kind.JSON_OBJECT),
+                                                         grammar.Constraint(grammar.Kind.REGEX, "[a-z]{2,8}")]))]
+        reqs += [engine.Request(PROMPTS[0], 12, sampling=Sampling(0.8, top_p=0.9, min_p=0.05, presence_penalty=1,
+                                                                  repetition_penalty=1.2, logit_bias={7: 4.0},
+                                                                  seed=5), logprobs=4),
+                 engine.Request(PROMPTS[1], 3, logprobs=1, echo=True), engine.Request(PROMPTS[2], 12)]
+        eng.run(reqs)
+        assert counters.snapshot() == before, f"compiled {counters.names[before[0]:]} or captured after start-up"
+        return [(r.out, str(r.finish), r.token_logprobs, r.prompt_logprobs) for r in reqs]
+    eager, graph = run(False), run(True)
+    assert graph == eager
+    assert all(f in ("stop", "length") for _, f, _, _ in eager), [f for _, f, _, _ in eager]

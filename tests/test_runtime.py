@@ -40,7 +40,7 @@ def test_tokenizer_loads_directly_and_keeps_long_prompts(converted):
     assert tok.decode(ids) == text
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, add_generation_prompt=True)
     chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
-    assert chat[0] == tok.convert_tokens_to_ids("<|im_start|>") and tok.eos_token_id == 4
+    assert chat[:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("<|im_start|>")] and tok.eos_token_id == 4
 
 
 def test_prefill_progress_times_each_prefill_from_its_own_start(monkeypatch):

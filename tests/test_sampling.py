@@ -10,11 +10,16 @@ import sampling
 from test_generate import EOS, NEW, PROMPTS
 
 
+def sample(logits, rs, counters):
+    """A draw per row of the logits [N, V] by its parameters (RowSampling) at its counter."""
+    return sampling.draw(sampling.probabilities(logits, rs), rs, counters)
+
+
 def draws(logits, t, k=0, p=1.0, seed=0):
     """One draw per row of logits [N, V], each row its own counter (so the rows are independent draws)."""
     n = logits.shape[0]
     rs = sampling.RowSampling.of([sampling.Sampling(t, k, p, seed)] * n, logits.device)
-    return sampling.sample(logits, rs, torch.arange(n))
+    return sample(logits, rs, torch.arange(n))
 
 
 def test_greedy_is_the_argmax_with_ties_to_the_lowest_id_and_flags_non_finite_rows():
@@ -80,9 +85,9 @@ def test_sample_rows_draw_by_their_own_seed_and_counter():
     sp = [sampling.Sampling(1.5, 0, 1.0, s) for s in (1, 2, 3, 1, 2, 3)]
     rs = sampling.RowSampling.of(sp, "cpu")
     counters = torch.tensor([0, 0, 0, 5, 5, 5])
-    batch = sampling.sample(logits, rs, counters)
+    batch = sample(logits, rs, counters)
     for i in range(6):
-        alone = sampling.sample(logits[i:i + 1], sampling.RowSampling.of([sp[i]], "cpu"), counters[i:i + 1])
+        alone = sample(logits[i:i + 1], sampling.RowSampling.of([sp[i]], "cpu"), counters[i:i + 1])
         assert alone[0] == batch[i]
     u = sampling.uniform(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), 1000)
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2]) and 0 < u.min() and u.max() < 1

@@ -176,3 +176,32 @@ def test_speculative_prompts_and_next_turns_by_padded_passes_are_plain_greedy(mt
     assert replays == [(0, 12, 32), (0, 45, 64), (40, 35, 64)]
     for p, o, w in zip(PROMPTS[:2] + [turn], got, want):
         tokens_agree_up_to_near_tie(m, p, o, w)
+
+
+@pytest.mark.parametrize("drafts", ["right", "wrong"])
+@torch.inference_mode()
+def test_greedy_logprobs_are_the_same_with_and_without_speculative_decoding(mtp_model, monkeypatch, drafts):
+    """Greedy requests with logprobs: with speculative 2 (every draft accepted: several tokens per verify step; or
+    none) each emitted token's logprob and top alternatives are plain decoding's, each greedy token its own top
+    alternative. Plain greedy's decisions are pinned into the verify steps; the verify step's logits round
+    differently in last bits, and this fixture's bf16 logits (magnitudes up to ~40) have ulps up to 0.25, so a
+    logprob may move by twice that; a logprob of another position would be nats away."""
+    m = mtp_model
+
+    def run(k, pins):
+        eng = engine.Engine(m, engine.EngineConfig(max_batch=3, max_context=256, speculative=k))
+        eng.start()
+        with pinned(m, pins):
+            return eng.run([engine.Request(p, SPEC_NEW, logprobs=3) for p in PROMPTS])
+    rec = M.Pins()
+    plain = run(0, rec)
+    force_drafts(monkeypatch, [r.out for r in plain], PROMPTS, int(drafts == "wrong"))
+    spec = run(2, M.Pins(rec.data, strict=False))
+    for p, a, b in zip(PROMPTS, plain, spec):
+        tokens_agree_up_to_near_tie(m, p, b.out, a.out)
+        assert len(a.token_logprobs) == len(a.out) and len(b.token_logprobs) == len(b.out)
+        for j, (x, y) in enumerate(zip(a.token_logprobs, b.token_logprobs)):
+            if a.out[:j + 1] != b.out[:j + 1]:
+                break
+            assert abs(x.logprob - y.logprob) < 0.5, (j, x, y)
+            assert x.top[0][0] == y.top[0][0] == a.out[j] and abs(x.top[0][1] - x.logprob) < 1e-6

@@ -115,22 +115,42 @@ def test_requests_after_start_up_launch_only_what_start_up_compiled(tp1_models, 
     """Nothing compiles on the request path: every Triton launch of requests of other prompt lengths and batch sizes
     is one that start-up made, each launch keyed as Triton compiles it (sass.launch_key: constexprs, each integer's
     class, each pointer's alignment), with fresh prompts prefilled eagerly or padded (graph_prefill), and with MTP
-    drafts (speculative: verify and draft steps, the MTP layers' absorb of each padded prompt's real rows).
+    drafts (speculative: verify and draft steps, the MTP layers' absorb of each padded prompt's real rows), and with
+    constrained, penalised, logprob and echo requests (their choose steps); and no graph is captured after start-up.
     tools.bench_request counts real compilations on the GPU."""
     from tools import sass
     from conftest import load_tp1
-    lm = load_tp1(converted("fp8_text", 1, keep_mtp=True)) if speculative else tp1_models("fp8_text")
+    import choice
+    import grammar
+    from sampling import Sampling
+    d = converted("fp8_text", 1, keep_mtp=bool(speculative))
+    lm = load_tp1(d) if speculative else tp1_models("fp8_text")
+    grammars = grammar.Grammars(os.path.join(d, "..", "tokenizer_files", "tokenizer.json"), lm.cfg.vocab_size, 4)
     warm, seen = set(), set()
     eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=640, prefill_chunk=256, graph_prefill=graph_prefill,
-                                      speculative=speculative))
+                                      speculative=speculative), grammars=grammars)
     with sass.launch_keys(warm, execute=False):
         eng.start()
-    with sass.launch_keys(seen, execute=False):
-        eng.run([E.Request(ids(7, 20), 3)])
-        eng.run([E.Request(ids(300, 21), 2), E.Request(ids(23, 22), 4), E.Request(ids(1, 23), 2)])
-        eng.run([E.Request(ids(29, 24), 3), E.Request(ids(290, 25), 3)])
-        r = eng.run([E.Request(ids(50, 26), 2)])[0]  # a few queries past those that select every region
-        eng.run([E.Request(r.ids + r.out + ids(20, 27), 2)])  # a next turn on top of its cache
+    captured = []
+    real_capture = startup.Graph.capture
+    startup.Graph.capture = lambda g: captured.append(g) or real_capture(g)
+    try:
+        with sass.launch_keys(seen, execute=False):
+            eng.run([E.Request(ids(7, 20), 3)])
+            eng.run([E.Request(ids(300, 21), 2), E.Request(ids(23, 22), 4), E.Request(ids(1, 23), 2)])
+            eng.run([E.Request(ids(29, 24), 3), E.Request(ids(290, 25), 3)])
+            r = eng.run([E.Request(ids(50, 26), 2)])[0]  # a few queries past those that select every region
+            eng.run([E.Request(r.ids + r.out + ids(20, 27), 2)])  # a next turn on top of its cache
+            # constrained (a reasoning budget), penalised and biased, logprob and echo requests, side by side
+            eng.run([E.Request(ids(9, 28), 6, frozenset({4}), Sampling(1.0, seed=1),
+                               constraint=grammar.Constraint(grammar.Kind.JSON_OBJECT),
+                               reasoning=choice.Reasoning(900, 2), logprobs=2),
+                     E.Request(ids(40, 29), 4, sampling=Sampling(0.8, top_k=5, min_p=0.1, presence_penalty=1,
+                                                                 repetition_penalty=1.2, logit_bias={7: 3.0})),
+                     E.Request(ids(30, 30), 3, logprobs=5, echo=True)])
+    finally:
+        startup.Graph.capture = real_capture
+    assert not captured, "graphs captured after start-up"
     new = seen - warm
 
     def differs(k):  # the arguments in which a new launch differs from every start-up launch of its kernel
