@@ -168,13 +168,13 @@ _CORPUS = [
 
 def write_tokenizer(out_dir: str, vocab_size: int):
     """Byte-level BPE tokenizer.json + tokenizer_config.json; specials at ids 0..len(SPECIAL_TOKENS)-1, the chat
-    markers (CHAT_TOKENS) right after the trained vocabulary."""
+    markers (CHAT_TOKENS) right after the trained vocabulary, which leaves them room below vocab_size."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 1000), special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size - len(CHAT_TOKENS), 1000), special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([" ".join(_CORPUS)] * 4 + _CORPUS * 8, trainer=trainer)
     first = tok.get_vocab_size()
