@@ -37,6 +37,12 @@ def pieces(tok, text: str) -> list:
     return [t for c in text for t in tok(c, add_special_tokens=False)["input_ids"]]
 
 
+# a template that renders each message's content as it is, and no reasoning block in the generation prompt: an
+# answer re-renders exactly as generated (the tiny checkpoint's own Step-form template opens <think> and drops it)
+PLAIN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 def next_turn(tok, answer: str):
     """A turn answered with `answer` (generated one character at a time, then EOS), and the next turn -> (the
     conversation, the first turn, the generated ids, the next turn, the next turn's rendering)."""
@@ -49,10 +55,11 @@ def next_turn(tok, answer: str):
 
 
 def test_a_next_turn_keeps_the_generated_ids_its_template_renders_alike(converted):
-    """The tiny checkpoint's template renders an answer as its text and <|im_end|>, as generated: the next turn's ids
-    begin with the last prompt's ids and the generated ids themselves (the slot's cache then holds all of them), not
-    with the tokenizer's own split of the answer's text."""
+    """A template that renders an answer as its text and <|im_end|>, as generated: the next turn's ids begin with the
+    last prompt's ids and the generated ids themselves (the slot's cache then holds all of them), not with the
+    tokenizer's own split of the answer's text."""
     tok = tokenizer_of(converted)
+    tok.chat_template = PLAIN_TEMPLATE
     conv, t1, out, t2, rendered = next_turn(tok, "hello")
     assert conv.messages[-1] == {"role": "assistant", "content": "hello"}
     assert t2.prompt.ids[:len(t1.prompt.ids) + len(out)] == t1.prompt.ids + out
@@ -89,6 +96,7 @@ def test_image_markers_are_counted_over_the_whole_conversation(converted, tmp_pa
 
     import config
     tok = tokenizer_of(converted, "fp8_vl")
+    tok.chat_template = PLAIN_TEMPLATE  # its prompts end as the tail below says
     vl = config.load_config(os.path.join(converted("fp8_vl", 1), "config-r0.json"))[1]
     img = str(tmp_path / "img.png")
     Image.fromarray((np.random.default_rng(0).random((300, 300, 3)) * 255).astype("uint8")).save(img)

@@ -272,7 +272,7 @@ def test_image_request_and_its_cache(server, tiny, tmp_path):
     tok, cfg, vl = tiny
     a = png(1)
     (tmp_path / "a.png").write_bytes(a)
-    want = chat.text_ids(tok, vl, "What is in this picture?", [str(tmp_path / "a.png")], "t", False)[0].ids
+    want = chat.text_ids(tok, vl, "What is in this picture?", [str(tmp_path / "a.png")], "t", False).ids
     r = image_chat(server, a)
     assert r.prompt_token_ids == want and want.count(vl.image_token_id) == 169  # one 728x728 overview
     assert r.usage.prompt_tokens == len(want) and len(r.choices[0].token_ids) == 2
