@@ -1,10 +1,14 @@
 """serve.py's answers (rank 0's event loop): a request's engine events -> text (detokenized, stop strings, the
 <think> split) -> the API's objects: the whole completion, or the chunks of an SSE stream. One Answer may carry
-several choices (a completions request with a list of prompts), each its own engine request.
+several choices (n per prompt; a completions request may hold a list of prompts), each its own engine request.
+
+Logprobs (logprobs_chat, logprobs_legacy) are the engine's: the model's raw distribution (engine.Logprob), one entry
+per emitted token, reasoning and stop ids included, none after a stop string.
 """
 import json
 import secrets
 import time
+from typing import NamedTuple
 
 import chat
 from serve_requests import ApiError
@@ -85,11 +89,92 @@ def _merge(deltas: list) -> list:
 
 
 # --------------------------------------------------------------------------------------------------
+# logprobs in the API's shapes
+
+
+def _byte_decoder() -> dict:
+    """Byte-level BPE's printable stand-ins -> the bytes they stand for (GPT-2's table: printable Latin-1 bytes stand
+    for themselves, the rest map to 256 + i in order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+BYTES_OF = _byte_decoder()
+
+
+class TokenText:
+    """Token id -> (its text, its UTF-8 bytes) as logprobs show it: the text the id alone decodes to (a piece of a
+    character reads as U+FFFD), the bytes exact where the vocabulary is byte-level BPE. Cached per id."""
+
+    def __init__(self, tok):
+        self.tok, self.seen = tok, {}
+
+    def __call__(self, t: int) -> tuple[str, list]:
+        got = self.seen.get(t)
+        if got is None:
+            text = self.tok.decode([t], skip_special_tokens=False)
+            piece = self.tok.convert_ids_to_tokens(t)
+            special = t in getattr(self.tok, "all_special_ids", ()) or piece in self.tok.get_added_vocab()
+            raw = (bytes(BYTES_OF[c] for c in piece) if isinstance(piece, str) and piece and not special
+                   and all(c in BYTES_OF for c in piece) else text.encode("utf-8"))
+            got = self.seen[t] = (text, list(raw))
+        return got
+
+
+def logprobs_chat(tt: TokenText, ids: list, lps: list) -> list:
+    """Chat's choices[i].logprobs.content entries of the ids: token, logprob, bytes, top_logprobs (most likely
+    first)."""
+    out = []
+    for t, lp in zip(ids, lps):
+        text, raw = tt(t)
+        top = [{"token": (x := tt(a))[0], "logprob": v, "bytes": x[1]} for a, v in lp.top]
+        out.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+    return out
+
+
+def logprobs_legacy(tt: TokenText, ids: list, lps: list, offset: int) -> tuple[dict, int]:
+    """The completions API's logprobs of the ids from text offset `offset` -> ({tokens, token_logprobs, top_logprobs,
+    text_offset}, the offset after them). A prompt's first token has none (null); top_logprobs holds the K most
+    likely tokens and the chosen one (as OpenAI's: up to K + 1 entries; tokens of the same text keep the likelier);
+    text_offset counts the characters of the token texts before each."""
+    o = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, lp in zip(ids, lps):
+        text = tt(t)[0]
+        o["tokens"].append(text)
+        o["text_offset"].append(offset)
+        offset += len(text)
+        if lp is None:
+            o["token_logprobs"].append(None)
+            o["top_logprobs"].append(None)
+            continue
+        top = {}
+        for a, v in lp.top:
+            top.setdefault(tt(a)[0], v)
+        top.setdefault(text, lp.logprob)
+        o["token_logprobs"].append(lp.logprob)
+        o["top_logprobs"].append(top)
+    return o, offset
+
+
+def _join_legacy(a: dict | None, b: dict) -> dict:
+    return b if a is None else {k: a[k] + b[k] for k in a}
+
+
+# --------------------------------------------------------------------------------------------------
 # the API's objects
 
 
 def usage_of(jobs: list, outs: list, cached: list) -> dict:
-    p, n = sum(len(j.ids) for j in jobs), sum(len(o.ids) for o in outs)
+    """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice."""
+    p, n = sum(len(j.ids) for j in jobs if j.index % j.n == 0), sum(len(o.ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
             "prompt_tokens_details": {"cached_tokens": sum(cached)}}
 
@@ -98,6 +183,16 @@ def finish_of(out: Output, finish: str | None) -> str:
     if out.stopped:
         return "stop"
     return {"stop": "stop", "length": "length"}.get(finish, "abort")
+
+
+class News(NamedTuple):
+    """One choice's news from an engine event: text deltas, the ids taken, their logprobs in the API's shape (or
+    None), and the finish reason on its last."""
+    index: int
+    deltas: list
+    ids: list
+    logprobs: object
+    finish: str | None
 
 
 class Answer:
@@ -112,6 +207,8 @@ class Answer:
         self.created = int(time.time())
         self.cached = [0] * len(jobs)
         self.outcome = "ok"  # how it ended, for the metrics: ok, engine_error, disconnected
+        self.tt = TokenText(srv.tok)
+        self.offsets = [0] * len(jobs)  # completions' text_offset so far, per choice
 
     def cancel(self):
         """Every choice whose answer is not complete is cancelled (its slot is freed at the next step)."""
@@ -121,12 +218,14 @@ class Answer:
                 self.srv.hub.cancel(lv)
 
     async def events(self):
-        """-> (index, deltas, ids, finish) per engine event, finish set on each choice's last; a stop string cancels
-        its choice's request. An engine error ends the whole answer."""
+        """-> News per engine event, finish set on each choice's last; a stop string cancels its choice's request. A
+        choice's first News carries its echo (the prompt's text, and its logprobs when asked). An engine error ends
+        the whole answer."""
         done = [False] * len(self.jobs)
+        fresh = set(range(len(self.jobs)))
         while not all(done):
             i, ev = await self.lives[0].queue.get()
-            lv, out = self.lives[i], self.outs[i]
+            lv, out, job = self.lives[i], self.outs[i], self.jobs[i]
             if done[i]:  # a choice a stop string ended: its request's last events (until the cancel) are not read
                 continue
             if ev.error is not None:
@@ -138,22 +237,41 @@ class Answer:
             if out.stopped and not lv.ended:
                 lv.ended = True
                 self.srv.hub.cancel(lv)
+            lps = self._logprobs(i, ids, ev.logprobs[:len(ids)] if ev.logprobs is not None else None,
+                                 ev.prompt_logprobs if i in fresh else None)
+            if i in fresh and job.echo:
+                deltas = _merge([("content", job.echo_text)] + deltas)
+            fresh.discard(i)
             if ev.finish is not None or out.stopped:
                 lv.ended = done[i] = True
-                yield i, deltas + out.close(), ids, finish_of(out, ev.finish)
-            elif deltas or ids:
-                yield i, deltas, ids, None
+                yield News(i, _merge(deltas + out.close()), ids, lps, finish_of(out, ev.finish))
+            elif deltas or ids or lps:
+                yield News(i, deltas, ids, lps, None)
 
-    def _choice(self, i: int, deltas: list, ids: list | None, finish: str | None, whole: bool) -> dict:
+    def _logprobs(self, i: int, ids: list, lps: list | None, prompt: list | None):
+        """A choice's new ids' logprobs (and, on its first, the prompt's) in the API's shape; None without."""
+        job = self.jobs[i]
+        if job.logprobs is None or not ids and not prompt:
+            return None
+        if job.chat:
+            return logprobs_chat(self.tt, ids, lps or [])
+        got = None
+        if prompt:
+            got, self.offsets[i] = logprobs_legacy(self.tt, job.ids, prompt, self.offsets[i])
+        mine, self.offsets[i] = logprobs_legacy(self.tt, ids, lps or [], self.offsets[i])
+        return _join_legacy(got, mine)
+
+    def _choice(self, i: int, deltas: list, ids: list | None, finish: str | None, whole: bool, lps=None) -> dict:
         text = "".join(t for ch, t in deltas if ch == "content")
         reasoning = "".join(t for ch, t in deltas if ch == "reasoning")
         if self.job.chat:
             msg = {"role": "assistant", "content": text} if whole else {"content": text} if text else {}
             if self.srv.think is not None and (reasoning or whole):
                 msg["reasoning_content"] = reasoning or None
-            c = {"index": i, ("message" if whole else "delta"): msg, "logprobs": None, "finish_reason": finish}
+            lp = None if lps is None else {"content": lps, "refusal": None}
+            c = {"index": i, ("message" if whole else "delta"): msg, "logprobs": lp, "finish_reason": finish}
         else:
-            c = {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+            c = {"index": i, "text": text, "logprobs": lps, "finish_reason": finish}
         if self.job.token_ids and ids is not None:
             c["token_ids"] = ids
         return c
@@ -175,26 +293,32 @@ class Answer:
         return c
 
     async def whole(self) -> dict:
-        got = [([], [], None) for _ in self.jobs]
-        async for i, d, ids, finish in self.events():
-            deltas, all_ids, _ = got[i]
-            got[i] = (deltas + d, all_ids + ids, finish)
-        choices = [self._with_prompt(i, self._choice(i, _merge(d), ids, f, True)) for i, (d, ids, f) in enumerate(got)]
+        got = [([], [], None, None) for _ in self.jobs]
+        async for i, d, ids, lps, finish in self.events():
+            deltas, all_ids, all_lps, _ = got[i]
+            if lps is not None:
+                all_lps = (all_lps or []) + lps if self.job.chat else _join_legacy(all_lps, lps)
+            got[i] = (deltas + d, all_ids + ids, all_lps, finish)
+        choices = [self._with_prompt(i, self._choice(i, _merge(d), ids, f, True, lps))
+                   for i, (d, ids, lps, f) in enumerate(got)]
         return {**self._object(choices, True, usage_of(self.jobs, self.outs, self.cached)), **self._prompt_ids()}
 
     async def chunks(self):
-        """SSE lines: a role chunk (chat), one chunk per event (its choice's index), each choice's finish, the usage
-        (include_usage), [DONE]. A completion's first chunk of each choice carries its prompt ids (return_token_ids)."""
+        """SSE lines: a role chunk per choice (chat), one chunk per event (its choice's index), each choice's finish,
+        the usage (include_usage), [DONE]. A completion's first chunk of each choice carries its prompt ids
+        (return_token_ids)."""
         usage = None if self.job.include_usage else False
         first, fresh = self._prompt_ids(), set(range(len(self.jobs)))
         if self.job.chat:
-            c = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield sse({**self._object([c], False, usage), **first})
-            first = {}
+            for i in range(len(self.jobs)):
+                c = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}
+                yield sse({**self._object([c], False, usage), **first})
+                first = {}
         try:
-            async for i, deltas, ids, finish in self.events():
-                if deltas or (ids and self.job.token_ids) or finish:
-                    c = self._choice(i, deltas, ids, finish, False)
+            async for i, deltas, ids, lps, finish in self.events():
+                if deltas or (ids and self.job.token_ids) or finish or lps:
+                    c = self._choice(i, deltas, ids, finish, False, lps)
                     if i in fresh:
                         fresh.discard(i)
                         c = self._with_prompt(i, c)

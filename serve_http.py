@@ -377,6 +377,9 @@ def make_app(srv: Served):
         for job in jobs:
             if job.pending:
                 await images.run(decode, job)
+        for job in jobs[1:]:  # a chat's n choices share its first choice's decoded images (held once)
+            if job.ids is jobs[0].ids:
+                job.images = jobs[0].images
         return jobs
 
     def decode(job: Q.Job):
@@ -392,7 +395,7 @@ def make_app(srv: Served):
         return Q.completion_jobs(Q.parse_body(data, srv.name), srv.btok, srv.lim, srv.eos)
 
     def chat_completion(data: bytearray) -> list:
-        return [Q.chat_job(Q.parse_body(data, srv.name), srv.btok, srv.lim, srv.eos, srv.think)]
+        return Q.chat_jobs(Q.parse_body(data, srv.name), srv.btok, srv.lim, srv.eos, srv.think)
 
     class SSE(StreamingResponse):
         """An event stream whose close() runs however it ends: finished, client gone, server stopping. Choices

@@ -36,11 +36,11 @@ def test_a_long_text_is_refused_after_a_bounded_number_of_ids(tok):
     text = "Expert parallelism places whole experts on ranks. 混合专家模型。 " * 60_000  # 3.4 M characters
     for body, make, param in (({"prompt": text}, Q.completion_jobs, "prompt"),
                               ({"prompt": ["hi", text]}, Q.completion_jobs, "prompt[1]"),
-                              ({"messages": [{"role": "user", "content": text}]}, Q.chat_job, "messages")):
+                              ({"messages": [{"role": "user", "content": text}]}, Q.chat_jobs, "messages")):
         count = Counting(tok)
         btok = chat.BoundedTokenizer(count)
         count.ids = 0
-        args = (body, btok, limits(), [4]) + ((None,) if make is Q.chat_job else ())
+        args = (body, btok, limits(), [4]) + ((None,) if make is Q.chat_jobs else ())
         err = refused(make, *args)
         assert err["code"] == "context_length_exceeded" and err["param"] == param, err
         assert count.ids <= CONTEXT + 4 * (chat.PIECE + chat.EDGE), count.ids
