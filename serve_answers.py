@@ -11,6 +11,7 @@ import time
 from typing import NamedTuple
 
 import chat
+import tool_calls
 from serve_requests import ApiError
 
 
@@ -19,13 +20,18 @@ from serve_requests import ApiError
 
 
 class Output:
-    """One request's ids -> text deltas, as ("content" | "reasoning", text) pairs. Stop ids give no text; with
-    `think` ids, the text between <think> and </think> is reasoning (the tokens themselves give none). Stop strings
+    """One request's ids -> text deltas, as ("content" | "reasoning", text) pairs, and its markers as their own
+    (tool_calls.Kind values: "think_start", "think_end", "call_open", "call_close", the text their spelling). Stop
+    ids give no text; with `think` ids, the text between <think> and </think> is reasoning (the tokens themselves
+    give none); with `calls` ids, a call marker in the content is a marker (in reasoning it is text). Stop strings
     end the content before the first one; content that could still begin one (len(longest) - 1 characters) is held
-    back until it cannot, so streamed and whole answers are the same text."""
+    back until it cannot (or a marker comes: a stop string does not span one), so streamed and whole answers are the
+    same text."""
 
-    def __init__(self, tok, stop_ids: frozenset, stops: list, think: tuple | None, reasoning: bool):
-        self.stop_ids, self.stops, self.think = stop_ids, stops, think
+    def __init__(self, tok, stop_ids: frozenset, stops: list, think: tuple | None, reasoning: bool,
+                 calls: tuple | None = None):
+        self.stop_ids, self.stops, self.think, self.calls = stop_ids, stops, think, calls or ()
+        self.tok = tok
         self.keep = max((len(s) for s in stops), default=1) - 1
         self.channel = "reasoning" if reasoning else "content"
         self.streams = {"content": chat.TextStream(tok), "reasoning": chat.TextStream(tok)}
@@ -45,6 +51,15 @@ class Output:
             if self.think is not None and t in self.think:
                 out += self._flush(self.channel)
                 self.channel = "reasoning" if t == self.think[0] else "content"
+                out.append(("think_start" if t == self.think[0] else "think_end", ""))
+                continue
+            if t in self.calls and self.channel == "content":
+                out += self._flush("content")
+                if self.held and not self.stopped:
+                    out.append(("content", self.held))
+                self.held = ""
+                out.append(("call_open" if t == self.calls[0] else "call_close",
+                            self.tok.decode([t], skip_special_tokens=False)))
                 continue
             out += self._text(self.channel, self.streams[self.channel].push([t]))
         return _merge(out), self.ids[n0:]
@@ -79,9 +94,10 @@ class Output:
 
 
 def _merge(deltas: list) -> list:
+    """Consecutive text deltas of one channel joined (markers and calls stay apart)."""
     out = []
     for ch, text in deltas:
-        if out and out[-1][0] == ch:
+        if out and out[-1][0] == ch and ch in ("content", "reasoning"):
             out[-1] = (ch, out[-1][1] + text)
         else:
             out.append((ch, text))
@@ -201,7 +217,9 @@ class Answer:
 
     def __init__(self, srv, jobs: list, lives: list):
         self.srv, self.jobs, self.lives, self.job = srv, jobs, lives, jobs[0]  # job: the settings they share
-        self.outs = [Output(srv.tok, j.stop_ids, j.stop, srv.think if j.chat else None, j.reasoning) for j in jobs]
+        self.outs = [Output(srv.tok, j.stop_ids, j.stop, srv.think if j.chat else None, j.reasoning,
+                            tool_calls.call_ids(srv.tok) if j.chat else None) for j in jobs]
+        self.parsers = [tool_calls.Parser(j.tools, j.tool_choice) if j.chat else None for j in jobs]
         self.kind = "chatcmpl" if self.job.chat else "cmpl"
         self.id = f"{self.kind}-{secrets.token_hex(12)}"
         self.created = int(time.time())
@@ -234,6 +252,8 @@ class Answer:
                 raise ApiError(ev.status, ev.error, None, "engine_error" if ev.status >= 500 else "invalid_value")
             self.cached[i] = ev.cached
             deltas, ids = out.push(ev.ids)
+            end = ev.finish is not None or out.stopped
+            deltas = self._parsed(i, deltas + (out.close() if end else []), end)
             if out.stopped and not lv.ended:
                 lv.ended = True
                 self.srv.hub.cancel(lv)
@@ -242,11 +262,22 @@ class Answer:
             if i in fresh and job.echo:
                 deltas = _merge([("content", job.echo_text)] + deltas)
             fresh.discard(i)
-            if ev.finish is not None or out.stopped:
+            if end:
                 lv.ended = done[i] = True
-                yield News(i, _merge(deltas + out.close()), ids, lps, finish_of(out, ev.finish))
+                finish = finish_of(out, ev.finish)
+                if finish == "stop" and self.parsers[i] is not None and self.parsers[i].calls:
+                    finish = "tool_calls"
+                yield News(i, _merge(deltas), ids, lps, finish)
             elif deltas or ids or lps:
                 yield News(i, deltas, ids, lps, None)
+
+    def _parsed(self, i: int, deltas: list, end: bool) -> list:
+        """A chat choice's Output deltas -> the parser's (reasoning, content, tool calls); a completion's as they are."""
+        p = self.parsers[i]
+        if p is None:
+            return deltas
+        got = p.push([tool_calls.Piece(tool_calls.Kind(ch), text) for ch, text in deltas])
+        return got + p.close() if end else got
 
     def _logprobs(self, i: int, ids: list, lps: list | None, prompt: list | None):
         """A choice's new ids' logprobs (and, on its first, the prompt's) in the API's shape; None without."""
@@ -262,15 +293,23 @@ class Answer:
         return _join_legacy(got, mine)
 
     def _choice(self, i: int, deltas: list, ids: list | None, finish: str | None, whole: bool, lps=None) -> dict:
-        text = "".join(t for ch, t in deltas if ch == "content")
-        reasoning = "".join(t for ch, t in deltas if ch == "reasoning")
         if self.job.chat:
-            msg = {"role": "assistant", "content": text} if whole else {"content": text} if text else {}
-            if self.srv.think is not None and (reasoning or whole):
-                msg["reasoning_content"] = reasoning or None
+            m = tool_calls.assemble(deltas)
+            if whole:
+                msg = {"role": "assistant", "content": m.content or (None if m.tool_calls else "")}
+                if m.tool_calls:
+                    msg["tool_calls"] = m.tool_calls
+            else:
+                msg = {"content": m.content} if m.content else {}
+                calls = [call_delta(d) for ch, d in deltas if ch == "tool_call"]
+                if calls:
+                    msg["tool_calls"] = calls
+            if self.srv.think is not None and (m.reasoning or whole):
+                msg["reasoning_content"] = msg["reasoning"] = m.reasoning or None  # peers read either name
             lp = None if lps is None else {"content": lps, "refusal": None}
             c = {"index": i, ("message" if whole else "delta"): msg, "logprobs": lp, "finish_reason": finish}
         else:
+            text = "".join(t for ch, t in deltas if ch == "content")
             c = {"index": i, "text": text, "logprobs": lps, "finish_reason": finish}
         if self.job.token_ids and ids is not None:
             c["token_ids"] = ids
@@ -318,12 +357,16 @@ class Answer:
         try:
             async for i, deltas, ids, lps, finish in self.events():
                 if deltas or (ids and self.job.token_ids) or finish or lps:
-                    c = self._choice(i, deltas, ids, finish, False, lps)
-                    if i in fresh:
-                        fresh.discard(i)
-                        c = self._with_prompt(i, c)
-                    yield sse({**self._object([c], False, usage), **first})
-                    first = {}
+                    groups = _groups(deltas)
+                    for g, part in enumerate(groups):  # a call's header, then each of its arguments, a chunk each
+                        head, last = g == 0, g == len(groups) - 1
+                        c = self._choice(i, part, ids if head else None, finish if last else None, False,
+                                         lps if head else None)
+                        if i in fresh:
+                            fresh.discard(i)
+                            c = self._with_prompt(i, c)
+                        yield sse({**self._object([c], False, usage), **first})
+                        first = {}
         except ApiError as e:
             self.cancel()  # the other choices end with it
             yield sse(e.body())
@@ -331,6 +374,25 @@ class Answer:
         if self.job.include_usage:
             yield sse(self._object([], False, usage_of(self.jobs, self.outs, self.cached)))
         yield "data: [DONE]\n\n"
+
+
+def call_delta(d: tool_calls.CallDelta) -> dict:
+    """A call's delta in OpenAI's stream shape: the first carries index, id, type and name; the rest arguments."""
+    if d.id is not None:
+        return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name,
+                                                                             "arguments": d.arguments}}
+    return {"index": d.index, "function": {"arguments": d.arguments}}
+
+
+def _groups(deltas: list) -> list:
+    """An event's deltas -> the chunks they go out in: text deltas together, each call delta alone (at least one)."""
+    out = []
+    for d in deltas:
+        if d[0] == "tool_call" or not out or out[-1][-1][0] == "tool_call":
+            out.append([d])
+        else:
+            out[-1].append(d)
+    return out or [[]]
 
 
 def sse(obj: dict) -> str:

@@ -26,6 +26,7 @@ import choice
 import grammar
 import image_processing
 import runtime as R
+import tool_calls
 from grammar import Constraint, GrammarError, Kind
 from sampling import LOGIT_BIAS_MAX, Sampling
 
@@ -39,9 +40,8 @@ MAX_IMAGES = 16  # images per request
 MAX_PREPARED = 2 << 30
 MAX_STOP = 4  # stop strings per request (the OpenAI API's limit)
 REFUSED = {  # OpenAI fields this server does not implement -> the values that change nothing (others: a 400)
-    "best_of": (1,), "suffix": (), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
-    "function_call": ("none", "auto"), "audio": (), "modalities": (["text"],), "prediction": (),
-    "web_search_options": (),
+    "best_of": (1,), "suffix": (), "functions": ([],), "function_call": ("none", "auto"), "audio": (),
+    "modalities": (["text"],), "prediction": (), "web_search_options": (),
 }
 # The constraint fields, as the request names them -> the constraint kind they give (one per request). vLLM's
 # structured_outputs object takes the same keys as its guided_* aliases; response_format is OpenAI's.
@@ -49,7 +49,8 @@ GUIDED = {"guided_json": Kind.JSON_SCHEMA, "guided_regex": Kind.REGEX, "guided_c
           "guided_grammar": Kind.GRAMMAR}
 STRUCTURED = {"json": Kind.JSON_SCHEMA, "regex": Kind.REGEX, "choice": Kind.CHOICE, "grammar": Kind.GRAMMAR,
               "json_object": Kind.JSON_OBJECT}
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = tuple(chat.ROLES)  # "tool" messages carry results; unknown roles are refused (a template drops them)
+MAX_TOOLS = 256  # tools per request (each is rendered into the prompt; the prompt's own bound counts their ids)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,6 +128,8 @@ class Job:
     echo_text: str = ""  # the prompt's text, as echo writes it
     constraint: Constraint | None = None  # compiled already (Grammars.compile): the engine's check is a cache hit
     think: choice.Reasoning | None = None  # the prompt's open reasoning block as the engine takes it (end, budget)
+    tools: dict | None = None  # name -> tool_calls.Tool: the answer's calls are parsed (chat)
+    tool_choice: tool_calls.Choice = tool_calls.Choice(tool_calls.Mode.NONE)
 
 
 @dataclass
@@ -365,10 +368,16 @@ def too_long(param: str, what: str, lim: Limits) -> ApiError:
                "context_length_exceeded")
 
 
-def jobs_of(body: dict, prompts: list, lim: Limits, eos: list, chat: bool, think: tuple | None = None) -> list:
+def jobs_of(body: dict, prompts: list, lim: Limits, eos: list, chat: bool, think: tuple | None = None,
+            forced: Constraint | None = None) -> list:
     """A request's prompts [(ids, the field that gave them, its echo text, it opened a reasoning block)] -> a Job per
-    choice, n per prompt, choice j of prompt i at index i * n + j with the sampling's stream j (seed + j)."""
+    choice, n per prompt, choice j of prompt i at index i * n + j with the sampling's stream j (seed + j). forced:
+    the constraint tool_choice makes (a request takes one constraint)."""
     p = params_of(body, lim, chat)
+    if forced is not None and p.constraint is not None:
+        raise bad("tool_choice", f"tool_choice {shown(body.get('tool_choice'), 60)} forces a call, and "
+                  f"{p.constraint.field} constrains the answer too: a request takes one of them")
+    p = replace(p, constraint=forced or p.constraint)
     if len(prompts) * p.n > lim.max_prompts:
         raise bad("n", f"{len(prompts)} prompt(s) x n={p.n} choices: this server takes at most {lim.max_prompts} "
                   "at once")
@@ -500,9 +509,11 @@ def open_image(url, param: str, lim: Limits):
 
 
 def chat_jobs(body: dict, btok: chat.BoundedTokenizer, lim: Limits, eos: list, think: tuple | None) -> list:
-    """A chat request -> its Jobs (n choices): the conversation rendered by the chat template, each image part's placeholder
-    block spliced in where the part was (a marker no text holds), its ids refused as soon as they pass the context;
-    the images opened (their headers read), decoded later by decode_images."""
+    """A chat request -> its Jobs (n choices): the conversation (tools, tool calls and results, past reasoning
+    included) normalised for the chat template (chat.template_message) and rendered by it, each image part's
+    placeholder block spliced in where the part was (a marker no text holds), its ids refused as soon as they pass
+    the context; the images opened (their headers read), decoded later by decode_images; tool_choice's grammar
+    compiled."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "messages must be a non-empty list")
@@ -512,10 +523,7 @@ def chat_jobs(body: dict, btok: chat.BoundedTokenizer, lim: Limits, eos: list, t
         at = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             role = m.get("role") if isinstance(m, dict) else None
-            raise bad(f"{at}.role", f"{at}.role must be one of {list(ROLES)}, got {shown(role, 40)} (this "
-                      "server has no tools)")
-        if m.get("tool_calls"):
-            raise bad(f"{at}.tool_calls", f"{at}.tool_calls: this server has no tools", "unsupported_parameter")
+            raise bad(f"{at}.role", f"{at}.role must be one of {list(ROLES)}, got {shown(role, 40)}")
         c = m.get("content")
         if c is None and m["role"] == "assistant":
             c = ""
@@ -541,11 +549,19 @@ def chat_jobs(body: dict, btok: chat.BoundedTokenizer, lim: Limits, eos: list, t
                               f"part, got {shown(part)}")
         else:
             raise bad(f"{at}.content", f"{at}.content must be a string or a list of parts")
-        conv.append({"role": "system" if m["role"] == "developer" else m["role"], "content": text})
-    if conv[-1]["role"] != "user":
-        raise bad(f"messages[{len(conv) - 1}].role", "the last message must be the user's")
+        for k in ("reasoning_content", "reasoning"):
+            if isinstance(m.get(k), str):
+                check_text(m[k], f"{at}.{k}")
+        try:
+            conv.append(chat.template_message(m, text, at))
+        except ValueError as e:
+            raise bad(str(e).split()[0], str(e)) from None
+    if conv[-1]["role"] not in ("user", "tool"):
+        raise bad(f"messages[{len(conv) - 1}].role", "the last message must be the user's or a tool's result")
+    tools, tool_choice, forced = tools_of(body, btok.tok)
     try:
-        rendered = chat.render(btok.tok, conv, raw=False)
+        rendered = chat.render(btok.tok, conv, raw=False, tools=body.get("tools") if tools else None,
+                               variables=template_variables_of(body))
     except R.UserError as e:
         raise ApiError(500, str(e), None, "no_chat_template") from None
     except Exception as e:  # the template's own errors (jinja, raise_exception) name what it refuses
@@ -567,9 +583,61 @@ def chat_jobs(body: dict, btok: chat.BoundedTokenizer, lim: Limits, eos: list, t
     except chat.TooManyIds as e:
         raise too_long("messages", f"have more than {e.limit} tokens: no room", lim) from None
     reasoning = think is not None and _last(ids, think[0]) > _last(ids, think[1])
-    jobs = jobs_of(body, [(ids, "messages", "", reasoning)], lim, eos, True, think)  # before any pixel is decoded
+    jobs = jobs_of(body, [(ids, "messages", "", reasoning)], lim, eos, True, think, forced)  # before any pixel
+    for job in jobs:
+        job.tools, job.tool_choice = tools, tool_choice
     jobs[0].pending, jobs[0].image_bytes = images or None, prepared  # the first choice's: decoded once, shared
     return jobs
+
+
+def tools_of(body: dict, tok) -> tuple:
+    """A chat body's tools, tool_choice and parallel_tool_calls -> (name -> tool_calls.Tool or None, the Choice, the
+    grammar a forced call needs or None). The template must read `tools` to be given any."""
+    given = body.get("tools")
+    if given is not None and not (isinstance(given, list) and len(given) <= MAX_TOOLS):
+        raise bad("tools", f"tools must be a list of at most {MAX_TOOLS} tools")
+    try:
+        tools = tool_calls.tools_of(given or [])
+        how = tool_calls.choice_of(body.get("tool_choice"), body.get("parallel_tool_calls"), tools)
+    except ValueError as e:
+        raise bad(str(e).split()[0], str(e)) from None
+    if not tools:
+        return None, how, None
+    reads = chat.template_variables(tok)
+    if reads is not None and "tools" not in reads:
+        raise bad("tools", "tools: this checkpoint's chat template does not render tools (it reads no `tools` "
+                  "variable)", "unsupported_parameter")
+    ids = tool_calls.call_ids(tok)
+    if ids is None:
+        raise bad("tools", f"tools: the tokenizer has no {' / '.join(tool_calls.CALL)} tokens, so no call could be "
+                  "parsed", "unsupported_parameter")
+    try:
+        return tools, how, tool_calls.constraint(tools, how, ids)
+    except GrammarError as e:
+        raise bad("tool_choice", str(e)) from None
+
+
+def template_variables_of(body: dict) -> dict:
+    """reasoning_effort and chat_template_kwargs -> the template's variables (a template that does not read one
+    ignores it; start-up says which it reads). chat_template_kwargs may not replace what the server renders."""
+    out = {}
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str) or len(effort) > 32:
+            raise bad("reasoning_effort", f"reasoning_effort must be a short string (low, medium, high), got "
+                      f"{shown(effort)}")
+        out["reasoning_effort"] = effort
+    kw = body.get("chat_template_kwargs")
+    if kw is not None:
+        if not isinstance(kw, dict):
+            raise bad("chat_template_kwargs", "chat_template_kwargs must be an object of template variables")
+        for k in kw:
+            if not k.isidentifier() or k in ("messages", "tools", "add_generation_prompt", "tokenize", "documents",
+                                             "continue_final_message", "return_dict", "chat_template"):
+                raise bad("chat_template_kwargs", f"chat_template_kwargs: {shown(k, 40)} is not a variable a "
+                          "request may set")
+        out.update(kw)
+    return out
 
 
 def decode_images(job: Job, lim: Limits):

@@ -91,7 +91,7 @@ def choice_of(tool_choice, parallel, tools: dict, field: str = "tool_choice") ->
     if tool_choice in ("none", "auto", "required"):
         mode = Mode(tool_choice)
         if mode is not Mode.NONE and not tools:
-            raise ValueError(f"{field}={tool_choice!r} needs tools")
+            raise ValueError(f"{field} {tool_choice!r} needs tools")
         return Choice(mode, None, parallel)
     f = tool_choice.get("function") if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" else None
     name = f.get("name") if isinstance(f, dict) else None
@@ -101,6 +101,14 @@ def choice_of(tool_choice, parallel, tools: dict, field: str = "tool_choice") ->
     if name not in tools:
         raise ValueError(f"{field}.function.name {name!r} is not one of the tools ({', '.join(tools) or 'none'})")
     return Choice(Mode.NAMED, name, parallel)
+
+
+def call_ids(tok) -> tuple | None:
+    """(<tool_call>, </tool_call>) ids when the tokenizer holds both as tokens, else None (no call is parsed)."""
+    ids = tuple(tok.convert_tokens_to_ids(t) for t in CALL)
+    if all(isinstance(i, int) and i >= 0 and i != tok.unk_token_id for i in ids):
+        return ids
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
