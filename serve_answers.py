@@ -38,6 +38,7 @@ class Output:
         self.held = ""  # content not sent yet (it may begin a stop string)
         self.ids = []  # the completion's ids so far (none after a stop string)
         self.stopped = False  # a stop string was found
+        self.hit = None  # the stop string found (the first in the text; the first listed of those that start there)
 
     def push(self, ids: list) -> tuple[list, list]:
         """-> (deltas, the ids taken: those after a stop string are dropped)."""
@@ -86,7 +87,9 @@ class Output:
         hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
-            text, self.held = self.held[:min(hits)], ""
+            at = min(hits)
+            self.hit = next(s for s in self.stops if self.held.find(s) == at)
+            text, self.held = self.held[:at], ""
         else:
             cut = len(self.held) - self.keep
             text, self.held = self.held[:max(cut, 0)], self.held[max(cut, 0):]
