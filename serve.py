@@ -443,6 +443,11 @@ def start_http(s: R.Session, o: Options, sock, times: dict | None = None):
     cap = o.max_connections or H.default_max_connections(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     srv = H.Served(hub, btok, lim, s.eos, chat.think_ids(s.tok), o.served_model_name, o.api_key, metrics,
                    H.RateLog(s.say), cap, o.allowed_origins, o.metrics_without_key)
+    reads = chat.template_variables(s.tok)
+    if reads is not None:
+        fields = [f for f in chat.TEMPLATE_FIELDS if f in reads]
+        s.say(f"the chat template reads {', '.join(fields) or 'none of ' + ', '.join(chat.TEMPLATE_FIELDS)}"
+              + "".join(f"; not {f} (accepted, changes nothing)" for f in chat.TEMPLATE_FIELDS if f not in reads))
     http, thread = H.start(srv, sock)
     host, port = sock.getsockname()[:2]
     s.say(f"serving {o.served_model_name!r} on http://{host}:{port} (max batch {f.max_batch}, queue {o.max_queue}, "

@@ -297,7 +297,7 @@ class Answer:
 
     def _choice(self, i: int, deltas: list, ids: list | None, finish: str | None, whole: bool, lps=None) -> dict:
         if self.job.chat:
-            m = tool_calls.assemble(deltas)
+            m = tool_calls.assemble([d for d in deltas if d[0] != "tool_call" or whole])  # a chunk's: text alone
             if whole:
                 msg = {"role": "assistant", "content": m.content or (None if m.tool_calls else "")}
                 if m.tool_calls:

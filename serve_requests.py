@@ -559,9 +559,10 @@ def chat_jobs(body: dict, btok: chat.BoundedTokenizer, lim: Limits, eos: list, t
     if conv[-1]["role"] not in ("user", "tool"):
         raise bad(f"messages[{len(conv) - 1}].role", "the last message must be the user's or a tool's result")
     tools, tool_choice, forced = tools_of(body, btok.tok)
+    variables = template_variables_of(body)
     try:
         rendered = chat.render(btok.tok, conv, raw=False, tools=body.get("tools") if tools else None,
-                               variables=template_variables_of(body))
+                               variables=variables)
     except R.UserError as e:
         raise ApiError(500, str(e), None, "no_chat_template") from None
     except Exception as e:  # the template's own errors (jinja, raise_exception) name what it refuses
