@@ -226,6 +226,7 @@ class Args:
     raw_prompt: bool = False
     print_ids: bool = False
     as_json: bool = False
+    hide_reasoning: bool = False
 
     @property
     def sampling(self) -> Sampling:
@@ -259,6 +260,8 @@ def check_args(a: Args, flags: R.EngineFlags):
         raise UserError("--image and --image-inputs are exclusive")
     if a.save_image_inputs and not a.images:
         raise UserError("--save-image-inputs needs --image")
+    if a.hide_reasoning and not a.interactive:
+        raise UserError("--hide-reasoning applies to --interactive (elsewhere the output is the whole completion)")
     if a.interactive and a.as_json:
         raise UserError("--json prints one document at the end: it does not go with --interactive")
     if a.save_image_inputs:
@@ -381,22 +384,68 @@ def report_speed(s: R.Session, reqs: list, t0: float, stream=None, print_ids: bo
 
 
 class Stream:
-    """Rank 0: one request's text on stdout as it is decoded (never a broken UTF-8 sequence)."""
+    """Rank 0: one request's text on stdout as it is decoded (never a broken UTF-8 sequence). In a chat (`apart`),
+    reasoning (between <think> and </think>, the prompt's open block included) is shown apart: dimmed in a terminal,
+    else between REASONING_HEAD and REASONING_TAIL lines; hidden with --hide-reasoning. Elsewhere the text is the
+    completion's, markers spelled."""
 
-    def __init__(self, s: R.Session, req):
+    def __init__(self, s: R.Session, req, apart: bool = False, hide_reasoning: bool = False):
         self.req, self.text = req, chat.TextStream(s.tok) if s.tok is not None else None
+        self.think = chat.think_ids(s.tok) if s.tok is not None and apart else None
+        self.hide = hide_reasoning
+        self.tty = sys.stdout.isatty()
+        self.reasoning = self.think is not None and _opened(req.ids, self.think)
+        if self.reasoning:
+            self._mark(True)
 
     def push(self, ids: list):
-        if self.text is not None:
-            sys.stdout.write(self.text.push(ids))
-            sys.stdout.flush()
+        if self.text is None:
+            return
+        run = []
+        for t in ids:
+            if self.think is not None and t in self.think:
+                self._write(self.text.push(run) + self.text.flush())
+                run = []
+                if (t == self.think[0]) != self.reasoning:
+                    self.reasoning = not self.reasoning
+                    self._mark(self.reasoning)
+            else:
+                run.append(t)
+        self._write(self.text.push(run))
+        sys.stdout.flush()
+
+    def _write(self, text: str):
+        if text and not (self.reasoning and self.hide):
+            sys.stdout.write(text)
+
+    def _mark(self, start: bool):
+        """The start or end of the reasoning on screen."""
+        if self.hide:
+            return
+        if self.tty:
+            sys.stdout.write(DIM if start else UNDIM)
+        else:
+            sys.stdout.write(REASONING_HEAD if start else REASONING_TAIL)
 
     def close(self, print_ids: bool):
         if self.text is not None:
-            sys.stdout.write(self.text.flush() + "\n")
+            self._write(self.text.flush())
+            if self.reasoning and self.tty and not self.hide:
+                sys.stdout.write(UNDIM)
+            sys.stdout.write("\n")
         if print_ids or self.text is None:  # without a tokenizer the ids are the output
             print(f"ids: {self.req.out}")
         sys.stdout.flush()
+
+
+DIM, UNDIM = "\x1b[2m", "\x1b[0m"  # a terminal's faint text (SGR 2), and back
+REASONING_HEAD, REASONING_TAIL = "[reasoning] ", " [answer] "  # where stdout is no terminal: no new lines
+
+
+def _opened(ids: list, think: tuple) -> bool:
+    """The ids leave a reasoning block open (their last think marker is <think>)."""
+    last = next((t for t in reversed(ids) if t in think), None)
+    return last == think[0]
 
 
 def report(out, tok, n_tok, eos, print_ids, as_json):
@@ -502,7 +551,7 @@ def interactive(s: R.Session, a: Args) -> list:
                 continue
             rid = d.new[0].rid
             req = drv.reqs[rid]
-            stream = Stream(s, req) if s.rank == 0 else None
+            stream = Stream(s, req, True, a.hide_reasoning) if s.rank == 0 else None
             if c is not None:
                 c.keys.clear()
             t0 = time.perf_counter()
@@ -562,6 +611,8 @@ def parser() -> R.Parser:
     ap.add_argument("--raw-prompt", action="store_true", help="tokenize the text as plain text, no chat template")
     ap.add_argument("--print-ids", action="store_true", help="also print the generated token ids")
     ap.add_argument("--json", dest="as_json", action="store_true", help="print one JSON document with ids and text")
+    ap.add_argument("--hide-reasoning", action="store_true", help="--interactive: answers leave out the reasoning "
+                    "(shown dimmed in a terminal, between [reasoning] and [answer] lines elsewhere)")
     R.add_engine_flags(ap, prefill_chunk=E.PREFILL_CHUNK, max_batch="the batch's size, 1 with --interactive")
     return ap
 

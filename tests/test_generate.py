@@ -948,3 +948,30 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_interactive_answers_show_reasoning_apart_and_hide_it_on_request(tmp_path, capsys):
+    """--interactive's stream (Stream with apart): the prompt's open reasoning block and the answer after </think>
+    are told apart on a stdout that is no terminal ([reasoning] / [answer]), the reasoning left out with
+    --hide-reasoning; the same ids without `apart` stream the completion's text, markers spelled."""
+    from types import SimpleNamespace
+
+    import tiny_checkpoint
+    tiny_checkpoint.write_tokenizer(str(tmp_path), 1024)
+    tok = runtime.load_tokenizer(str(tmp_path))
+    think = chat.think_ids(tok)
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    out = enc("Some thought") + [think[1]] + enc("\nThe answer")
+    req = SimpleNamespace(ids=enc("hi") + [think[0]] + enc("\n"), out=out)
+    shown = {}
+    for key, kw in (("apart", dict(apart=True)), ("hidden", dict(apart=True, hide_reasoning=True)), ("plain", {})):
+        st = generate.Stream(SimpleNamespace(tok=tok), req, **kw)
+        for t in out:
+            st.push([t])
+        st.close(False)
+        shown[key] = capsys.readouterr().out
+    assert shown["apart"] == "[reasoning] Some thought [answer] \nThe answer\n"
+    assert shown["hidden"] == "\nThe answer\n"
+    assert shown["plain"] == tok.decode(out, skip_special_tokens=False) + "\n"
+    with pytest.raises(runtime.UserError, match="--hide-reasoning"):
+        generate.check_args(generate.Args(prompt="x", hide_reasoning=True), runtime.EngineFlags(tp_dir="x"))
