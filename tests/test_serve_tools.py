@@ -254,14 +254,22 @@ def test_anthropic_messages_whole_and_streamed(server):
 
 
 def test_anthropic_stream_accumulates_to_the_whole_message(server):
-    kw = dict(model="step5", max_tokens=60, messages=[{"role": "user", "content": "Weather in Rome?"}],
+    kw = dict(model="step5", max_tokens=120, messages=[{"role": "user", "content": "Weather in Rome?"}],
               tools=A_TOOLS, tool_choice={"type": "tool", "name": "weather"}, temperature=1.0,
               thinking={"type": "enabled", "budget_tokens": 3})
     for seed in (1, 2):
         whole = claude(server).messages.create(**kw, extra_body={"seed": seed})
         with claude(server).messages.stream(**kw, extra_body={"seed": seed}) as s:
             acc = s.get_final_message()
-        assert acc.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+        a, w = acc.model_dump(exclude={"id", "usage"}), whole.model_dump(exclude={"id", "usage"})
+        for m in (a, w):  # each request makes its own tool_use ids
+            for b in m["content"]:
+                if b["type"] == "tool_use":
+                    assert b.pop("id").startswith("toolu_")
+        assert a == w, (a, w)
+        au, wu = acc.usage, whole.usage  # the second request may read the first one's prompt from the cache
+        assert au.output_tokens == wu.output_tokens
+        assert au.input_tokens + au.cache_read_input_tokens == wu.input_tokens + wu.cache_read_input_tokens
         uses = [b for b in whole.content if b.type == "tool_use"]
         assert len(uses) == 1 and whole.stop_reason == "tool_use" and uses[0].id.startswith("toolu_")
         jsonschema.validate(uses[0].input, SCHEMAS["weather"])
