@@ -8,8 +8,10 @@ Endpoints: POST /v1/chat/completions (string content, or text and image_url part
 a PNG or JPEG image), POST /v1/completions (prompt: a string, a list of strings, a list of token ids or a list of
 lists of them: a choice per prompt), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus);
 HEAD wherever GET is. SSE streaming, usage with the prompt tokens reused from the cache, finish reasons stop / length /
-abort (the server stopped mid-request). Extensions: top_k, ignore_eos, return_token_ids (the completion's ids in each
-choice).
+abort (the server stopped mid-request). Sampling: n, logprobs (chat: top_logprobs; completions: echo), penalties,
+min_p, logit_bias, constraints (response_format json_object / json_schema, vLLM's structured_outputs and guided_*),
+thinking_token_budget (serve_requests.params_of lists them). Extensions: top_k, ignore_eos, return_token_ids (the
+completion's ids in each choice).
 
 The files: serve.py (this: rank 0's Hub between the HTTP side and the engine, the engine loop of every rank, signals,
 the flags), serve_http.py (connections and their limits, bodies, preparation lanes, the routes), serve_requests.py

@@ -285,9 +285,9 @@ def test_chat_logprobs_in_openais_shape_streamed_too(plain, served):
 
 def test_completion_logprobs_and_echo_equal_the_models_own(plain, served, tp1_models):
     """Completions logprobs 2 in the legacy shape; echo with a prompt of token-id lists (lm-eval's request) gives the
-    prompt's logprobs (the first null) and max_tokens 0 the prompt's alone; a token's echo logprob equals its emitted
-    one within 0.05 nats (prefill against decode on the same ranks), and both are a float64 log_softmax of the
-    model's logits (the TP=1 model's here, within TP's rounding: tp_noise)."""
+    prompt's logprobs (the first null) and max_tokens 0 the prompt's alone (as max_tokens 1 gives them); emitted and
+    echo logprobs are a float64 log_softmax of the model's logits (the TP=1 model's here, and each other's, within
+    the rounding of TP=2 and of prefill against decode, whose MoE routing may flip at a near-tie: tp_noise)."""
     model = tp1_models("bf16_text")
     prompt = [0, 3, 31, 77, 90, 15, 201]
     r = post(plain, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 2,
@@ -306,15 +306,17 @@ def test_completion_logprobs_and_echo_equal_the_models_own(plain, served, tp1_mo
     assert len(el["token_logprobs"]) == len(prompt) + len(out) + 1 and el["token_logprobs"][0] is None
     assert el["top_logprobs"][0] is None
     assert echo["text"].startswith(served[0].decode(prompt + out, skip_special_tokens=False))
-    for i in range(len(out)):
-        assert abs(el["token_logprobs"][len(prompt) + i] - lp["token_logprobs"][i]) < 0.05
     ref = raw_logprobs(model, prompt[:1], prompt[1:] + out)
+    for i in range(len(out)):
+        assert abs(el["token_logprobs"][len(prompt) + i] - lp["token_logprobs"][i]) <= tp_noise(ref[i])
     for i, x in enumerate(el["token_logprobs"][1:len(prompt) + len(out)]):
         assert abs(x - ref[i, (prompt + out)[i + 1]].item()) <= tp_noise(ref[i])
     zero = post(plain, "/v1/completions", {"prompt": [prompt, prompt[:4]], "max_tokens": 0, "logprobs": 0,
                                            "echo": True}).json()["choices"]
     assert [len(z["logprobs"]["token_logprobs"]) for z in zero] == [len(prompt), 4]
-    assert zero[0]["logprobs"]["token_logprobs"][1:] == el["token_logprobs"][1:len(prompt)]
+    one = post(plain, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprobs": 0, "temperature": 0,
+                                          "echo": True}).json()["choices"][0]["logprobs"]
+    assert zero[0]["logprobs"]["token_logprobs"] == one["token_logprobs"][:len(prompt)]  # the same prefill's
 
 
 # ---------------------------------------------------------------------------------------------- n, penalties, bias
@@ -440,7 +442,7 @@ def test_lm_eval_scores_the_server_as_its_own_echo_logprobs_do(plain, served, tm
                         "--model_args", f"model=step5,base_url={plain.url}/v1/completions,tokenizer={tdir},"
                         "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,tokenized_requests=True",
                         "--tasks", "tiny_mc", "--include_path", str(tmp_path), "--output_path", str(out)],
-                       capture_output=True, text=True, timeout=600,
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path,  # not beside kernels/
                        env=dict(env(), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(next(out.rglob("results*.json")).read_text())
