@@ -390,10 +390,10 @@ def test_min_p_keeps_only_the_likely_tokens(plain, tp1_models):
 
 
 # ---------------------------------------------------------------------------------------------- lm-eval
-def score_choices(srv: Server, tok, items: list) -> float:
+def score_choices(srv: Server, tok, items: list) -> tuple[float, list]:
     """Accuracy of a multiple-choice task scored as lm-eval's local-completions scores it: one request per batch of
     (context + continuation) token-id lists with echo, logprobs 1, max_tokens 1; each choice's log-likelihood the sum
-    of its continuation's logprobs; the answer the most likely choice."""
+    of its continuation's logprobs; the answer the most likely choice. -> (accuracy, each item's log-likelihoods)"""
     reqs, spans = [], []
     for it in items:
         ctx = tok(it["question"], add_special_tokens=False)["input_ids"]
@@ -405,12 +405,13 @@ def score_choices(srv: Server, tok, items: list) -> float:
             "seed": 1234}
     got = sorted(post(srv, "/v1/completions", body).json()["choices"], key=lambda c: c["index"])
     ll = [sum(c["logprobs"]["token_logprobs"][n:-1]) for c, n in zip(got, spans)]
-    right, k = 0, 0
+    right, k, per = 0, 0, []
     for it in items:
         scores = ll[k:k + len(it["choices"])]
         right += max(range(len(scores)), key=scores.__getitem__) == it["answer"]
         k += len(it["choices"])
-    return right / len(items)
+        per.append(scores)
+    return right / len(items), per
 
 
 TASK = [{"question": q, "choices": c, "answer": a} for q, c, a in [
@@ -427,8 +428,10 @@ TASK = [{"question": q, "choices": c, "answer": a} for q, c, a in [
 def test_lm_eval_scores_the_server_as_its_own_echo_logprobs_do(plain, served, tmp_path):
     """lm-evaluation-harness (lm-eval[api], requirements-eval.txt) runs a local multiple-choice task through its
     local-completions model against the server, offline; its accuracy equals the one computed from the server's own
-    echo logprobs (score_choices, lm-eval's request shape)."""
-    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval[api] from requirements-eval.txt")
+    echo logprobs (score_choices, lm-eval's request shape), and so do its samples' log-likelihoods."""
+    import importlib.util
+    if importlib.util.find_spec("lm_eval") is None:  # not imported here: transformers would take kernels/ for HF's
+        pytest.skip("lm-eval[api] is not installed (pip install -r requirements-eval.txt)")
     tok = served[0]
     data = tmp_path / "mc.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in TASK))
@@ -441,11 +444,14 @@ def test_lm_eval_scores_the_server_as_its_own_echo_logprobs_do(plain, served, tm
     r = subprocess.run([os.path.join(os.path.dirname(TORCHRUN), "lm_eval"), "--model", "local-completions",
                         "--model_args", f"model=step5,base_url={plain.url}/v1/completions,tokenizer={tdir},"
                         "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,tokenized_requests=True",
-                        "--tasks", "tiny_mc", "--include_path", str(tmp_path), "--output_path", str(out)],
+                        "--tasks", "tiny_mc", "--include_path", str(tmp_path), "--output_path", str(out),
+                        "--log_samples"],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path,  # not beside kernels/
                        env=dict(env(), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(next(out.rglob("results*.json")).read_text())
-    acc = res["results"]["tiny_mc"]["acc,none"]
-    assert acc == pytest.approx(score_choices(plain, tok, TASK))
-    assert lm_eval is not None
+    acc, lls = score_choices(plain, tok, TASK)
+    assert res["results"]["tiny_mc"]["acc,none"] == pytest.approx(acc)
+    samples = [json.loads(x) for x in next(out.rglob("samples_tiny_mc*.jsonl")).read_text().splitlines()]
+    got = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in samples}  # written as strings
+    assert sum((got[i] for i in range(len(TASK))), []) == pytest.approx(sum(lls, []), abs=1e-6)
