@@ -315,10 +315,10 @@ def user(*parts) -> dict:
 
 IMAGE_URL = "messages[0].content[0].image_url.url"
 BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
-    ("chat", {"n": 2}, "n"),
-    ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"n": MAX_BATCH + MAX_QUEUE + 1}, "n"),  # could never fit
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "yaml"}}, "response_format"),
     ("chat", {"temperature": -1}, "temperature"),
     ("chat", {"temperature": 1, "top_p": 0}, "top_p"),
     ("chat", {"temperature": 1, "top_k": 1.5}, "top_k"),
@@ -351,8 +351,8 @@ BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
     ("completions", {"prompt": ["a", [11, "b"]]}, "prompt[1]"),
     ("completions", {"prompt": [[]]}, "prompt[0]"),
     ("completions", {"prompt": []}, "prompt"),
-    ("completions", {"echo": True}, "echo"),
-    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("chat", {"echo": True}, "echo"),  # a completions field
+    ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
 ]
 
 
