@@ -247,6 +247,19 @@ def test_a_choice_constraint_on_completions_and_a_grammar(plain):
 
 
 # ---------------------------------------------------------------------------------------------- logprobs
+def test_token_bytes_concatenate_to_the_texts_utf8(served):
+    """logprobs' bytes: a text's tokens' bytes concatenate to its UTF-8, though a token may hold part of a character
+    (its own text then reads U+FFFD); a special token's bytes are its text's."""
+    import serve_answers
+    tok = served[0]
+    tt = serve_answers.token_text(tok)
+    for text in ("Hello 你好 world", "张量并行 tensor parallelism", "naïve café ☕ 🙂"):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert b"".join(bytes(tt(t)[1]) for t in ids).decode("utf-8") == text
+    end = tok.convert_tokens_to_ids("</think>")
+    assert tt(end) == ("</think>", list(b"</think>"))
+
+
 @torch.inference_mode()
 def raw_logprobs(model, prompt: list, out: list) -> torch.Tensor:
     """float64 log_softmax of the TP=1 model's logits teacher-forced on prompt + out -> [len(out), V]."""
