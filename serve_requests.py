@@ -274,7 +274,7 @@ def constraint_of(body: dict) -> Constraint | None:
                           "\"schema\": {...}, \"strict\": true}")
             strict = js.get("strict")
             if strict is not None and not isinstance(strict, bool):
-                raise bad("response_format", f"response_format.json_schema.strict must be true or false")
+                raise bad("response_format", "response_format.json_schema.strict must be true or false")
             got.append(_spec(Kind.JSON_SCHEMA, js["schema"], "response_format", bool(strict)))
         elif kind != "text":
             raise bad("response_format", "response_format.type must be \"text\", \"json_object\" or "
