@@ -145,8 +145,7 @@ class Hub:
                     self.held[lv.rid] = j.image_bytes
         for lv, j in zip(lives, jobs):
             self.metrics.prompt_tokens.inc(len(j.ids))
-            self.inbox.put(R.New(lv.rid, j.ids, j.images, j.max_tokens, j.sampling, j.stop_ids, False, j.logprobs,
-                                 j.echo and j.logprobs is not None, j.constraint, j.think))
+            self.inbox.put(new_of(lv.rid, j))
         return lives
 
     def cancel(self, lv: Live):
@@ -221,6 +220,12 @@ class Hub:
         self.images.close()
         for wake in self.on_close:
             wake()
+
+
+def new_of(rid: int, j: Q.Job) -> R.New:
+    """A Job as every rank submits it (an echo without logprobs is the front end's text alone)."""
+    return R.New(rid, j.ids, j.images, j.max_tokens, j.sampling, j.stop_ids, False, j.logprobs,
+                 j.echo and j.logprobs is not None, j.constraint, j.think)
 
 
 def event_of(u: R.Update, lv: Live | None) -> Event:

@@ -23,6 +23,7 @@ import runtime
 import serve_requests as Q
 from invariants import NOISE, ROOT, TORCHRUN
 from test_serve import Server, env, stop, wait_serving
+from test_startup import gpu_launches  # noqa: F401 (a fixture: kernel launches recorded as the GPU makes them)
 
 MAX_BATCH, CONTEXT = 8, 256
 SCHEMAS = [
@@ -468,3 +469,55 @@ def test_lm_eval_scores_the_server_as_its_own_echo_logprobs_do(plain, served, tm
     samples = [json.loads(x) for x in next(out.rglob("samples_tiny_mc*.jsonl")).read_text().splitlines()]
     got = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in samples}  # written as strings
     assert sum((got[i] for i in range(len(TASK))), []) == pytest.approx(sum(lls, []), abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- start-up's promise
+@pytest.mark.slow
+@torch.inference_mode()
+def test_api_requests_compile_and_capture_nothing_after_start_up(converted, tp1_models, gpu_launches):
+    """The requests the API makes of sampling bodies (a constrained chat with a reasoning budget, a penalised and
+    biased one with min_p and logprobs, n = 2, completions echo with max_tokens 0 and 1), turned into engine requests
+    as serve.py does (serve.new_of, runtime.request_of), launch only what start-up compiled and capture no graph; and
+    the engine's check finds each constraint compiled by the front end (no compile of its own)."""
+    import chat
+    import engine as E
+    import serve
+    import startup
+    from tools import sass
+    d = converted("fp8_text", 1)
+    lm = tp1_models("fp8_text")
+    cfg = lm.cfg
+    tdir = os.path.join(d, "..", "tokenizer_files")
+    tok = runtime.load_tokenizer(tdir)
+    eos = sorted(set(cfg.eos_token_id) | {tok.eos_token_id})
+    grammars = G.Grammars(os.path.join(tdir, "tokenizer.json"), cfg.vocab_size, eos[0])
+    eng = E.Engine(lm, E.EngineConfig(max_batch=4, max_context=640, prefill_chunk=256), grammars=grammars)
+    warm, seen, captured = set(), set(), []
+    with sass.launch_keys(warm, execute=False):
+        eng.start()
+    lim = Q.Limits(600, cfg.vocab_size, 64, None, None, 8, grammars)
+    btok, think = chat.BoundedTokenizer(tok), chat.think_ids(tok)
+    say = {"messages": [{"role": "user", "content": "Give me a record"}], "max_tokens": 12, "seed": 1}
+    jobs = Q.chat_jobs({**say, "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMAS[0]}},
+                        "thinking_token_budget": 2}, btok, lim, eos, think)
+    jobs += Q.chat_jobs({**say, "presence_penalty": 1, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
+                         "min_p": 0.1, "logit_bias": {"7": 3}, "logprobs": True, "top_logprobs": 3, "n": 2},
+                        btok, lim, eos, think)
+    for n in (0, 1):
+        jobs += Q.completion_jobs({"prompt": [[11, 40, 300, 52] * 8], "max_tokens": n, "echo": True, "logprobs": 2},
+                                  btok, lim, eos)
+    compiles = grammars.compiles
+    reqs = [runtime.request_of(serve.new_of(i, j), None) for i, j in enumerate(jobs)]
+    real_capture = startup.Graph.capture
+    startup.Graph.capture = lambda g: captured.append(g) or real_capture(g)
+    try:
+        with sass.launch_keys(seen, execute=False):
+            eng.run(reqs)
+    finally:
+        startup.Graph.capture = real_capture
+    assert grammars.compiles == compiles, "the engine compiled a constraint the front end had compiled"
+    assert len(seen) > 10 and not captured and not seen - warm, sorted(seen - warm, key=str)[:3]
+    assert all(r.finish in ("stop", "length") for r in reqs), [(r.finish, r.error) for r in reqs]
+    assert reqs[0].reasoning is not None and reqs[0].constraint is not None
+    assert len(reqs[1].token_logprobs) == len(reqs[1].out) and reqs[1].sampling.seed + 1 == reqs[2].sampling.seed
+    assert [len(r.prompt_logprobs) for r in reqs[3:]] == [32, 32] and reqs[3].out == []
