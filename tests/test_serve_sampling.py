@@ -297,6 +297,7 @@ def test_chat_logprobs_in_openais_shape_streamed_too(plain, served):
     assert [e for x in parts for e in x.choices[0].logprobs.content] == content
 
 
+@pytest.mark.slow
 def test_completion_logprobs_and_echo_equal_the_models_own(plain, served, tp1_models):
     """Completions logprobs 2 in the legacy shape; echo with a prompt of token-id lists (lm-eval's request) gives the
     prompt's logprobs (the first null) and max_tokens 0 the prompt's alone (as max_tokens 1 gives them); emitted and
@@ -334,6 +335,7 @@ def test_completion_logprobs_and_echo_equal_the_models_own(plain, served, tp1_mo
 
 
 # ---------------------------------------------------------------------------------------------- n, penalties, bias
+@pytest.mark.slow
 def test_n_choices_are_the_requests_of_the_derived_seeds(plain):
     """n = 3 with seed s: choices 0..2 (indexed prompt * n + j, streamed with their index) equal three requests with
     seeds s, s + 1, s + 2 run the same way; two prompts x n = 2 are indexed 0..3; usage counts a prompt once."""
