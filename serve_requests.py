@@ -249,7 +249,7 @@ def logit_bias_of(body: dict, lim: Limits) -> dict | None:
         raise bad("logit_bias", f"logit_bias holds {len(v)} entries; at most {LOGIT_BIAS_MAX}")
     out = {}
     for k, b in v.items():
-        t = int(k) if k.isdigit() and len(k) < 12 else -1
+        t = int(k) if k.isascii() and k.isdigit() and len(k) < 12 else -1
         if not 0 <= t < lim.vocab:
             raise bad("logit_bias", f"logit_bias: {shown(k, 20)} is not a token id in [0, {lim.vocab})")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
