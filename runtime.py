@@ -513,6 +513,12 @@ class New:
     reasoning: choice.Reasoning | None = None  # the prompt opened a reasoning block: its end and budget
 
 
+def request_of(n: New, features) -> E.Request:
+    """A New as the engine takes it, with its image feature rows (or None)."""
+    return E.Request(n.ids, n.max_tokens, n.stop_ids, n.sampling, features, n.logprobs, n.echo, n.constraint,
+                     n.reasoning)
+
+
 @dataclass
 class Decision:
     """What every rank applies before an engine step, in this order."""
@@ -557,8 +563,7 @@ class Driver:
                     feats = torch.cat(rows) if rows else None
                 else:
                     feats = E.request_features(model, [n.ids], [n.images])[0]
-                r = eng.submit(E.Request(n.ids, n.max_tokens, n.stop_ids, n.sampling, feats, n.logprobs, n.echo,
-                                         n.constraint, n.reasoning))
+                r = eng.submit(request_of(n, feats))
             except ValueError as e:
                 refused.append((n.rid, str(e).removeprefix("request 0: ")))
                 continue

@@ -8,8 +8,10 @@ Endpoints: POST /v1/chat/completions (string content, or text and image_url part
 a PNG or JPEG image), POST /v1/completions (prompt: a string, a list of strings, a list of token ids or a list of
 lists of them: a choice per prompt), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus);
 HEAD wherever GET is. SSE streaming, usage with the prompt tokens reused from the cache, finish reasons stop / length /
-abort (the server stopped mid-request). Extensions: top_k, ignore_eos, return_token_ids (the completion's ids in each
-choice).
+abort (the server stopped mid-request). Sampling: n, logprobs (chat: top_logprobs; completions: echo), penalties,
+min_p, logit_bias, constraints (response_format json_object / json_schema, vLLM's structured_outputs and guided_*),
+thinking_token_budget (serve_requests.params_of lists them). Extensions: top_k, ignore_eos, return_token_ids (the
+completion's ids in each choice).
 
 The files: serve.py (this: rank 0's Hub between the HTTP side and the engine, the engine loop of every rank, signals,
 the flags), serve_http.py (connections and their limits, bodies, preparation lanes, the routes), serve_requests.py
@@ -143,8 +145,7 @@ class Hub:
                     self.held[lv.rid] = j.image_bytes
         for lv, j in zip(lives, jobs):
             self.metrics.prompt_tokens.inc(len(j.ids))
-            self.inbox.put(R.New(lv.rid, j.ids, j.images, j.max_tokens, j.sampling, j.stop_ids, False, j.logprobs,
-                                 j.echo and j.logprobs is not None, j.constraint, j.think))
+            self.inbox.put(new_of(lv.rid, j))
         return lives
 
     def cancel(self, lv: Live):
@@ -219,6 +220,12 @@ class Hub:
         self.images.close()
         for wake in self.on_close:
             wake()
+
+
+def new_of(rid: int, j: Q.Job) -> R.New:
+    """A Job as every rank submits it (an echo without logprobs is the front end's text alone)."""
+    return R.New(rid, j.ids, j.images, j.max_tokens, j.sampling, j.stop_ids, False, j.logprobs,
+                 j.echo and j.logprobs is not None, j.constraint, j.think)
 
 
 def event_of(u: R.Update, lv: Live | None) -> Event:

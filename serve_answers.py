@@ -5,6 +5,7 @@ several choices (n per prompt; a completions request may hold a list of prompts)
 Logprobs (logprobs_chat, logprobs_legacy) are the engine's: the model's raw distribution (engine.Logprob), one entry
 per emitted token, reasoning and stop ids included, none after a stop string.
 """
+import functools
 import json
 import secrets
 import time
@@ -131,21 +132,29 @@ BYTES_OF = _byte_decoder()
 
 class TokenText:
     """Token id -> (its text, its UTF-8 bytes) as logprobs show it: the text the id alone decodes to (a piece of a
-    character reads as U+FFFD), the bytes exact where the vocabulary is byte-level BPE. Cached per id."""
+    character reads as U+FFFD), the bytes exact where the tokenizer's decoder is byte-level BPE (else the text's).
+    One per tokenizer (token_text), cached per id."""
 
     def __init__(self, tok):
         self.tok, self.seen = tok, {}
+        dec = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = dec is not None and b'"ByteLevel"' in dec.__getstate__()
+        self.added = set(tok.get_added_vocab())  # special and added tokens: their text is their content
 
     def __call__(self, t: int) -> tuple[str, list]:
         got = self.seen.get(t)
         if got is None:
             text = self.tok.decode([t], skip_special_tokens=False)
             piece = self.tok.convert_ids_to_tokens(t)
-            special = t in getattr(self.tok, "all_special_ids", ()) or piece in self.tok.get_added_vocab()
-            raw = (bytes(BYTES_OF[c] for c in piece) if isinstance(piece, str) and piece and not special
-                   and all(c in BYTES_OF for c in piece) else text.encode("utf-8"))
+            raw = (bytes(BYTES_OF[c] for c in piece) if self.byte_level and isinstance(piece, str) and piece
+                   and piece not in self.added and all(c in BYTES_OF for c in piece) else text.encode("utf-8"))
             got = self.seen[t] = (text, list(raw))
         return got
+
+
+@functools.lru_cache(maxsize=4)
+def token_text(tok) -> TokenText:
+    return TokenText(tok)
 
 
 def logprobs_chat(tt: TokenText, ids: list, lps: list) -> list:
@@ -228,7 +237,7 @@ class Answer:
         self.created = int(time.time())
         self.cached = [0] * len(jobs)
         self.outcome = "ok"  # how it ended, for the metrics: ok, engine_error, disconnected
-        self.tt = TokenText(srv.tok)
+        self.tt = token_text(srv.tok)
         self.offsets = [0] * len(jobs)  # completions' text_offset so far, per choice
 
     def cancel(self):

@@ -252,7 +252,7 @@ def logit_bias_of(body: dict, lim: Limits) -> dict | None:
         raise bad("logit_bias", f"logit_bias holds {len(v)} entries; at most {LOGIT_BIAS_MAX}")
     out = {}
     for k, b in v.items():
-        t = int(k) if k.isdigit() and len(k) < 12 else -1
+        t = int(k) if k.isascii() and k.isdigit() and len(k) < 12 else -1
         if not 0 <= t < lim.vocab:
             raise bad("logit_bias", f"logit_bias: {shown(k, 20)} is not a token id in [0, {lim.vocab})")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
@@ -277,7 +277,7 @@ def constraint_of(body: dict) -> Constraint | None:
                           "\"schema\": {...}, \"strict\": true}")
             strict = js.get("strict")
             if strict is not None and not isinstance(strict, bool):
-                raise bad("response_format", f"response_format.json_schema.strict must be true or false")
+                raise bad("response_format", "response_format.json_schema.strict must be true or false")
             got.append(_spec(Kind.JSON_SCHEMA, js["schema"], "response_format", bool(strict)))
         elif kind != "text":
             raise bad("response_format", "response_format.type must be \"text\", \"json_object\" or "

@@ -315,10 +315,10 @@ def user(*parts) -> dict:
 
 IMAGE_URL = "messages[0].content[0].image_url.url"
 BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
-    ("chat", {"n": 2}, "n"),
-    ("chat", {"logprobs": True}, "logprobs"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"n": MAX_BATCH + MAX_QUEUE + 1}, "n"),  # could never fit
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ("chat", {"response_format": {"type": "yaml"}}, "response_format"),
     ("chat", {"temperature": -1}, "temperature"),
     ("chat", {"temperature": 1, "top_p": 0}, "top_p"),
     ("chat", {"temperature": 1, "top_k": 1.5}, "top_k"),
@@ -331,7 +331,7 @@ BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
     ("chat", {"stop": 5}, "stop"),
     ("chat", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
     ("chat", {"messages": []}, "messages"),
-    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ("chat", {"messages": [{"role": "user", "content": "<im_patch> literally"}]}, "messages[0].content"),
     ("chat", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
     ("chat", user({"type": "text", "text": "\udfff"}), "messages[0].content[0].text"),
@@ -351,8 +351,8 @@ BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
     ("completions", {"prompt": ["a", [11, "b"]]}, "prompt[1]"),
     ("completions", {"prompt": [[]]}, "prompt[0]"),
     ("completions", {"prompt": []}, "prompt"),
-    ("completions", {"echo": True}, "echo"),
-    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("chat", {"echo": True}, "echo"),  # a completions field
+    ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
 ]
 
 
