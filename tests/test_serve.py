@@ -122,9 +122,14 @@ def tp2(converted):
 def server(tp2, tmp_path_factory):
     """One server for the module (torchrun). The file's last test stops it (SIGTERM); if it did not run, the
     teardown does the same and checks the same exit."""
-    log = str(tmp_path_factory.mktemp("serve") / "rank0.err")
-    p = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "serve.py", "--tp-dir", tp2,
-                          "--api-key", KEY, *map(str, ARGS)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+    yield from torchrun_server(tp2, str(tmp_path_factory.mktemp("serve") / "rank0.err"), ARGS)
+
+
+def torchrun_server(tp_dir: str, log: str, args: list):
+    """A TP=2 server under torchrun with the API key, for a module: yields it, then stops it (SIGTERM, as
+    stop() checks) if it still runs."""
+    p = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "serve.py", "--tp-dir", tp_dir,
+                          "--api-key", KEY, *map(str, args)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                          stderr=open(log, "w"))
     try:
         yield Server(wait_serving([p], log), [p], log)

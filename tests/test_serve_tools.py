@@ -6,7 +6,6 @@ checked for validity, not for sense.
 """
 import json
 import os
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
@@ -18,8 +17,7 @@ import pytest
 
 import runtime
 import tool_calls
-from invariants import ROOT, TORCHRUN
-from test_serve import KEY, Server, env, start_ranks, stop, wait_serving
+from test_serve import KEY, Server, start_ranks, torchrun_server
 
 pytestmark = pytest.mark.slow
 ARGS = ["--port", 0, "--max-batch", 16, "--max-queue", 128, "--max-context", 1024]
@@ -42,17 +40,7 @@ def ckpt(converted):
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("serve_tools") / "rank0.err")
-    p = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "serve.py", "--tp-dir", ckpt,
-                          "--api-key", KEY, *map(str, ARGS)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                         stderr=open(log, "w"))
-    try:
-        yield Server(wait_serving([p], log), [p], log)
-        if p.poll() is None:
-            stop(p, log)
-    finally:
-        if p.poll() is None:
-            p.kill()
+    yield from torchrun_server(ckpt, str(tmp_path_factory.mktemp("serve_tools") / "rank0.err"), ARGS)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ at once), tables of malformed and edge inputs give the documented message, and t
 that parse (markers by id), on the tiny checkpoint's tokenizer.
 """
 import json
-import os
 import random
 
 import jsonschema
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 import grammar as G
-import tiny_checkpoint
 import tool_calls as T
 from tool_calls import Kind, Piece
 
@@ -193,25 +191,7 @@ def test_bad_tools_and_tool_choice_are_refused_naming_the_field(tools, choice, m
 # --------------------------------------------------------------------------------------------------
 # the grammars of forced calls, on the tiny tokenizer
 
-V, EOS = 1024, 4
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tok"))
-    tiny_checkpoint.write_tokenizer(d, V)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir):
-    from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast(tokenizer_file=os.path.join(tok_dir, "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def grammars(tok_dir):
-    return G.Grammars(os.path.join(tok_dir, "tokenizer.json"), V, EOS)
+from test_grammar import EOS, V, grammars, tok, tok_dir  # noqa: E402,F401 (the tiny tokenizer's fixtures)
 
 
 FORCED = T.tools_of([
