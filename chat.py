@@ -5,6 +5,7 @@ markers, text tokenized in bounded pieces that stop at a limit (BoundedTokenizer
 limit's ids), and ids -> text as they are decoded (TextStream).
 """
 import bisect
+import functools
 import json
 import re
 import secrets
@@ -41,12 +42,82 @@ def literal_image_token(text: str) -> str | None:
     return next((t for t in image_processing.IMAGE_TOKENS if t in text), None)
 
 
-def render(tok, messages: list, raw: bool) -> str:
+def render(tok, messages: list, raw: bool, tools: list | None = None, variables: dict | None = None) -> str:
+    """The conversation as the chat template writes it (the generation prompt added): `tools` as the template's
+    tools (OpenAI's tool objects), `variables` as more template variables (reasoning_effort, chat_template_kwargs)."""
     if raw:
         return "".join(m["content"] for m in messages)
     if not tok.chat_template:
         raise UserError("the tokenizer has no chat template; use --raw-prompt to tokenize plain text")
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                                   **(variables or {}))
+
+
+# --------------------------------------------------------------------------------------------------
+# what a chat template reads, and messages in the shape it reads (STEP5_CHAT.md §1, §4)
+
+# Request fields a template may read as its own variables; the server passes each one given (start-up names those
+# the checkpoint's template reads, so a client's default field the template ignores is accepted, not surprising).
+TEMPLATE_FIELDS = ("tools", "reasoning_effort", "enable_thinking", "thinking")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+def template_variables(tok) -> frozenset | None:
+    """The variables the chat template reads but does not set (jinja's undeclared variables), or None where the
+    template does not parse as plain jinja (an extension of transformers' own)."""
+    t = tok.chat_template
+    return _undeclared(t) if isinstance(t, str) and t else None
+
+
+@functools.lru_cache(maxsize=8)
+def _undeclared(template: str) -> frozenset | None:
+    import jinja2
+    from jinja2 import meta
+    try:
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        return frozenset(meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateError:
+        return None
+
+
+def template_message(m: dict, text, where: str) -> dict:
+    """A checked message (its content already text, or parts the template reads) -> the message as the template reads
+    it: developer -> system; reasoning (vLLM's name) -> reasoning_content; each tool call's arguments, a JSON string
+    as OpenAI clients send them, -> the object the template iterates. ValueError names the field."""
+    out = {"role": ROLES[m["role"]], "content": text}
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+        out["tool_call_id"] = m["tool_call_id"]
+    if m["role"] != "assistant":
+        return out
+    r = m.get("reasoning_content", m.get("reasoning"))
+    if r is not None:
+        if not isinstance(r, str):
+            raise ValueError(f"{where}.reasoning_content must be a string")
+        out["reasoning_content"] = r
+    calls = m.get("tool_calls")
+    if calls is None:
+        return out
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}.tool_calls must be a list")
+    out["tool_calls"] = []
+    for j, c in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ValueError(f'{at} must be {{"id": ..., "type": "function", "function": {{"name", "arguments"}}}}')
+        args = f.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise ValueError(f"{at}.function.arguments is not JSON ({e})") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"{at}.function.arguments must be a JSON object")
+        out["tool_calls"].append({"id": c.get("id"), "type": "function",
+                                  "function": {"name": f["name"], "arguments": args}})
+    return out
 
 
 def splice(tok, rendered: str, blocks: list, raw: bool, marker: str = IMAGE_MARKER) -> list:

@@ -7,6 +7,8 @@
     torchrun ... generate.py --tp-dir OUT/tpN --prompt-json-batch batch.json
     torchrun ... generate.py --tp-dir OUT/tpN --prompt "What is in <image>?" --image photo.jpg
     torchrun ... generate.py --tp-dir OUT/tpN --prompt "..." --speculative 3   # shards from convert.py --keep-mtp
+    torchrun ... generate.py --tp-dir OUT/tpN --prompt "..." --json-schema schema.json --thinking-token-budget 64
+    torchrun ... generate.py --tp-dir OUT/tpN --prompt-json ids.json --json --logprobs 5
     torchrun ... generate.py --tp-dir OUT/tpN --interactive                      # a chat; /reset, /image F, /exit
 
 TP comes from the shard config and must equal WORLD_SIZE. NCCL on GPUs, gloo on CPU. Rank 0 prepares the prompts
@@ -30,7 +32,9 @@ import torch.distributed as dist
 import chat
 import config
 import engine as E
+import grammar as G
 import runtime as R
+from choice import TOP, Reasoning
 from runtime import UserError
 from sampling import Sampling
 from terminal import Keys
@@ -223,13 +227,39 @@ class Args:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    json_schema: str | None = None
+    regex: str | None = None
+    thinking_token_budget: int | None = None
+    logprobs: int | None = None
     raw_prompt: bool = False
     print_ids: bool = False
     as_json: bool = False
+    hide_reasoning: bool = False
 
     @property
     def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_k, self.top_p, self.seed)
+        return Sampling(self.temperature, self.top_k, self.top_p, self.seed, self.min_p, self.presence_penalty,
+                        self.frequency_penalty, self.repetition_penalty)
+
+    def constraint(self) -> G.Constraint | None:
+        """--json-schema (the file read) or --regex, as the engine takes it (compiled later: GrammarError)."""
+        if self.regex is not None:
+            return G.Constraint(G.Kind.REGEX, self.regex, field="--regex")
+        if self.json_schema is None:
+            return None
+        try:
+            with open(self.json_schema, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--json-schema {self.json_schema}: {getattr(e, 'strerror', None) or e}") from None
+        try:
+            return G.Constraint.json_schema(text, True, f"--json-schema {self.json_schema}")
+        except G.GrammarError as e:
+            raise UserError(str(e)) from None
 
 
 def check_args(a: Args, flags: R.EngineFlags):
@@ -239,6 +269,16 @@ def check_args(a: Args, flags: R.EngineFlags):
         raise UserError(p)
     if a.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {a.max_new_tokens} must be >= 0")
+    if a.json_schema is not None and a.regex is not None:
+        raise UserError("--json-schema and --regex are exclusive (one constraint per request)")
+    if (a.json_schema or a.regex is not None) and a.ignore_eos:
+        raise UserError("--ignore-eos: a constrained answer ends at EOS (--json-schema / --regex give one)")
+    if a.thinking_token_budget is not None and not 0 <= a.thinking_token_budget < 2 ** 31:
+        raise UserError(f"--thinking-token-budget {a.thinking_token_budget} must be in [0, 2**31) (0: no reasoning)")
+    if a.logprobs is not None and not (0 <= a.logprobs <= TOP and a.as_json):
+        raise UserError(f"--logprobs {a.logprobs} must be in [0, {TOP}] and goes with --json (where they are printed)")
+    if a.interactive and (a.json_schema or a.regex is not None or a.thinking_token_budget is not None):
+        raise UserError("--json-schema, --regex and --thinking-token-budget apply to one batch, not --interactive")
     flags.check()
     sources = (sum(x is not None for x in (a.prompt, a.prompt_file, a.prompt_json, a.prompt_json_batch))
                + a.interactive)
@@ -259,6 +299,8 @@ def check_args(a: Args, flags: R.EngineFlags):
         raise UserError("--image and --image-inputs are exclusive")
     if a.save_image_inputs and not a.images:
         raise UserError("--save-image-inputs needs --image")
+    if a.hide_reasoning and not a.interactive:
+        raise UserError("--hide-reasoning applies to --interactive (elsewhere the output is the whole completion)")
     if a.interactive and a.as_json:
         raise UserError("--json prints one document at the end: it does not go with --interactive")
     if a.save_image_inputs:
@@ -324,12 +366,17 @@ def one_batch(s: R.Session, a: Args) -> list:
     n_tok = [len(p.ids) for p in prompts]
     R.load(s, f"({n_tok[0]} prompt tokens)" if len(prompts) == 1 else f"(batch={len(prompts)}, prompt tokens={n_tok})")
     feats = features_of(s, prompts, a.max_new_tokens)
-    R.start_engine(s, s.flags.max_batch or len(prompts), s.flags.max_context)
+    constraint = R.phase(a.constraint)
+    R.start_engine(s, s.flags.max_batch or len(prompts), s.flags.max_context, constrained=constraint is not None)
+    if constraint is not None:  # every rank compiles it (bounded fuel: the same verdict everywhere)
+        R.phase(s.eng.grammars.compiled, constraint, errors=(UserError, G.GrammarError))
     if a.temperature > 0:
         s.say(f"sampling: temperature {a.temperature}, top-k {a.top_k or 'off'}, top-p "
               f"{a.top_p if a.top_p < 1 else 'off'}, seed {a.seed} (reproducible on {s.dev.type} with this seed)")
     stop = frozenset() if a.ignore_eos else frozenset(s.eos)
-    reqs = [E.Request(p.ids, a.max_new_tokens, stop, a.sampling, f) for p, f in zip(prompts, feats)]
+    think = R.phase(reasoning_of, s, a, prompts)
+    reqs = [E.Request(p.ids, a.max_new_tokens, stop, a.sampling, f, a.logprobs, False, constraint, r)
+            for p, f, r in zip(prompts, feats, think)]
     stream = Stream(s, reqs[0]) if len(reqs) == 1 and not a.as_json and s.rank == 0 else None
 
     def on_step(o):
@@ -343,7 +390,24 @@ def one_batch(s: R.Session, a: Args) -> list:
     out = [r.out for r in reqs]
     E.check_same_on_all_ranks(out, s.dev)
     if s.rank == 0 and stream is None:
-        report(out, s.tok, n_tok, s.eos, a.print_ids, a.as_json)
+        report(out, s.tok, n_tok, s.eos, a.print_ids, a.as_json,
+               [r.token_logprobs for r in reqs] if a.logprobs is not None else None)
+    return out
+
+
+def reasoning_of(s: R.Session, a: Args, prompts: list) -> list:
+    """Per request: its open reasoning block as the engine takes it (the prompt's last <think> after its last
+    </think>: the chat template opened one), with --thinking-token-budget; None where it opens none. Every rank
+    reads the same ids, so every rank agrees. A budget no prompt can use is refused."""
+    think = R.broadcast(chat.think_ids(s.tok) if s.tok is not None else None)
+
+    def last(ids: list, t: int) -> int:
+        return max((i for i, x in enumerate(ids) if x == t), default=-1)
+    out = [Reasoning(think[1], a.thinking_token_budget) if think and last(p.ids, think[0]) > last(p.ids, think[1])
+           else None for p in prompts]
+    if a.thinking_token_budget is not None and not any(out):
+        raise UserError("--thinking-token-budget applies to a chat whose template opens a reasoning block (<think>); "
+                        "these prompts open none")
     return out
 
 
@@ -381,28 +445,77 @@ def report_speed(s: R.Session, reqs: list, t0: float, stream=None, print_ids: bo
 
 
 class Stream:
-    """Rank 0: one request's text on stdout as it is decoded (never a broken UTF-8 sequence)."""
+    """Rank 0: one request's text on stdout as it is decoded (never a broken UTF-8 sequence). In a chat (`apart`),
+    reasoning (between <think> and </think>, the prompt's open block included) is shown apart: dimmed in a terminal,
+    else between REASONING_HEAD and REASONING_TAIL lines; hidden with --hide-reasoning. Elsewhere the text is the
+    completion's, markers spelled."""
 
-    def __init__(self, s: R.Session, req):
+    def __init__(self, s: R.Session, req, apart: bool = False, hide_reasoning: bool = False):
         self.req, self.text = req, chat.TextStream(s.tok) if s.tok is not None else None
+        self.think = chat.think_ids(s.tok) if s.tok is not None and apart else None
+        self.hide = hide_reasoning
+        self.tty = sys.stdout.isatty()
+        self.reasoning = self.think is not None and _opened(req.ids, self.think)
+        if self.reasoning:
+            self._mark(True)
 
     def push(self, ids: list):
-        if self.text is not None:
-            sys.stdout.write(self.text.push(ids))
-            sys.stdout.flush()
+        if self.text is None:
+            return
+        run = []
+        for t in ids:
+            if self.think is not None and t in self.think:
+                self._write(self.text.push(run) + self.text.flush())
+                run = []
+                if (t == self.think[0]) != self.reasoning:
+                    self.reasoning = not self.reasoning
+                    self._mark(self.reasoning)
+            else:
+                run.append(t)
+        self._write(self.text.push(run))
+        sys.stdout.flush()
+
+    def _write(self, text: str):
+        if text and not (self.reasoning and self.hide):
+            sys.stdout.write(text)
+
+    def _mark(self, start: bool):
+        """The start or end of the reasoning on screen."""
+        if self.hide:
+            return
+        if self.tty:
+            sys.stdout.write(DIM if start else UNDIM)
+        else:
+            sys.stdout.write(REASONING_HEAD if start else REASONING_TAIL)
 
     def close(self, print_ids: bool):
         if self.text is not None:
-            sys.stdout.write(self.text.flush() + "\n")
+            self._write(self.text.flush())
+            if self.reasoning and self.tty and not self.hide:
+                sys.stdout.write(UNDIM)
+            sys.stdout.write("\n")
         if print_ids or self.text is None:  # without a tokenizer the ids are the output
             print(f"ids: {self.req.out}")
         sys.stdout.flush()
 
 
-def report(out, tok, n_tok, eos, print_ids, as_json):
+DIM, UNDIM = "\x1b[2m", "\x1b[0m"  # a terminal's faint text (SGR 2), and back
+REASONING_HEAD, REASONING_TAIL = "[reasoning] ", " [answer] "  # where stdout is no terminal: no new lines
+
+
+def _opened(ids: list, think: tuple) -> bool:
+    """The ids leave a reasoning block open (their last think marker is <think>)."""
+    last = next((t for t in reversed(ids) if t in think), None)
+    return last == think[0]
+
+
+def report(out, tok, n_tok, eos, print_ids, as_json, logprobs: list | None = None):
+    """The batch's results; --json: one document (with --logprobs, each token's [logprob, [[id, logprob], ...]])."""
     texts = [tok.decode(o, skip_special_tokens=False) if tok is not None else None for o in out]
     results = [{"prompt_token_count": n, "completion_token_ids": o, "completion": t}
                for n, o, t in zip(n_tok, out, texts)]
+    for r, lp in zip(results, logprobs or []):
+        r["completion_logprobs"] = [[x.logprob, [list(y) for y in x.top]] for x in lp]
     if as_json:
         doc = ({**results[0], "eos_token_ids": eos} if len(results) == 1
                else {"batch_size": len(results), "eos_token_ids": eos, "results": results})
@@ -502,7 +615,7 @@ def interactive(s: R.Session, a: Args) -> list:
                 continue
             rid = d.new[0].rid
             req = drv.reqs[rid]
-            stream = Stream(s, req) if s.rank == 0 else None
+            stream = Stream(s, req, True, a.hide_reasoning) if s.rank == 0 else None
             if c is not None:
                 c.keys.clear()
             t0 = time.perf_counter()
@@ -559,9 +672,26 @@ def parser() -> R.Parser:
                     "whose probability reaches P (1: no limit; needs --temperature)")
     ap.add_argument("--seed", type=int, default=0, help="seed of each request's random stream (default 0): the same "
                     "seed gives the same draws on the same device type, whatever the batch")
+    ap.add_argument("--min-p", type=float, default=0.0, help="sample among the tokens at least P times as likely as "
+                    "the most likely one (0: no limit; needs --temperature)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="subtract P from the logit of each token "
+                    "the output holds (OpenAI's; [-2, 2])")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract F times each token's count in "
+                    "the output from its logit (OpenAI's; [-2, 2])")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="divide the positive and multiply the "
+                    "negative logits of the prompt's and output's tokens by R (> 0; 1: none)")
+    ap.add_argument("--json-schema", metavar="FILE", help="the answer is JSON valid under the JSON schema in FILE "
+                    "(after the reasoning block, when the chat template opens one)")
+    ap.add_argument("--regex", help="the answer matches this regular expression (Rust regex syntax, whole answer)")
+    ap.add_argument("--thinking-token-budget", type=int, metavar="N", help="end the reasoning block after N tokens "
+                    "(0: no reasoning); for prompts whose chat template opens <think>")
+    ap.add_argument("--logprobs", type=int, metavar="K", help="with --json: each generated token's log-probability "
+                    f"(the model's raw distribution) and its K most likely alternatives (0..{TOP})")
     ap.add_argument("--raw-prompt", action="store_true", help="tokenize the text as plain text, no chat template")
     ap.add_argument("--print-ids", action="store_true", help="also print the generated token ids")
     ap.add_argument("--json", dest="as_json", action="store_true", help="print one JSON document with ids and text")
+    ap.add_argument("--hide-reasoning", action="store_true", help="--interactive: answers leave out the reasoning "
+                    "(shown dimmed in a terminal, between [reasoning] and [answer] lines elsewhere)")
     R.add_engine_flags(ap, prefill_chunk=E.PREFILL_CHUNK, max_batch="the batch's size, 1 with --interactive")
     return ap
 

@@ -27,8 +27,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+import choice
 import config
 import engine as E
+import grammar
 import model as M
 import startup
 from sampling import Sampling
@@ -103,11 +105,17 @@ def load_tokenizer(path: str):
 
 
 def find_tokenizer(tp_dir: str, explicit: str | None):
+    d = tokenizer_dir(tp_dir, explicit)
+    return None if d is None else load_tokenizer(d)
+
+
+def tokenizer_dir(tp_dir: str, explicit: str | None) -> str | None:
+    """The tokenizer's directory: the one given, else tokenizer_files in or beside the TP dir (None: not found)."""
     if explicit:
-        return load_tokenizer(explicit)
+        return explicit
     for d in (os.path.join(tp_dir, "tokenizer_files"), os.path.join(tp_dir, os.pardir, "tokenizer_files")):
         if os.path.isfile(os.path.join(d, "tokenizer.json")):
-            return load_tokenizer(d)
+            return d
     return None
 
 
@@ -432,16 +440,30 @@ def verify_shard(path: str, rank: int, world: int):
                         f"{os.path.basename(path)}.sha256: the file changed after convert.py wrote it (convert again)")
 
 
-def start_engine(s: Session, max_batch: int, max_context: int | None):
+def start_engine(s: Session, max_batch: int, max_context: int | None, constrained: bool = False):
     """The engine made (its memory plan refused naming the flags, as one message of every rank) and started. A rank
     whose start-up runs out of memory may be inside a collective with the others, so it says so itself, in one line,
-    and leaves; the others' next collective fails."""
+    and leaves; the others' next collective fails. constrained: every rank gets grammar.Grammars over the tokenizer
+    beside the shards, its tokenizer view built now (every rank runs its own matchers: a view built at the first
+    constrained request would stall the engine loop of the ranks that did not compile it ahead)."""
     f = s.flags
+
+    def grammars():
+        d = tokenizer_dir(f.tp_dir, f.tokenizer)
+        if d is None or not os.path.isfile(os.path.join(d, "tokenizer.json")):
+            raise UserError(f"rank {s.rank}: constrained decoding needs tokenizer.json on every rank; none in "
+                            f"{d or f.tp_dir + '/../tokenizer_files'} (pass --tokenizer DIR)")
+        g = grammar.Grammars(os.path.join(d, "tokenizer.json"), s.cfg.vocab_size, s.eos[0])
+        t0 = time.perf_counter()
+        g.view()
+        s.say(f"grammars: the tokenizer view over {s.cfg.vocab_size} ids built in {time.perf_counter() - t0:.1f} s")
+        return g
+    g = phase(grammars) if constrained else None
 
     def make():
         try:
             return E.Engine(s.model, E.EngineConfig(max_batch, max_context, f.prefill_chunk, f.speculative,
-                                                    f.cuda_graph), s.say)
+                                                    f.cuda_graph), s.say, grammars=g)
         except (MemoryError, ValueError) as e:
             raise UserError(str(e)) from None
     s.eng = phase(make)
@@ -485,6 +507,16 @@ class New:
     sampling: Sampling
     stop_ids: frozenset
     continues: bool = False  # a chat's next turn: the conversation's image feature rows so far come before its own
+    logprobs: int | None = None  # engine.Request's: top alternatives per token; None: no logprobs
+    echo: bool = False  # the prompt's logprobs too
+    constraint: grammar.Constraint | None = None
+    reasoning: choice.Reasoning | None = None  # the prompt opened a reasoning block: its end and budget
+
+
+def request_of(n: New, features) -> E.Request:
+    """A New as the engine takes it, with its image feature rows (or None)."""
+    return E.Request(n.ids, n.max_tokens, n.stop_ids, n.sampling, features, n.logprobs, n.echo, n.constraint,
+                     n.reasoning)
 
 
 @dataclass
@@ -531,7 +563,7 @@ class Driver:
                     feats = torch.cat(rows) if rows else None
                 else:
                     feats = E.request_features(model, [n.ids], [n.images])[0]
-                r = eng.submit(E.Request(n.ids, n.max_tokens, n.stop_ids, n.sampling, feats))
+                r = eng.submit(request_of(n, feats))
             except ValueError as e:
                 refused.append((n.rid, str(e).removeprefix("request 0: ")))
                 continue

@@ -198,6 +198,9 @@ def draw(probs: torch.Tensor, rs: RowSampling, counters: torch.Tensor) -> torch.
     """A token per row from probs [B, V] -> [B] int64, keyed by (seed, counter): the exponential race argmax_i p_i /
     E_i with E_i ~ Exp(1) picks i with probability p_i / sum(p), so a masked distribution needs no renormalising.
     A row whose probabilities are not finite gets -1."""
-    e = -torch.log(uniform(rs.seed, counters * 4, probs.shape[-1]))  # stream 0 of the counter
+    # stream 0 of the counter; a uniform of 2^24 - 1 (+ 0.5) rounds to 1.0 in fp32, where -log gives 0 and a token of
+    # probability 0 would win the race as 0 / 0 = NaN (a masked token, about once in 130 draws at 128,896 tokens): the
+    # floor keeps every E_i > 0 and changes no other draw (any other uniform gives E_i >= 2^-24)
+    e = (-torch.log(uniform(rs.seed, counters * 4, probs.shape[-1]))).clamp_min(2.0 ** -25)
     tok = (probs / e).argmax(-1)
     return torch.where(torch.isfinite(probs).all(-1), tok, -1)

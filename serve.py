@@ -8,8 +8,10 @@ Endpoints: POST /v1/chat/completions (string content, or text and image_url part
 a PNG or JPEG image), POST /v1/completions (prompt: a string, a list of strings, a list of token ids or a list of
 lists of them: a choice per prompt), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus);
 HEAD wherever GET is. SSE streaming, usage with the prompt tokens reused from the cache, finish reasons stop / length /
-abort (the server stopped mid-request). Extensions: top_k, ignore_eos, return_token_ids (the completion's ids in each
-choice).
+abort (the server stopped mid-request). Sampling: n, logprobs (chat: top_logprobs; completions: echo), penalties,
+min_p, logit_bias, constraints (response_format json_object / json_schema, vLLM's structured_outputs and guided_*),
+thinking_token_budget (serve_requests.params_of lists them). Extensions: top_k, ignore_eos, return_token_ids (the
+completion's ids in each choice).
 
 The files: serve.py (this: rank 0's Hub between the HTTP side and the engine, the engine loop of every rank, signals,
 the flags), serve_http.py (connections and their limits, bodies, preparation lanes, the routes), serve_requests.py
@@ -79,6 +81,8 @@ class Event:
     cached: int = 0  # prompt tokens reused from the cache
     error: str | None = None
     status: int = 500
+    logprobs: list | None = None  # an engine.Logprob per id (a request with logprobs)
+    prompt_logprobs: list | None = None  # the prompt's (echo with logprobs), with the request's first event
 
 
 @dataclass(eq=False)
@@ -92,6 +96,7 @@ class Live:
     t0: float  # perf_counter of the HTTP request's arrival
     ended: bool = False  # its answer is complete (the engine may still hold it: a stop string's cancel)
     t_last: float | None = None  # perf_counter of the step that gave its last tokens
+    told: bool = False  # it has had an event (the first carries the prompt's logprobs)
 
 
 class Hub:
@@ -140,7 +145,7 @@ class Hub:
                     self.held[lv.rid] = j.image_bytes
         for lv, j in zip(lives, jobs):
             self.metrics.prompt_tokens.inc(len(j.ids))
-            self.inbox.put(R.New(lv.rid, j.ids, j.images, j.max_tokens, j.sampling, j.stop_ids))
+            self.inbox.put(new_of(lv.rid, j))
         return lives
 
     def cancel(self, lv: Live):
@@ -201,7 +206,7 @@ class Hub:
                 self.finishes.append(t)
                 if lv is not None:
                     m.e2e.observe(t - lv.t0)
-            self.post(u.rid, Event(u.ids, u.req.finish if u.done else None, u.req.cached))
+            self.post(u.rid, event_of(u, lv))
 
     def close(self, ev: Event):
         """Stop accepting and end every request in flight with `ev` (a shutdown's abort, or an error); wake the
@@ -215,6 +220,27 @@ class Hub:
         self.images.close()
         for wake in self.on_close:
             wake()
+
+
+def new_of(rid: int, j: Q.Job) -> R.New:
+    """A Job as every rank submits it (an echo without logprobs is the front end's text alone)."""
+    return R.New(rid, j.ids, j.images, j.max_tokens, j.sampling, j.stop_ids, False, j.logprobs,
+                 j.echo and j.logprobs is not None, j.constraint, j.think)
+
+
+def event_of(u: R.Update, lv: Live | None) -> Event:
+    """An engine update -> the request's Event: its ids and their logprobs, the prompt's logprobs on its first, and
+    how it ended (a grammar's dead end as an error naming the field)."""
+    r = u.req
+    lps = r.token_logprobs[len(r.out) - len(u.ids):len(r.out)] if r.logprobs is not None else None
+    first = lv is not None and not lv.told
+    if lv is not None:
+        lv.told = True
+    ev = Event(u.ids, r.finish if u.done else None, r.cached, logprobs=lps,
+               prompt_logprobs=r.prompt_logprobs if first and r.echo else None)
+    if u.done and r.finish == "error" and r.error:
+        ev.error, ev.status = r.error, 500
+    return ev
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,7 +391,7 @@ def main(**kw):
         sock = R.phase(listen) if rank == 0 else R.agree(None)
         t_load = R.load(s, "(serving)")
         t0 = time.perf_counter()
-        R.start_engine(s, flags.max_batch, flags.max_context)
+        R.start_engine(s, flags.max_batch, flags.max_context, constrained=True)
         times = {"load": t_load, "engine": time.perf_counter() - t0}
         drv = R.Driver(s, CTL_TIMEOUT_S)
         hub = http = thread = None
@@ -412,7 +438,7 @@ def start_http(s: R.Session, o: Options, sock, times: dict | None = None):
             s.say(f"warning: {e}: image parts are refused")
             vis = None
     lim = Q.Limits(eng.max_context - (k + 1 if k else 0), s.cfg.vocab_size, o.default_max_tokens,
-                   s.vl.image_token_id if s.vl is not None else None, vis, f.max_batch + o.max_queue)
+                   s.vl.image_token_id if s.vl is not None else None, vis, f.max_batch + o.max_queue, eng.grammars)
     metrics = Metrics()
     metrics.slots.set(f.max_batch)
     for phase, dt in (times or {}).items():
@@ -424,6 +450,11 @@ def start_http(s: R.Session, o: Options, sock, times: dict | None = None):
     cap = o.max_connections or H.default_max_connections(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     srv = H.Served(hub, btok, lim, s.eos, chat.think_ids(s.tok), o.served_model_name, o.api_key, metrics,
                    H.RateLog(s.say), cap, o.allowed_origins, o.metrics_without_key)
+    reads = chat.template_variables(s.tok)
+    if reads is not None:
+        fields = [f for f in chat.TEMPLATE_FIELDS if f in reads]
+        s.say(f"the chat template reads {', '.join(fields) or 'none of ' + ', '.join(chat.TEMPLATE_FIELDS)}"
+              + "".join(f"; not {f} (accepted, changes nothing)" for f in chat.TEMPLATE_FIELDS if f not in reads))
     http, thread = H.start(srv, sock)
     host, port = sock.getsockname()[:2]
     s.say(f"serving {o.served_model_name!r} on http://{host}:{port} (max batch {f.max_batch}, queue {o.max_queue}, "

@@ -31,11 +31,13 @@ import time
 from dataclasses import dataclass, field
 
 import chat
+import serve_anthropic as anthropic
 import serve_requests as Q
 from serve_answers import Answer
 from serve_metrics import Metrics
 from serve_requests import ApiError, shown
 
+ANTHROPIC = "/v1/messages"  # the routes of Anthropic's Messages API: its error envelope, x-api-key
 MAX_BODY = 32 << 20  # bytes of a request body
 BODY_BUDGET = 8 * MAX_BODY  # bytes of all bodies being received or prepared at once
 SMALL_BODY = 1 << 20  # bodies up to this size are prepared in the small lane
@@ -311,7 +313,8 @@ def make_app(srv: Served):
 
     def error(request: Request, e: ApiError):
         request.state.outcome = e.code or str(e.status)
-        return JSONResponse(e.body(), e.status, headers=e.headers)
+        body = anthropic.error_body(e) if request.url.path.startswith(ANTHROPIC) else e.body()
+        return JSONResponse(body, e.status, headers=e.headers)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, e: ApiError):
@@ -335,9 +338,12 @@ def make_app(srv: Served):
         srv.rate.note(f"a client disconnected {when}")
 
     def auth(request: Request):
+        """Authorization: Bearer KEY; on Anthropic's routes x-api-key: KEY too."""
         if srv.api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if request.url.path.startswith(ANTHROPIC) and "x-api-key" in request.headers:
+            scheme, given = "bearer", request.headers["x-api-key"]
         if not (scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), srv.api_key.encode())):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key",
                            {"WWW-Authenticate": "Bearer"})
@@ -377,6 +383,9 @@ def make_app(srv: Served):
         for job in jobs:
             if job.pending:
                 await images.run(decode, job)
+        for job in jobs[1:]:  # a chat's n choices share its first choice's decoded images (held once)
+            if job.ids is jobs[0].ids:
+                job.images = jobs[0].images
         return jobs
 
     def decode(job: Q.Job):
@@ -392,7 +401,7 @@ def make_app(srv: Served):
         return Q.completion_jobs(Q.parse_body(data, srv.name), srv.btok, srv.lim, srv.eos)
 
     def chat_completion(data: bytearray) -> list:
-        return [Q.chat_job(Q.parse_body(data, srv.name), srv.btok, srv.lim, srv.eos, srv.think)]
+        return Q.chat_jobs(Q.parse_body(data, srv.name), srv.btok, srv.lim, srv.eos, srv.think)
 
     class SSE(StreamingResponse):
         """An event stream whose close() runs however it ends: finished, client gone, server stopping. Choices
@@ -412,13 +421,13 @@ def make_app(srv: Served):
                 else:
                     self.request.state.outcome = self.answer.outcome
 
-    async def answer(request: Request, jobs: list):
+    async def answer(request: Request, jobs: list, kind=Answer):
         try:
             lives = srv.hub.submit(jobs, request.state.t0)
         except BaseException:  # refused: the images' pixels were never the engine's
             srv.hub.images.give(sum(j.image_bytes for j in jobs if j.images is not None))
             raise
-        a = Answer(srv, jobs, lives)
+        a = kind(srv, jobs, lives)
         if jobs[0].stream:
             return SSE(request, a)
         task = asyncio.ensure_future(a.whole())
@@ -472,6 +481,18 @@ def make_app(srv: Served):
     async def completions(request: Request):
         auth(request)
         return await answer(request, await jobs_of(request, completion))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        auth(request)
+        return await answer(request, await jobs_of(request, anthropic.jobs, srv), anthropic.Message)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        auth(request)
+        srv.hub.check_open(1)
+        async with body_of(request) as data:
+            return JSONResponse(await small.run(anthropic.count_tokens, data, srv))
 
     return Outer(app, srv), conns
 

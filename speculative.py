@@ -256,7 +256,7 @@ class Speculator:
         base = e.count[slots]  # the index of the step's first token in its request
         u = uniform(rs.seed, base * 4 + 1, k)  # counter stream 1: acceptance
         px = probs[:, :k].gather(2, drafts[:, :, None])[:, :, 0]  # [b, k]
-        acc = (u < px).long().cumprod(1).sum(1)
+        acc = (u <= px).long().cumprod(1).sum(1)  # u may be 1.0 in fp32: a draft of probability 1 is still accepted
         # the token after the accepted drafts: p at position acc, with the rejected draft removed (acc < k)
         pa = probs[torch.arange(b, device=e.dev), acc]  # [b, V]
         rej = drafts.gather(1, acc.clamp(max=k - 1)[:, None])

@@ -948,3 +948,58 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_interactive_answers_show_reasoning_apart_and_hide_it_on_request(tmp_path, capsys):
+    """--interactive's stream (Stream with apart): the prompt's open reasoning block and the answer after </think>
+    are told apart on a stdout that is no terminal ([reasoning] / [answer]), the reasoning left out with
+    --hide-reasoning; the same ids without `apart` stream the completion's text, markers spelled."""
+    from types import SimpleNamespace
+
+    import tiny_checkpoint
+    tiny_checkpoint.write_tokenizer(str(tmp_path), 1024)
+    tok = runtime.load_tokenizer(str(tmp_path))
+    think = chat.think_ids(tok)
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    out = enc("Some thought") + [think[1]] + enc("\nThe answer")
+    req = SimpleNamespace(ids=enc("hi") + [think[0]] + enc("\n"), out=out)
+    shown = {}
+    for key, kw in (("apart", dict(apart=True)), ("hidden", dict(apart=True, hide_reasoning=True)), ("plain", {})):
+        st = generate.Stream(SimpleNamespace(tok=tok), req, **kw)
+        for t in out:
+            st.push([t])
+        st.close(False)
+        shown[key] = capsys.readouterr().out
+    assert shown["apart"] == "[reasoning] Some thought [answer] \nThe answer\n"
+    assert shown["hidden"] == "\nThe answer\n"
+    assert shown["plain"] == tok.decode(out, skip_special_tokens=False) + "\n"
+    with pytest.raises(runtime.UserError, match="--hide-reasoning"):
+        generate.check_args(generate.Args(prompt="x", hide_reasoning=True), runtime.EngineFlags(tp_dir="x"))
+
+
+@pytest.mark.slow
+def test_cli_json_schema_with_a_reasoning_budget_and_logprobs(converted, tmp_path):
+    """--json-schema FILE with --thinking-token-budget 2, sampled, with --logprobs 2 under --json (TP=2): the answer
+    after </think> validates, the reasoning takes at most 2 tokens, each token has its logprob and 2 alternatives;
+    --logprobs without --json and a schema that cannot compile are refused naming the flag."""
+    import jsonschema
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9},
+                                               "tag": {"enum": ["a", "b"]}}, "required": ["id", "tag"],
+              "additionalProperties": False}
+    path = write_json(tmp_path / "schema.json", schema)
+    d = converted("bf16_text", 2)
+    out = gen_json(2, d, "--prompt", "Give me a record", "--json-schema", path, "--thinking-token-budget", 2,
+                   "--temperature", 1, "--seed", 3, "--logprobs", 2, "--max-new-tokens", 60)
+    import runtime
+    tok = runtime.load_tokenizer(os.path.join(d, "..", "tokenizer_files"))
+    ids = out["completion_token_ids"]
+    end = tok.convert_tokens_to_ids("</think>")
+    assert end in ids and ids.index(end) <= 2 and ids[-1] in out["eos_token_ids"], ids
+    jsonschema.validate(json.loads(tok.decode(ids[ids.index(end) + 1:-1])), schema)
+    assert len(out["completion_logprobs"]) == len(ids) and all(len(x[1]) == 2 for x in out["completion_logprobs"])
+    r = torchrun(2, "--tp-dir", d, "--prompt", "hi", "--logprobs", 2)
+    assert r.returncode != 0 and "--logprobs 2" in r.stderr and "--json" in r.stderr
+    bad = write_json(tmp_path / "bad.json", {"type": "object", "properties": {"a": {"type": "string",
+                                                                                     "pattern": "("}}})
+    r = torchrun(2, "--tp-dir", d, "--prompt", "hi", "--json-schema", bad)
+    assert r.returncode != 0 and f"--json-schema {bad}" in r.stderr, r.stderr[-2000:]

@@ -94,6 +94,20 @@ def test_sample_rows_draw_by_their_own_seed_and_counter():
     assert abs(u.mean().item() - 0.5) < 0.02
 
 
+def test_a_uniform_that_rounds_to_one_never_draws_a_token_of_probability_zero():
+    """Seed 2775, counter 0: column 502's uniform is 1.0 in fp32 (its exponential 0). A row whose only possible token
+    is another (a grammar's forced token, top_k 1) still draws that token, and a row that allows 502 too draws from
+    the two."""
+    seed, col, V = 2775, 502, 1024
+    assert sampling.uniform(torch.tensor([seed]), torch.tensor([0]), V)[0, col] == 1.0
+    rs = sampling.RowSampling.of([sampling.Sampling(1.0, 0, 1.0, seed)], "cpu")
+    probs = torch.zeros(1, V)
+    probs[0, 7] = 1.0
+    assert sampling.draw(probs, rs, torch.tensor([0])).item() == 7
+    probs[0, col] = 1e-3
+    assert sampling.draw(probs, rs, torch.tensor([0])).item() in (7, col)
+
+
 def test_sampling_temperature_0_and_top_k_1_give_the_greedy_tokens(tp1_models):
     tp1_model = tp1_models("fp8_vl")
     want = helpers.generate(tp1_model, PROMPTS, NEW, EOS)[0]

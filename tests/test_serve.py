@@ -122,9 +122,14 @@ def tp2(converted):
 def server(tp2, tmp_path_factory):
     """One server for the module (torchrun). The file's last test stops it (SIGTERM); if it did not run, the
     teardown does the same and checks the same exit."""
-    log = str(tmp_path_factory.mktemp("serve") / "rank0.err")
-    p = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "serve.py", "--tp-dir", tp2,
-                          "--api-key", KEY, *map(str, ARGS)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+    yield from torchrun_server(tp2, str(tmp_path_factory.mktemp("serve") / "rank0.err"), ARGS)
+
+
+def torchrun_server(tp_dir: str, log: str, args: list):
+    """A TP=2 server under torchrun with the API key, for a module: yields it, then stops it (SIGTERM, as
+    stop() checks) if it still runs."""
+    p = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "serve.py", "--tp-dir", tp_dir,
+                          "--api-key", KEY, *map(str, args)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                          stderr=open(log, "w"))
     try:
         yield Server(wait_serving([p], log), [p], log)
@@ -315,10 +320,10 @@ def user(*parts) -> dict:
 
 IMAGE_URL = "messages[0].content[0].image_url.url"
 BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
-    ("chat", {"n": 2}, "n"),
-    ("chat", {"logprobs": True}, "logprobs"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"n": MAX_BATCH + MAX_QUEUE + 1}, "n"),  # could never fit
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ("chat", {"response_format": {"type": "yaml"}}, "response_format"),
     ("chat", {"temperature": -1}, "temperature"),
     ("chat", {"temperature": 1, "top_p": 0}, "top_p"),
     ("chat", {"temperature": 1, "top_k": 1.5}, "top_k"),
@@ -331,7 +336,7 @@ BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
     ("chat", {"stop": 5}, "stop"),
     ("chat", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
     ("chat", {"messages": []}, "messages"),
-    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ("chat", {"messages": [{"role": "user", "content": "<im_patch> literally"}]}, "messages[0].content"),
     ("chat", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
     ("chat", user({"type": "text", "text": "\udfff"}), "messages[0].content[0].text"),
@@ -351,8 +356,8 @@ BAD = [  # (endpoint, fields over a valid request, the field the 400 names)
     ("completions", {"prompt": ["a", [11, "b"]]}, "prompt[1]"),
     ("completions", {"prompt": [[]]}, "prompt[0]"),
     ("completions", {"prompt": []}, "prompt"),
-    ("completions", {"echo": True}, "echo"),
-    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("chat", {"echo": True}, "echo"),  # a completions field
+    ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
 ]
 
 

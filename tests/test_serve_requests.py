@@ -36,11 +36,11 @@ def test_a_long_text_is_refused_after_a_bounded_number_of_ids(tok):
     text = "Expert parallelism places whole experts on ranks. 混合专家模型。 " * 60_000  # 3.4 M characters
     for body, make, param in (({"prompt": text}, Q.completion_jobs, "prompt"),
                               ({"prompt": ["hi", text]}, Q.completion_jobs, "prompt[1]"),
-                              ({"messages": [{"role": "user", "content": text}]}, Q.chat_job, "messages")):
+                              ({"messages": [{"role": "user", "content": text}]}, Q.chat_jobs, "messages")):
         count = Counting(tok)
         btok = chat.BoundedTokenizer(count)
         count.ids = 0
-        args = (body, btok, limits(), [4]) + ((None,) if make is Q.chat_job else ())
+        args = (body, btok, limits(), [4]) + ((None,) if make is Q.chat_jobs else ())
         err = refused(make, *args)
         assert err["code"] == "context_length_exceeded" and err["param"] == param, err
         assert count.ids <= CONTEXT + 4 * (chat.PIECE + chat.EDGE), count.ids
@@ -96,3 +96,87 @@ def test_messages_quote_the_values_they_show(tok):
     with pytest.raises(Q.ApiError) as e:
         Q.parse_body(b'{"model": "other"}', "step5")
     assert e.value.status == 404 and '"other"' in e.value.message and '"step5"' in e.value.message
+
+
+# --------------------------------------------------------------------------------------------------
+# conversations with tools and reasoning: the server's prompt is the template's own, from OpenAI-shaped messages
+
+TOOL = {"type": "function", "function": {"name": "weather", "description": "The weather.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "hourly": {"type": "boolean"}, "where": {"type": "object"}}}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}
+
+
+def call(i: int, name: str, args: dict, raw: bool) -> dict:
+    import json
+    return {"id": f"call_{i}", "type": "function",
+            "function": {"name": name, "arguments": args if raw else json.dumps(args)}}
+
+
+def conversations(raw: bool) -> dict:
+    """name -> (tools, messages): OpenAI's shapes (raw False) or what the template reads (raw True: arguments as
+    objects, reasoning_content, system for developer)."""
+    r = "reasoning_content" if raw else "reasoning"
+    sys_role = "system" if raw else "developer"
+    user = {"role": "user", "content": "Weather in Oslo?"}
+    asked = {"role": "assistant", "content": None if not raw else "", r: "Use the tool.",
+             "tool_calls": [call(1, "weather", {"city": "Oslo", "days": 2}, raw)]}
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}
+    return {
+        "tools and a system message": ([TOOL, CLOCK], [{"role": "system", "content": "Be brief."}, user]),
+        "tools without a system message": ([TOOL], [user]),
+        "a tool loop": ([TOOL], [user, asked, result]),
+        "parallel calls, their results in one turn": ([TOOL, CLOCK], [
+            user, {"role": "assistant", "content": "Two calls.", "tool_calls": [
+                call(1, "weather", {"city": "Oslo"}, raw), call(2, "clock", {}, raw)]},
+            result, {"role": "tool", "tool_call_id": "call_2", "content": "12:00"}]),
+        "reasoning across user turns: kept after the last user only": ([], [
+            user, {"role": "assistant", "content": "Sunny.", r: "Old thought."},
+            {"role": "user", "content": "And Rome?"}, {"role": "assistant", "content": "", r: "New thought.",
+                                                       "tool_calls": [call(3, "weather", {"city": "Rome"}, raw)]},
+            {"role": "tool", "tool_call_id": "call_3", "content": "Rain"}]),
+        "developer as system": ([TOOL], [{"role": sys_role, "content": "Rules."}, user]),
+        "an observation": ([], [user, {"role": "assistant", "content": "Hm."},
+                                {"role": "system", "name": "observation", "content": "It is raining."},
+                                {"role": "user", "content": "So?"}]),
+        "text parts": ([], [{"role": "user", "content": [{"type": "text", "text": "Part one. "},
+                                                         {"type": "text", "text": "Part two."}]
+                             if not raw else "Part one. Part two."}]),
+        "Python spellings of scalars, JSON of objects": ([TOOL], [
+            user, {"role": "assistant", "content": "", "tool_calls": [call(
+                4, "weather", {"city": "Oslo", "hourly": False, "where": {"lat": 59.9, "tags": [None, True]}}, raw)]},
+            {"role": "tool", "tool_call_id": "call_4", "content": "ok"}]),
+        "no tools: the plain template": ([], [{"role": "system", "content": "S"}, user]),
+    }
+
+
+@pytest.mark.parametrize("name", list(conversations(False)))
+def test_a_conversation_with_tools_renders_as_the_templates_own_text(tok, name):
+    tools, msgs = conversations(False)[name]
+    want_tools, want_msgs = conversations(True)[name]
+    body = {"messages": msgs, "max_tokens": 1, **({"tools": tools} if tools else {})}
+    job = Q.chat_jobs(body, chat.BoundedTokenizer(tok), limits(), [4], chat.think_ids(tok))[0]
+    text = tok.apply_chat_template(want_msgs, tools=want_tools or None, tokenize=False, add_generation_prompt=True)
+    assert job.ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(job.ids, skip_special_tokens=False) == text and job.reasoning  # the prompt opens <think>
+    assert ("# Tools" in text) == bool(tools) and text.count(tok.bos_token) == 1
+
+
+def test_past_reasoning_and_tool_calls_reach_the_template(tok):
+    """The rendered texts hold what the normalisation passed (not only equal to a template that could ignore it)."""
+    text = tok.decode(Q.chat_jobs({"messages": conversations(False)["reasoning across user turns: kept after the "
+                                                                    "last user only"][1], "max_tokens": 1},
+                                  chat.BoundedTokenizer(tok), limits(), [4], None)[0].ids, skip_special_tokens=False)
+    assert "New thought." in text and "Old thought." not in text and "<parameter=city>\nRome\n</parameter>" in text
+    text = tok.decode(Q.chat_jobs({"messages": conversations(False)["Python spellings of scalars, JSON of objects"][1],
+                                   "tools": [TOOL], "max_tokens": 1}, chat.BoundedTokenizer(tok), limits(), [4],
+                                  None)[0].ids, skip_special_tokens=False)
+    assert "<parameter=hourly>\nFalse\n</parameter>" in text and '{"lat": 59.9, "tags": [null, true]}' in text
+
+
+def test_a_template_without_tools_refuses_them_naming_tools(tok, monkeypatch):
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], "max_tokens": 1}
+    err = refused(Q.chat_jobs, body, chat.BoundedTokenizer(tok), limits(), [4], None)
+    assert err["param"] == "tools" and "does not render tools" in err["message"]
+    assert chat.template_variables(tok) == {"messages"}
