@@ -1,0 +1,226 @@
+"""The prefix store (prefix_cache.py) through the engine, on the tiny checkpoints in process at TP=1 (TP=2:
+test_two_ranks_share_a_prefix_alike): a request sharing a prefix with another conversation copies it into its own slot
+and prefills only the rest, its first token's logits bitwise those of a slot that prefilled the prefix itself in the
+same chunk split, its greedy tokens a whole-prompt prefill's (near-ties exempted: tests/invariants.py); images,
+speculative decoding, eviction, a donor still decoding, requests arriving together, the LRU order, cache_salt, echo.
+
+Every test forces copies on (prefix_cache_min=0). The reference for "bitwise" is an engine without a store whose one
+slot reuses the prefix it computed itself (Engine._reuse: the same positions, rewound), fed the same chunk split.
+"""
+import random
+
+import pytest
+import torch
+
+import engine as E
+import prefix_cache
+from invariants import tokens_agree_up_to_near_tie
+
+N = 40  # the shared prefix's tokens: five regions of the tiny checkpoints' 8
+GIB = 0.01  # a store of ~10 MiB on the tiny geometry: hundreds of regions, tens of windows
+
+
+def ids(n: int, seed: int) -> list:
+    r = random.Random(seed)
+    return [r.randrange(11, 1024) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def lm(tp1_models):
+    return tp1_models("bf16_text")
+
+
+def engine(model, batch=2, gib=GIB, chunk=E.PREFILL_CHUNK, k=0, context=256) -> E.Engine:
+    eng = E.Engine(model, E.EngineConfig(max_batch=batch, max_context=context, prefill_chunk=chunk, speculative=k,
+                                         prefix_cache_gib=gib, prefix_cache_min=0))
+    eng.start()
+    return eng
+
+
+def solo(model, prompt, new, k=0, features=None) -> list:
+    """A fresh engine's greedy tokens for the whole prompt, no store."""
+    return engine(model, 1, 0, k=k).run([E.Request(prompt, new, features=features)])[0].out
+
+
+def first_logprobs(r: E.Request):
+    """The first token's log-probability and its top alternatives, as floats: bitwise comparable."""
+    lp = r.token_logprobs[0]
+    return lp.logprob, lp.top
+
+
+def reference(model, donor: list, prompt: list, new: int, k=0, features=(None, None)) -> E.Request:
+    """The request after `donor` in one slot of an engine without a store: it reuses what the slot computed. The
+    donor's prefill is cut at N as the store's leader's is (prefill_chunk=N)."""
+    eng = engine(model, 1, 0, chunk=N, k=k)
+    eng.run([E.Request(donor, 1, features=features[0])])
+    return eng.run([E.Request(prompt, new, logprobs=5, features=features[1])])[0]
+
+
+@torch.inference_mode()
+def test_a_prefix_from_another_slot_gives_the_slots_own_logits_bitwise(lm):
+    """Two conversations sharing an N-token prefix arrive together: the second waits for the first's prefill, copies
+    the prefix into its own slot (cached = N, a whole number of regions) and prefills only its rest. Its first
+    logits are bitwise those of a slot that computed the prefix itself; its greedy tokens a whole-prompt prefill's."""
+    P = ids(N, 1)
+    a, b = P + ids(5, 2), P + ids(7, 3)
+    eng = engine(lm)
+    ra, rb = E.Request(a, 4, logprobs=5), E.Request(b, 4, logprobs=5)
+    eng.run([ra, rb])
+    assert ra.slot != rb.slot and ra.cached == 0
+    assert rb.cached == N // eng.store.blk * eng.store.blk == N
+    assert eng.store.stats["hits"] == 1 and eng.store.stats["tokens_hit"] == N
+    assert first_logprobs(rb) == first_logprobs(reference(lm, a, b, 4))
+    tokens_agree_up_to_near_tie(lm, b, rb.out, solo(lm, b, 4))
+
+
+@torch.inference_mode()
+def test_four_requests_arriving_together_prefill_the_shared_prefix_once(lm):
+    """Four conversations with one N-token system prompt in one step: the prefix is prefilled once (counted in
+    tokens: N plus each request's own rest), every later one reports cached = N, and each answers as alone."""
+    P = ids(N, 4)
+    prompts = [P + ids(3 + i, 10 + i) for i in range(4)]
+    eng = engine(lm, batch=4)
+    reqs = eng.run([E.Request(p, 3) for p in prompts])
+    assert eng.prefill_tokens == N + sum(len(p) - N for p in prompts)
+    assert [r.cached for r in reqs] == [0, N, N, N]
+    for p, r in zip(prompts, reqs):
+        tokens_agree_up_to_near_tie(lm, p, r.out, solo(lm, p, 3))
+
+
+@torch.inference_mode()
+def test_a_donor_still_decoding_gives_its_prefix_and_keeps_its_tokens(lm):
+    """A request whose prefill is done gives its prompt's prefix to one that arrives while it decodes (the store holds
+    it from the prefill's end); the donor's own tokens are unchanged."""
+    a = ids(N + 1, 5)
+    b = a[:N] + ids(6, 6)
+    eng = engine(lm)
+    ra = eng.submit(E.Request(a, 8))
+    for _ in range(3):
+        eng.step()
+    assert ra.out and ra.finish is None
+    rb = eng.submit(E.Request(b, 4, logprobs=5))
+    while eng.busy():
+        eng.step()
+    assert rb.slot != ra.slot and rb.cached == N
+    ref = engine(lm, 1, 0)  # the donor's prompt in one pass (the store's donor was not cut), then b in its slot
+    ref.run([E.Request(a, 1)])
+    assert first_logprobs(rb) == first_logprobs(ref.run([E.Request(b, 4, logprobs=5)])[0])
+    assert ra.out == solo(lm, a, 8)
+    tokens_agree_up_to_near_tie(lm, b, rb.out, solo(lm, b, 4))
+
+
+@torch.inference_mode()
+def test_a_next_turn_in_another_slot_reuses_the_conversation(lm):
+    """A conversation's next turn (its last prompt, answer and a new user turn) finds the conversation stored at the
+    last request's release, though another request holds its slot now."""
+    t1 = ids(30, 7)
+    eng = engine(lm, batch=1)
+    r1 = eng.run([E.Request(t1, 5)])[0]
+    eng.run([E.Request(ids(20, 8), 2)])  # the slot now holds another conversation
+    t2 = t1 + r1.out + ids(9, 9)
+    r2 = eng.run([E.Request(t2, 4, logprobs=5)])[0]
+    held = len(t1) + len(r1.out) - 1  # the last answer token was never fed
+    assert r2.cached == held // 8 * 8 > 0
+    tokens_agree_up_to_near_tie(lm, t2, r2.out, solo(lm, t2, 4))
+
+
+@torch.inference_mode()
+def test_a_different_cache_salt_never_hits(lm):
+    """The same prompt under another cache_salt reuses nothing, from the store or from the slot it lands in; under
+    the same salt it does."""
+    P = ids(N + 4, 11)
+    eng = engine(lm, batch=1)
+    eng.run([E.Request(P, 2, cache_salt="tenant-a")])
+    other = eng.run([E.Request(P[:N] + ids(5, 12), 2, cache_salt="tenant-b")])[0]
+    unsalted = eng.run([E.Request(P[:N] + ids(5, 13), 2)])[0]
+    same = eng.run([E.Request(P[:N] + ids(5, 14), 2, cache_salt="tenant-a")])[0]
+    assert other.cached == 0 and unsalted.cached == 0
+    assert same.cached == N
+
+
+@torch.inference_mode()
+def test_echo_requests_bypass_the_store(lm):
+    """An echo request computes every prompt token's logprob itself: no copy in, and nothing looked up."""
+    P = ids(N + 4, 15)
+    eng = engine(lm, batch=2)
+    eng.run([E.Request(P, 2)])
+    before = dict(eng.store.stats)
+    r = eng.run([E.Request(P[:N] + ids(4, 16), 1, logprobs=0, echo=True)])[0]
+    assert r.cached == 0 and eng.store.stats == before
+    assert len(r.prompt_logprobs) == N + 4
+
+
+@torch.inference_mode()
+def test_the_store_evicts_the_least_recently_used_prefix(lm):
+    """A store with room for two windows: a third prefix evicts the least recently used one (a lookup refreshes), and
+    the pages it alone held are freed."""
+    eng = engine(lm, batch=1)
+    st = eng.store
+    two = prefix_cache.size_for(lm, [eng.cache], 0)  # the pools' unit sizes
+    budget = 2 * two.snap_bytes / prefix_cache.SNAP_SHARE
+    small = prefix_cache.PrefixStore(eng, prefix_cache.size_for(lm, [eng.cache], int(budget)))
+    assert small.size.snaps == 2 and small.size.pages >= 6
+    keys = [ids(16, 20 + i) for i in range(3)]
+    assert small.put(0, keys[0], None, 16) and small.put(0, keys[1], None, 16)
+    assert small.lookup(keys[0], None, 16).n == 16  # refreshes keys[0]: keys[1] is now the least recently used
+    free = len(small.free_pages)
+    assert small.put(0, keys[2], None, 16)
+    assert small.stats["evictions"] == 1 and len(small.free_pages) == free
+    assert small.lookup(keys[1], None, 16) is None
+    assert small.lookup(keys[0], None, 16).n == 16 and small.lookup(keys[2], None, 16).n == 16
+    # shared regions are stored once: a prefix that extends keys[0] adds one page below keys[0]'s
+    pages = small.lookup(keys[0], None, 16).pages
+    assert small.put(0, keys[0] + ids(8, 30), None, 24)
+    assert small.lookup(keys[0] + ids(8, 30), None, 24).pages[:2] == pages
+    assert st is not small and st.stats["evictions"] == 0
+
+
+@torch.inference_mode()
+def test_after_eviction_recycled_pages_give_the_right_prefix(lm):
+    """A store that holds one conversation at a time: the second evicts the first (whose next request then reuses
+    nothing from the store) and takes its pages; a request sharing the second's prefix copies it from the recycled
+    pages, bitwise as the slot's own reuse."""
+    snap = prefix_cache.size_for(lm, [lm.new_cache(1, 16, device="meta")], 0).snap_bytes
+    eng = engine(lm, batch=1, gib=2.5 * snap / (1 << 30))  # one window, 8 regions
+    assert eng.store.size.snaps == 1 and eng.store.size.pages < 2 * N // 8
+    A, C = ids(N + 1, 40), ids(N + 1, 41)
+    eng.run([E.Request(A, 1)])  # stores A's first N (at its usable end, and again at its release)
+    eng.run([E.Request(C, 1)])  # C's evicts A's and takes its pages
+    assert eng.store.stats["evictions"] == 1
+    eng.run([E.Request(ids(5, 42), 1)])  # the slot holds something else (too short to be stored)
+    b = C[:N] + ids(6, 45)
+    rb = eng.run([E.Request(b, 4, logprobs=5)])[0]
+    assert rb.cached == N
+    eng.run([E.Request(ids(5, 44), 1)])
+    ra = eng.run([E.Request(A[:N] + ids(5, 43), 2)])[0]
+    assert ra.cached == 0
+    ref = engine(lm, 1, 0)
+    ref.run([E.Request(C, 1)])
+    assert first_logprobs(rb) == first_logprobs(ref.run([E.Request(b, 4, logprobs=5)])[0])
+    tokens_agree_up_to_near_tie(lm, b, rb.out, solo(lm, b, 4))
+
+
+@torch.inference_mode()
+@pytest.mark.slow
+def test_an_image_prefix_is_reused_for_the_same_image_only(tp1_models):
+    """A prefix holding an image is copied for a request with the same image's features (bitwise as the slot's own
+    reuse), and only up to the image for another image of the same size."""
+    vm = tp1_models("bf16_vl")
+    img, D = vm.vl.image_token_id, vm.cfg.hidden_size
+    pre = ids(10, 50)
+    P = pre + [img] * 9 + ids(N - 19, 51)  # N tokens, the image in regions 1 and 2
+    f1 = torch.randn(9, D, generator=torch.Generator().manual_seed(1)).bfloat16()
+    f2 = torch.randn(9, D, generator=torch.Generator().manual_seed(2)).bfloat16()
+    a, b = P + ids(4, 52), P + ids(6, 53)
+    eng = engine(vm)
+    eng.run([E.Request(a, 1, features=f1)])
+    eng.run([E.Request(ids(12, 54), 1), E.Request(ids(12, 55), 1)])  # both slots hold something else
+    same = eng.run([E.Request(b, 4, logprobs=5, features=f1)])[0]
+    assert same.cached == N
+    ref = reference(vm, a, b, 4, features=(f1, f1))
+    assert first_logprobs(same) == first_logprobs(ref) and same.out == ref.out
+    eng.run([E.Request(ids(12, 56), 1), E.Request(ids(12, 57), 1)])
+    other = eng.run([E.Request(b, 2, logprobs=5, features=f2)])[0]
+    assert other.cached <= len(pre) // 8 * 8  # never past the image's first region
+    fresh = engine(vm, 1, 0).run([E.Request(b, 2, logprobs=5, features=f2)])[0]
+    assert first_logprobs(other) == first_logprobs(fresh) and other.out == fresh.out
