@@ -5,17 +5,25 @@ same chunk split, its greedy tokens a whole-prompt prefill's (near-ties exempted
 speculative decoding, eviction, a donor still decoding, requests arriving together, the LRU order, cache_salt, echo.
 
 Every test forces copies on (prefix_cache_min=0). The reference for "bitwise" is an engine without a store whose one
-slot reuses the prefix it computed itself (Engine._reuse: the same positions, rewound), fed the same chunk split.
+slot reuses the prefix it computed itself (Engine._reuse: the same positions, rewound), fed the same chunk split (a
+prefill stores the prefix points near its end from the rings after the pass, so the donor's prompt is one pass in
+both).
 """
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import engine as E
 import prefix_cache
+import speculative
 from invariants import tokens_agree_up_to_near_tie
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 40  # the shared prefix's tokens: five regions of the tiny checkpoints' 8
 GIB = 0.01  # a store of ~10 MiB on the tiny geometry: hundreds of regions, tens of windows
 
@@ -50,8 +58,8 @@ def first_logprobs(r: E.Request):
 
 def reference(model, donor: list, prompt: list, new: int, k=0, features=(None, None)) -> E.Request:
     """The request after `donor` in one slot of an engine without a store: it reuses what the slot computed. The
-    donor's prefill is cut at N as the store's leader's is (prefill_chunk=N)."""
-    eng = engine(model, 1, 0, chunk=N, k=k)
+    donor's prompt is one pass, as the store's donor's is (its prefill stores the prefix from its rings at the end)."""
+    eng = engine(model, 1, 0, k=k)
     eng.run([E.Request(donor, 1, features=features[0])])
     return eng.run([E.Request(prompt, new, logprobs=5, features=features[1])])[0]
 
@@ -224,3 +232,58 @@ def test_an_image_prefix_is_reused_for_the_same_image_only(tp1_models):
     assert other.cached <= len(pre) // 8 * 8  # never past the image's first region
     fresh = engine(vm, 1, 0).run([E.Request(b, 2, logprobs=5, features=f2)])[0]
     assert first_logprobs(other) == first_logprobs(fresh) and other.out == fresh.out
+
+
+@pytest.mark.slow
+def test_two_ranks_share_a_prefix_alike(converted, tmp_path):
+    """TP=2 (tests/prefix_cache_tp2.py): the second of two conversations sharing N tokens copies them into another
+    slot on both ranks, prefills only its rest, and its first logprobs and tokens are bitwise those of a slot that
+    computed the prefix itself; the ranks agree."""
+    d = converted("bf16_text", 2)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        os.path.join(ROOT, "tests", "prefix_cache_tp2.py"), d, str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    runs = [json.loads((tmp_path / f"out.{rank}.json").read_text()) for rank in (0, 1)]
+    assert runs[0] == runs[1]
+    store, slot = runs[0]["store"], runs[0]["slot"]
+    assert store["cached"] == N and store["slots"] == [0, 1] and store["prefilled"] == N + 5 + 7
+    assert slot["cached"] == N and slot["slots"] == [0, 0]
+    assert store["first"] == slot["first"] and store["out"] == slot["out"]
+
+
+@pytest.fixture(scope="module")
+def mtp(converted):
+    import config
+    import model as M
+    d = converted("bf16_text", 1, keep_mtp=True)
+    cfg = config.load_config(os.path.join(d, "config-r0.json"))[0]
+    return M.Step5ForCausalLM.from_shard(os.path.join(d, "model-r0.safetensors"), cfg)
+
+
+@torch.inference_mode()
+@pytest.mark.slow
+def test_speculative_copies_the_mtp_layers_windows(mtp, monkeypatch):
+    """With --speculative 2 the copy carries the MTP layers' windows too: the second conversation's first logprobs
+    and its first drafts (the MTP layers' output on the copied state) are bitwise a slot's own reuse of the same
+    prefix; its tokens are plain greedy's on the whole prompt."""
+    drafts = {}
+    first = speculative.Speculator.first_drafts
+
+    def record(self, reqs, slots):
+        first(self, reqs, slots)
+        for r, d in zip(reqs, self.drafts[slots].tolist()):
+            drafts.setdefault(tuple(r.ids), []).append(d)
+    monkeypatch.setattr(speculative.Speculator, "first_drafts", record)
+    P = ids(N + 4, 60)  # a slot's own reuse keeps K + 2 short of the common prefix: N at a region
+    a, b = P + ids(5, 61), P + ids(7, 62)
+    eng = engine(mtp, k=2)
+    ra, rb = E.Request(a, 3), E.Request(b, 6, logprobs=5)  # a holds its slot while b is admitted
+    eng.run([ra, rb])
+    assert rb.slot != ra.slot and rb.cached == N
+    ref = reference(mtp, a, b, 6, k=2)
+    assert ref.cached == N
+    assert first_logprobs(rb) == first_logprobs(ref)
+    assert drafts[tuple(b)][0] == drafts[tuple(b)][1]  # ours, then the reference's
+    tokens_agree_up_to_near_tie(mtp, b, rb.out, solo(mtp, b, 6))
