@@ -287,3 +287,46 @@ def test_speculative_copies_the_mtp_layers_windows(mtp, monkeypatch):
     assert first_logprobs(rb) == first_logprobs(ref)
     assert drafts[tuple(b)][0] == drafts[tuple(b)][1]  # ours, then the reference's
     tokens_agree_up_to_near_tie(mtp, b, rb.out, solo(mtp, b, 6))
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "search", "description": "Search the project's notes for a phrase and return the matching lines.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "the phrase"},
+                                                    "limit": {"type": "integer"}}, "required": ["query"]}}}]
+
+
+@torch.inference_mode()
+@pytest.mark.slow
+def test_the_hit_rate_of_a_rendered_tool_loop_is_measured(lm, converted):
+    """An agent's loop through the chat template (tools in the system turn; each step's reasoning and tool call, then
+    the tool's result; at each new user turn the template drops the past turns' reasoning): every request's prompt
+    is rendered again from the messages, as a server receives it. Each reports at most what it truly shares with an
+    earlier prompt (region-rounded), and the loop's hit rate is printed (reported, not assumed)."""
+    import runtime
+    tok = runtime.load_tokenizer(os.path.join(converted("bf16_text", 1), "..", "tokenizer_files"))
+    eng = engine(lm, batch=1, context=2048)
+    msgs = [{"role": "system", "content": "You are a careful agent. Use the tools before you answer."}]
+    seen, rows = [], []
+    for turn in range(3):
+        msgs.append({"role": "user", "content": f"Question {turn}: what do the notes say about topic {turn}?"})
+        for step in range(3):
+            ids_ = tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+            prompt = tok(ids_, add_special_tokens=False)["input_ids"]
+            r = eng.run([E.Request(prompt, 2)])[0]
+            best = max((E.common_prefix(prompt, p) for p in seen), default=0)
+            rows.append((len(prompt), r.cached, min(best, len(prompt) - 1) // 8 * 8))
+            seen += [prompt, prompt + r.out]
+            if step < 2:
+                msgs.append({"role": "assistant", "content": "", "reasoning_content": f"Step {step}: look it up.",
+                             "tool_calls": [{"type": "function", "function": {
+                                 "name": "search", "arguments": {"query": f"topic {turn} part {step}"}}}]})
+                msgs.append({"role": "tool", "content": f"line {step}: topic {turn} is covered in part {step}."})
+            else:
+                msgs.append({"role": "assistant", "content": f"Topic {turn} is covered in parts 0 and 1.",
+                             "reasoning_content": "Both lookups agree."})
+    prompt_tokens, cached = sum(n for n, _, _ in rows), sum(c for _, c, _ in rows)
+    print(f"\ntool loop: {len(rows)} requests, {prompt_tokens} prompt tokens, {cached} cached: hit rate "
+          f"{cached / prompt_tokens:.1%} (shared with an earlier prompt, at regions: "
+          f"{sum(b for *_, b in rows) / prompt_tokens:.1%}); per request (prompt, cached, shared): {rows}")
+    assert all(c <= b for _, c, b in rows)  # never more than is truly shared
+    assert rows[0][1] == 0 and cached > 0
