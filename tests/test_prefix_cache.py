@@ -330,3 +330,14 @@ def test_the_hit_rate_of_a_rendered_tool_loop_is_measured(lm, converted):
           f"{sum(b for *_, b in rows) / prompt_tokens:.1%}); per request (prompt, cached, shared): {rows}")
     assert all(c <= b for _, c, b in rows)  # never more than is truly shared
     assert rows[0][1] == 0 and cached > 0
+
+
+@pytest.mark.slow
+def test_the_bench_runs_at_tiny_shapes():
+    """tools/bench_prefix_cache.py --tiny (the device's measurement at the tiny checkpoint's shapes, on the CPU): its
+    hit copies the whole prefix, and its agents prefill their shared system prompt once."""
+    r = subprocess.run([sys.executable, "-m", "tools.bench_prefix_cache", "--tiny", "--reps", "1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "copied from the store (cached 64)" in r.stdout and "hit / alone" in r.stdout
+    assert "store: mean TTFT" in r.stdout and "104 tokens prefilled, 96 cached" in r.stdout, r.stdout
