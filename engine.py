@@ -1,6 +1,6 @@
 """The long-lived engine: one model, one cache of `max_batch` slots of `max_context` positions, and every compiled
-kernel and CUDA graph, all made once at start-up. Requests take a free slot, stream their tokens and leave the slot
-without copying any other request's cache.
+kernel and CUDA graph, all made once at start-up. Requests take a free slot, stream their tokens and leave the slot;
+a prompt that starts like an earlier one copies that prefix from the prefix store (prefix_cache.py) into its slot.
 
     eng = Engine(model, EngineConfig(max_batch=4, max_context=8192))
     eng.start()                                   # kernels compiled, caches allocated, graphs captured
@@ -23,6 +23,13 @@ How it works, and where each part lives:
   over the slots that decode; then read the previous decode step's tokens and hand them to their requests, which end
   at a stop id or at max_new_tokens (Finish). The host reads a step's tokens after the next step is queued (its
   forward, when the step is constrained: below), so the device never waits for it.
+- The prefix store (prefix_cache.py; its budget in the memory plan). A prefill stores its prompt's prefix at points
+  (Engine._points: every prefix_cache.SNAP_EVERY positions, the usable end) from the slot's caches right after the
+  pass that reaches each point, while the rings still hold its window (a pass is cut at a point further back); a
+  request's release stores its conversation (prompt and answer). At admission a request copies its longest stored
+  prefix under its cache_salt when it beats the slot's own reuse by prefix_cache_min tokens; one that shares more with
+  a request still in prefill (a leader) waits a step for the leader to store it (Engine._wait_for_leader), so
+  requests arriving together (the n choices of one prompt, agents with one system prompt) prefill it once.
 - Prefill, short prompts as graphs. An eager prefill pass of up to a few thousand tokens is bound by the host's
   ~1,200 Python launches, not by its kernels. So a fresh prompt (no cached prefix, no image) of up to
   startup.GRAPH_PREFILL tokens replays the prefill graph of its length padded to a power of two (32 ... 4,096) in a
