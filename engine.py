@@ -452,7 +452,7 @@ class Engine:
         has and what is stored already."""
         U = self._usable(req)
         want = set(range(prefix_cache.SNAP_EVERY, U, prefix_cache.SNAP_EVERY)) | ({U} if U else set())
-        return {x for x in want if x > req.prefilled and not self.store.holds(req.key, req.cache_salt, x)}
+        return {x for x in want if x > req.prefilled} - self.store.stored(req.key, req.cache_salt, U)
 
     def _wait_for_leader(self, req: Request, have: int) -> bool:
         """True when a request in prefill (the leader) shares a prefix with req that is longer than `have` by at

@@ -151,10 +151,9 @@ class PrefixStore:
         self.lru.move_to_end(id(node))
         return Hit((end + 1) * self.blk, [nd.page for nd in path[:end + 1]], node.snap)
 
-    def holds(self, key: list, salt, n: int) -> bool:
-        """A snapshot is stored at exactly n positions of key."""
-        path = self._walk(key, salt, n)
-        return len(path) == n // self.blk and bool(path) and path[-1].snap is not None
+    def stored(self, key: list, salt, limit: int) -> set:
+        """The lengths of key's prefixes stored (a snapshot at their end), up to `limit` positions: one walk."""
+        return {(i + 1) * self.blk for i, nd in enumerate(self._walk(key, salt, limit)) if nd.snap is not None}
 
     def _evict_one(self) -> bool:
         if not self.lru:
@@ -173,6 +172,11 @@ class PrefixStore:
         return True
 
     # ---- copies
+    def _index(self, rows: list) -> torch.Tensor:
+        """Page ids as a device index, by a pinned asynchronous copy: a plain one would wait for the queued steps."""
+        pinned = self.e.dev.type == "cuda"
+        return torch.tensor(rows, pin_memory=pinned).to(self.e.dev, non_blocking=pinned)
+
     def _window(self, X: int, R: int, dev) -> tuple:
         """(positions max(0, X-W+1) .. X-1 as ring slots of a ring of R [n], their rows in a snapshot [n])."""
         lo = max(0, X - self.W + 1)
@@ -182,8 +186,8 @@ class PrefixStore:
     def put(self, slot: int, key: list, salt, X: int) -> bool:
         """Store the first X positions (a multiple of the region) of what slot holds, key its reuse key: its pages
         that are not stored yet, and the window at X from the slot's rings, which must still hold it (the caller's
-        bound: Engine._ring_holds). Evicts least recently used prefixes for room; False when the store cannot
-        hold it. A prefix stored already is only refreshed."""
+        bound: the slot's length at most `margin` past X). Evicts least recently used prefixes for room; False when
+        the store cannot hold it. A prefix stored already is only refreshed."""
         blk = self.blk
         if X <= 0 or X % blk:
             raise ValueError(f"a stored prefix must be a positive multiple of the region ({blk}), not {X}")
@@ -195,8 +199,11 @@ class PrefixStore:
                 return True
             if need <= len(self.free_pages) and self.free_snaps:
                 break
-            if X // blk > self.size.pages or not self._evict_one():
+            if X // blk > self.size.pages:
                 return False
+            while need > len(self.free_pages) or not self.free_snaps:  # then walk again: evictions may prune the path
+                if not self._evict_one():
+                    return False
         dev = self.e.dev
         node = path[-1] if path else self.roots.setdefault(salt, _Node(-1, None, salt))
         new, first = [], len(path)
@@ -208,7 +215,7 @@ class PrefixStore:
             new.append(child.page)
             node = child
         if new:
-            pages = torch.tensor(new, device=dev)
+            pages = self._index(new)
             a, b = first * blk, X
             for lc, k, v, s in zip(self.dsa, self.pk, self.pv, self.ps):
                 k.index_copy_(0, pages, lc.k[slot, a:b].reshape(-1, blk, *lc.k.shape[2:]))
@@ -216,8 +223,10 @@ class PrefixStore:
                 s.index_copy_(0, pages, lc.summ[slot, first:X // blk])
         node.snap = self.free_snaps.pop()
         self.lru[id(node)] = node
+        wins = {}  # ring size -> its window's slots and rows
         for lc, k, v in zip(self.sliding, self.sk, self.sv):
-            ring, rows = self._window(X, lc.k.shape[2], dev)
+            R = lc.k.shape[2]
+            ring, rows = wins[R] if R in wins else wins.setdefault(R, self._window(X, R, dev))
             k[node.snap, :, rows] = lc.k[slot][:, ring]
             v[node.snap, :, rows] = lc.v[slot][:, ring]
         return True
@@ -226,13 +235,15 @@ class PrefixStore:
         """The stored prefix into the slot: DSA K/V and summaries of its positions, the window of every sliding
         layer at its end; the lengths are the caller's."""
         dev, blk, X = self.e.dev, self.blk, hit.n
-        pages = torch.tensor(hit.pages, device=dev)
+        pages = self._index(hit.pages)
         for lc, k, v, s in zip(self.dsa, self.pk, self.pv, self.ps):
             lc.k[slot, :X] = k.index_select(0, pages).flatten(0, 1)
             lc.v[slot, :X] = v.index_select(0, pages).flatten(0, 1)
             lc.summ[slot, :X // blk] = s.index_select(0, pages)
+        wins = {}
         for lc, k, v in zip(self.sliding, self.sk, self.sv):
-            ring, rows = self._window(X, lc.k.shape[2], dev)
+            R = lc.k.shape[2]
+            ring, rows = wins[R] if R in wins else wins.setdefault(R, self._window(X, R, dev))
             lc.k[slot][:, ring] = k[hit.snap][:, rows]
             lc.v[slot][:, ring] = v[hit.snap][:, rows]
         self.stats["tokens_hit"] += X

@@ -65,6 +65,7 @@ def reference(model, donor: list, prompt: list, new: int, k=0, features=(None, N
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_a_prefix_from_another_slot_gives_the_slots_own_logits_bitwise(lm):
     """Two conversations sharing an N-token prefix arrive together: the second waits for the first's prefill, copies
     the prefix into its own slot (cached = N, a whole number of regions) and prefills only its rest. Its first
@@ -82,6 +83,7 @@ def test_a_prefix_from_another_slot_gives_the_slots_own_logits_bitwise(lm):
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_four_requests_arriving_together_prefill_the_shared_prefix_once(lm):
     """Four conversations with one N-token system prompt in one step: the prefix is prefilled once (counted in
     tokens: N plus each request's own rest), every later one reports cached = N, and each answers as alone."""
@@ -96,6 +98,7 @@ def test_four_requests_arriving_together_prefill_the_shared_prefix_once(lm):
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_a_donor_still_decoding_gives_its_prefix_and_keeps_its_tokens(lm):
     """A request whose prefill is done gives its prompt's prefix to one that arrives while it decodes (the store holds
     it from the prefill's end); the donor's own tokens are unchanged."""
@@ -184,6 +187,7 @@ def test_the_store_evicts_the_least_recently_used_prefix(lm):
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_after_eviction_recycled_pages_give_the_right_prefix(lm):
     """A store that holds one conversation at a time: the second evicts the first (whose next request then reuses
     nothing from the store) and takes its pages; a request sharing the second's prefix copies it from the recycled
