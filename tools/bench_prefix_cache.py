@@ -86,6 +86,15 @@ def one_conversation(m, P: int, R: int, new: int, reps: int, gib, least: int, sa
         out[label] = {k: statistics.median(v) for k, v in rows.items() if v}
         if label == "store":
             out[label]["stats"] = dict(eng.store.stats)
+            hit = eng.store.lookup(prefix + [0], None, P)  # the last rep's prefix: the copy alone, timed
+            if hit is not None:
+                eng.store.load(0, hit)
+                sync(eng.dev)
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    eng.store.load(0, hit)
+                sync(eng.dev)
+                out[label]["copy"], out[label]["copy_n"] = (time.perf_counter() - t0) / 10, hit.n
         del eng
         if m.lm_head.weight.is_cuda:
             torch.cuda.empty_cache()
@@ -133,6 +142,11 @@ def main(tiny: bool, prefix: int, rest: int, new: int, reps: int, n_agents: int,
         print(f"  {rest} tokens alone:                                               {s['alone']:.4f} s")
         print(f"  hit / alone {s['hit'] / s['alone']:.2f}x (target <= 2x); fresh / hit {n['fresh'] / s['hit']:.1f}x; "
               f"the store's cost on a fresh prompt {s['fresh'] / n['fresh'] - 1:+.1%}; store {s['stats']}", flush=True)
+        if "copy" in s:
+            per_token = (n["fresh"] - n["alone"]) / prefix
+            print(f"  the copy alone: {s['copy_n']} positions in {s['copy'] * 1e3:.2f} ms; a prefill token costs "
+                  f"{per_token * 1e6:.1f} us here ((fresh - alone) / prefix): break-even at "
+                  f"{s['copy'] / max(per_token, 1e-12):.0f} tokens (engine.PREFIX_MIN {E.PREFIX_MIN})", flush=True)
         if n_agents:
             a = agents(m, n_agents, system, rest, new, gib, least, print)
             for label in ("store", "none"):
