@@ -25,10 +25,11 @@ How it works, and where each part lives:
   forward, when the step is constrained: below), so the device never waits for it.
 - The prefix store (prefix_cache.py; its budget in the memory plan). A prefill stores its prompt's prefix at points
   (Engine._points: every prefix_cache.SNAP_EVERY positions, the usable end) from the slot's caches right after the
-  pass that reaches each point, while the rings still hold its window (a pass is cut at a point further back); a
-  request's release stores its conversation (prompt and answer). At admission a request copies its longest stored
-  prefix under its cache_salt when it beats the slot's own reuse by prefix_cache_min tokens; one that shares more with
-  a request still in prefill (a leader) waits a step for the leader to store it (Engine._wait_for_leader), so
+  pass that reaches each point: the sliding layers' windows written by the eager pass itself into snapshots reserved
+  for it, or (a prefill graph's pass, whose points all lie within the rings' spare slots of its end) copied from the
+  rings; a request's release stores its conversation (prompt and answer). At admission a request copies its longest
+  stored prefix under its cache_salt when it beats the slot's own reuse by prefix_cache_min tokens; one that shares
+  more with a request still in prefill (a leader) waits a step for the leader to store it (Engine._wait_for_leader), so
   requests arriving together (the n choices of one prompt, agents with one system prompt) prefill it once.
 - Prefill, short prompts as graphs. An eager prefill pass of up to a few thousand tokens is bound by the host's
   ~1,200 Python launches, not by its kernels. So a fresh prompt (no cached prefix, no image) of up to
@@ -555,23 +556,31 @@ class Engine:
             n = min(len(r.ids) - r.prefilled, budget)
             if n <= 0:
                 break
-            far = [x for x in r.points if r.prefilled < x < r.prefilled + n - self.store.margin]
-            n = min(far) - r.prefilled if far else n  # a pass ends at a point its rings would not hold at its end
             pieces.append(Piece(r, r.prefilled, n))
             budget -= n
-        plan = self._prefill_graphs_for(pieces)
+        # the prefix store's points these pieces reach: a graph's pass leaves them to its rings, which hold the windows
+        # of points near its end; an eager pass's layers write them into reserved snapshots (model.Placement.snaps)
+        reach = [(p, x) for p in pieces for x in sorted(p.req.points) if p.start < x <= p.start + p.n]
+        far = any(p.start + p.n - x > self.store.margin for p, x in reach)
+        plan = None if far else self._prefill_graphs_for(pieces)
+        snaps = {}
         if plan:  # each piece's replays in order; its last one's output read before the next replay
             logits = torch.cat([[self._replay_prefill(g, step) for g, step in steps][-1].clone() for steps in plan])
         else:
-            logits = self._eager_prefill(pieces)
+            for p, x in reach:
+                i = self.store.reserve()
+                if i is not None:
+                    snaps[p.req.slot, x] = i
+            logits = self._eager_prefill(pieces, [(b, x, i) for (b, x), i in snaps.items()])
         self.prefill_tokens += sum(p.n for p in pieces)
         for p in pieces:
             p.req.prefilled = p.start + p.n
             self.slots[p.req.slot].held = p.req.key[:p.req.prefilled]
-            for x in sorted(x for x in p.req.points if x <= p.req.prefilled):
-                p.req.points.discard(x)
-                if p.req.prefilled - x <= self.store.margin:
-                    self.store.put(p.req.slot, p.req.key, p.req.cache_salt, x)
+        for p, x in reach:
+            p.req.points.discard(x)
+            i = snaps.get((p.req.slot, x))
+            if i is not None or p.start + p.n - x <= self.store.margin:
+                self.store.put(p.req.slot, p.req.key, p.req.cache_salt, x, i)
         done = [(p.req, lg) for p, lg in zip(pieces, logits) if p.req.prefilled == len(p.req.ids)]
         for r, _ in done:
             if r.max_new_tokens == 0:  # an echo request for the prompt's logprobs alone
@@ -623,9 +632,10 @@ class Engine:
             plan.append(steps)
         return plan if total <= max(self.prefill_graphs) else None
 
-    def _eager_prefill(self, pieces: list) -> torch.Tensor:
+    def _eager_prefill(self, pieces: list, snaps: list | None = None) -> torch.Tensor:
         """One pass over the pieces, packed -> the logits [pieces, V/tp] of each piece's last token; an echo piece's
-        prompt logprobs from every row of the pass."""
+        prompt logprobs from every row of the pass. snaps: the prefix store's windows the layers write
+        (model.Placement.snaps)."""
         ids = torch.tensor([t for p in pieces for t in p.req.ids[p.start:p.start + p.n]], dtype=torch.long,
                            device=self.dev)
         rows = [p.req.slot for p in pieces]
@@ -641,11 +651,13 @@ class Engine:
             hook = (lambda i, layers: self.progress(first, sum(lens), longest, i, layers, start))
         held = [p.start for p in pieces]
         if not self.spec and not any(p.req.echo for p in pieces):
-            return self.model.forward(ids, self.cache, lens, rows=rows, embeds=embeds, held=held, progress=hook)
+            return self.model.forward(ids, self.cache, lens, rows=rows, embeds=embeds, held=held, progress=hook,
+                                      snaps=snaps)
         if self.spec:
-            hidden = self.spec.prefill(pieces, ids, embeds, hook)
+            hidden = self.spec.prefill(pieces, ids, embeds, hook, snaps)
         else:
-            hidden = self.model.forward_rows(ids, self.cache, lens, rows=rows, embeds=embeds, held=held, progress=hook)
+            hidden = self.model.forward_rows(ids, self.cache, lens, rows=rows, embeds=embeds, held=held, progress=hook,
+                                             snaps=snaps)
         starts = list(itertools.accumulate([0] + lens))
         for p, o in zip(pieces, starts):
             if p.req.echo:  # row i predicts prompt token start + i + 1

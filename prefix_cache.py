@@ -9,8 +9,9 @@ had prefilled it:
   prefix that holds the same tokens there.
 - Sliding layers (and the MTP layers, also sliding): the window at X, the keys and values of positions X-W+1 .. X-1.
   Each layer's window depends on the windows below it, so it cannot be recomputed from the DSA layers' state; it is
-  kept as a snapshot taken where the slot's rings held it (Snapshots: a pass that ends within the rings' spare slots
-  of X, so a pass is cut at the points further back: engine.Engine._pieces).
+  kept as a snapshot, written by the layers themselves during an eager prefill pass that reaches X
+  (model.Placement.snaps: into a snapshot reserved before the pass), or copied from the slot's rings after a pass
+  (a prefill graph's, a request's release) that ends within the rings' spare slots of X.
 A stored prefix is (its pages, a snapshot at its end). A prefix of the request that ends between two snapshots of a
 stored one reuses the shorter and prefills the rest: exact, unlike recomputing the last window alone.
 
@@ -112,6 +113,8 @@ class PrefixStore:
         self.sk = [torch.zeros(size.snaps, lc.k.shape[1], self.W - 1, lc.k.shape[3], dtype=lc.k.dtype, device=dev)
                    for lc in sliding]
         self.sv = [torch.zeros_like(t) for t in self.sk]
+        for lc, k, v in zip(sliding, self.sk, self.sv):  # where a prefill's layers write its windows (Placement.snaps)
+            lc.snap_k, lc.snap_v = k, v
         # positions a pass may run past a point and still find its window in every ring (R >= W + the engine's slack)
         self.margin = min((lc.k.shape[2] for lc in sliding), default=self.W + (1 << 30)) - self.W
         self.free_pages = list(range(size.pages))[::-1]
@@ -171,6 +174,13 @@ class PrefixStore:
             self.roots.pop(node.edge, None)
         return True
 
+    def reserve(self) -> int | None:
+        """A snapshot for a prefill pass to write (Placement.snaps), evicting for it; None when none can be had."""
+        while not self.free_snaps:
+            if not self._evict_one():
+                return None
+        return self.free_snaps.pop()
+
     # ---- copies
     def _index(self, rows: list) -> torch.Tensor:
         """Page ids as a device index, by a pinned asynchronous copy: a plain one would wait for the queued steps."""
@@ -183,11 +193,12 @@ class PrefixStore:
         p = torch.arange(lo, X, device=dev)
         return p % R, p - (X - self.W + 1)
 
-    def put(self, slot: int, key: list, salt, X: int) -> bool:
+    def put(self, slot: int, key: list, salt, X: int, snap: int | None = None) -> bool:
         """Store the first X positions (a multiple of the region) of what slot holds, key its reuse key: its pages
-        that are not stored yet, and the window at X from the slot's rings, which must still hold it (the caller's
-        bound: the slot's length at most `margin` past X). Evicts least recently used prefixes for room; False when
-        the store cannot hold it. A prefix stored already is only refreshed."""
+        that are not stored yet, and the window at X: snapshot `snap` (reserved, and written by the pass), else copied
+        from the slot's rings, which must still hold it (the caller's bound: the slot's length at most `margin` past
+        X). Evicts least recently used prefixes for room; False when the store cannot hold it (`snap` is then freed).
+        A prefix stored already is only refreshed."""
         blk = self.blk
         if X <= 0 or X % blk:
             raise ValueError(f"a stored prefix must be a positive multiple of the region ({blk}), not {X}")
@@ -196,14 +207,16 @@ class PrefixStore:
             need = X // blk - len(path)
             if len(path) == X // blk and path[-1].snap is not None:
                 self.lru.move_to_end(id(path[-1]))
+                self.free_snaps += [] if snap is None else [snap]
                 return True
-            if need <= len(self.free_pages) and self.free_snaps:
+            if need <= len(self.free_pages) and (snap is not None or self.free_snaps):
                 break
-            if X // blk > self.size.pages:
+            ok = X // blk <= self.size.pages
+            while ok and (need > len(self.free_pages) or snap is None and not self.free_snaps):
+                ok = self._evict_one()  # then walk again: evictions may prune the path
+            if not ok:
+                self.free_snaps += [] if snap is None else [snap]
                 return False
-            while need > len(self.free_pages) or not self.free_snaps:  # then walk again: evictions may prune the path
-                if not self._evict_one():
-                    return False
         dev = self.e.dev
         node = path[-1] if path else self.roots.setdefault(salt, _Node(-1, None, salt))
         new, first = [], len(path)
@@ -221,8 +234,10 @@ class PrefixStore:
                 k.index_copy_(0, pages, lc.k[slot, a:b].reshape(-1, blk, *lc.k.shape[2:]))
                 v.index_copy_(0, pages, lc.v[slot, a:b].reshape(-1, blk, *lc.v.shape[2:]))
                 s.index_copy_(0, pages, lc.summ[slot, first:X // blk])
-        node.snap = self.free_snaps.pop()
+        node.snap = self.free_snaps.pop() if snap is None else snap
         self.lru[id(node)] = node
+        if snap is not None:
+            return True
         wins = {}  # ring size -> its window's slots and rows
         for lc, k, v in zip(self.sliding, self.sk, self.sv):
             R = lc.k.shape[2]

@@ -6,8 +6,7 @@ speculative decoding, eviction, a donor still decoding, requests arriving togeth
 
 Every test forces copies on (prefix_cache_min=0). The reference for "bitwise" is an engine without a store whose one
 slot reuses the prefix it computed itself (Engine._reuse: the same positions, rewound), fed the same chunk split (a
-prefill stores the prefix points near its end from the rings after the pass, so the donor's prompt is one pass in
-both).
+donor's prompt is one pass in both).
 """
 import json
 import os
@@ -38,9 +37,11 @@ def lm(tp1_models):
     return tp1_models("bf16_text")
 
 
-def engine(model, batch=2, gib=GIB, chunk=E.PREFILL_CHUNK, k=0, context=256) -> E.Engine:
+def engine(model, batch=2, gib=GIB, chunk=E.PREFILL_CHUNK, k=0, context=256, graphs=None) -> E.Engine:
+    """graphs: prefill graphs up to this length (on the CPU their padded passes run eagerly: the graph path's logic,
+    whose windows the store copies from the rings after the pass)."""
     eng = E.Engine(model, E.EngineConfig(max_batch=batch, max_context=context, prefill_chunk=chunk, speculative=k,
-                                         prefix_cache_gib=gib, prefix_cache_min=0))
+                                         prefix_cache_gib=gib, prefix_cache_min=0, graph_prefill=graphs))
     eng.start()
     return eng
 
@@ -56,29 +57,31 @@ def first_logprobs(r: E.Request):
     return lp.logprob, lp.top
 
 
-def reference(model, donor: list, prompt: list, new: int, k=0, features=(None, None)) -> E.Request:
+def reference(model, donor: list, prompt: list, new: int, k=0, features=(None, None), graphs=None) -> E.Request:
     """The request after `donor` in one slot of an engine without a store: it reuses what the slot computed. The
-    donor's prompt is one pass, as the store's donor's is (its prefill stores the prefix from its rings at the end)."""
-    eng = engine(model, 1, 0, k=k)
+    donor's prompt is one pass, as the store's donor's is (whose windows come from that pass)."""
+    eng = engine(model, 1, 0, k=k, graphs=graphs)
     eng.run([E.Request(donor, 1, features=features[0])])
     return eng.run([E.Request(prompt, new, logprobs=5, features=features[1])])[0]
 
 
 @torch.inference_mode()
 @pytest.mark.slow
-def test_a_prefix_from_another_slot_gives_the_slots_own_logits_bitwise(lm):
+@pytest.mark.parametrize("graphs", [None, 64])
+def test_a_prefix_from_another_slot_gives_the_slots_own_logits_bitwise(lm, graphs):
     """Two conversations sharing an N-token prefix arrive together: the second waits for the first's prefill, copies
     the prefix into its own slot (cached = N, a whole number of regions) and prefills only its rest. Its first
-    logits are bitwise those of a slot that computed the prefix itself; its greedy tokens a whole-prompt prefill's."""
+    logits are bitwise those of a slot that computed the prefix itself; its greedy tokens a whole-prompt prefill's.
+    Also where the first prompt prefills by the graph path (the window then copied from its slot's rings)."""
     P = ids(N, 1)
     a, b = P + ids(5, 2), P + ids(7, 3)
-    eng = engine(lm)
+    eng = engine(lm, graphs=graphs)
     ra, rb = E.Request(a, 4, logprobs=5), E.Request(b, 4, logprobs=5)
     eng.run([ra, rb])
     assert ra.slot != rb.slot and ra.cached == 0
     assert rb.cached == N // eng.store.blk * eng.store.blk == N
     assert eng.store.stats["hits"] == 1 and eng.store.stats["tokens_hit"] == N
-    assert first_logprobs(rb) == first_logprobs(reference(lm, a, b, 4))
+    assert first_logprobs(rb) == first_logprobs(reference(lm, a, b, 4, graphs=graphs))
     tokens_agree_up_to_near_tie(lm, b, rb.out, solo(lm, b, 4))
 
 
@@ -117,6 +120,28 @@ def test_a_donor_still_decoding_gives_its_prefix_and_keeps_its_tokens(lm):
     ref.run([E.Request(a, 1)])
     assert first_logprobs(rb) == first_logprobs(ref.run([E.Request(b, 4, logprobs=5)])[0])
     assert ra.out == solo(lm, a, 8)
+    tokens_agree_up_to_near_tie(lm, b, rb.out, solo(lm, b, 4))
+
+
+@torch.inference_mode()
+@pytest.mark.slow
+def test_a_mid_prompt_window_written_by_the_pass_serves_a_shorter_share(lm, monkeypatch):
+    """A long prompt stores its prefix every SNAP_EVERY positions, the windows far below its end written by the pass's
+    own layers: a request sharing only its first 20 tokens copies 16 of them (the last point below the fork), bitwise as
+    a slot that prefilled those 16 itself."""
+    monkeypatch.setattr(prefix_cache, "SNAP_EVERY", 16)
+    eng = engine(lm)
+    donor = ids(150, 80)
+    assert len(donor) - 16 > eng.store.margin  # its ring no longer holds the window at 16 when the pass ends
+    eng.run([E.Request(donor, 2)])
+    b = donor[:20] + ids(9, 81)
+    eng.run([E.Request(ids(5, 82), 3), E.Request(ids(5, 83), 3)])  # both slots hold something else
+    rb = eng.run([E.Request(b, 4, logprobs=5)])[0]
+    assert rb.cached == 16 and eng.store.stats["hits"] == 1
+    ref = engine(lm, 1, 0)
+    ref.run([E.Request(donor[:17], 1)])
+    want = ref.run([E.Request(b, 4, logprobs=5)])[0]
+    assert want.cached == 16 and first_logprobs(rb) == first_logprobs(want)
     tokens_agree_up_to_near_tie(lm, b, rb.out, solo(lm, b, 4))
 
 
