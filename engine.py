@@ -226,7 +226,7 @@ class EngineConfig:
     # (_prefill_graphs_for; None: startup.GRAPH_PREFILL where the decode graphs run, else 0; 0: none; on the CPU the
     # padded passes run eagerly, for tests)
     prefix_cache_gib: float | None = None  # the prefix store's budget (prefix_cache.py; None: one slot's cache at
-    # the context, 0: no store)
+    # the context, at most 1/8 of the caches and the store together; 0: no store)
     prefix_cache_min: int = PREFIX_MIN  # prompt tokens a stored prefix must save to be copied in (0: any region)
 
 

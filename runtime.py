@@ -245,7 +245,7 @@ def add_engine_flags(ap: argparse.ArgumentParser, *, prefill_chunk: int, max_bat
     g.add_argument("--prefix-cache-gib", type=float, default=None, metavar="G",
                    help="device memory of the prefix store, which keeps prompt prefixes across requests so a shared "
                    "system prompt, tools block or resent history prefills once whatever slot a request lands in "
-                   "(default: as much as one slot's cache)")
+                   "(default: as much as one slot's cache, at most 1/8 of the caches and the store together)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache_gib", action="store_const", const=0.0,
                    help="no prefix store: a request reuses only what its own slot holds")
     g.add_argument("--prefix-cache-min", type=int, default=E.PREFIX_MIN, metavar="N",

@@ -273,11 +273,12 @@ class Startup:
             graphs += (256 << 20) * len(EXTEND) if e.use_graph else 0
             graphs += 2 * sizes[-1] * cfg.hidden_size * 4 if e.k else 0  # their residual rows kept as outputs
         headroom = HEADROOM[e.dev.type == "cuda"]
-        # the prefix store: --prefix-cache-gib, by default one slot's cache more (chosen, not measured)
+        # the prefix store: --prefix-cache-gib, by default one slot's cache, at most 1/8 of caches and store together
+        # (chosen, not measured: an H100 rank holds 1-2 slots, whose context the store would otherwise halve)
         gib, B = c.prefix_cache_gib, c.max_batch
         ctx = c.max_context
         if ctx is None:
-            share = (B + 1) / B if gib is None else 1  # the default store as one more slot of what fits
+            share = 1 + min(1 / B, 1 / 7) if gib is None else 1  # the default store as a share of the caches
             rest = free - prefill - graphs - headroom - fixed * share - (int(gib * GIB) if gib else 0)
             fit = int(rest / (per_token * share)) - e.slack
             ctx = min(limit, fit // 128 * 128)
@@ -289,7 +290,7 @@ class Startup:
             raise ValueError(f"max_context {ctx} must be in [1, max_position_embeddings={limit}]")
         store = prefix_cache.StoreSize(0, 0, 0, 0)
         if gib != 0:
-            budget = self._cache_bytes(ctx, 1) if gib is None else int(gib * GIB)
+            budget = min(self._cache_bytes(ctx, 1), self._cache_bytes(ctx) // 7) if gib is None else int(gib * GIB)
             metas = [m.new_cache(1, 16, slack=e.slack, device="meta")]
             metas += m.new_mtp_caches(1, 16, slack=e.slack, device="meta") if e.k else []
             store = prefix_cache.size_for(m, metas, budget)

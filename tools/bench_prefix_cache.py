@@ -173,11 +173,13 @@ if __name__ == "__main__":
                     "skip)")
     ap.add_argument("--system", type=int, default=None, help="their shared system prompt's tokens (default 4096; "
                     "--tiny 32)")
-    ap.add_argument("--prefix-cache-gib", type=float, default=None, help="the store's budget (default: the engine's)")
+    ap.add_argument("--prefix-cache-gib", type=float, default=None,
+                    help="the store's budget (default 1 GiB: ~29k positions and ~18 windows of a whole rank; --tiny "
+                    "0.01)")
     ap.add_argument("--prefix-cache-min", type=int, default=None,
                     help=f"copy at least this many tokens (default {E.PREFIX_MIN}; --tiny 0)")
     a = ap.parse_args()
     small = a.tiny
     main(a.tiny, a.prefix or (64 if small else 8192), a.rest or (8 if small else 100), a.new or (2 if small else 8),
          a.reps, a.agents if a.agents is not None else (4 if small else 16), a.system or (32 if small else 4096),
-         a.prefix_cache_gib, a.prefix_cache_min if a.prefix_cache_min is not None else 0 if small else E.PREFIX_MIN)
+         a.prefix_cache_gib if a.prefix_cache_gib is not None else 0.01 if small else 1.0, a.prefix_cache_min if a.prefix_cache_min is not None else 0 if small else E.PREFIX_MIN)
