@@ -362,6 +362,8 @@ class Engine:
             raise ValueError(f"logprobs {req.logprobs!r} must be an integer in [0, {choice.TOP}]")
         if not isinstance(req.echo, bool) or req.echo and req.logprobs is None:
             raise ValueError(f"echo {req.echo!r} must be a bool, and echo needs logprobs (0 for the tokens' own)")
+        if req.cache_salt is not None and not isinstance(req.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(req.cache_salt).__name__}")
         if req.reasoning is not None:
             p = (req.reasoning.problem(V) if isinstance(req.reasoning, Reasoning)
                  else "reasoning must be a choice.Reasoning")

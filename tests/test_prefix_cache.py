@@ -172,6 +172,8 @@ def test_a_different_cache_salt_never_hits(lm):
     same = eng.run([E.Request(P[:N] + ids(5, 14), 2, cache_salt="tenant-a")])[0]
     assert other.cached == 0 and unsalted.cached == 0
     assert same.cached == N
+    with pytest.raises(ValueError, match="cache_salt must be a string"):
+        eng.submit(E.Request(P, 1, cache_salt=7))
 
 
 @torch.inference_mode()
