@@ -573,7 +573,11 @@ class Engine:
                 i = self.store.reserve()
                 if i is not None:
                     snaps[p.req.slot, x] = i
-            logits = self._eager_prefill(pieces, [(b, x, i) for (b, x), i in snaps.items()])
+            try:
+                logits = self._eager_prefill(pieces, [(b, x, i) for (b, x), i in snaps.items()])
+            except BaseException:  # the reserved snapshots back to the store (the step's requests end: abandon)
+                self.store.free_snaps += list(snaps.values())
+                raise
         self.prefill_tokens += sum(p.n for p in pieces)
         for p in pieces:
             p.req.prefilled = p.start + p.n
