@@ -1,6 +1,6 @@
 """The long-lived engine: one model, one cache of `max_batch` slots of `max_context` positions, and every compiled
-kernel and CUDA graph, all made once at start-up. Requests take a free slot, stream their tokens and leave the slot
-without copying any other request's cache.
+kernel and CUDA graph, all made once at start-up. Requests take a free slot, stream their tokens and leave the slot;
+a prompt that starts like an earlier one copies that prefix from the prefix store (prefix_cache.py) into its slot.
 
     eng = Engine(model, EngineConfig(max_batch=4, max_context=8192))
     eng.start()                                   # kernels compiled, caches allocated, graphs captured
@@ -23,6 +23,14 @@ How it works, and where each part lives:
   over the slots that decode; then read the previous decode step's tokens and hand them to their requests, which end
   at a stop id or at max_new_tokens (Finish). The host reads a step's tokens after the next step is queued (its
   forward, when the step is constrained: below), so the device never waits for it.
+- The prefix store (prefix_cache.py; its budget in the memory plan). A prefill stores its prompt's prefix at points
+  (Engine._points: every prefix_cache.SNAP_EVERY positions, the usable end) from the slot's caches right after the
+  pass that reaches each point: the sliding layers' windows written by the eager pass itself into snapshots reserved
+  for it, or (a prefill graph's pass, whose points all lie within the rings' spare slots of its end) copied from the
+  rings; a request's release stores its conversation (prompt and answer). At admission a request copies its longest
+  stored prefix under its cache_salt when it beats the slot's own reuse by prefix_cache_min tokens; one that shares
+  more with a request still in prefill (a leader) waits a step for the leader to store it (Engine._wait_for_leader), so
+  requests arriving together (the n choices of one prompt, agents with one system prompt) prefill it once.
 - Prefill, short prompts as graphs. An eager prefill pass of up to a few thousand tokens is bound by the host's
   ~1,200 Python launches, not by its kernels. So a fresh prompt (no cached prefix, no image) of up to
   startup.GRAPH_PREFILL tokens replays the prefill graph of its length padded to a power of two (32 ... 4,096) in a
@@ -65,6 +73,7 @@ import torch
 import choice
 import grammar
 import model as M
+import prefix_cache
 import speculative
 import startup
 from choice import Reasoning
@@ -78,6 +87,10 @@ PREFILL_CHUNK = 16384
 # many would cost more kernel time than one eager pass costs the host (tools.bench_request --turn measures it).
 EXTEND_TURN = 256
 REWIND = 64  # positions a slot's prefix may be rewound by to reuse it (sliding rings carry that many spare slots)
+# A stored prefix is copied in only when it saves at least this many prompt tokens over the slot's own: the copy is
+# ~4 launches per layer (~200 on the released geometry, ~2 ms of host time), about what ~40 tokens of an 8k prefill
+# cost on an H100 (0.44 s); chosen from that estimate, not measured (tools/bench_prefix_cache.py measures a hit)
+PREFIX_MIN = 64
 
 
 # --------------------------------------------------------------------------------------------------
@@ -122,6 +135,7 @@ class Request:
     echo: bool = False
     constraint: grammar.Constraint | None = None
     reasoning: Reasoning | None = None
+    cache_salt: str | None = None  # prefixes are shared only between requests of the same salt (a tenant's)
     # set by the engine
     rid: int = -1
     out: list = field(default_factory=list)  # emitted ids (a stop id included)
@@ -130,13 +144,14 @@ class Request:
     finish: Finish | None = None
     error: str | None = None  # why it finished "error", when the engine knows (a grammar's dead end)
     slot: int = -1
-    cached: int = 0  # prompt tokens reused from the slot's cache
+    cached: int = 0  # prompt tokens reused: from the slot's cache or copied from the prefix store
     prefilled: int = 0  # prompt tokens in the cache so far
     t_first: float | None = None  # perf_counter of the first token
     key: list = field(default_factory=list)  # the prompt as prefix reuse compares it (reuse_key)
     compiled: grammar.Compiled | None = None  # the constraint compiled (Engine.check)
     matcher: grammar.Matcher | None = None  # its state on this rank (from admission)
     drafts: list = field(default_factory=list)  # the drafts its next verify step feeds, as the host read them
+    points: set = field(default_factory=set)  # prompt positions whose prefix its prefill stores (Engine._points)
 
     @property
     def chosen_fully(self) -> bool:
@@ -175,6 +190,7 @@ class Slot:
     owner: Request | None = None
     used: int = 0  # engine step of the last use (the least recently used free slot is taken first)
     stale: bool = False  # a speculative padding row wrote below its owner's length: forget the prefix at release
+    salt: str | None = None  # the cache_salt of the request whose prefix it holds
 
 
 def common_prefix(a: list, b: list) -> int:
@@ -209,6 +225,9 @@ class EngineConfig:
     graph_prefill: int | None = None  # prefill graphs up to this padded length, and with them the extension graphs
     # (_prefill_graphs_for; None: startup.GRAPH_PREFILL where the decode graphs run, else 0; 0: none; on the CPU the
     # padded passes run eagerly, for tests)
+    prefix_cache_gib: float | None = None  # the prefix store's budget (prefix_cache.py; None: one slot's cache at
+    # the context, at most 1/8 of the caches and the store together; 0: no store)
+    prefix_cache_min: int = PREFIX_MIN  # prompt tokens a stored prefix must save to be copied in (0: any region)
 
 
 @dataclass
@@ -237,7 +256,8 @@ class Engine:
     def __init__(self, model: M.Step5ForCausalLM, config: EngineConfig, say=lambda *a: None,
                  grammars: grammar.Grammars | None = None):
         c, cfg = config, model.cfg
-        for name in ("max_batch", "max_context", "prefill_chunk", "speculative", "build_threads", "graph_prefill"):
+        for name in ("max_batch", "max_context", "prefill_chunk", "speculative", "build_threads", "graph_prefill",
+                     "prefix_cache_min"):
             v = getattr(c, name)
             if v is not None and not is_int(v):
                 raise ValueError(f"{name} {v!r} must be an integer")
@@ -245,6 +265,11 @@ class Engine:
             raise ValueError(f"max_batch {c.max_batch} must be >= 1")
         if c.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {c.prefill_chunk} must be >= 1")
+        if c.prefix_cache_min < 0:
+            raise ValueError(f"prefix_cache_min {c.prefix_cache_min} must be >= 0")
+        if c.prefix_cache_gib is not None and (not isinstance(c.prefix_cache_gib, (int, float))
+                                               or not 0 <= c.prefix_cache_gib < float("inf")):
+            raise ValueError(f"prefix_cache_gib {c.prefix_cache_gib!r} must be a number of GiB >= 0")
         if c.speculative and not 1 <= c.speculative <= cfg.mtp_layers_kept:
             raise ValueError(f"speculative decoding with {c.speculative} drafts needs {c.speculative} MTP layers; "
                              f"the shards keep {cfg.mtp_layers_kept} (convert.py --keep-mtp)")
@@ -266,6 +291,8 @@ class Engine:
         self.startup.replan()
         B = c.max_batch
         self.cache, self.mtps = None, []  # allocated by start(), after its parallel kernel builds
+        self.store = None  # the prefix store (prefix_cache.PrefixStore), allocated by start() when the plan has one
+        self.prefill_tokens = 0  # prompt tokens prefilled (not copied) since start-up
         self.slots = [Slot() for _ in range(B)]
         self.next_tok = torch.zeros(B, dtype=torch.long, device=self.dev)  # each slot's next token to feed
         self.count = torch.zeros(B, dtype=torch.long, device=self.dev)  # tokens each slot's request emitted
@@ -335,6 +362,8 @@ class Engine:
             raise ValueError(f"logprobs {req.logprobs!r} must be an integer in [0, {choice.TOP}]")
         if not isinstance(req.echo, bool) or req.echo and req.logprobs is None:
             raise ValueError(f"echo {req.echo!r} must be a bool, and echo needs logprobs (0 for the tokens' own)")
+        if req.cache_salt is not None and not isinstance(req.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(req.cache_salt).__name__}")
         if req.reasoning is not None:
             p = (req.reasoning.problem(V) if isinstance(req.reasoning, Reasoning)
                  else "reasoning must be a choice.Reasoning")
@@ -395,7 +424,7 @@ class Engine:
         for r in self.waiting + self.running:
             r.finish = r.finish if r.finish is not None else Finish.ERROR
         for s in self.slots:
-            s.owner, s.held, s.stale = None, [], False
+            s.owner, s.held, s.stale, s.salt = None, [], False, None
         self.waiting.clear()
         self.running.clear()
         self.inflight = None
@@ -405,7 +434,7 @@ class Engine:
         short of the prompt (its last token must be fed), at a DSA region boundary (the region in progress is
         recomputed), within the rings' spare slots. Speculative decoding also recomputes the rows its MTP layers read
         past the common prefix, and the ones a draft step reads (2K + 2 from the prompt's end)."""
-        if req.echo:  # every prompt token's logprob is computed by its own prefill
+        if req.echo or slot.salt != req.cache_salt:  # echo: every prompt token's logprob comes from its own prefill
             return 0
         n = min(common_prefix(req.key, slot.held), len(req.ids) - 1)
         if self.k:
@@ -413,6 +442,34 @@ class Engine:
         blk = self.model.cfg.sparse.block if self.model.cfg.sparse else 1
         n = n // blk * blk
         return n if n > 0 and len(slot.held) - n <= REWIND else 0
+
+    # ---- the prefix store (prefix_cache.py)
+    def _usable(self, req: Request) -> int:
+        """The longest prefix of req's prompt a copy may give it or take from it: as _reuse's bound, one token short
+        of the prompt (and with speculative decoding 2K + 2 short: the rows drafting recomputes), at a region."""
+        n = len(req.ids) - 1 - (2 * self.k + 1 if self.k else 0)
+        return max(0, n) // self.store.blk * self.store.blk
+
+    def _points(self, req: Request) -> set:
+        """Where req's prefill stores its prefix: every SNAP_EVERY positions and at its usable end, past what it
+        has and what is stored already."""
+        U = self._usable(req)
+        want = set(range(prefix_cache.SNAP_EVERY, U, prefix_cache.SNAP_EVERY)) | ({U} if U else set())
+        return {x for x in want if x > req.prefilled} - self.store.stored(req.key, req.cache_salt, U)
+
+    def _wait_for_leader(self, req: Request, have: int) -> bool:
+        """True when a request in prefill (the leader) shares a prefix with req that is longer than `have` by at
+        least prefix_cache_min tokens (and a region) and has not prefilled it yet: the leader then stores that
+        prefix (a point of its prefill), and req waits to copy it instead of computing it too."""
+        blk, U = self.store.blk, self._usable(req)
+        for q in self.running:
+            if q.prefilled >= len(q.ids) or q.cache_salt != req.cache_salt or q.echo:
+                continue
+            d = min(common_prefix(req.key, q.key), U, self._usable(q)) // blk * blk
+            if d - have >= max(self.config.prefix_cache_min, blk) and q.prefilled < d:
+                q.points.add(d)
+                return True
+        return False
 
     def _admit(self, out: StepOutput):
         for req in list(self.waiting):
@@ -427,7 +484,18 @@ class Engine:
             best = max(free, key=lambda i: (self._reuse(req, self.slots[i]), -self.slots[i].used))
             s = self.slots[best]
             n = self._reuse(req, s)
-            s.owner, s.held, s.used = req, s.held[:n], self.steps
+            hit = None
+            if self.store is not None and not req.echo:
+                hit = self.store.lookup(req.key, req.cache_salt, self._usable(req))
+                if self._wait_for_leader(req, max(n, hit.n if hit else 0)):
+                    continue  # a request in prefill computes this prefix and stores it: copied in a later step
+                if hit is not None and (hit.n <= n or hit.n - n < self.config.prefix_cache_min):
+                    hit = None
+                self.store.stats["hits" if hit else "misses"] += 1
+            s.owner, s.held, s.used, s.salt = req, s.held[:n], self.steps, req.cache_salt
+            if hit is not None:
+                self.store.load(best, hit)
+                n, s.held = hit.n, req.key[:hit.n]
             self.cache.lengths[best] = n
             self.cache.requests[best] = req.rid
             self.count[best] = 0
@@ -438,6 +506,7 @@ class Engine:
             for c in self.mtps:
                 c.lengths[best] = n
             req.slot, req.cached, req.prefilled = best, n, n
+            req.points = self._points(req) if self.store is not None and not req.echo else set()
             self.waiting.remove(req)
             self.running.append(req)
 
@@ -445,6 +514,11 @@ class Engine:
         s = self.slots[req.slot]
         s.owner, s.used = None, self.steps
         n = int(self.cache.lengths[req.slot])  # host read: once per request
+        if self.store is not None and not s.stale and not self.k and not req.echo:
+            # the conversation so far, for its next turn in any slot (a speculative slot's MTP layers lag its length)
+            x = n // self.store.blk * self.store.blk
+            if x and n - x <= self.store.margin:
+                self.store.put(req.slot, (req.key + req.out)[:x], req.cache_salt, x)
         s.held, s.stale = [] if s.stale else (req.key + req.out)[:n], False
         if n + self.slack + 2 * self.k + 2 > self.cache.cap:  # no room for a padding row's writes: forget the prefix
             s.held = []
@@ -486,14 +560,33 @@ class Engine:
                 break
             pieces.append(Piece(r, r.prefilled, n))
             budget -= n
-        plan = self._prefill_graphs_for(pieces)
+        # the prefix store's points these pieces reach: a graph's pass leaves them to its rings, which hold the windows
+        # of points near its end; an eager pass's layers write them into reserved snapshots (model.Placement.snaps)
+        reach = [(p, x) for p in pieces for x in sorted(p.req.points) if p.start < x <= p.start + p.n]
+        far = any(p.start + p.n - x > self.store.margin for p, x in reach)
+        plan = None if far else self._prefill_graphs_for(pieces)
+        snaps = {}
         if plan:  # each piece's replays in order; its last one's output read before the next replay
             logits = torch.cat([[self._replay_prefill(g, step) for g, step in steps][-1].clone() for steps in plan])
         else:
-            logits = self._eager_prefill(pieces)
+            for p, x in reach:
+                i = self.store.reserve()
+                if i is not None:
+                    snaps[p.req.slot, x] = i
+            try:
+                logits = self._eager_prefill(pieces, [(b, x, i) for (b, x), i in snaps.items()])
+            except BaseException:  # the reserved snapshots back to the store (the step's requests end: abandon)
+                self.store.free_snaps += list(snaps.values())
+                raise
+        self.prefill_tokens += sum(p.n for p in pieces)
         for p in pieces:
             p.req.prefilled = p.start + p.n
             self.slots[p.req.slot].held = p.req.key[:p.req.prefilled]
+        for p, x in reach:
+            p.req.points.discard(x)
+            i = snaps.get((p.req.slot, x))
+            if i is not None or p.start + p.n - x <= self.store.margin:
+                self.store.put(p.req.slot, p.req.key, p.req.cache_salt, x, i)
         done = [(p.req, lg) for p, lg in zip(pieces, logits) if p.req.prefilled == len(p.req.ids)]
         for r, _ in done:
             if r.max_new_tokens == 0:  # an echo request for the prompt's logprobs alone
@@ -545,9 +638,10 @@ class Engine:
             plan.append(steps)
         return plan if total <= max(self.prefill_graphs) else None
 
-    def _eager_prefill(self, pieces: list) -> torch.Tensor:
+    def _eager_prefill(self, pieces: list, snaps: list | None = None) -> torch.Tensor:
         """One pass over the pieces, packed -> the logits [pieces, V/tp] of each piece's last token; an echo piece's
-        prompt logprobs from every row of the pass."""
+        prompt logprobs from every row of the pass. snaps: the prefix store's windows the layers write
+        (model.Placement.snaps)."""
         ids = torch.tensor([t for p in pieces for t in p.req.ids[p.start:p.start + p.n]], dtype=torch.long,
                            device=self.dev)
         rows = [p.req.slot for p in pieces]
@@ -563,11 +657,13 @@ class Engine:
             hook = (lambda i, layers: self.progress(first, sum(lens), longest, i, layers, start))
         held = [p.start for p in pieces]
         if not self.spec and not any(p.req.echo for p in pieces):
-            return self.model.forward(ids, self.cache, lens, rows=rows, embeds=embeds, held=held, progress=hook)
+            return self.model.forward(ids, self.cache, lens, rows=rows, embeds=embeds, held=held, progress=hook,
+                                      snaps=snaps)
         if self.spec:
-            hidden = self.spec.prefill(pieces, ids, embeds, hook)
+            hidden = self.spec.prefill(pieces, ids, embeds, hook, snaps)
         else:
-            hidden = self.model.forward_rows(ids, self.cache, lens, rows=rows, embeds=embeds, held=held, progress=hook)
+            hidden = self.model.forward_rows(ids, self.cache, lens, rows=rows, embeds=embeds, held=held, progress=hook,
+                                             snaps=snaps)
         starts = list(itertools.accumulate([0] + lens))
         for p, o in zip(pieces, starts):
             if p.req.echo:  # row i predicts prompt token start + i + 1

@@ -232,13 +232,17 @@ class Placement:
     graph's static length: one prefill span at position 0, or a decode step of Q tokens per row) the device count of
     real tokens [1], the rest padding; the layers keep the real tokens' state where a later step reads it (the DSA
     pending rows, which padding past a region boundary would overwrite). requests [T]: each token's request
-    (Cache.requests of its row), set only while a Pins test instrument is installed, which keys its decisions by it."""
+    (Cache.requests of its row), set only while a Pins test instrument is installed, which keys its decisions by it.
+    snaps: a prefill's window snapshots (the prefix store, prefix_cache.py) [(cache row, X, i)]: each sliding layer
+    writes the keys and values of that row's positions X-W+1 .. X-1 (its window at X, X in one of the row's spans)
+    into snapshot i of its LayerCache's pools snap_k, snap_v [snaps, G, W-1, hd]."""
     pos: torch.Tensor
     spans: list | None = None
     rows: torch.Tensor | None = None
     Q: int = 1
     real: torch.Tensor | None = None
     requests: torch.Tensor | None = None
+    snaps: list | None = None
 
 
 class Pins:
@@ -399,14 +403,15 @@ class Attention(nn.Module):
         if self.dsa:  # the output gate applied by the attention kernels
             o = self._dsa(idx, q, k, v, g, at, cache)
         else:
-            o = self._sliding_prefill(q, k, v, g, at.spans, cache)
+            o = self._sliding_prefill(q, k, v, g, at.spans, cache, at.snaps)
         return linear(o.reshape(T, H * hd), self.o_proj.weight)  # this rank's bf16 partial: Block reduces it
 
     # ---- sliding window
-    def _sliding_prefill(self, q, k, v, g, spans, cache):
+    def _sliding_prefill(self, q, k, v, g, spans, cache, snaps=None):
         """Each request's chunk of n tokens at positions p0.. sees the last W-1 cached keys and its own (causal, banded);
-        the ring (R >= W slots, position p in slot p mod R) then keeps the chunk's last R keys. q [T, H, hd], k/v
-        [T, G, hd], g [T, H] the gate logits -> the gated output [T, H, hd]."""
+        the ring (R >= W slots, position p in slot p mod R) then keeps the chunk's last R keys; the windows `snaps`
+        asks for (Placement.snaps) are copied out of the chunk's keys. q [T, H, hd], k/v [T, G, hd], g [T, H] the gate
+        logits -> the gated output [T, H, hd]."""
         W, R, out = self.cfg.sliding_window, cache.k.shape[2], torch.empty_like(q)
         for b, s, n, p0 in spans:
             qb, kb, vb = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [H|G, n, hd]
@@ -416,6 +421,11 @@ class Attention(nn.Module):
                           for ring, t in ((cache.k, kb), (cache.v, vb)))
             # query i's own key is key m + i; the gated output straight into its rows of out
             kernel.banded_attention(qb, kb, vb, m, W, self.scale, gate=g[s:s + n], out=out[s:s + n].transpose(0, 1))
+            for b_, X, i in snaps or ():  # kb holds positions p0-m .. p0+n-1, and p0-m <= X-W+1 (clamped at 0)
+                if b_ == b and p0 < X <= p0 + n:
+                    lo = max(0, X - W + 1)
+                    cache.snap_k[i, :, lo - (X - W + 1):] = kb[:, m + lo - p0:m + X - p0]
+                    cache.snap_v[i, :, lo - (X - W + 1):] = vb[:, m + lo - p0:m + X - p0]
             L = min(n, R)  # the ring keeps the chunk's last L positions, p0+n-L .. p0+n-1 (key m+n-L ..)
             for r0, o, ln in _ring_runs(p0 + n - L, L, R):
                 cache.k[b, :, r0:r0 + ln] = kb[:, m + n - L + o:m + n - L + o + ln]
@@ -871,11 +881,12 @@ class Step5ForCausalLM(nn.Module):
         return torch.cat([cache.requests[r].expand(n) for r, _, n, _ in at.spans])
 
     def _trunk(self, ids, cache: Cache, seq_lens: list | None = None, *, rows=None, embeds=None, live=None, held=None,
-               real=None, progress=None):
+               real=None, progress=None, snaps=None):
         """The main layers -> the residual stream [T, D] fp32 of every token (before the final norm). Decode: ids
         [B] (one token per row) or [B, Q] (Q tokens per row, e.g. a speculative verify step)."""
         Q = ids.shape[1] if seq_lens is None and ids.dim() == 2 else 1
         at = self._place(cache, seq_lens, rows, ids.device, Q, live, held, real)
+        at.snaps = snaps
         if self.pins is not None:
             at.requests = self._requests(cache, at)
         res = (self.embed(ids.flatten()) if embeds is None else embeds).float()
@@ -893,28 +904,29 @@ class Step5ForCausalLM(nn.Module):
         return linear(h, out).float()
 
     def forward(self, ids, cache: Cache, seq_lens: list | None = None, *, rows=None, embeds=None, live=None,
-                held=None, progress=None):
+                held=None, progress=None, snaps=None):
         """Prefill (seq_lens given: ids [T], the next seq_lens[i] tokens of cache row rows[i] packed, on top of what
         the row holds: a whole prompt, or one chunk of it; 0 for rows without tokens in this call) or decode (ids
         [B'], one token per row of `rows` (default: every cache row), or [B', Q]: Q tokens per row; live: _place's).
         Returns this rank's logits window of the last token of each row that received tokens: [B', V/tp] fp32;
         [B', Q, V/tp] for ids [B', Q]. embeds: the input rows [T, D] in place of the ids' embeddings (images).
         held: each prefill row's cached positions as the caller counts them (_place). progress(i, n), if given, is
-        called after each of the n layers of a prefill (long prompts report from it)."""
-        res = self._trunk(ids, cache, seq_lens, rows=rows, embeds=embeds, live=live, held=held, progress=progress)
+        called after each of the n layers of a prefill (long prompts report from it). snaps: Placement's."""
+        res = self._trunk(ids, cache, seq_lens, rows=rows, embeds=embeds, live=live, held=held, progress=progress,
+                          snaps=snaps)
         if seq_lens is not None:
             ends = [e - 1 for e, n in zip(itertools.accumulate(seq_lens), seq_lens) if n]
             res = res[torch.tensor(ends, device=ids.device)]
         return self.logits(res).view(*ids.shape[:2] if seq_lens is None else res.shape[:1], -1)
 
     def forward_rows(self, ids, cache: Cache, seq_lens: list | None = None, *, rows=None, embeds=None, live=None,
-                     held=None, real=None, progress=None) -> torch.Tensor:
+                     held=None, real=None, progress=None, snaps=None) -> torch.Tensor:
         """forward that keeps every row: the residual of every token [T, D] fp32 (before the final norm), for a
         prefill-style extend (seq_lens) or a decode step of ids [B', Q] (static shapes: a speculative verify step).
         Speculative decoding feeds it to the MTP layers and takes `logits` of the rows it needs (between
         hold_pending and keep_pending); a padded pass (real: _place's) the logits of its last real row."""
         return self._trunk(ids, cache, seq_lens, rows=rows, embeds=embeds, live=live, held=held, real=real,
-                           progress=progress)
+                           progress=progress, snaps=snaps)
 
     def hold_pending(self, cache: Cache, rows):
         """Before a speculative verify step of rows [B]: their pending DSA indexer rows, every layer's, copied aside
@@ -960,7 +972,7 @@ class Step5ForCausalLM(nn.Module):
                 for k in range(self.cfg.mtp_layers_kept)]
 
     def mtp(self, k: int, hidden, next_ids, cache: Cache, seq_lens: list | None, per_row: int = 1, rows=None,
-            head: bool = True):
+            head: bool = True, snaps=None):
         """MTP layer k over seq_lens[i] rows of cache row rows[i], extending its own cache (or, with seq_lens None, a
         decode step of per_row rows per cache row of `rows` at positions cache.lengths[row] + 0 .. per_row-1, static
         shapes, rows row-major): each row combines the residual of the previous depth at its position (hidden [T, D] fp32: the
@@ -973,6 +985,7 @@ class Step5ForCausalLM(nn.Module):
         layer = self.model.layers[self.cfg.num_hidden_layers + k]
         eps = self.cfg.rms_norm_eps
         at = self._place(cache, seq_lens, rows, next_ids.device, per_row)
+        at.snaps = snaps  # a prefill's window snapshots (Placement's)
         e = kernel.rms_norm(self.embed(next_ids).float(), layer.enorm.weight, eps, torch.bfloat16)
         h = kernel.rms_norm(hidden, layer.hnorm.weight, eps, torch.bfloat16)
         x = linear(torch.cat([e, h], -1), layer.eh_proj.weight)  # [T, D] bf16

@@ -250,6 +250,15 @@ def add_engine_flags(ap: argparse.ArgumentParser, *, prefill_chunk: int, max_bat
     g.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="draft K tokens per step with the checkpoint's MTP layers (1..3; shards converted with "
                    "--keep-mtp); greedy output is unchanged, sampled output keeps its distribution")
+    g.add_argument("--prefix-cache-gib", type=float, default=None, metavar="G",
+                   help="device memory of the prefix store, which keeps prompt prefixes across requests so a shared "
+                   "system prompt, tools block or resent history prefills once whatever slot a request lands in "
+                   "(default: as much as one slot's cache, at most 1/8 of the caches and the store together)")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache_gib", action="store_const", const=0.0,
+                   help="no prefix store: a request reuses only what its own slot holds")
+    g.add_argument("--prefix-cache-min", type=int, default=E.PREFIX_MIN, metavar="N",
+                   help="copy a stored prefix only when it saves at least N prompt tokens over the slot's own "
+                   f"(default {E.PREFIX_MIN}; 0: any whole region)")
     g.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=None,
                    help="expert-parallel size; must equal the shards' expert_parallel_size (= TP), which is the "
                    "default")
@@ -275,6 +284,8 @@ class EngineFlags:
     device: str = "auto"
     cuda_graph: bool = True
     verify: bool = False
+    prefix_cache_gib: float | None = None
+    prefix_cache_min: int = E.PREFIX_MIN
 
     @classmethod
     def split(cls, kw: dict) -> tuple["EngineFlags", dict]:
@@ -287,9 +298,11 @@ class EngineFlags:
         if self.speculative and not 1 <= self.speculative <= 3:
             raise UserError(f"--speculative {self.speculative}: the checkpoint has at most 3 MTP layers (1..3 drafts)")
         for flag, v, lo in (("--prefill-chunk", self.prefill_chunk, 1), ("--max-batch", self.max_batch, 1),
-                            ("--max-context", self.max_context, 16)):
+                            ("--max-context", self.max_context, 16), ("--prefix-cache-min", self.prefix_cache_min, 0)):
             if v is not None and v < lo:
                 raise UserError(f"{flag} {v} must be >= {lo}")
+        if self.prefix_cache_gib is not None and not 0 <= self.prefix_cache_gib < float("inf"):
+            raise UserError(f"--prefix-cache-gib {self.prefix_cache_gib} must be a number of GiB >= 0")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise UserError(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA device")
 
@@ -463,7 +476,8 @@ def start_engine(s: Session, max_batch: int, max_context: int | None, constraine
     def make():
         try:
             return E.Engine(s.model, E.EngineConfig(max_batch, max_context, f.prefill_chunk, f.speculative,
-                                                    f.cuda_graph), s.say, grammars=g)
+                                                    f.cuda_graph, prefix_cache_gib=f.prefix_cache_gib,
+                                                    prefix_cache_min=f.prefix_cache_min), s.say, grammars=g)
         except (MemoryError, ValueError) as e:
             raise UserError(str(e)) from None
     s.eng = phase(make)

@@ -272,6 +272,8 @@ def engine_loop(drv: R.Driver, hub: Hub | None, signalled: list):
         updates = drv.step()
         if hub is not None:
             hub.stepped(updates, time.perf_counter() - t0, len(eng.running), len(eng.waiting))
+            if eng.store is not None:
+                hub.metrics.prefix_store(eng.store.stats, eng.store.used_bytes())
 
 
 def on_signals(hub: Hub | None) -> list:

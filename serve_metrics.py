@@ -40,10 +40,25 @@ class Metrics:
         self.slots = Gauge(p + "num_slots", "Slots of the engine (--max-batch)", registry=r)
         self.startup = Gauge(p + "startup_seconds", "Start-up time by phase: load (the weights), engine (kernel "
                              "builds, warm-up, graphs), total (to serving)", ["phase"], registry=r)
+        self.prefix = {name: Counter(p + f"prefix_cache_{name}", text, registry=r) for name, text in (
+            ("hits", "Requests that copied a prefix from the prefix store"),
+            ("misses", "Requests that found no prefix in the prefix store worth copying"),
+            ("evictions", "Prefixes the prefix store dropped for room, least recently used first"))}
+        self.prefix_bytes = Gauge(p + "prefix_cache_bytes", "Bytes of the prefix store holding prefixes",
+                                  registry=r)
+        self._prefix_seen = {}
         self.connections = Gauge(p + "http_connections", "Open HTTP connections", registry=r)
         self.closed = Counter(p + "http_connections_closed", "Connections the server closed: refused (at "
                               "--max-connections, none idle), evicted (idle, for a new one at the cap), timeout "
                               "(no request within the header timeout)", ["reason"], registry=r)
+
+    def prefix_store(self, stats: dict, used: int):
+        """The engine's prefix store after a step: its counts (prefix_cache.PrefixStore.stats, running totals) and the
+        bytes it holds."""
+        for name, c in self.prefix.items():
+            c.inc(stats[name] - self._prefix_seen.get(name, 0))
+            self._prefix_seen[name] = stats[name]
+        self.prefix_bytes.set(used)
 
     def request(self, path: str, outcome: str):
         """One HTTP request's end: its endpoint (a path of no endpoint counts as "other") and outcome."""

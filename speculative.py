@@ -58,20 +58,22 @@ class Speculator:
         at = torch.arange(first + rows.shape[0] - keep, first + rows.shape[0], device=rows.device) % self.S
         ring[slot, at] = rows[-keep:]
 
-    def prefill(self, pieces, ids, embeds, hook):
+    def prefill(self, pieces, ids, embeds, hook, snaps=None):
         """A prefill pass of the main model over the pieces (engine.Piece; every row kept), absorbed by the MTP layers
-        -> the main model's residual rows [T, D]."""
+        -> the main model's residual rows [T, D]. snaps: the prefix store's window snapshots (model.Placement's), taken
+        by every layer of the main model and of each depth."""
         m = self.e.model
         lens, rows = [pc.n for pc in pieces], [pc.req.slot for pc in pieces]
         hidden = m.forward_rows(ids, self.e.cache, lens, rows=rows, embeds=embeds, held=[pc.start for pc in pieces],
-                                progress=hook)  # [T, D]
-        self.absorb(pieces, ids, hidden)
+                                progress=hook, snaps=snaps)  # [T, D]
+        self.absorb(pieces, ids, hidden, snaps)
         return hidden
 
-    def absorb(self, pieces, ids, hidden):
+    def absorb(self, pieces, ids, hidden, snaps=None):
         """The main model's rows of a prefill pass (hidden [T, D], ids [T]: the pieces' tokens, packed; pieces:
         engine.Piece) into the rings, then each depth absorbs those whose next tokens are prompt tokens and that
-        drafting will not recompute (depth j: positions p < len - 1 - K - j)."""
+        drafting will not recompute (depth j: positions p < len - 1 - K - j), taking the snapshots of `snaps` at
+        positions it reaches in this pass (the engine asks only for positions every depth reaches)."""
         e, k, m = self.e, self.e.k, self.e.model
         starts = list(itertools.accumulate([0] + [pc.n for pc in pieces]))
         src = {}  # piece -> (first position, rows) of the previous depth computed in this pass
@@ -91,9 +93,11 @@ class Speculator:
                 break
             nxt = torch.tensor([r.ids[p + j + 1] for _, r, have, stop, _ in parts for p in range(have, stop)],
                                device=e.dev)
+            mine = [(b, x, i) for b, x, i in snaps or () for _, r, have, stop, _ in parts
+                    if b == r.slot and have < x <= stop]
             res, _ = m.mtp(j, torch.cat([x for *_, x in parts]), nxt, e.mtps[j],
                            [stop - have for _, _, have, stop, _ in parts], rows=[r.slot for _, r, *_ in parts],
-                           head=False)
+                           head=False, snaps=mine)
             src, o = {}, 0
             for i, r, have, stop, _ in parts:
                 src[i] = (have, res[o:o + stop - have])

@@ -45,6 +45,7 @@ import triton
 import choice
 import kernel
 import model as M
+import prefix_cache
 import sampling
 
 # Fresh prompts up to this many tokens prefill as a CUDA graph: an eager pass of <= 4k tokens is bound by the host's
@@ -162,12 +163,15 @@ class MemoryPlan:
     headroom: int
     free: int  # what the device had free after loading (the host: the rank's share of what is available)
     where: str  # the device, as the line names it
+    store: prefix_cache.StoreSize = prefix_cache.StoreSize(0, 0, 0, 0)  # the prefix store's pools
 
     def fits(self) -> bool:
-        return self.caches + self.prefill + self.graphs + self.headroom <= self.free
+        return self.caches + self.store.bytes + self.prefill + self.graphs + self.headroom <= self.free
 
     def line(self) -> str:
         parts = [f"weights {size_text(self.weights)}", f"caches {size_text(self.caches)}",
+                 f"prefix store {size_text(self.store.bytes)}" + (f" ({self.store.pages} regions, {self.store.snaps} "
+                                                                  "windows)" if self.store.pages else ""),
                  f"prefill workspace {size_text(self.prefill)}", f"graphs {size_text(self.graphs)}",
                  f"headroom {size_text(self.headroom)}"]
         return f"memory plan ({self.where}): " + ", ".join(parts) + f"; free {size_text(self.free)}"
@@ -243,7 +247,7 @@ class Startup:
             e.say(self._said)
         if not self.plan.fits():
             raise MemoryError(f"the engine does not fit: {self.plan.line()}; lower --max-context "
-                              f"({e.max_context}) or --max-batch ({e.config.max_batch})")
+                              f"({e.max_context}), --max-batch ({e.config.max_batch}) or --prefix-cache-gib")
 
     def _plan(self, c) -> tuple[MemoryPlan, int]:
         """The memory plan and the context length for EngineConfig c: c.max_context, or what fits (a multiple of 128,
@@ -269,9 +273,14 @@ class Startup:
             graphs += (256 << 20) * len(EXTEND) if e.use_graph else 0
             graphs += 2 * sizes[-1] * cfg.hidden_size * 4 if e.k else 0  # their residual rows kept as outputs
         headroom = HEADROOM[e.dev.type == "cuda"]
+        # the prefix store: --prefix-cache-gib, by default one slot's cache, at most 1/8 of caches and store together
+        # (chosen, not measured: an H100 rank holds 1-2 slots, whose context the store would otherwise halve)
+        gib, B = c.prefix_cache_gib, c.max_batch
         ctx = c.max_context
         if ctx is None:
-            fit = int((free - prefill - graphs - headroom - fixed) / per_token) - e.slack
+            share = 1 + min(1 / B, 1 / 7) if gib is None else 1  # the default store as a share of the caches
+            rest = free - prefill - graphs - headroom - fixed * share - (int(gib * GIB) if gib else 0)
+            fit = int(rest / (per_token * share)) - e.slack
             ctx = min(limit, fit // 128 * 128)
             if ctx < 16:
                 raise MemoryError(f"no room for a KV cache after the weights ({size_text(weights)}, "
@@ -279,7 +288,13 @@ class Startup:
                                   f"--prefill-chunk ({c.prefill_chunk})")
         if not 1 <= ctx <= limit:
             raise ValueError(f"max_context {ctx} must be in [1, max_position_embeddings={limit}]")
-        return MemoryPlan(weights, self._cache_bytes(ctx), prefill, graphs, headroom, free, where), ctx
+        store = prefix_cache.StoreSize(0, 0, 0, 0)
+        if gib != 0:
+            budget = min(self._cache_bytes(ctx, 1), self._cache_bytes(ctx) // 7) if gib is None else int(gib * GIB)
+            metas = [m.new_cache(1, 16, slack=e.slack, device="meta")]
+            metas += m.new_mtp_caches(1, 16, slack=e.slack, device="meta") if e.k else []
+            store = prefix_cache.size_for(m, metas, budget)
+        return MemoryPlan(weights, self._cache_bytes(ctx), prefill, graphs, headroom, free, where, store), ctx
 
     def free_memory(self) -> int:
         """Bytes the engine may still take on its device: on a GPU what the driver has free and the caching allocator
@@ -375,6 +390,7 @@ class Startup:
         tb = time.perf_counter()
         e.cache = m.new_cache(B, e.max_context, slack=e.slack, verify=bool(e.k))
         e.mtps = m.new_mtp_caches(B, e.max_context, slack=e.slack) if e.k else []
+        e.store = prefix_cache.PrefixStore(e, self.plan.store) if self.plan.store.pages else None
         self.staging = self._staging(sizes[-1]) if sizes else None  # before any capture: it may extend RoPE's tables
         with torch.inference_mode():
             for p0, n, main in in_order:

@@ -457,6 +457,25 @@ def test_metrics_in_prometheus_text(server):
     assert after[("step5:num_slots", ())] == MAX_BATCH
 
 
+def test_a_shared_prefix_reports_cached_tokens_and_the_store_in_metrics(server):
+    """Two prompts sharing 40 tokens: the second's usage reports them cached (a whole number of regions), and
+    /metrics counts the prefix store's lookups and the bytes it holds."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    before = scrape()
+    shared = ids_prompt(40, 70)
+    _, u1 = complete(server, shared + ids_prompt(5, 71))
+    _, u2 = complete(server, shared + ids_prompt(6, 72))
+    after = scrape()
+    assert u2.prompt_tokens_details.cached_tokens == 40
+    looked = sum(after[f"step5:prefix_cache_{n}_total"] - before.get(f"step5:prefix_cache_{n}_total", 0)
+                 for n in ("hits", "misses"))
+    assert looked == 2 and after["step5:prefix_cache_bytes"] > 0
+
+
 def raw(srv: Server, head: bytes, body: bytes = b"") -> socket.socket:
     """A socket that has sent an HTTP request's head (its Authorization added) and these body bytes."""
     host, port = srv.url.removeprefix("http://").split(":")
