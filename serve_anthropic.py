@@ -28,7 +28,8 @@ from serve_requests import ApiError, bad, shown
 
 KNOWN = {"model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k",
          "tools", "tool_choice", "thinking", "metadata", "service_tier", "container", "mcp_servers",
-         "seed"}  # seed: this server's extension (a request's own random stream, as on the OpenAI routes)
+         "seed", "cache_salt"}  # this server's extensions, as on the OpenAI routes: seed (a request's own random
+# stream) and cache_salt (prefixes shared only within one salt)
 IGNORED = {"metadata", "service_tier"}  # accepted, change nothing here
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
@@ -81,7 +82,7 @@ def request_of(body: dict, count: bool = False) -> dict:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise bad("max_tokens", f"max_tokens is required: an integer >= 1, got {shown(n)}")
     out["max_tokens"] = n
-    for k in ("temperature", "top_p", "top_k", "stream", "seed"):
+    for k in ("temperature", "top_p", "top_k", "stream", "seed", "cache_salt"):
         if body.get(k) is not None:
             out[k] = body[k]
     t = body.get("temperature")

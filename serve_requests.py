@@ -39,6 +39,7 @@ MAX_IMAGES = 16  # images per request
 # takes the request, so the server holds at most this much of them at once too (serve.Hub.images).
 MAX_PREPARED = 2 << 30
 MAX_STOP = 4  # stop strings per request (the OpenAI API's limit)
+MAX_SALT = 1024  # characters of a cache_salt
 REFUSED = {  # OpenAI fields this server does not implement -> the values that change nothing (others: a 400)
     "best_of": (1,), "suffix": (), "functions": ([],), "function_call": ("none", "auto"), "audio": (),
     "modalities": (["text"],), "prediction": (), "web_search_options": (),
@@ -128,6 +129,7 @@ class Job:
     echo_text: str = ""  # the prompt's text, as echo writes it
     constraint: Constraint | None = None  # compiled already (Grammars.compile): the engine's check is a cache hit
     think: choice.Reasoning | None = None  # the prompt's open reasoning block as the engine takes it (end, budget)
+    cache_salt: str | None = None  # prefixes are shared only with requests of the same salt (engine.Request's)
     tools: dict | None = None  # name -> tool_calls.Tool: the answer's calls are parsed (chat)
     tool_choice: tool_calls.Choice = tool_calls.Choice(tool_calls.Mode.NONE)
 
@@ -387,7 +389,7 @@ def jobs_of(body: dict, prompts: list, lim: Limits, eos: list, chat: bool, think
         raise bad("stream_options", "stream_options is only allowed with stream: true, as an object")
     usage = _bool(opts or {}, "include_usage")
     stop_ids = frozenset() if _bool(body, "ignore_eos") else frozenset(eos)
-    stops, token_ids = stops_of(body), _bool(body, "return_token_ids")
+    stops, token_ids, salt = stops_of(body), _bool(body, "return_token_ids"), salt_of(body)
     if p.budget is not None and not (think and any(r for *_, r in prompts)):
         raise bad("thinking_token_budget", "thinking_token_budget applies to a chat whose template opens a "
                   "reasoning block (<think>); this prompt opens none")
@@ -398,9 +400,20 @@ def jobs_of(body: dict, prompts: list, lim: Limits, eos: list, chat: bool, think
         for j in range(p.n):
             jobs.append(Job(ids, None, n_max, p.sampling.derived(j), stop_ids, stops, stream, usage, token_ids, chat,
                             reasoning, i * p.n + j, n=p.n, logprobs=p.logprobs, echo=p.echo,
-                            echo_text=text if p.echo else "", constraint=p.constraint, think=r))
+                            echo_text=text if p.echo else "", constraint=p.constraint, think=r, cache_salt=salt))
     compile_constraint(p.constraint, lim, stop_ids)  # last: the cheap checks first
     return jobs
+
+
+def salt_of(body: dict) -> str | None:
+    """cache_salt (vLLM's name): a tenant's string; a request shares cached prefixes only with requests of the same
+    salt (none with none)."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_SALT:
+        raise bad("cache_salt", f"cache_salt must be a string of 1 to {MAX_SALT} characters, got {shown(v, 40)}")
+    return v
 
 
 def check_text(text: str, param: str):

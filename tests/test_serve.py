@@ -476,6 +476,22 @@ def test_a_shared_prefix_reports_cached_tokens_and_the_store_in_metrics(server):
     assert looked == 2 and after["step5:prefix_cache_bytes"] > 0
 
 
+
+def test_cache_salt_keeps_tenants_prefixes_apart(server):
+    """A prefix cached under one cache_salt is not reused under another (nor without one); the same salt reuses it;
+    a salt that is not a string of 1-1024 characters is refused naming the field."""
+    shared = ids_prompt(40, 80)
+    complete(server, shared + ids_prompt(5, 81), extra={"cache_salt": "tenant-a"})
+    _, other = complete(server, shared + ids_prompt(6, 82), extra={"cache_salt": "tenant-b"})
+    _, none = complete(server, shared + ids_prompt(7, 83))
+    _, same = complete(server, shared + ids_prompt(8, 84), extra={"cache_salt": "tenant-a"})
+    assert other.prompt_tokens_details.cached_tokens == 0 and none.prompt_tokens_details.cached_tokens == 0
+    assert same.prompt_tokens_details.cached_tokens == 40
+    for bad_salt in ("", 7, "x" * 1025):
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(server, [11, 12], extra={"cache_salt": bad_salt})
+        assert e.value.body["param"] == "cache_salt"
+
 def raw(srv: Server, head: bytes, body: bytes = b"") -> socket.socket:
     """A socket that has sent an HTTP request's head (its Authorization added) and these body bytes."""
     host, port = srv.url.removeprefix("http://").split(":")
