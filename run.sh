@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set-up and entry points.  bash run.sh demo   -> tiny checkpoint -> convert (TP=2) -> torchrun generate on CPU
 #                           bash run.sh test   -> the whole test suite (quick: the quick tier, tests marked slow left out)
-# Both set up .venv on first use: CPU torch 2.13.0 first, so the requirement ranges never pull a CUDA build. The set-up
+# Both set up .venv on first use: CPU torch 2.13.0 first, so the requirement ranges never pull a CUDA build (test
+# also installs requirements-eval.txt, the tests' own). The set-up
 # is done when .venv/.step5-setup holds requirements.txt's checksum, written after the last install step: a set-up
 # that was interrupted (or a requirements.txt that changed since) is completed by running the installs again, and a
 # .venv whose python does not start is made anew.
@@ -43,6 +44,16 @@ setup() {
   .venv/bin/python -m pip install --quiet -r requirements.txt
   echo "$want" > "$done_mark"
 }
+setup_tests() {  # the tests' own requirements (lm-evaluation-harness scores a test server), beside the product's
+  local done_mark=.venv/.step5-setup-tests want
+  want=$(cksum < requirements-eval.txt)
+  if [ -f "$done_mark" ] && [ "$(cat "$done_mark")" = "$want" ]; then
+    return
+  fi
+  echo "run.sh: installing the tests' requirements (requirements-eval.txt)" >&2
+  .venv/bin/python -m pip install --quiet -r requirements-eval.txt
+  echo "$want" > "$done_mark"
+}
 setup
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per rank (and no torchrun banner about it)
 case "$1" in
@@ -65,6 +76,7 @@ case "$1" in
     ;;
   test)
     shift
+    setup_tests
     if [ "${1:-}" = quick ]; then  # the edit-test loop: every test but those marked slow (pytest.ini)
       shift
       set -- -m "not slow" "$@"
