@@ -53,6 +53,30 @@ def render(tok, messages: list, raw: bool, tools: list | None = None, variables:
                                    **(variables or {}))
 
 
+def leading_turn(tok, messages: list, tools: list | None = None, variables: dict | None = None) -> str | None:
+    """The text every conversation with these leading system messages and tools starts with, as the chat template
+    writes it: up to where the first user message's own text would begin (the text two one-letter user turns after
+    them have in common). None where there are no system messages and no tools, nothing follows them, or the
+    template cannot render them. Agents that share a system prompt and a tool set share this part (the prefix store
+    keeps it for them)."""
+    lead = []
+    for m in messages:
+        if m["role"] != "system":
+            break
+        lead.append(m)
+    if not (lead or tools) or len(lead) == len(messages) or not tok.chat_template:
+        return None
+    try:
+        a, b = (tok.apply_chat_template(lead + [{"role": "user", "content": c}], tools=tools or None, tokenize=False,
+                                        add_generation_prompt=False, **(variables or {})) for c in "AB")
+    except Exception:  # the template's own refusal: no leading part
+        return None
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n] or None
+
+
 # --------------------------------------------------------------------------------------------------
 # what a chat template reads, and messages in the shape it reads (STEP5_CHAT.md §1, §4)
 

@@ -24,10 +24,11 @@ How it works, and where each part lives:
   at a stop id or at max_new_tokens (Finish). The host reads a step's tokens after the next step is queued (its
   forward, when the step is constrained: below), so the device never waits for it.
 - The prefix store (prefix_cache.py; its budget in the memory plan). A prefill stores its prompt's prefix at points
-  (Engine._points: every prefix_cache.SNAP_EVERY positions, the usable end) from the slot's caches right after the
-  pass that reaches each point: the sliding layers' windows written by the eager pass itself into snapshots reserved
-  for it, or (a prefill graph's pass, whose points all lie within the rings' spare slots of its end) copied from the
-  rings; a request's release stores its conversation (prompt and answer). At admission a request copies its longest
+  (Engine._points: every prefix_cache.SNAP_EVERY positions, the end of the part a front end says other requests
+  likely share (Request.share: a chat's system turn with its tools), the usable end) from the slot's caches right
+  after the pass that reaches each point: the sliding layers' windows written by the eager pass itself into
+  snapshots reserved for it, or (a prefill graph's pass, whose points all lie within the rings' spare slots of its
+  end) copied from the rings; a request's release stores its conversation (prompt and answer). At admission a request copies its longest
   stored prefix under its cache_salt when it beats the slot's own reuse by prefix_cache_min tokens; one that shares
   more with a request still in prefill (a leader) waits a step for the leader to store it (Engine._wait_for_leader), so
   requests arriving together (the n choices of one prompt, agents with one system prompt) prefill it once.
@@ -136,6 +137,8 @@ class Request:
     constraint: grammar.Constraint | None = None
     reasoning: Reasoning | None = None
     cache_salt: str | None = None  # prefixes are shared only between requests of the same salt (a tenant's)
+    share: int = 0  # the prompt's leading ids other requests likely start with too (a chat's system turn with its
+    # tools, as a front end renders it): its prefill stores that prefix as well (Engine._points)
     # set by the engine
     rid: int = -1
     out: list = field(default_factory=list)  # emitted ids (a stop id included)
@@ -364,6 +367,8 @@ class Engine:
             raise ValueError(f"echo {req.echo!r} must be a bool, and echo needs logprobs (0 for the tokens' own)")
         if req.cache_salt is not None and not isinstance(req.cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(req.cache_salt).__name__}")
+        if not is_int(req.share) or not 0 <= req.share <= len(req.ids):
+            raise ValueError(f"share {req.share!r} must be an integer in [0, {len(req.ids)}] (a count of prompt ids)")
         if req.reasoning is not None:
             p = (req.reasoning.problem(V) if isinstance(req.reasoning, Reasoning)
                  else "reasoning must be a choice.Reasoning")
@@ -451,10 +456,11 @@ class Engine:
         return max(0, n) // self.store.blk * self.store.blk
 
     def _points(self, req: Request) -> set:
-        """Where req's prefill stores its prefix: every SNAP_EVERY positions and at its usable end, past what it
-        has and what is stored already."""
-        U = self._usable(req)
+        """Where req's prefill stores its prefix: every SNAP_EVERY positions, at the end of the part other requests
+        likely share (req.share) and at its usable end, past what it has and what is stored already."""
+        U, S = self._usable(req), req.share // self.store.blk * self.store.blk
         want = set(range(prefix_cache.SNAP_EVERY, U, prefix_cache.SNAP_EVERY)) | ({U} if U else set())
+        want |= {S} if 0 < S < U else set()
         return {x for x in want if x > req.prefilled} - self.store.stored(req.key, req.cache_salt, U)
 
     def _wait_for_leader(self, req: Request, have: int) -> bool:

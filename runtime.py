@@ -526,12 +526,13 @@ class New:
     constraint: grammar.Constraint | None = None
     reasoning: choice.Reasoning | None = None  # the prompt opened a reasoning block: its end and budget
     cache_salt: str | None = None  # engine.Request's: prefixes shared only within one salt
+    share: int = 0  # engine.Request's: leading ids other requests likely share (a system turn), stored for them
 
 
 def request_of(n: New, features) -> E.Request:
     """A New as the engine takes it, with its image feature rows (or None)."""
     return E.Request(n.ids, n.max_tokens, n.stop_ids, n.sampling, features, n.logprobs, n.echo, n.constraint,
-                     n.reasoning, n.cache_salt)
+                     n.reasoning, n.cache_salt, n.share)
 
 
 @dataclass

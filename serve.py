@@ -225,7 +225,7 @@ class Hub:
 def new_of(rid: int, j: Q.Job) -> R.New:
     """A Job as every rank submits it (an echo without logprobs is the front end's text alone)."""
     return R.New(rid, j.ids, j.images, j.max_tokens, j.sampling, j.stop_ids, False, j.logprobs,
-                 j.echo and j.logprobs is not None, j.constraint, j.think, j.cache_salt)
+                 j.echo and j.logprobs is not None, j.constraint, j.think, j.cache_salt, j.share)
 
 
 def event_of(u: R.Update, lv: Live | None) -> Event:

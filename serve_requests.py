@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import chat
 import choice
+import engine as E
 import grammar
 import image_processing
 import runtime as R
@@ -130,6 +131,7 @@ class Job:
     constraint: Constraint | None = None  # compiled already (Grammars.compile): the engine's check is a cache hit
     think: choice.Reasoning | None = None  # the prompt's open reasoning block as the engine takes it (end, budget)
     cache_salt: str | None = None  # prefixes are shared only with requests of the same salt (engine.Request's)
+    share: int = 0  # leading prompt ids other requests likely share (a system turn with its tools; engine.Request's)
     tools: dict | None = None  # name -> tool_calls.Tool: the answer's calls are parsed (chat)
     tool_choice: tool_calls.Choice = tool_calls.Choice(tool_calls.Mode.NONE)
 
@@ -598,8 +600,11 @@ def chat_jobs(body: dict, btok: chat.BoundedTokenizer, lim: Limits, eos: list, t
         raise too_long("messages", f"have more than {e.limit} tokens: no room", lim) from None
     reasoning = think is not None and _last(ids, think[0]) > _last(ids, think[1])
     jobs = jobs_of(body, [(ids, "messages", "", reasoning)], lim, eos, True, think, forced)  # before any pixel
+    lead = chat.leading_turn(btok.tok, conv, body.get("tools") if tools else None, variables)
+    share = (E.common_prefix(btok.ids(lead, lim.context), ids)
+             if lead and marker not in lead and rendered.startswith(lead) else 0)
     for job in jobs:
-        job.tools, job.tool_choice = tools, tool_choice
+        job.tools, job.tool_choice, job.share = tools, tool_choice, share
     jobs[0].pending, jobs[0].image_bytes = images or None, prepared  # the first choice's: decoded once, shared
     return jobs
 

@@ -372,3 +372,20 @@ def test_the_bench_runs_at_tiny_shapes():
     assert r.returncode == 0, r.stderr[-3000:]
     assert "copied from the store (cached 64)" in r.stdout and "hit / alone" in r.stdout
     assert "store: mean TTFT" in r.stdout and "104 tokens prefilled, 96 cached" in r.stdout, r.stdout
+
+
+@torch.inference_mode()
+def test_a_shared_leading_part_is_stored_for_requests_that_come_later(lm):
+    """A request's `share` (a system turn its front end rendered) is stored too: a later request in another
+    conversation that shares only that part copies it (cached = share, rounded down to a region), though its slot
+    was taken by another prompt in between. Without `share`, the first request stores only its end, and the later
+    one finds nothing to copy."""
+    S = ids(N + 3, 21)  # 43 shared ids: five whole regions
+    for share, want in ((len(S), N), (0, 0)):
+        eng = engine(lm, batch=1)
+        eng.run([E.Request(S + ids(20, 22), 2, share=share)])
+        eng.run([E.Request(ids(30, 23), 2)])  # the one slot now holds another prompt
+        later = eng.run([E.Request(S + ids(9, 24), 2)])[0]
+        assert later.cached == want
+    with pytest.raises(ValueError, match="share"):
+        eng.submit(E.Request(S, 1, share=len(S) + 1))

@@ -7,6 +7,7 @@ import os
 import pytest
 
 import chat
+import engine as E
 import runtime
 import serve_requests as Q
 from helpers import Counting
@@ -162,6 +163,37 @@ def test_a_conversation_with_tools_renders_as_the_templates_own_text(tok, name):
     assert ("# Tools" in text) == bool(tools) and text.count(tok.bos_token) == 1
 
 
+
+@pytest.mark.parametrize("name", ["tools and a system message", "tools without a system message",
+                                  "developer as system", "no tools: the plain template", "a tool loop"])
+def test_a_chats_leading_system_turn_is_what_its_job_shares(tok, name):
+    """Job.share: the leading ids every conversation with the same system messages and tools starts with (the
+    template's system turn, up to the first user message's own text), for the prefix store to keep. Two chats that
+    differ only in their user message share exactly that many ids; another system message shares less."""
+    tools, msgs = conversations(False)[name]
+    body = {"messages": msgs, "max_tokens": 1, **({"tools": tools} if tools else {})}
+
+    def job(messages):
+        return Q.chat_jobs({**body, "messages": messages}, chat.BoundedTokenizer(tok), limits(), [4],
+                           chat.think_ids(tok))[0]
+    one = job(msgs)
+    sys_ = [m for m in msgs[:1] if m["role"] in ("system", "developer")]
+    two = job(sys_ + [{"role": "user", "content": "Tell me a story about 7 cats."}])
+    assert 0 < one.share < len(one.ids) and one.share == two.share
+    assert E.common_prefix(one.ids, two.ids) == one.share
+    text = tok.decode(one.ids[:one.share], skip_special_tokens=False)
+    assert text.endswith("user\n") and all(m["content"] in text for m in sys_)
+    if sys_:
+        three = job([{"role": "system", "content": "Another rule entirely."}] + msgs[1:])
+        assert E.common_prefix(one.ids, three.ids) < one.share
+
+
+def test_a_chat_with_no_system_message_and_no_tools_shares_nothing(tok):
+    job = Q.chat_jobs({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}, chat.BoundedTokenizer(tok),
+                      limits(), [4], None)[0]
+    assert job.share == 0
+
+
 def test_past_reasoning_and_tool_calls_reach_the_template(tok):
     """The rendered texts hold what the normalisation passed (not only equal to a template that could ignore it)."""
     text = tok.decode(Q.chat_jobs({"messages": conversations(False)["reasoning across user turns: kept after the "
@@ -180,3 +212,21 @@ def test_a_template_without_tools_refuses_them_naming_tools(tok, monkeypatch):
     err = refused(Q.chat_jobs, body, chat.BoundedTokenizer(tok), limits(), [4], None)
     assert err["param"] == "tools" and "does not render tools" in err["message"]
     assert chat.template_variables(tok) == {"messages"}
+
+
+def test_a_jobs_fields_reach_the_engine_request_every_rank_submits(tok):
+    """serve.new_of and runtime.request_of carry a Job's engine fields (a chat's shared system turn, cache_salt,
+    sampling, constraint, reasoning) to the engine.Request unchanged."""
+    import serve
+    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 3, "cache_salt": "tenant-a", "seed": 5, "temperature": 0.5, "logprobs": True,
+            "top_logprobs": 2, "response_format": {"type": "json_object"}}
+    lim = limits()  # without the engine's grammars: a constraint is refused here
+    with pytest.raises(Q.ApiError):
+        Q.chat_jobs(body, chat.BoundedTokenizer(tok), lim, [4], chat.think_ids(tok))
+    del body["response_format"]
+    job = Q.chat_jobs(body, chat.BoundedTokenizer(tok), lim, [4], chat.think_ids(tok))[0]
+    req = runtime.request_of(serve.new_of(7, job), None)
+    assert (req.ids, req.max_new_tokens, req.sampling, req.logprobs) == (job.ids, 3, job.sampling, 2)
+    assert req.share == job.share > 0 and req.cache_salt == "tenant-a" and req.stop_ids == frozenset({4})
+    assert req.reasoning == job.think and req.reasoning is not None
