@@ -1,8 +1,15 @@
 """Drivers and instruments of the engine and the model for tests: one batch on an engine made for it (generate), a
 packed prefill without an engine (prefill), and test instruments installed onto existing objects: a started engine's
 prefill and extension graphs that log each replay (record_replays), MTP drafts replaced by given tokens
-(force_drafts); a tokenizer that counts the ids its calls make (Counting).
+(force_drafts); a tokenizer that counts the ids its calls make (Counting). For the TP=2 drivers (tests/*_tp2.py):
+this rank's model from converted shards (rank_model), and one torchrun launch of a driver that returns both ranks'
+JSON results (run_tp2); random prompt ids (ids).
 """
+import json
+import os
+import random
+import subprocess
+import sys
 import time
 
 import torch
@@ -116,3 +123,29 @@ class Counting:
 
     def __getattr__(self, name):
         return getattr(self.tok, name)
+
+
+def ids(n: int, seed: int) -> list:
+    """n random prompt ids of a tiny checkpoint's vocabulary (past its special and chat-marker ids)."""
+    r = random.Random(seed)
+    return [r.randrange(11, 1024) for _ in range(n)]
+
+
+def rank_model(tp_dir: str):
+    """This rank's model from the converted shards in tp_dir (the process group set up already)."""
+    import config
+    import model as M
+    rank = int(os.environ["RANK"])
+    cfg, vl, _ = config.load_config(os.path.join(tp_dir, f"config-r{rank}.json"))
+    return M.Step5ForCausalLM.from_shard(os.path.join(tp_dir, f"model-r{rank}.safetensors"), cfg, "cpu", vl,
+                                         rank=rank)
+
+
+def run_tp2(driver: str, tp_dir: str, out) -> list:
+    """tests/DRIVER run by torchrun on 2 CPU ranks over tp_dir -> each rank's JSON result (OUT.RANK.json)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        os.path.join(root, "tests", driver), tp_dir, str(out)], cwd=root,
+                       capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [json.loads(open(f"{out}.{rank}.json").read()) for rank in (0, 1)]

@@ -9,33 +9,24 @@ request's cached tokens, first logprobs and tokens from both, for the test to co
 """
 import json
 import os
-import random
 import sys
 
 import torch
 import torch.distributed as dist
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(__file__)]
-import config  # noqa: E402
 import engine as E  # noqa: E402
-import model as M  # noqa: E402
+from helpers import ids, rank_model  # noqa: E402
 
 N = 40
 
 
-def ids(n: int, seed: int) -> list:
-    r = random.Random(seed)
-    return [r.randrange(11, 1024) for _ in range(n)]
-
-
 @torch.inference_mode()
 def main(tp_dir: str, out: str):
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     try:
-        cfg, vl, _ = config.load_config(os.path.join(tp_dir, f"config-r{rank}.json"))
-        m = M.Step5ForCausalLM.from_shard(os.path.join(tp_dir, f"model-r{rank}.safetensors"), cfg, "cpu", vl,
-                                          rank=rank)
+        m = rank_model(tp_dir)
         P = ids(N, 1)
         a, b = P + ids(5, 2), P + ids(7, 3)
         runs = {}

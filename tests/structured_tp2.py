@@ -16,10 +16,9 @@ import torch.distributed as dist
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(__file__)]
 import choice  # noqa: E402
-import config  # noqa: E402
 import engine as E  # noqa: E402
 import grammar as G  # noqa: E402
-import model as M  # noqa: E402
+from helpers import rank_model  # noqa: E402
 from sampling import Sampling  # noqa: E402
 from test_grammar import CHOICES, REGEX, schemas  # noqa: E402
 
@@ -44,9 +43,8 @@ def main(tp_dir: str, out: str):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     try:
-        cfg, vl, _ = config.load_config(os.path.join(tp_dir, f"config-r{rank}.json"))
-        m = M.Step5ForCausalLM.from_shard(os.path.join(tp_dir, f"model-r{rank}.safetensors"), cfg, "cpu", vl,
-                                          rank=rank)
+        m = rank_model(tp_dir)
+        cfg = m.cfg
         tokf = os.path.join(tp_dir, "..", "tokenizer_files", "tokenizer.json")
         grammars = G.Grammars(tokf, cfg.vocab_size, EOS)
         from transformers import PreTrainedTokenizerFast

@@ -6,21 +6,15 @@ Two runs that differ in batch composition or in what a prefill pass holds round 
 GEMM row counts); the comparisons pin one run's routing and region decisions into the other (model.Pins, keyed by
 request id) and accept a token difference only at a measured near-tie (tests/invariants.py).
 """
-import random
 
 import pytest
 import torch
 
 import engine as E
 import model as M
-from helpers import record_replays
+from helpers import ids, record_replays
 from invariants import NOISE, pinned, tokens_agree_up_to_near_tie
 from sampling import Sampling
-
-
-def ids(n: int, seed: int) -> list:
-    r = random.Random(seed)
-    return [r.randrange(11, 1024) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 
 import jsonschema
 import pytest
@@ -21,9 +19,9 @@ import choice
 import engine as E
 import grammar as G
 import tiny_checkpoint
+from helpers import run_tp2
 from sampling import Sampling
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 1024  # the tiny model's vocabulary; its tokenizer holds fewer tokens
 EOS = 4
 
@@ -341,13 +339,7 @@ def test_speculative_drafts_are_checked_against_the_grammar_position_by_position
 def test_constrained_logprob_and_penalised_requests_agree_on_both_ranks(converted, tmp_path):
     """TP=2 (tests/structured_tp2.py): constrained, penalised, biased and logprob requests, plain and speculative;
     each rank runs its own matchers and the ranks' tokens and logprobs are identical, the answers valid."""
-    d = converted("bf16_text", 2, keep_mtp=True)
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        os.path.join(ROOT, "tests", "structured_tp2.py"), d, str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, r.stderr[-4000:]
-    runs = [json.loads((tmp_path / f"out.{rank}.json").read_text()) for rank in (0, 1)]
+    runs = run_tp2("structured_tp2.py", converted("bf16_text", 2, keep_mtp=True), tmp_path / "out")
     assert runs[0] == runs[1]
     for spec in runs[0].values():
         assert len(spec) >= 8

@@ -8,9 +8,7 @@ Every test forces copies on (prefix_cache_min=0). The reference for "bitwise" is
 slot reuses the prefix it computed itself (Engine._reuse: the same positions, rewound), fed the same chunk split (a
 donor's prompt is one pass in both).
 """
-import json
 import os
-import random
 import subprocess
 import sys
 
@@ -20,16 +18,12 @@ import torch
 import engine as E
 import prefix_cache
 import speculative
+from helpers import ids, run_tp2
 from invariants import tokens_agree_up_to_near_tie
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 40  # the shared prefix's tokens: five regions of the tiny checkpoints' 8
 GIB = 0.01  # a store of ~10 MiB on the tiny geometry: hundreds of regions, tens of windows
-
-
-def ids(n: int, seed: int) -> list:
-    r = random.Random(seed)
-    return [r.randrange(11, 1024) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -270,13 +264,7 @@ def test_two_ranks_share_a_prefix_alike(converted, tmp_path):
     """TP=2 (tests/prefix_cache_tp2.py): the second of two conversations sharing N tokens copies them into another
     slot on both ranks, prefills only its rest, and its first logprobs and tokens are bitwise those of a slot that
     computed the prefix itself; the ranks agree."""
-    d = converted("bf16_text", 2)
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        os.path.join(ROOT, "tests", "prefix_cache_tp2.py"), d, str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, r.stderr[-4000:]
-    runs = [json.loads((tmp_path / f"out.{rank}.json").read_text()) for rank in (0, 1)]
+    runs = run_tp2("prefix_cache_tp2.py", converted("bf16_text", 2), tmp_path / "out")
     assert runs[0] == runs[1]
     store, slot = runs[0]["store"], runs[0]["slot"]
     assert store["cached"] == N and store["slots"] == [0, 1] and store["prefilled"] == N + 5 + 7

@@ -22,30 +22,12 @@ import grammar as G
 import runtime
 import serve_requests as Q
 from invariants import NOISE, ROOT, TORCHRUN
+from test_grammar import CHOICES, REGEX, schemas
 from test_serve import Server, env, stop, wait_serving
 from test_startup import gpu_launches  # noqa: F401 (a fixture: kernel launches recorded as the GPU makes them)
 
 MAX_BATCH, CONTEXT = 8, 256
-SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "number", "minimum": -5,
-                                                                     "maximum": 5}},
-     "required": ["ok"], "additionalProperties": False},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                               "minItems": 1, "maxItems": 3}},
-     "required": ["tags"], "additionalProperties": False},
-    {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 1, "maximum": 9}, "role": {"enum": ["admin", "guest"]}},
-        "required": ["id", "role"], "additionalProperties": False},
-        "note": {"type": "string", "maxLength": 4}}, "required": ["user"], "additionalProperties": False},
-    {"type": "object", "properties": {"p": {"type": "array", "maxItems": 2, "items": {
-        "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 3}},
-        "required": ["x"], "additionalProperties": False}}}, "required": ["p"], "additionalProperties": False},
-]
-REGEX = r"[0-9]{3}-[a-z]{2,4}"
-CHOICES = ["Paris", "London", "Tokyo"]
+SCHEMAS = schemas()[:5]  # the object schemas (nested objects, arrays, enums, ranges, lengths)
 
 
 def constraint_fields() -> list:
