@@ -461,7 +461,8 @@ def test_bad_cpu_plan_past_the_hosts_memory_names_the_flag(converted, tmp_path):
     d = converted("bf16_text", 1)
     assert_all_ranks_fail(launch_ranks(1, ["--tp-dir", d, "--prompt-json", p, "--max-batch", 100000,
                                            "--max-context", 512]),
-                          "the engine does not fit", "(host memory)", "lower --max-context (512) or --max-batch (100000)")
+                          "the engine does not fit", "(host memory)",
+                          "lower --max-context (512), --max-batch (100000) or --prefix-cache-gib")
     assert_all_ranks_fail(launch_ranks(1, ["--tp-dir", d, "--prompt-json", p, "--max-batch", 10 ** 8]),
                           "no room for a KV cache", "free on host memory", "lower --max-batch (100000000)")
 
