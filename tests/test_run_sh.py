@@ -23,6 +23,7 @@ exit 0
 """
 TORCH = "-m pip install --quiet torch==2.13.0"
 REQS = "-m pip install --quiet -r requirements.txt"
+EVAL = "-m pip install --quiet -r requirements-eval.txt"  # the tests' own (test only)
 PYTEST = "-m pytest -q tests test_vision.py"
 
 
@@ -38,7 +39,7 @@ def run_sh(repo, *args, fail: str = "") -> tuple[int, list, str]:
 
 @pytest.fixture
 def repo(tmp_path):
-    for f in ("run.sh", "requirements.txt"):
+    for f in ("run.sh", "requirements.txt", "requirements-eval.txt"):
         shutil.copy(os.path.join(ROOT, f), tmp_path / f)
     (tmp_path / "stub-python").write_text(STUB)
     os.chmod(tmp_path / "stub-python", 0o755)
@@ -55,20 +56,25 @@ def test_run_sh_alone_prints_its_usage_before_any_install(repo):
 def test_an_interrupted_set_up_is_resumed(repo):
     """The set-up fails at its last install step (as one interrupted there): the next run installs again and then
     runs; a finished set-up installs nothing; a .venv whose python does not start is made anew; a changed
-    requirements.txt is installed."""
+    requirements.txt is installed; `test` also installs the tests' own requirements-eval.txt, once, and again when
+    it changes."""
     rc, calls, _ = run_sh(repo, "test", fail=REQS)
     assert rc != 0 and calls[1:] == [TORCH, REQS] and calls[0].startswith("-m venv"), calls
     rc, calls, _ = run_sh(repo, "test", "quick")
-    assert rc == 0 and calls == [TORCH, REQS, PYTEST + ' -m not slow'], calls
+    assert rc == 0 and calls == [TORCH, REQS, EVAL, PYTEST + ' -m not slow'], calls
     rc, calls, _ = run_sh(repo, "test")
     assert rc == 0 and calls == [PYTEST], calls
     (repo / ".venv" / "bin" / "python").write_text("#!/bin/sh\nexit 1\n")  # a broken .venv
     rc, calls, _ = run_sh(repo, "test")
-    assert rc == 0 and calls[0].startswith("-m venv") and calls[1:] == [TORCH, REQS, PYTEST], calls
+    assert rc == 0 and calls[0].startswith("-m venv") and calls[1:] == [TORCH, REQS, EVAL, PYTEST], calls
     with open(repo / "requirements.txt", "a") as f:
         f.write("llguidance>=1.9,<2\n")
     rc, calls, _ = run_sh(repo, "test")
     assert rc == 0 and calls == [TORCH, REQS, PYTEST], calls
+    with open(repo / "requirements-eval.txt", "a") as f:
+        f.write("jsonschema>=4.20,<5\n")
+    rc, calls, _ = run_sh(repo, "test")
+    assert rc == 0 and calls == [EVAL, PYTEST], calls
 
 
 @pytest.mark.slow
