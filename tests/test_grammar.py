@@ -188,28 +188,32 @@ def test_a_dead_end_in_the_engine_finishes_its_request_as_an_error_naming_the_gr
     assert not eng.busy()
 
 
+# Bounded schemas: nested objects, arrays, enums, number ranges, string lengths, required and optional keys (the
+# objects first; test_serve_sampling sends them through the API)
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "number", "minimum": -5,
+                                                                     "maximum": 5}},
+     "required": ["ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 9}, "role": {"enum": ["admin", "guest"]}},
+        "required": ["id", "role"], "additionalProperties": False},
+        "note": {"type": "string", "maxLength": 4}}, "required": ["user"], "additionalProperties": False},
+    {"type": "object", "properties": {"p": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 3}},
+        "required": ["x"], "additionalProperties": False}}}, "required": ["p"], "additionalProperties": False},
+    {"enum": ["red", "green", "blue"]},
+]
+
+
 def schemas() -> list:
-    """Bounded schemas: nested objects, arrays, enums, number ranges, string lengths, required and optional keys."""
-    s = [
-        {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8},
-                                          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-         "required": ["name", "age"], "additionalProperties": False},
-        {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "number", "minimum": -5,
-                                                                         "maximum": 5}},
-         "required": ["ok"], "additionalProperties": False},
-        {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                                   "minItems": 1, "maxItems": 3}},
-         "required": ["tags"], "additionalProperties": False},
-        {"type": "object", "properties": {"user": {"type": "object", "properties": {
-            "id": {"type": "integer", "minimum": 1, "maximum": 9}, "role": {"enum": ["admin", "guest"]}},
-            "required": ["id", "role"], "additionalProperties": False},
-            "note": {"type": "string", "maxLength": 4}}, "required": ["user"], "additionalProperties": False},
-        {"type": "object", "properties": {"p": {"type": "array", "maxItems": 2, "items": {
-            "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 3}},
-            "required": ["x"], "additionalProperties": False}}}, "required": ["p"], "additionalProperties": False},
-        {"enum": ["red", "green", "blue"]},
-    ]
-    return [G.Constraint.json_schema(x) for x in s]
+    """SCHEMAS as constraints."""
+    return [G.Constraint.json_schema(x) for x in SCHEMAS]
 
 
 REGEX = r"[0-9]{3}-[a-z]{2,4}"

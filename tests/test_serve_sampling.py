@@ -22,12 +22,13 @@ import grammar as G
 import runtime
 import serve_requests as Q
 from invariants import NOISE, ROOT, TORCHRUN
-from test_grammar import CHOICES, REGEX, schemas
+from test_grammar import CHOICES, REGEX
+from test_grammar import SCHEMAS as ALL_SCHEMAS
 from test_serve import Server, env, stop, wait_serving
 from test_startup import gpu_launches  # noqa: F401 (a fixture: kernel launches recorded as the GPU makes them)
 
 MAX_BATCH, CONTEXT = 8, 256
-SCHEMAS = schemas()[:5]  # the object schemas (nested objects, arrays, enums, ranges, lengths)
+SCHEMAS = ALL_SCHEMAS[:5]  # the object schemas (nested objects, arrays, enums, ranges, lengths)
 
 
 def constraint_fields() -> list:
