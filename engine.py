@@ -28,9 +28,10 @@ How it works, and where each part lives:
   likely share (Request.share: a chat's system turn with its tools), the usable end) from the slot's caches right
   after the pass that reaches each point: the sliding layers' windows written by the eager pass itself into
   snapshots reserved for it, or (a prefill graph's pass, whose points all lie within the rings' spare slots of its
-  end) copied from the rings; a request's release stores its conversation (prompt and answer). At admission a request copies its longest
-  stored prefix under its cache_salt when it beats the slot's own reuse by prefix_cache_min tokens; one that shares
-  more with a request still in prefill (a leader) waits a step for the leader to store it (Engine._wait_for_leader), so
+  end) copied from the rings; a request's release stores its conversation (prompt and answer). At admission a
+  request copies its longest stored prefix under its cache_salt when it beats the slot's own reuse by
+  prefix_cache_min tokens; one that shares more with a request still in prefill (a leader) waits a step for the
+  leader to store it (Engine._wait_for_leader), so
   requests arriving together (the n choices of one prompt, agents with one system prompt) prefill it once.
 - Prefill, short prompts as graphs. An eager prefill pass of up to a few thousand tokens is bound by the host's
   ~1,200 Python launches, not by its kernels. So a fresh prompt (no cached prefix, no image) of up to
