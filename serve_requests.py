@@ -15,10 +15,12 @@ structured_outputs and the guided_* aliases, thinking_token_budget.
 """
 import base64
 import binascii
+import collections
 import io
 import json
 import math
 import secrets
+import threading
 from dataclasses import dataclass, replace
 
 import chat
@@ -601,12 +603,32 @@ def chat_jobs(body: dict, btok: chat.BoundedTokenizer, lim: Limits, eos: list, t
     reasoning = think is not None and _last(ids, think[0]) > _last(ids, think[1])
     jobs = jobs_of(body, [(ids, "messages", "", reasoning)], lim, eos, True, think, forced)  # before any pixel
     lead = chat.leading_turn(btok.tok, conv, body.get("tools") if tools else None, variables)
-    share = (E.common_prefix(btok.ids(lead, lim.context), ids)
+    share = (E.common_prefix(lead_ids(btok, lead, lim.context), ids)
              if lead and marker not in lead and rendered.startswith(lead) else 0)
     for job in jobs:
         job.tools, job.tool_choice, job.share = tools, tool_choice, share
     jobs[0].pending, jobs[0].image_bytes = images or None, prepared  # the first choice's: decoded once, shared
     return jobs
+
+
+LEADS_KEPT = 32  # distinct system turns whose ids are kept (agents resend theirs with every request)
+_leads, _leads_lock = collections.OrderedDict(), threading.Lock()  # (tokenizer, text) -> ids, least recent first
+
+
+def lead_ids(btok: chat.BoundedTokenizer, text: str, limit: int) -> list:
+    """A chat's system turn (chat.leading_turn) tokenized, once per distinct turn among the last LEADS_KEPT."""
+    key = (btok.tok, text)
+    with _leads_lock:
+        ids = _leads.get(key)
+        if ids is not None:
+            _leads.move_to_end(key)
+            return ids
+    ids = btok.ids(text, limit)
+    with _leads_lock:
+        _leads[key] = ids
+        while len(_leads) > LEADS_KEPT:
+            _leads.popitem(last=False)
+    return ids
 
 
 def tools_of(body: dict, tok) -> tuple:

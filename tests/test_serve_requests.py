@@ -230,3 +230,19 @@ def test_a_jobs_fields_reach_the_engine_request_every_rank_submits(tok):
     assert (req.ids, req.max_new_tokens, req.sampling, req.logprobs) == (job.ids, 3, job.sampling, 2)
     assert req.share == job.share > 0 and req.cache_salt == "tenant-a" and req.stop_ids == frozenset({4})
     assert req.reasoning == job.think and req.reasoning is not None
+
+
+def test_a_system_turn_sent_again_is_tokenized_once(tok):
+    """Agents resend their system prompt and tools with every request: its ids (for Job.share) are made once, and
+    the second request's share is the first's."""
+    from helpers import Counting
+    tools, msgs = conversations(False)["tools and a system message"]
+    count = Counting(tok)
+    btok = chat.BoundedTokenizer(count)
+    shares, calls = [], []
+    for q in ("First question?", "Second question?"):
+        body = {"messages": msgs[:1] + [{"role": "user", "content": q}], "max_tokens": 1, "tools": tools}
+        before = count.calls
+        shares.append(Q.chat_jobs(body, btok, limits(), [4], chat.think_ids(tok))[0].share)
+        calls.append(count.calls - before)
+    assert shares[0] == shares[1] > 0 and calls[1] < calls[0]
