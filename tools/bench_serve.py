@@ -10,12 +10,22 @@ sent -> first token), aggregate decode tok/s (every token after each request's f
 median stream's decode tok/s, and inter-token gaps p50 / p99. One request first warms the server up.
 
     python -m tools.bench_serve --local --clients 1 4 16 --prompt-tokens 1024 8192     # one GPU, no shards needed
+    python -m tools.bench_serve --local --max-batch 1 --clients 1 --prompt-tokens 1024 --max-tokens 128 --tools
+    python -m tools.bench_serve --local --max-batch 1 --clients 1 --prompt-tokens 1024 --max-tokens 128 --tools \
+        --speculative 2
 
---local serves one whole TP=EP=8 rank of random FP8 weights (tools.rank's build) on this process's GPU through
-serve.py's own HTTP side and engine loop, with a word-level tokenizer over the rank's vocabulary window (ids in
-[--ids]), and measures it the same way from a client process of its own (clients never share the server's
-interpreter); before serving, it runs each cell's load through the engine alone (no HTTP, the same closed loop of
-clients) and prints it beside the server's figures: what the server adds to the engine.
+--local serves one whole TP=EP=8 rank of random FP8 weights (tools.rank's build, with --speculative K its first K MTP
+layers) on this process's GPU through serve.py's own HTTP side and engine loop, and measures it the same way from a
+client process of its own (clients never share the server's interpreter). Its tokenizer (local_tokenizer, kept in
+--tokenizer DIR) is a byte-level BPE of the model's whole vocabulary with the checkpoint's specials and Step's chat
+markers first, inside the rank's logits window, and a chat template of Step's form, so chat requests with tools, tool_choice and
+thinking_token_budget work there; constrained requests get the engine's grammars over it. Before serving, the
+completions mode runs each cell's load through the engine alone (no HTTP, the same closed loop of clients) and prints
+it beside the server's figures: what the server adds to the engine.
+
+--tools (tools.bench_tools) runs each cell as streamed chat requests twice, plain and tool-calling (tool_choice
+"required", the call forced by the grammar), and prints the tool-calling decode tok/s beside plain's with their ratio
+(issue 56's target: >= 95%). Against --url it needs --tokenizer, the served checkpoint's tokenizer directory.
 """
 import argparse
 import asyncio
@@ -91,15 +101,56 @@ def word_tokenizer(n: int):
     return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<0>")
 
 
+def local_tokenizer(tok_dir: str):
+    """--local's tokenizer, kept in tok_dir: its tokenizer.json, else a byte-level BPE of the whole vocabulary trained
+    into it (tools.bench_grammar's: the checkpoint's specials and Step's six chat markers as ids 0-16), and its
+    tokenizer_config.json, else one written with the chat template of Step's form (tiny_checkpoint.CHAT_TEMPLATE, the
+    test checkpoints' own). -> the tokenizer, loaded as serve.py loads one."""
+    import runtime as R
+    import tiny_checkpoint
+    from tools.bench_grammar import train_tokenizer
+    os.makedirs(tok_dir, exist_ok=True)
+    path, conf = os.path.join(tok_dir, "tokenizer.json"), os.path.join(tok_dir, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        t0 = time.perf_counter()
+        train_tokenizer(path)
+        print(f"trained a byte-level BPE for --local in {time.perf_counter() - t0:.0f} s -> {path}", flush=True)
+    if not os.path.isfile(conf):
+        with open(conf, "w") as f:
+            json.dump({"bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                       "chat_template": tiny_checkpoint.CHAT_TEMPLATE}, f)
+    return R.load_tokenizer(tok_dir)
+
+
+def check_window(tok, window: int):
+    """SystemExit unless the chat markers' ids lie inside the rank's logits window [0, window): the model could not
+    write them else."""
+    import chat
+    import tool_calls
+    for ids in (chat.think_ids(tok), tool_calls.call_ids(tok)):
+        if ids is None or max(ids) >= window:
+            raise SystemExit(f"error: the tokenizer's chat markers are {ids}, not ids inside the rank's logits window "
+                             f"[0, {window})")
+
+
 def local_engine(model, tok, max_batch: int, max_context: int | None, prefill_chunk: int,
-                 build_threads: int | None = None):
-    """serve.py's session around `model` in this process (one rank, world 1), its engine started."""
+                 build_threads: int | None = None, speculative: int = 0, tokenizer_file: str | None = None):
+    """serve.py's session around `model` in this process (one rank, world 1), its engine started; speculative: MTP
+    drafts per step (the model keeps that many MTP layers); tokenizer_file: `tok`'s tokenizer.json, for the engine's
+    grammars (constrained requests, tool_choice "required"; None: such requests are refused)."""
     import engine as E
+    import grammar
     import runtime as R
     dev = next(model.parameters()).device
-    flags = R.EngineFlags("(local)", max_batch=max_batch, max_context=max_context, prefill_chunk=prefill_chunk)
+    flags = R.EngineFlags("(local)", max_batch=max_batch, max_context=max_context, prefill_chunk=prefill_chunk,
+                          speculative=speculative)
     s = R.Session(flags, 0, 1, dev, model.cfg, None, tok, sorted(model.cfg.eos_token_id), model=model)
-    s.eng = E.Engine(model, E.EngineConfig(max_batch, max_context, prefill_chunk, build_threads=build_threads), print)
+    g = None
+    if tokenizer_file is not None:
+        g = grammar.Grammars(tokenizer_file, model.cfg.vocab_size, s.eos[0])
+        g.view()  # built now, not on the engine loop at the first constrained request
+    s.eng = E.Engine(model, E.EngineConfig(max_batch, max_context, prefill_chunk, speculative,
+                                           build_threads=build_threads), print, grammars=g)
     s.eng.start()
     return s
 
@@ -194,35 +245,55 @@ if __name__ == "__main__":
                     "(the tiny test checkpoint: 11 1000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="as_json", action="store_true", help="also print the rows as one JSON document")
+    ap.add_argument("--tools", action="store_true", help="streamed chat, plain and tool-calling (tools.bench_tools)")
+    ap.add_argument("--call-chars", type=int, default=2048,
+                    help="--tools: characters of the forced call's one string parameter (a call longer than "
+                    "max_tokens runs to it; a short one closes and finishes tool_calls)")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="--tools against --url: the served checkpoint's tokenizer directory; --local: the local "
+                    "server's (default $TMPDIR/bench_serve_tokenizer; a tokenizer.json is trained into it when it "
+                    "has none, a tokenizer_config.json with Step's chat template written when it has none)")
     ap.add_argument("--local", action="store_true", help="serve a random whole rank on this GPU instead of --url")
     ap.add_argument("--max-batch", type=int, default=16, help="--local: the engine's slots")
     ap.add_argument("--max-context", type=int, default=None, help="--local: positions per slot (default: what fits)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="--local: default serve.py's")
     ap.add_argument("--build-threads", type=int, default=None, help="--local: start-up's parallel kernel builds")
+    ap.add_argument("--speculative", type=int, default=0, help="--local: MTP drafts per decode step (1-3)")
     a = ap.parse_args()
     if a.prefill_chunk is None:
         from serve import PREFILL_CHUNK
         a.prefill_chunk = PREFILL_CHUNK
+    if a.tools and not a.local and a.tokenizer is None:
+        raise SystemExit("error: --tools against --url needs --tokenizer, the served checkpoint's tokenizer directory")
     direct = None
     if a.local:
         import torch
 
         from tools.rank import build
-        m = build()
-        s = local_engine(m, word_tokenizer(m.cfg.vocab_size // m.cfg.tp_size), a.max_batch, a.max_context,
-                         a.prefill_chunk, a.build_threads)
-        rng, direct = random.Random(a.seed + 1), {}
-        with torch.inference_mode():  # the same load through the engine alone first: what the server adds to it
-            for n in a.prompt_tokens:
-                for c in a.clients:
-                    direct[c, n] = engine_cell(s.eng, c, n, a.requests, a.max_tokens, a.ids[0], a.ids[1], rng)
+        a.tokenizer = a.tokenizer or os.path.join(os.environ.get("TMPDIR", "/tmp"), "bench_serve_tokenizer")
+        tok = local_tokenizer(a.tokenizer)
+        m = build(mtp=a.speculative)
+        check_window(tok, m.cfg.vocab_size // m.cfg.tp_size)
+        s = local_engine(m, tok, a.max_batch, a.max_context, a.prefill_chunk, a.build_threads, a.speculative,
+                         os.path.join(a.tokenizer, "tokenizer.json"))
+        if not a.tools:
+            rng, direct = random.Random(a.seed + 1), {}
+            with torch.inference_mode():  # the same load through the engine alone first: what the server adds to it
+                for n in a.prompt_tokens:
+                    for c in a.clients:
+                        direct[c, n] = engine_cell(s.eng, c, n, a.requests, a.max_tokens, a.ids[0], a.ids[1], rng)
         a.url, a.api_key = local_server(s), None
-    cells = (a.url, a.api_key, a.clients, a.prompt_tokens, a.requests, a.max_tokens, a.ids[0], a.ids[1], a.seed,
-             a.as_json, direct)
+    if a.tools:
+        from tools import bench_tools
+        target, cells = bench_tools.main, (a.url, a.api_key, a.tokenizer, a.clients, a.prompt_tokens, a.requests,
+                                           a.max_tokens, a.ids[0], a.ids[1], a.seed, a.call_chars, a.as_json)
+    else:
+        target, cells = main, (a.url, a.api_key, a.clients, a.prompt_tokens, a.requests, a.max_tokens, a.ids[0],
+                               a.ids[1], a.seed, a.as_json, direct)
     if a.local:  # the clients in a process of their own, as real clients are: not sharing the server's interpreter
         import multiprocessing
-        p = multiprocessing.get_context("spawn").Process(target=main, args=cells)
+        p = multiprocessing.get_context("spawn").Process(target=target, args=cells)
         p.start()
         p.join()
         raise SystemExit(p.exitcode)
-    main(*cells)
+    target(*cells)
