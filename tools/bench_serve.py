@@ -246,9 +246,9 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="as_json", action="store_true", help="also print the rows as one JSON document")
     ap.add_argument("--tools", action="store_true", help="streamed chat, plain and tool-calling (tools.bench_tools)")
-    ap.add_argument("--call-chars", type=int, default=2048,
-                    help="--tools: characters of the forced call's one string parameter (a call longer than "
-                    "max_tokens runs to it; a short one closes and finishes tool_calls)")
+    ap.add_argument("--call-chars", type=int, default=0, metavar="N",
+                    help="--tools: the forced call's one string parameter is exactly N characters (default: free "
+                    "text, closed where the model closes it)")
     ap.add_argument("--tokenizer", default=None, metavar="DIR",
                     help="--tools against --url: the served checkpoint's tokenizer directory; --local: the local "
                     "server's (default $TMPDIR/bench_serve_tokenizer; a tokenizer.json is trained into it when it "
@@ -263,6 +263,8 @@ if __name__ == "__main__":
     if a.prefill_chunk is None:
         from serve import PREFILL_CHUNK
         a.prefill_chunk = PREFILL_CHUNK
+    if a.call_chars < 0:
+        raise SystemExit(f"error: --call-chars {a.call_chars} must be >= 0 (0: free text)")
     if a.tools and not a.local and a.tokenizer is None:
         raise SystemExit("error: --tools against --url needs --tokenizer, the served checkpoint's tokenizer directory")
     direct = None

@@ -5,8 +5,11 @@ Each (clients, prompt length) cell runs twice, the same load of `clients` stream
 chat requests one after the other, every request a fresh user message of about `prompt` tokens after the same tool:
 - plain: tool_choice "none" (the tools rendered, nothing forced or parsed), ignore_eos: max_tokens tokens each;
 - tools: tool_choice "required", parallel_tool_calls false: the grammar forces one call of the tool, whose one
-  string parameter is exactly --call-chars characters, so a call is as long as asked whatever the weights (a long
-  one runs to max_tokens and finishes "length"; a short one closes, finishes "tool_calls" and streams its deltas).
+  string parameter is free text by default, the grammar a real tool's text parameter gets (raw text without '<',
+  closed only by "\n</parameter>": with random weights over a real-sized vocabulary a call seldom closes and runs to
+  max_tokens, finishing "length"), or exactly --call-chars N characters (a counted repetition, whose masks cost more:
+  a call of a few hundred characters closes, finishes "tool_calls" and streams its deltas). The rows say how many
+  calls closed and the mean tokens of each kind.
 Both ask thinking_token_budget 0 (the answer starts at once: random weights would reason forever) and the same prompt
 (the tools in the system turn either way), so the rates differ by the tool path alone: the grammar's masks, the call
 parser, the call's deltas.
@@ -34,8 +37,8 @@ TARGET = 0.95  # issue 56: tool-calling decode tok/s at least this share of plai
 
 
 def tool(chars: int) -> dict:
-    """The benchmark's tool: one required string parameter of exactly `chars` characters."""
-    text = {"type": "string", "minLength": chars, "maxLength": chars}
+    """The benchmark's tool: one required string parameter, free text (chars 0) or exactly `chars` characters."""
+    text = {"type": "string", **({"minLength": chars, "maxLength": chars} if chars else {})}
     return {"type": "function", "function": {
         "name": "write_note", "description": "Write a note of the given text.",
         "parameters": {"type": "object", "properties": {"text": text}, "required": ["text"]}}}
