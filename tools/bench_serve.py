@@ -18,10 +18,10 @@ median stream's decode tok/s, and inter-token gaps p50 / p99. One request first 
 layers) on this process's GPU through serve.py's own HTTP side and engine loop, and measures it the same way from a
 client process of its own (clients never share the server's interpreter). Its tokenizer (local_tokenizer, kept in
 --tokenizer DIR) is a byte-level BPE of the model's whole vocabulary with the checkpoint's specials and Step's chat
-markers first, inside the rank's logits window, and a chat template of Step's form, so chat requests with tools, tool_choice and
-thinking_token_budget work there; constrained requests get the engine's grammars over it. Before serving, the
-completions mode runs each cell's load through the engine alone (no HTTP, the same closed loop of clients) and prints
-it beside the server's figures: what the server adds to the engine.
+markers first, inside the rank's logits window, and a chat template of Step's form, so chat requests with tools,
+tool_choice and thinking_token_budget work there; constrained requests get the engine's grammars over it. Before the
+server, the completions mode runs each cell's load through the engine alone (no HTTP, the same closed loop of
+clients) and prints it beside the server's figures: what the server adds to the engine.
 
 --tools (tools.bench_tools) runs each cell as streamed chat requests twice, plain and tool-calling (tool_choice
 "required", the call forced by the grammar), and prints the tool-calling decode tok/s beside plain's with their ratio
