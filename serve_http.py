@@ -4,11 +4,12 @@ the API's objects, serve.Hub carries them to and from the engine loop.
 
 Limits, each bounding memory or time before the work it guards:
 - Connections: at most --max-connections open; a connection past the cap closes the one idle the longest (no request
-  in progress, no bytes waiting to be read), or is refused if none is idle: either way closed at once (RST), never
-  held. A connection without a request in progress (fresh, between requests, or still sending its headers) is
-  closed HEADER_TIMEOUT_S after it opened or its last answer ended; keep-alive connections after KEEP_ALIVE_S
-  (uvicorn's). A half-closed client socket still gets its answer; a client that is gone is noticed when an answer
-  is written to it.
+  in progress, no bytes waiting to be read), or is refused if none is idle. Either one is answered 503 overloaded
+  (Retry-After) and closed at once, never held: a client whose request had not arrived yet (a fresh connection
+  looks idle until its first bytes come) reads a clean refusal, not a reset. A connection without a request in
+  progress (fresh, between requests, or still sending its headers) is closed (RST) HEADER_TIMEOUT_S after it opened
+  or its last answer ended; keep-alive connections after KEEP_ALIVE_S (uvicorn's). A half-closed client socket still
+  gets its answer; a client that is gone is noticed when an answer is written to it.
 - Bodies: at most MAX_BODY each, BODY_BUDGET for all bodies held at once (past it: 503 overloaded); a body must keep
   coming (BODY_CHUNK_S between chunks) and arrive within BODY_TIMEOUT_S (else 408).
 - Preparation (JSON, checks, tokenization) runs in threads, in lanes by body size so a small request never waits
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import fcntl
 import hmac
+import json
 import logging
 import math
 import socket
@@ -136,23 +138,34 @@ class Budget:
 
 
 class Conns:
-    """The server's open connections: the cap at accept and the sweep of those without a request in progress."""
+    """The server's open connections: the cap at accept and the sweep of those without a request in progress.
+    retry_after: seconds a client turned away at the cap is told to wait (serve.Hub.retry_after)."""
 
-    def __init__(self, cap: int, rate: RateLog, metrics: Metrics):
-        self.cap, self.rate, self.metrics = cap, rate, metrics
+    def __init__(self, cap: int, rate: RateLog, metrics: Metrics, retry_after):
+        self.cap, self.rate, self.metrics, self.retry_after = cap, rate, metrics, retry_after
         self.open = {}  # Conn -> None (an ordered set)
 
     def admit(self, c) -> bool:
         if len(self.open) >= self.cap:  # the order of `open` is that of `since`: the first idle one is the oldest
             idle = next((o for o in self.open if not o.busy() and not o.pending()), None)
             if idle is None:
-                self.closed("refused", f"at --max-connections {self.cap}, none idle: a new connection was refused")
+                self.closed("refused", f"at --max-connections {self.cap}, none idle: a new connection was answered "
+                            "503 overloaded and closed")
                 return False
-            self.closed("evicted", f"at --max-connections {self.cap}: the connection idle the longest was closed "
-                        "for a new one")
-            idle.drop()
+            self.closed("evicted", f"at --max-connections {self.cap}: the connection idle the longest was answered "
+                        "503 overloaded and closed for a new one")
+            idle.turn_away()
         self.open[c] = None
         return True
+
+    def refusal(self) -> bytes:
+        """The whole HTTP answer of a connection turned away at the cap. Its request (path, API) is not known yet:
+        the body is OpenAI's error shape; the status and Retry-After are what clients of either API act on."""
+        e = ApiError(503, f"the server holds --max-connections {self.cap} connections; retry later", None,
+                     "overloaded")
+        body = json.dumps(e.body()).encode()
+        return (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+                f"\r\nRetry-After: {self.retry_after()}\r\nConnection: close\r\n\r\n").encode() + body
 
     def touch(self, c):
         """c has no request in progress from now (c.since): it moves to the end of the order."""
@@ -180,7 +193,7 @@ def connection_class(conns: Conns):
             super().connection_made(transport)
             self.since, self.eof = time.monotonic(), False  # no request in progress since
             if not conns.admit(self):
-                self.drop()
+                self.turn_away()
 
         def connection_lost(self, exc):
             conns.open.pop(self, None)
@@ -212,6 +225,18 @@ def connection_class(conns: Conns):
             transport open for it); a connection with none, or with a body still to come, is closed."""
             self.eof = True
             return True if self.busy() and not self.cycle.more_body else None
+
+        def turn_away(self):
+            """Answered Conns.refusal() and closed now (FIN): the descriptor is free at once, the client reads the
+            503 even if a request it sends later meets a reset (the answer is in its socket's buffer by then). An
+            answer the socket cannot take at once (a client that reads nothing) is not waited for: drop()."""
+            conns.open.pop(self, None)
+            if self.transport.is_closing():
+                return
+            self.transport.write(conns.refusal())
+            if self.transport.get_write_buffer_size():
+                return self.drop()
+            self.transport.close()
 
         def drop(self):
             """Closed now, with a reset (SO_LINGER 0): the descriptor is free at once, nothing lingers. It leaves the
@@ -305,7 +330,7 @@ def make_app(srv: Served):
         task.cancel()
 
     app = FastAPI(title="Step-5", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    conns = Conns(srv.max_connections, srv.rate, srv.metrics)
+    conns = Conns(srv.max_connections, srv.rate, srv.metrics, srv.hub.retry_after)
     if srv.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=srv.allowed_origins, allow_headers=["*"],

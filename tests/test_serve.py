@@ -550,6 +550,61 @@ def test_idle_sockets_stay_within_the_connection_cap(server):
     assert sum("connections:" in x for x in new) <= 2 and "Too many open files" not in "".join(new), new
 
 
+def until_closed(s: socket.socket) -> bytes:
+    """What the server sent before it closed: its FIN, or a reset (a request it never read) after its answer."""
+    data = b""
+    try:
+        while x := s.recv(65536):
+            data += x
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def assert_overloaded(data: bytes):
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), data[:300]
+    assert int(re.search(rb"\r\nRetry-After: (\d+)", head).group(1)) >= 1, head
+    err = json.loads(body)["error"]
+    assert err["type"] == "server_error" and err["code"] == "overloaded" and "--max-connections" in err["message"]
+
+
+def test_a_connection_turned_away_at_the_cap_reads_a_503_not_a_reset(server):
+    """A fresh connection looks idle until its request arrives: one whose request comes only after CAP + 1 newer
+    connections were opened is closed at the cap (the idle longest), and reads 503 overloaded with Retry-After, not
+    a reset. A new connection while all CAP are busy (bodies still uploading) is refused the same way."""
+    host, port = server.url.removeprefix("http://").split(":")
+    evicted, refused = closed(server, "evicted"), closed(server, "refused")
+    late = socket.create_connection((host, int(port)))
+    socks = []
+    try:
+        for _ in range(CAP + 1):  # admitted after `late`, which cannot stay open with all of them (oldest idle first)
+            socks.append(socket.create_connection((host, int(port))))
+        assert server.health()["status"] == "ok"  # accepted after them: all of them were admitted by then
+        assert closed(server, "evicted") - evicted >= 2
+        late.sendall(f"GET /v1/models HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+        assert_overloaded(until_closed(late))
+    finally:
+        for s in [late, *socks]:
+            s.close()
+    uploads = []
+    try:
+        for _ in range(CAP):
+            uploads.append(raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+                               b"\r\nContent-Length: 1000\r\n\r\n", b'{"prompt": "'))
+        t0, data = time.monotonic(), b""
+        while not data.startswith(b"HTTP/1.1 503") and time.monotonic() - t0 < 10:  # once every upload is read
+            probe = raw(server, b"GET /v1/models HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            data = until_closed(probe)
+            probe.close()
+        assert_overloaded(data)
+    finally:
+        for s in uploads:
+            s.close()
+    assert server.idle(10), server.health()
+    assert closed(server, "refused") > refused  # read once the cap has room (a scrape at the cap is refused too)
+
+
 def closed(srv: Server, reason: str) -> float:
     """step5:http_connections_closed_total{reason} of the server's /metrics."""
     text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text

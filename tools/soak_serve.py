@@ -6,14 +6,15 @@ the server's log must hold no traceback.
         --max-connections 64 2> rank0.err &
     python -m tools.soak_serve --url http://127.0.0.1:8000 --seconds 180 --launcher $! --log rank0.err
 
-Each of --clients threads loops over kinds drawn at random (KINDS): legal requests (chat, a completion of a list
-of prompts, streams, an image, the GET endpoints; 503 overloaded counts as a clean refusal), malicious ones (a text
-of megabytes, an id list past the body limit, broken and deeply nested JSON, refused fields, a wrong key, a body
-past 32 MiB, a flood of idle sockets, headers sent a byte a second), and clients that go away (a stream dropped, an
-upload cut, a reset while the answer is made). One more thread sends a body that stalls (the server answers 408).
-Prints one line per kind (outcomes counted) and the RSS of every rank before and after (--launcher: torchrun's pid,
-whose children are the ranks; or --pids), the traceback lines of --log, and a JSON document; exits 1 when a request
-got an outcome its kind does not expect, or the log holds a traceback.
+Each of --clients threads loops over kinds drawn at random (KINDS): legal requests (chat, a completion of a list of
+prompts, streams, an image, the GET endpoints; 503 overloaded counts as a clean refusal, counted apart when it came
+at the connection cap: a fresh connection closed for a newer one), malicious ones (a text of megabytes, an id list
+past the body limit, broken and deeply nested JSON, refused fields, a wrong key, a body past 32 MiB, a flood of idle
+sockets, headers sent a byte a second), and clients that go away (a stream dropped, an upload cut, a reset while the
+answer is made). One more thread sends a body that stalls (the server answers 408). Prints one line per kind
+(outcomes counted), the RSS and open descriptors of every rank before, every 30 s and after (--launcher: torchrun's
+pid, whose children are the ranks; or --pids), the traceback lines of --log, and a JSON document; exits 1 when a
+request got an outcome its kind does not expect, or the log holds a traceback.
 """
 import argparse
 import base64
@@ -68,7 +69,8 @@ class Soak:
         err = r.json().get("error", {}) if r.headers.get("content-type", "").startswith("application/json") else {}
         got = f"{r.status_code} {err.get('code') or ''}".strip()
         if r.status_code == 503 and err.get("code") == "overloaded" and int(r.headers.get("retry-after", 0)) >= 1:
-            return self.note(kind, got, True)
+            at_cap = "--max-connections" in err.get("message", "")  # turned away at accept, not by the queue
+            return self.note(kind, got + (" at the connection cap" if at_cap else ""), True)
         self.note(kind, got, r.status_code == status and (code is None or err.get("code") == code), r.text)
 
     def sock(self, head: bytes = b"", body: bytes = b"") -> socket.socket:
@@ -100,8 +102,8 @@ class Soak:
                 r.read()
                 return self.expect("stream", r, 200)
             lines = [x for x in r.iter_lines() if x]
-        self.note("stream", "200 [DONE]" if lines[-1:] == ["data: [DONE]"] else "200 cut", lines[-1:] == ["data: [DONE]"],
-                  str(lines[-2:]))
+        done = lines[-1:] == ["data: [DONE]"]
+        self.note("stream", "200 [DONE]" if done else "200 cut", done, str(lines[-2:]))
 
     def image(self):
         msg = [{"type": "image_url", "image_url": {"url": png(self.rng.randrange(1000))}},
@@ -128,8 +130,9 @@ class Soak:
         self.expect("broken JSON", self.post("/v1/completions", body), 400)
 
     def bad_field(self):
-        body = {"prompt": "hi", **self.rng.choice([{"n": 5}, {"logprobs": True}, {"temperature": "x"},
-                                                    {"temperature": -1}, {"max_tokens": 10 ** 9}, {"stop": 5}])}
+        refused = self.rng.choice([{"n": 0}, {"logprobs": True}, {"temperature": "x"}, {"temperature": -1},
+                                   {"max_tokens": 10 ** 9}, {"stop": 5}])
+        body = {"prompt": "hi", "max_tokens": 1, **refused}  # one token: a field wrongly taken is answered at once
         self.expect("refused field", self.post("/v1/completions", body), 400)
 
     def wrong_key(self):
@@ -221,6 +224,11 @@ def rss_mib(pids: list) -> list:
     return out
 
 
+def fds(pids: list) -> list:
+    """Every rank's open file descriptors (connections among them)."""
+    return [len(os.listdir(f"/proc/{p}/fd")) for p in pids]
+
+
 def ranks(launcher: int) -> list:
     with open(f"/proc/{launcher}/task/{launcher}/children") as f:
         return sorted(int(x) for x in f.read().split())
@@ -228,7 +236,7 @@ def ranks(launcher: int) -> list:
 
 def main(url: str, key: str | None, seconds: float, clients: int, pids: list, log: str | None, seed: int) -> int:
     soak = Soak(url, key, random.Random(seed))
-    before = rss_mib(pids)
+    before, fds_before = rss_mib(pids), fds(pids)
     end = time.monotonic() + seconds
     kinds, weights = list(KINDS), list(KINDS.values())
 
@@ -246,10 +254,10 @@ def main(url: str, key: str | None, seconds: float, clients: int, pids: list, lo
             soak.slow_body()
     timeline = []
 
-    def sample():  # every rank's RSS every 30 s: growth that levels off (native caches by shape) or keeps on
+    def sample():  # every rank's RSS and descriptors every 30 s: growth that levels off (native caches by shape) or not
         while time.monotonic() < end:
             time.sleep(min(30, max(end - time.monotonic(), 0)))
-            timeline.append(rss_mib(pids))
+            timeline.append((rss_mib(pids), fds(pids)))
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)] + [
         threading.Thread(target=staller), threading.Thread(target=sample, daemon=True)]
     for t in threads:
@@ -257,20 +265,21 @@ def main(url: str, key: str | None, seconds: float, clients: int, pids: list, lo
     for t in threads[:-1]:
         t.join()
     time.sleep(12)  # the server's sweep lets go of what the last clients left (HEADER_TIMEOUT_S)
-    after = rss_mib(pids)
+    after, fds_after = rss_mib(pids), fds(pids)
     traces = [x for x in open(log).read().splitlines() if "Traceback" in x] if log else []
     for kind in sorted(soak.outcomes):
         print(f"{kind:28s} " + ", ".join(f"{o}: {n}" for o, n in soak.outcomes[kind].most_common()))
     total = sum(sum(c.values()) for c in soak.outcomes.values())
     print(f"{total} requests in {seconds:.0f} s from {clients} clients; unexpected outcomes: {len(soak.unexpected)}; "
-          f"RSS MiB per rank before {before}, after {after}; traceback lines in the log: "
-          + (str(len(traces)) if log else "(no --log)"))
-    print(f"RSS MiB per rank every 30 s: {timeline}")
+          f"RSS MiB per rank before {before}, after {after}; descriptors per rank before {fds_before}, after "
+          f"{fds_after}; traceback lines in the log: " + (str(len(traces)) if log else "(no --log)"))
+    print(f"every 30 s, per rank: RSS MiB {[t[0] for t in timeline]}, descriptors {[t[1] for t in timeline]}")
     for u in soak.unexpected[:20]:
         print("unexpected:", u)
     print(json.dumps({"requests": total, "outcomes": {k: dict(v) for k, v in soak.outcomes.items()},
                       "unexpected": len(soak.unexpected), "rss_mib_before": before, "rss_mib_after": after,
-                      "rss_mib_every_30_s": timeline,
+                      "rss_mib_every_30_s": [t[0] for t in timeline], "fds_before": fds_before,
+                      "fds_after": fds_after, "fds_every_30_s": [t[1] for t in timeline],
                       "tracebacks": len(traces) if log else None}))
     return 1 if soak.unexpected or traces else 0
 
