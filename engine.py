@@ -23,6 +23,15 @@ How it works, and where each part lives:
   over the slots that decode; then read the previous decode step's tokens and hand them to their requests, which end
   at a stop id or at max_new_tokens (Finish). The host reads a step's tokens after the next step is queued (its
   forward, when the step is constrained: below), so the device never waits for it.
+- Prompts that arrive while streams decode (Split). An eager prefill pass takes 0.1-0.2 s of host launches on a
+  whole rank whatever its tokens, and a 4,096-token graph replay ~0.1 s of kernels: run as one step, either froze
+  every stream for that long. While streams decode, a pass runs prefill_layers_per_step layers per step
+  (model.begin / run_layers keep its residual between steps), and each step's decode step follows its part, so a
+  stream waits for a part; its rows are the same decode step's, so its tokens are bit for bit those without the
+  arrival. The pass's slots never pad the decode step (their unrun layers still read the history that a padding row's
+  write at the slot's next position would replace); where the bucket needs them, the pass runs whole. Fresh prompts
+  replay their prefill graphs then only up to GRAPH_BUSY padded tokens. Nothing new is compiled or captured: the
+  parts launch the whole pass's kernels. A speculative engine and echo requests run whole passes.
 - The prefix store (prefix_cache.py; its budget in the memory plan). A prefill stores its prompt's prefix at points
   (Engine._points: every prefix_cache.SNAP_EVERY positions, the end of the part a front end says other requests
   likely share (Request.share: a chat's system turn with its tools), the usable end) from the slot's caches right
@@ -564,8 +573,9 @@ class Engine:
     # ---- one engine step
     @torch.inference_mode()
     def step(self) -> StepOutput:
-        """Release finished requests, admit waiting ones, run up to prefill_chunk prefill tokens, run one decode
-        step (its tokens are read at the next step), and report what the host read."""
+        """Release finished requests, admit waiting ones, run up to prefill_chunk prefill tokens (while streams decode,
+        prefill_layers_per_step layers of that pass: _prefill), run one decode step (its tokens are read at the next
+        step), and report what the host read."""
         out = StepOutput()
         self.steps += 1
         for r in [r for r in self.running if r.finish is not None and not self._mid_pass(r)]:

@@ -1,6 +1,7 @@
 """The long-lived engine (engine.py) on the tiny checkpoints, in process at TP=1: slots that are reused after a request
 leaves, prefix reuse (a conversation's next turn prefills only its new tokens), requests that join a running batch,
-padding rows of a batch bucket, cancellation, incremental detokenization.
+padding rows of a batch bucket, cancellation, incremental detokenization, prompts that arrive while streams decode
+(their passes split by layers between decode steps).
 
 Two runs that differ in batch composition or in what a prefill pass holds round differently in last bits (other
 GEMM row counts); the comparisons pin one run's routing and region decisions into the other (model.Pins, keyed by
@@ -250,11 +251,11 @@ def test_a_step_that_raises_ends_every_request_and_the_engine_serves_the_next(lm
 
 def _stream_beside(lm, layers: int, arrival: list | None, new: int = 1, streams: int = 1, max_batch: int = 2,
                    graph_prefill: int = 0, replays: list | None = None, chunk: int = 64) -> tuple:
-    """`streams` greedy streams of 24 tokens (the first: the stream) decode in an engine whose prefill passes run
-    `layers` layers per step while streams decode (chunks of `chunk` tokens); after their third step a request with the prompt `arrival` (and
-    `new` tokens) arrives -> (the stream, the arrival or None, the step log from its arrival: per step, the stream's
-    new tokens, the arrival's prefilled prompt tokens and the layers its pass in flight has run, 0 when none; the
-    engine). replays: where the prefill graphs log their replays (record_replays)."""
+    """`streams` greedy streams of 24 tokens (the first: the stream) decode in an engine whose prefill passes (chunks
+    of `chunk` tokens) run `layers` layers per step while streams decode; after their third step a request with the
+    prompt `arrival` (and `new` tokens) arrives -> (the stream, the arrival or None, the step log from its arrival:
+    per step, the stream's new tokens, the arrival's prefilled prompt tokens and the layers its pass in flight has
+    run, 0 when none; the engine). replays: where the prefill graphs log their replays (record_replays)."""
     eng = E.Engine(lm, E.EngineConfig(max_batch=max_batch, max_context=384, prefill_chunk=chunk,
                                       prefill_layers_per_step=layers, graph_prefill=graph_prefill))
     eng.start()
@@ -281,6 +282,7 @@ def _prompt_cache(eng, r) -> list:
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_a_streams_tokens_are_bit_for_bit_its_own_while_a_long_prompt_prefills_between_its_steps(lm):
     """A stream decodes (greedy) while a request with a 200-token prompt arrives (chunks of 64, each pass split into
     parts of 3, 3 and 2 layers with a decode step after each): the stream's tokens are exactly those it decodes alone,
@@ -296,6 +298,7 @@ def test_a_streams_tokens_are_bit_for_bit_its_own_while_a_long_prompt_prefills_b
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_a_long_prompt_prefills_in_parts_of_layers_with_a_decode_step_after_each(lm):
     """While a stream decodes, each 64-token chunk of a 200-token prompt runs as parts of 3, 3 and 2 of the 8 layers,
     one engine step each, and the stream gets a token in every step; without streams (or with
@@ -320,6 +323,7 @@ def test_a_long_prompt_prefills_in_parts_of_layers_with_a_decode_step_after_each
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_a_pass_runs_whole_where_the_decode_bucket_needs_its_slot_for_padding(lm):
     """Four slots, a 200-token prompt in chunks of 86: beside two streams (bucket 2) the arrival's pass runs split;
     beside three (bucket 4) its slot would be the padding row's, which writes at the slot's next position in every
@@ -338,6 +342,7 @@ def test_a_pass_runs_whole_where_the_decode_bucket_needs_its_slot_for_padding(lm
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_while_streams_decode_only_short_fresh_prompts_replay_their_prefill_graphs(lm, monkeypatch):
     """With prefill graphs (padded passes, eager on the CPU) and GRAPH_BUSY at 64 tokens: beside a stream a 40-token
     prompt (padded to 64) replays its graph, a 100-token one (128) runs split by layers instead; without streams the
@@ -355,3 +360,37 @@ def test_while_streams_decode_only_short_fresh_prompts_replay_their_prefill_grap
     record_replays(eng, padded)
     eng.run([E.Request(ids(100, 63), 1)])
     assert padded == [(0, 100, 128)]
+
+
+@torch.inference_mode()
+@pytest.mark.slow
+def test_a_request_cancelled_mid_pass_keeps_its_slot_until_its_pass_ends(lm):
+    """A request cancelled while its pass runs split over steps is released once the pass has run all its layers
+    (its slot is being written until then), not at the next step; a waiting request then takes the slot and gets its
+    solo tokens (decisions pinned)."""
+    eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=384, prefill_chunk=64, prefill_layers_per_step=3))
+    eng.start()
+    steps = []
+    with pinned(lm, M.Pins()) as rec:
+        a = eng.submit(E.Request(ids(20, 60), 40))
+        for _ in range(3):
+            eng.step()
+        b = eng.submit(E.Request(ids(200, 61), 4))
+        eng.step()
+        assert eng.split is not None and eng.split.trunk.done == 3
+        eng.cancel(b)
+        c = eng.submit(E.Request(ids(30, 64), 3))
+        while b.finish is None or b in eng.running:
+            o = eng.step()
+            steps.append((b in o.finished, eng.split.trunk.done if eng.split else 0))
+        while eng.busy():
+            eng.step()
+    assert steps == [(False, 6), (True, 0)], steps
+    assert b.out == [] and c.slot == b.slot and c.finish == "length" and len(a.out) == 40
+    tokens_agree_up_to_near_tie(lm, c.ids, solo(lm, c.ids, 3, rec, c.rid, context=384), c.out)
+
+
+def test_a_negative_layers_per_step_is_refused_naming_the_field(lm):
+    for v, match in ((-1, "prefill_layers_per_step -1 must be >= 0"), (2.5, "prefill_layers_per_step 2.5 must be")):
+        with pytest.raises(ValueError, match=match):
+            E.Engine(lm, E.EngineConfig(max_batch=1, max_context=64, prefill_layers_per_step=v))
