@@ -8,6 +8,8 @@ GEMM row counts); the comparisons pin one run's routing and region decisions int
 request id) and accept a token difference only at a measured near-tie (tests/invariants.py).
 """
 
+import os
+
 import pytest
 import torch
 
@@ -394,3 +396,38 @@ def test_a_negative_layers_per_step_is_refused_naming_the_field(lm):
     for v, match in ((-1, "prefill_layers_per_step -1 must be >= 0"), (2.5, "prefill_layers_per_step 2.5 must be")):
         with pytest.raises(ValueError, match=match):
             E.Engine(lm, E.EngineConfig(max_batch=1, max_context=64, prefill_layers_per_step=v))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs a CUDA device and TRITON_INTERPRET=0")
+@torch.inference_mode()
+def test_cuda_prompts_arriving_beside_a_stream_compile_nothing_and_keep_its_tokens(tp1_models):
+    """On the GPU (Triton kernels, CUDA graphs): a stream decodes while prompts of 300 tokens (a prefill graph
+    replay, within GRAPH_BUSY) and 1,500 tokens (three eager passes of 512, 3 layers a step) arrive one after the
+    other: no Triton kernel is built and no CUDA graph captured after start-up, the passes did run split, and the
+    stream's tokens are bit for bit those it decodes alone."""
+    from tools.bench_request import Counters
+    gpu = tp1_models("fp8_text", "cuda")
+    counters = Counters()
+
+    def run(arrivals: list) -> tuple:
+        eng = E.Engine(gpu, E.EngineConfig(max_batch=4, max_context=2048, prefill_chunk=512,
+                                           prefill_layers_per_step=3, graph_prefill=512))
+        eng.start()
+        before = counters.snapshot()
+        a = eng.submit(E.Request(ids(20, 60), 120))
+        parts = 0
+        for _ in range(3):
+            eng.step()
+        for p in arrivals:
+            b = eng.submit(E.Request(p, 1))
+            while b.finish is None:
+                eng.step()
+                parts += eng.split is not None
+        while eng.busy():
+            eng.step()
+        return a.out, parts, counters.snapshot() == before
+    alone, _, _ = run([])
+    out, parts, clean = run([ids(300, 65), ids(1500, 66)])
+    assert clean, f"compiled {counters.names}"
+    assert parts == 6 and out == alone  # 3 passes of 3 parts: 2 steps each with a part left
