@@ -266,6 +266,9 @@ if __name__ == "__main__":
     ap.add_argument("--prefill-layers-per-step", type=int, default=None,
                     help="--local: a prefill pass's layers per step while streams decode (default serve.py's; 0: whole "
                     "passes)")
+    ap.add_argument("--graph-busy", type=int, default=None, metavar="N",
+                    help="--local: while streams decode, fresh prompts replay prefill graphs up to N padded tokens "
+                    "(engine.GRAPH_BUSY, set in this process for the measurement)")
     a = ap.parse_args()
     if a.prefill_chunk is None:
         from serve import PREFILL_CHUNK
@@ -278,7 +281,10 @@ if __name__ == "__main__":
     if a.local:
         import torch
 
+        import engine as E
         from tools.rank import build
+        if a.graph_busy is not None:
+            E.GRAPH_BUSY = a.graph_busy
         a.tokenizer = a.tokenizer or os.path.join(os.environ.get("TMPDIR", "/tmp"), "bench_serve_tokenizer")
         tok = local_tokenizer(a.tokenizer)
         m = build(mtp=a.speculative)
