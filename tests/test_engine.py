@@ -431,3 +431,24 @@ def test_cuda_prompts_arriving_beside_a_stream_compile_nothing_and_keep_its_toke
     out, parts, clean = run([ids(300, 65), ids(1500, 66)])
     assert clean, f"compiled {counters.names}"
     assert parts == 6 and out == alone  # 3 passes of 3 parts: 2 steps each with a part left
+
+
+@torch.inference_mode()
+def test_a_stream_gets_a_token_between_the_parts_of_an_arriving_prompts_pass(lm):
+    """The quick tier's check of split passes: a 20-token prompt arriving beside a stream (chunks of 8, 3 of the 8
+    layers a step) prefills over 9 steps, the stream getting a token in each; its tokens are those it gets alone."""
+    def run(arrival):
+        eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=64, prefill_chunk=8, prefill_layers_per_step=3))
+        eng.start()
+        a = eng.submit(E.Request(ids(6, 70), 14))
+        eng.step()
+        b = eng.submit(E.Request(arrival, 1)) if arrival else None
+        log = []
+        while eng.busy():
+            o = eng.step()
+            log.append((sum(len(t) for r, t in o.tokens if r is a), b.prefilled if b else 0))
+        return a.out, log
+    alone, _ = run(None)
+    out, log = run(ids(20, 71))
+    assert log[:9] == [(1, x) for x in (0, 0, 8, 8, 8, 16, 16, 16, 20)], log
+    assert out == alone
