@@ -233,6 +233,15 @@ class Piece(NamedTuple):
     n: int
 
 
+class PassInputs(NamedTuple):
+    """An eager prefill pass's inputs over its pieces, packed (model.forward's arguments)."""
+    ids: torch.Tensor  # [T]
+    lens: list  # tokens per piece
+    rows: list  # each piece's slot
+    embeds: torch.Tensor | None  # input rows [T, D] with image features at their placeholders; None: text only
+    held: list  # each slot's cached positions
+
+
 class Split(NamedTuple):
     """A prefill pass whose layers run over several engine steps, a decode step after each part (while streams decode:
     Engine._splits): its pieces, the pass (model.Trunk: its placement and the layers run so far) and the prefix
@@ -724,11 +733,10 @@ class Engine:
                 steps.append((sizes[p], Piece(pc.req, a + o, min(step, n - o))))
                 total += p
             plan.append(steps)
-        return plan if total <= min(max(self.prefill_graphs), limit or max(self.prefill_graphs)) else None
+        return plan if total <= max(self.prefill_graphs) and (limit is None or total <= limit) else None
 
-    def _inputs(self, pieces: list) -> tuple:
-        """An eager pass's inputs over the pieces, packed -> (ids [T], tokens per piece, slots, input rows with the
-        image features at their placeholders or None, each slot's cached positions)."""
+    def _inputs(self, pieces: list) -> "PassInputs":
+        """An eager pass's inputs over the pieces, packed."""
         ids = torch.tensor([t for p in pieces for t in p.req.ids[p.start:p.start + p.n]], dtype=torch.long,
                            device=self.dev)
         lens = [p.n for p in pieces]
@@ -737,7 +745,7 @@ class Engine:
             embeds = torch.cat([p.req.embeds(self.model, p.start, p.start + p.n) if p.req.features is not None else
                                 self.model.embed(ids[o:o + p.n]) for p, o in zip(pieces, itertools.accumulate(
                                     [0] + lens))])
-        return ids, lens, [p.req.slot for p in pieces], embeds, [p.start for p in pieces]
+        return PassInputs(ids, lens, [p.req.slot for p in pieces], embeds, [p.start for p in pieces])
 
     def _hook(self, pieces: list):
         """The pass's per-layer progress report (Engine.progress), or None."""
