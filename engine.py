@@ -23,6 +23,15 @@ How it works, and where each part lives:
   over the slots that decode; then read the previous decode step's tokens and hand them to their requests, which end
   at a stop id or at max_new_tokens (Finish). The host reads a step's tokens after the next step is queued (its
   forward, when the step is constrained: below), so the device never waits for it.
+- Prompts that arrive while streams decode (Split). An eager prefill pass takes 0.1-0.2 s of host launches on a
+  whole rank whatever its tokens, and a 4,096-token graph replay ~0.1 s of kernels: run as one step, either froze
+  every stream for that long. While streams decode, a pass runs prefill_layers_per_step layers per step
+  (model.begin / run_layers keep its residual between steps), and each step's decode step follows its part, so a
+  stream waits for a part; its rows are the same decode step's, so its tokens are bit for bit those without the
+  arrival. The pass's slots never pad the decode step (their unrun layers still read the history that a padding row's
+  write at the slot's next position would replace); where the bucket needs them, the pass runs whole. Fresh prompts
+  replay their prefill graphs then only up to GRAPH_BUSY padded tokens. Nothing new is compiled or captured: the
+  parts launch the whole pass's kernels. A speculative engine and echo requests run whole passes.
 - The prefix store (prefix_cache.py; its budget in the memory plan). A prefill stores its prompt's prefix at points
   (Engine._points: every prefix_cache.SNAP_EVERY positions, the end of the part a front end says other requests
   likely share (Request.share: a chat's system turn with its tools), the usable end) from the slot's caches right
@@ -88,6 +97,17 @@ PREFILL_CHUNK = 16384
 # prefill graphs run. The bound of 4 steps is chosen, not measured: a 64-token step reads most of a rank's experts, so
 # many would cost more kernel time than one eager pass costs the host (tools.bench_request --turn measures it).
 EXTEND_TURN = 256
+# While streams decode, a prefill pass runs at most this many of the model's layers per engine step, a decode step
+# after each part, so a prompt's arrival stalls the running streams for a part, not a pass. An eager pass is bound by
+# its host's launches, about the same at 1k and 4k tokens: 0.11-0.21 s for 92 layers on the H200s measured (PERF_LOG
+# "the CPU day's changes on a GPU"), 1.2-2.3 ms a layer, against 4,096 tokens' kernels at ~1.15 ms a layer. 16 layers
+# are ~19-37 ms, and with the batch-16 decode step (~10 ms) within issue 58's 50 ms gap; chosen from those figures,
+# to be measured (tools/bench_serve.py's inter-token p99).
+PREFILL_LAYERS_PER_STEP = 16
+# While streams decode, fresh prompts replay their prefill graphs only when their padded lengths add up to at most
+# this; longer ones run as an eager pass split by layers (above). The 512-token graph's replay is ~35-40 ms (1 x 300's
+# time to first token 0.040 s on an H100: PERF_LOG "prefill graphs through the engine"), the 1,024-token one ~50 ms.
+GRAPH_BUSY = 512
 REWIND = 64  # positions a slot's prefix may be rewound by to reuse it (sliding rings carry that many spare slots)
 # A stored prefix is copied in only when it saves at least this many prompt tokens over the slot's own: the copy is
 # ~4 launches per layer (~200 on the released geometry, ~2 ms of host time), about what ~40 tokens of an 8k prefill
@@ -213,6 +233,24 @@ class Piece(NamedTuple):
     n: int
 
 
+class PassInputs(NamedTuple):
+    """An eager prefill pass's inputs over its pieces, packed (model.forward's arguments)."""
+    ids: torch.Tensor  # [T]
+    lens: list  # tokens per piece
+    rows: list  # each piece's slot
+    embeds: torch.Tensor | None  # input rows [T, D] with image features at their placeholders; None: text only
+    held: list  # each slot's cached positions
+
+
+class Split(NamedTuple):
+    """A prefill pass whose layers run over several engine steps, a decode step after each part (while streams decode:
+    Engine._splits): its pieces, the pass (model.Trunk: its placement and the layers run so far) and the prefix
+    store's snapshots its layers write {(slot, position): snapshot}."""
+    pieces: list
+    trunk: M.Trunk
+    snaps: dict
+
+
 # --------------------------------------------------------------------------------------------------
 # the engine
 
@@ -232,6 +270,8 @@ class EngineConfig:
     prefix_cache_gib: float | None = None  # the prefix store's budget (prefix_cache.py; None: one slot's cache at
     # the context, at most 1/8 of the caches and the store together; 0: no store)
     prefix_cache_min: int = PREFIX_MIN  # prompt tokens a stored prefix must save to be copied in (0: any region)
+    prefill_layers_per_step: int = PREFILL_LAYERS_PER_STEP  # while streams decode, a prefill pass's layers per engine
+    # step, a decode step between its parts (0: whole passes; speculative engines and echo requests run whole passes)
 
 
 @dataclass
@@ -261,7 +301,7 @@ class Engine:
                  grammars: grammar.Grammars | None = None):
         c, cfg = config, model.cfg
         for name in ("max_batch", "max_context", "prefill_chunk", "speculative", "build_threads", "graph_prefill",
-                     "prefix_cache_min"):
+                     "prefix_cache_min", "prefill_layers_per_step"):
             v = getattr(c, name)
             if v is not None and not is_int(v):
                 raise ValueError(f"{name} {v!r} must be an integer")
@@ -271,6 +311,8 @@ class Engine:
             raise ValueError(f"prefill_chunk {c.prefill_chunk} must be >= 1")
         if c.prefix_cache_min < 0:
             raise ValueError(f"prefix_cache_min {c.prefix_cache_min} must be >= 0")
+        if c.prefill_layers_per_step < 0:
+            raise ValueError(f"prefill_layers_per_step {c.prefill_layers_per_step} must be >= 0 (0: whole passes)")
         if c.prefix_cache_gib is not None and (not isinstance(c.prefix_cache_gib, (int, float))
                                                or not 0 <= c.prefix_cache_gib < float("inf")):
             raise ValueError(f"prefix_cache_gib {c.prefix_cache_gib!r} must be a number of GiB >= 0")
@@ -311,6 +353,7 @@ class Engine:
         self.waiting, self.running = [], []  # requests queued for a slot; requests holding one
         self.steps, self.rids = 0, itertools.count()
         self.inflight = None  # the decode step whose tokens the host has not read yet (Inflight)
+        self.split = None  # the prefill pass whose layers run over several steps while streams decode (Split)
         self.spec = speculative.Speculator(self) if self.k else None
         self.graphs = {}  # batch bucket -> its decode step's startup.Graph(s)
         self.prefill_graphs = {}  # padded length -> startup.Graph of a fresh prompt's prefill
@@ -434,6 +477,9 @@ class Engine:
         self.waiting.clear()
         self.running.clear()
         self.inflight = None
+        if self.split is not None:
+            self._free_snaps(self.split.snaps)
+            self.split = None
 
     def _reuse(self, req: Request, slot: Slot) -> int:
         """Prompt tokens of `req` whose cache the slot holds and that a rewind can keep: the common prefix, one token
@@ -536,16 +582,18 @@ class Engine:
     # ---- one engine step
     @torch.inference_mode()
     def step(self) -> StepOutput:
-        """Release finished requests, admit waiting ones, run up to prefill_chunk prefill tokens, run one decode
-        step (its tokens are read at the next step), and report what the host read."""
+        """Release finished requests, admit waiting ones, run up to prefill_chunk prefill tokens (while streams decode,
+        prefill_layers_per_step layers of that pass: _prefill), run one decode step (its tokens are read at the next
+        step), and report what the host read."""
         out = StepOutput()
         self.steps += 1
-        for r in [r for r in self.running if r.finish is not None]:
+        for r in [r for r in self.running if r.finish is not None and not self._mid_pass(r)]:
             self._release(r, out)
         self._admit(out)
         pre = [r for r in self.running if r.prefilled < len(r.ids)]
         if pre:
-            self._prefill(pre, out)
+            self._prefill(pre, [r for r in self.running if r.prefilled == len(r.ids) and r.finish is None and r.out],
+                          out)
         dec = [r for r in self.running if r.prefilled == len(r.ids) and r.finish is None and r.out]
         prev, self.inflight = self.inflight, None
         busy = set() if prev is None else set(map(id, prev.reqs))
@@ -553,43 +601,70 @@ class Engine:
         if live:
             self.inflight = Inflight(*(self.spec.decode if self.spec else self._decode)(live, prev, out))
         self._emit(prev, out)  # unless a constrained step read it already
-        for r in [r for r in self.running if r.finish is not None]:
+        for r in [r for r in self.running if r.finish is not None and not self._mid_pass(r)]:
             self._release(r, out)
         return out
 
-    def _prefill(self, reqs: list, out: StepOutput):
-        """Up to prefill_chunk prompt tokens, packed over the requests in order; those whose prompt completes get
-        their first token."""
-        budget, pieces = self.config.prefill_chunk, []
-        for r in reqs:
-            n = min(len(r.ids) - r.prefilled, budget)
-            if n <= 0:
-                break
-            pieces.append(Piece(r, r.prefilled, n))
-            budget -= n
-        # the prefix store's points these pieces reach: a graph's pass leaves them to its rings, which hold the windows
-        # of points near its end; an eager pass's layers write them into reserved snapshots (model.Placement.snaps)
-        reach = [(p, x) for p in pieces for x in sorted(p.req.points) if p.start < x <= p.start + p.n]
-        far = any(p.start + p.n - x > self.store.margin for p, x in reach)
-        plan = None if far else self._prefill_graphs_for(pieces)
-        snaps = {}
-        if plan:  # each piece's replays in order; its last one's output read before the next replay
-            logits = torch.cat([[self._replay_prefill(g, step) for g, step in steps][-1].clone() for steps in plan])
-        else:
-            for p, x in reach:
-                i = self.store.reserve()
-                if i is not None:
-                    snaps[p.req.slot, x] = i
+    def _mid_pass(self, r: Request) -> bool:
+        """r's prefill pass runs split over steps and has layers left: its slot stays its own until the pass ends."""
+        return self.split is not None and any(p.req is r for p in self.split.pieces)
+
+    def _prefill(self, reqs: list, streams: list, out: StepOutput):
+        """Up to prefill_chunk prompt tokens, packed over the requests in order, or the next layers of a pass split
+        over steps; the requests whose prompt completes get their first token. streams: the requests that decode in
+        this step: while there are any, a pass runs prefill_layers_per_step layers per step (Engine._splits), and
+        fresh prompts replay their graphs only up to GRAPH_BUSY padded tokens."""
+        if self.split is None:
+            budget, pieces = self.config.prefill_chunk, []
+            for r in reqs:
+                n = min(len(r.ids) - r.prefilled, budget)
+                if n <= 0:
+                    break
+                pieces.append(Piece(r, r.prefilled, n))
+                budget -= n
+            # the prefix store's points these pieces reach: a graph's pass leaves them to its rings, which hold the
+            # windows of points near its end; an eager pass's layers write them into reserved snapshots
+            # (model.Placement.snaps)
+            reach = [(p, x) for p in pieces for x in sorted(p.req.points) if p.start < x <= p.start + p.n]
+            far = any(p.start + p.n - x > self.store.margin for p, x in reach)
+            split = self._splits(pieces, streams)
+            plan = None if far else self._prefill_graphs_for(pieces, GRAPH_BUSY if split else None)
+            snaps = {}
+            if plan:  # each piece's replays in order; its last one's output read before the next replay
+                logits = torch.cat([[self._replay_prefill(g, step) for g, step in steps][-1].clone()
+                                    for steps in plan])
+            else:
+                for p, x in reach:
+                    i = self.store.reserve()
+                    if i is not None:
+                        snaps[p.req.slot, x] = i
+                try:
+                    if split:
+                        self.split = Split(pieces, self._begin(pieces, [(b, x, i) for (b, x), i in snaps.items()]),
+                                           snaps)
+                    else:
+                        logits = self._eager_prefill(pieces, [(b, x, i) for (b, x), i in snaps.items()])
+                except BaseException:  # the reserved snapshots back to the store (the step's requests end: abandon)
+                    self._free_snaps(snaps)
+                    raise
+        if self.split is not None:  # its next part; all its layers left once no stream decodes (or pads lack)
+            sp = self.split
+            n = self.config.prefill_layers_per_step if self._splits(sp.pieces, streams) else None
             try:
-                logits = self._eager_prefill(pieces, [(b, x, i) for (b, x), i in snaps.items()])
-            except BaseException:  # the reserved snapshots back to the store (the step's requests end: abandon)
-                self.store.free_snaps += list(snaps.values())
+                if not self.model.run_layers(sp.trunk, n, self._hook(sp.pieces)):
+                    return
+            except BaseException:
+                self.split = None
+                self._free_snaps(sp.snaps)
                 raise
+            self.split = None
+            pieces, snaps = sp.pieces, sp.snaps
+            logits = self.model.last_logits(sp.trunk.res, [p.n for p in pieces])
         self.prefill_tokens += sum(p.n for p in pieces)
         for p in pieces:
             p.req.prefilled = p.start + p.n
             self.slots[p.req.slot].held = p.req.key[:p.req.prefilled]
-        for p, x in reach:
+        for p, x in [(p, x) for p in pieces for x in sorted(p.req.points) if p.start < x <= p.start + p.n]:
             p.req.points.discard(x)
             i = snaps.get((p.req.slot, x))
             if i is not None or p.start + p.n - x <= self.store.margin:
@@ -620,12 +695,27 @@ class Engine:
         if self.spec:  # queued after that read, which would otherwise wait for the drafts too
             self.spec.first_drafts(rs, slots)
 
-    def _prefill_graphs_for(self, pieces: list) -> list | None:
+    def _splits(self, pieces: list, streams: list) -> bool:
+        """Whether a prefill pass over the pieces runs split by layers in this step: streams decode in it, the engine
+        is not speculative and no piece is an echo (those run whole passes), and the decode step's bucket finds its
+        padding rows without the pass's slots (a padding row writes at its slot's next position in every layer, and
+        the layers the pass has not run yet still read that slot's history there: the sliding rings, the pending
+        DSA rows)."""
+        if not (self.config.prefill_layers_per_step and streams) or self.spec or any(p.req.echo for p in pieces):
+            return False
+        return next(x for x in self.graphs if x >= len(streams)) + len(pieces) <= len(self.slots)
+
+    def _free_snaps(self, snaps: dict):
+        if snaps:
+            self.store.free_snaps += list(snaps.values())
+
+    def _prefill_graphs_for(self, pieces: list, limit: int | None = None) -> list | None:
         """Per piece, its graph replays [(graph, Piece of the replay's tokens)], when every piece is the whole rest of
         a text prompt: a fresh prompt of up to the largest prefill graph's length, the prefill graph of its padded
         length; up to EXTEND_TURN tokens on top of a cached prefix, extension steps of up to 64 tokens each. And only
         when their padded lengths add up to at most the largest prefill graph's (their replays then cost about one such
-        pass of kernels, no more than an eager pass of that size costs the host); else None: one eager pass."""
+        pass of kernels, no more than an eager pass of that size costs the host), and at most `limit` (while streams
+        decode: GRAPH_BUSY); else None: one eager pass."""
         if not self.prefill_graphs or any(pc.req.echo for pc in pieces):  # echo reads every row's logits
             return None
         plan, total = [], 0
@@ -643,26 +733,39 @@ class Engine:
                 steps.append((sizes[p], Piece(pc.req, a + o, min(step, n - o))))
                 total += p
             plan.append(steps)
-        return plan if total <= max(self.prefill_graphs) else None
+        return plan if total <= max(self.prefill_graphs) and (limit is None or total <= limit) else None
 
-    def _eager_prefill(self, pieces: list, snaps: list | None = None) -> torch.Tensor:
-        """One pass over the pieces, packed -> the logits [pieces, V/tp] of each piece's last token; an echo piece's
-        prompt logprobs from every row of the pass. snaps: the prefix store's windows the layers write
-        (model.Placement.snaps)."""
+    def _inputs(self, pieces: list) -> "PassInputs":
+        """An eager pass's inputs over the pieces, packed."""
         ids = torch.tensor([t for p in pieces for t in p.req.ids[p.start:p.start + p.n]], dtype=torch.long,
                            device=self.dev)
-        rows = [p.req.slot for p in pieces]
         lens = [p.n for p in pieces]
         embeds = None
         if any(p.req.features is not None for p in pieces):
             embeds = torch.cat([p.req.embeds(self.model, p.start, p.start + p.n) if p.req.features is not None else
                                 self.model.embed(ids[o:o + p.n]) for p, o in zip(pieces, itertools.accumulate(
                                     [0] + lens))])
-        hook = None
-        if self.progress is not None:
-            first, start, longest = pieces[0].start, pieces[0].req.cached, max(len(p.req.ids) for p in pieces)
-            hook = (lambda i, layers: self.progress(first, sum(lens), longest, i, layers, start))
-        held = [p.start for p in pieces]
+        return PassInputs(ids, lens, [p.req.slot for p in pieces], embeds, [p.start for p in pieces])
+
+    def _hook(self, pieces: list):
+        """The pass's per-layer progress report (Engine.progress), or None."""
+        if self.progress is None:
+            return None
+        first, start = pieces[0].start, pieces[0].req.cached
+        tokens, longest = sum(p.n for p in pieces), max(len(p.req.ids) for p in pieces)
+        return lambda i, layers: self.progress(first, tokens, longest, i, layers, start)
+
+    def _begin(self, pieces: list, snaps: list) -> M.Trunk:
+        """A pass over the pieces, packed, placed with no layer run yet (Split; snaps: _eager_prefill's)."""
+        ids, lens, rows, embeds, held = self._inputs(pieces)
+        return self.model.begin(ids, self.cache, lens, rows=rows, embeds=embeds, held=held, snaps=snaps)
+
+    def _eager_prefill(self, pieces: list, snaps: list | None = None) -> torch.Tensor:
+        """One pass over the pieces, packed -> the logits [pieces, V/tp] of each piece's last token; an echo piece's
+        prompt logprobs from every row of the pass. snaps: the prefix store's windows the layers write
+        (model.Placement.snaps)."""
+        ids, lens, rows, embeds, held = self._inputs(pieces)
+        hook = self._hook(pieces)
         if not self.spec and not any(p.req.echo for p in pieces):
             return self.model.forward(ids, self.cache, lens, rows=rows, embeds=embeds, held=held, progress=hook,
                                       snaps=snaps)
@@ -700,9 +803,10 @@ class Engine:
         """Slots a padding row of a decode step over `reqs` may point at, free ones first. A padding row writes only at
         its slot's next position, which that slot's next real write covers, so a slot whose request does not decode
         in this step pads too (all slots may be held while some requests prefill or end): one that prefills, or one
-        that has ended (its last token in flight, or max_new_tokens reached). A speculative step also writes MTP rows
-        and ring entries below that position, so it pads only with free and ended slots."""
-        mine = {r.slot for r in reqs}
+        that has ended (its last token in flight, or max_new_tokens reached); never one whose prefill pass runs split
+        over steps (Split: its unrun layers still read that position's ring slot and pending row). A speculative
+        step also writes MTP rows and ring entries below that position, so it pads only with free and ended slots."""
+        mine = {r.slot for r in reqs} | ({p.req.slot for p in self.split.pieces} if self.split else set())
         free = [i for i, s in enumerate(self.slots) if s.owner is None]
         held = [i for i, s in enumerate(self.slots) if s.owner is not None and i not in mine
                 and (not self.k or s.owner.prefilled == len(s.owner.ids))]

@@ -245,6 +245,17 @@ class Placement:
     snaps: list | None = None
 
 
+@dataclass(eq=False)
+class Trunk:
+    """A pass over the main layers (Step5ForCausalLM.begin / run_layers): where its tokens go, the cache, the residual
+    stream [T, D] fp32, the next layer's normed input (None before the first layer) and the layers run so far."""
+    at: Placement
+    cache: "Cache"
+    res: torch.Tensor
+    h: torch.Tensor | None = None
+    done: int = 0
+
+
 class Pins:
     """Test instrument: pins the two discrete top-k decisions (expert routing, DSA region selection) of one run into
     another. Two correct computations that differ in last bits (prefill vs decode, another TP size, batch shape or
@@ -880,24 +891,38 @@ class Step5ForCausalLM(nn.Module):
             return cache.requests[at.rows].repeat_interleave(at.Q)
         return torch.cat([cache.requests[r].expand(n) for r, _, n, _ in at.spans])
 
-    def _trunk(self, ids, cache: Cache, seq_lens: list | None = None, *, rows=None, embeds=None, live=None, held=None,
-               real=None, progress=None, snaps=None):
-        """The main layers -> the residual stream [T, D] fp32 of every token (before the final norm). Decode: ids
-        [B] (one token per row) or [B, Q] (Q tokens per row, e.g. a speculative verify step)."""
+    def begin(self, ids, cache: Cache, seq_lens: list | None = None, *, rows=None, embeds=None, live=None, held=None,
+              real=None, snaps=None) -> "Trunk":
+        """A pass over the main layers, placed (the cache lengths advanced past its tokens) with no layer run yet:
+        run_layers runs them, in one call or over several (a prefill split between decode steps). Arguments:
+        forward's."""
         Q = ids.shape[1] if seq_lens is None and ids.dim() == 2 else 1
         at = self._place(cache, seq_lens, rows, ids.device, Q, live, held, real)
         at.snaps = snaps
         if self.pins is not None:
             at.requests = self._requests(cache, at)
-        res = (self.embed(ids.flatten()) if embeds is None else embeds).float()
+        return Trunk(at, cache, (self.embed(ids.flatten()) if embeds is None else embeds).float())
+
+    def run_layers(self, t: "Trunk", n: int | None = None, progress=None) -> bool:
+        """Up to n more of the pass's main layers (None: all that are left) -> whether the pass has run them all.
+        progress(i, L) after each prefill layer i of L."""
         L = self.cfg.num_hidden_layers
-        h = None  # each layer's normed input, computed by the previous layer's last reduction
-        for i, (layer, lc, rp) in enumerate(zip(self.model.layers[:L], cache.layers, self.rope["layers"])):
+        stop = L if n is None else min(L, t.done + n)
+        for i in range(t.done, stop):
             nxt = self.model.layers[i + 1].input_layernorm.weight if i + 1 < L else None
-            res, h = layer.step(res, h, at, rp, lc, nxt)
-            if progress is not None and at.spans is not None:
+            t.res, t.h = self.model.layers[i].step(t.res, t.h, t.at, self.rope["layers"][i], t.cache.layers[i], nxt)
+            t.done = i + 1
+            if progress is not None and t.at.spans is not None:
                 progress(i + 1, L)
-        return res
+        return t.done == L
+
+    def _trunk(self, ids, cache: Cache, seq_lens: list | None = None, *, rows=None, embeds=None, live=None, held=None,
+               real=None, progress=None, snaps=None):
+        """The main layers -> the residual stream [T, D] fp32 of every token (before the final norm). Decode: ids
+        [B] (one token per row) or [B, Q] (Q tokens per row, e.g. a speculative verify step)."""
+        t = self.begin(ids, cache, seq_lens, rows=rows, embeds=embeds, live=live, held=held, real=real, snaps=snaps)
+        self.run_layers(t, progress=progress)
+        return t.res
 
     def _head(self, res: torch.Tensor, norm: NormWeight, out: torch.Tensor) -> torch.Tensor:
         h = kernel.rms_norm(res.bfloat16(), norm.weight, self.cfg.rms_norm_eps)  # narrow first, then norm
@@ -915,9 +940,14 @@ class Step5ForCausalLM(nn.Module):
         res = self._trunk(ids, cache, seq_lens, rows=rows, embeds=embeds, live=live, held=held, progress=progress,
                           snaps=snaps)
         if seq_lens is not None:
-            ends = [e - 1 for e, n in zip(itertools.accumulate(seq_lens), seq_lens) if n]
-            res = res[torch.tensor(ends, device=ids.device)]
-        return self.logits(res).view(*ids.shape[:2] if seq_lens is None else res.shape[:1], -1)
+            return self.last_logits(res, seq_lens)
+        return self.logits(res).view(*ids.shape[:2], -1)
+
+    def last_logits(self, res: torch.Tensor, seq_lens: list) -> torch.Tensor:
+        """A prefill's residual rows [T, D] (seq_lens[i] tokens per row, packed) -> this rank's logits window of each
+        row's last token [rows with tokens, V/tp] fp32."""
+        ends = [e - 1 for e, n in zip(itertools.accumulate(seq_lens), seq_lens) if n]
+        return self.logits(res[torch.tensor(ends, device=res.device)])
 
     def forward_rows(self, ids, cache: Cache, seq_lens: list | None = None, *, rows=None, embeds=None, live=None,
                      held=None, real=None, progress=None, snaps=None) -> torch.Tensor:

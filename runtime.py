@@ -247,6 +247,12 @@ def add_engine_flags(ap: argparse.ArgumentParser, *, prefill_chunk: int, max_bat
     g.add_argument("--prefill-chunk", type=int, default=prefill_chunk, metavar="N",
                    help="prefill at most N prompt tokens per engine step: bounds activation memory and how long a "
                    f"prompt stalls the running streams (default {prefill_chunk})")
+    g.add_argument("--prefill-layers-per-step", type=int, default=E.PREFILL_LAYERS_PER_STEP, metavar="N",
+                   help="while streams decode, a prefill pass runs N of the model's layers per engine step, a decode "
+                   "step after each part, so a prompt's arrival stalls the running streams for N layers, not a whole "
+                   "pass; fresh prompts then replay their prefill graphs only up to "
+                   f"{E.GRAPH_BUSY} tokens (0: whole passes; default {E.PREFILL_LAYERS_PER_STEP}; with --speculative "
+                   "passes run whole)")
     g.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="draft K tokens per step with the checkpoint's MTP layers (1..3; shards converted with "
                    "--keep-mtp); greedy output is unchanged, sampled output keeps its distribution")
@@ -286,6 +292,7 @@ class EngineFlags:
     verify: bool = False
     prefix_cache_gib: float | None = None
     prefix_cache_min: int = E.PREFIX_MIN
+    prefill_layers_per_step: int = E.PREFILL_LAYERS_PER_STEP
 
     @classmethod
     def split(cls, kw: dict) -> tuple["EngineFlags", dict]:
@@ -298,7 +305,8 @@ class EngineFlags:
         if self.speculative and not 1 <= self.speculative <= 3:
             raise UserError(f"--speculative {self.speculative}: the checkpoint has at most 3 MTP layers (1..3 drafts)")
         for flag, v, lo in (("--prefill-chunk", self.prefill_chunk, 1), ("--max-batch", self.max_batch, 1),
-                            ("--max-context", self.max_context, 16), ("--prefix-cache-min", self.prefix_cache_min, 0)):
+                            ("--max-context", self.max_context, 16), ("--prefix-cache-min", self.prefix_cache_min, 0),
+                            ("--prefill-layers-per-step", self.prefill_layers_per_step, 0)):
             if v is not None and v < lo:
                 raise UserError(f"{flag} {v} must be >= {lo}")
         if self.prefix_cache_gib is not None and not 0 <= self.prefix_cache_gib < float("inf"):
@@ -477,7 +485,9 @@ def start_engine(s: Session, max_batch: int, max_context: int | None, constraine
         try:
             return E.Engine(s.model, E.EngineConfig(max_batch, max_context, f.prefill_chunk, f.speculative,
                                                     f.cuda_graph, prefix_cache_gib=f.prefix_cache_gib,
-                                                    prefix_cache_min=f.prefix_cache_min), s.say, grammars=g)
+                                                    prefix_cache_min=f.prefix_cache_min,
+                                                    prefill_layers_per_step=f.prefill_layers_per_step), s.say,
+                                    grammars=g)
         except (MemoryError, ValueError) as e:
             raise UserError(str(e)) from None
     s.eng = phase(make)

@@ -1,11 +1,14 @@
 """The long-lived engine (engine.py) on the tiny checkpoints, in process at TP=1: slots that are reused after a request
 leaves, prefix reuse (a conversation's next turn prefills only its new tokens), requests that join a running batch,
-padding rows of a batch bucket, cancellation, incremental detokenization.
+padding rows of a batch bucket, cancellation, incremental detokenization, prompts that arrive while streams decode
+(their passes split by layers between decode steps).
 
 Two runs that differ in batch composition or in what a prefill pass holds round differently in last bits (other
 GEMM row counts); the comparisons pin one run's routing and region decisions into the other (model.Pins, keyed by
 request id) and accept a token difference only at a measured near-tie (tests/invariants.py).
 """
+
+import os
 
 import pytest
 import torch
@@ -246,3 +249,206 @@ def test_a_step_that_raises_ends_every_request_and_the_engine_serves_the_next(lm
         lm.forward = real
     assert a.finish == b.finish == "error" and not eng.busy()
     assert eng.run([E.Request(ids(20, 3), 4)])[0].out == solo(lm, ids(20, 3), 4, context=128)
+
+
+def _stream_beside(lm, layers: int, arrival: list | None, new: int = 1, streams: int = 1, max_batch: int = 2,
+                   graph_prefill: int = 0, replays: list | None = None, chunk: int = 64) -> tuple:
+    """`streams` greedy streams of 24 tokens (the first: the stream) decode in an engine whose prefill passes (chunks
+    of `chunk` tokens) run `layers` layers per step while streams decode; after their third step a request with the
+    prompt `arrival` (and `new` tokens) arrives -> (the stream, the arrival or None, the step log from its arrival:
+    per step, the stream's new tokens, the arrival's prefilled prompt tokens and the layers its pass in flight has
+    run, 0 when none; the engine). replays: where the prefill graphs log their replays (record_replays)."""
+    eng = E.Engine(lm, E.EngineConfig(max_batch=max_batch, max_context=384, prefill_chunk=chunk,
+                                      prefill_layers_per_step=layers, graph_prefill=graph_prefill))
+    eng.start()
+    if replays is not None:
+        record_replays(eng, replays)
+    a, *_ = [eng.submit(E.Request(ids(20, 60 + i), 24)) for i in range(streams)]
+    log = []
+    for _ in range(3):
+        eng.step()
+    b = eng.submit(E.Request(arrival, new)) if arrival is not None else None
+    while eng.busy():
+        o = eng.step()
+        log.append((sum(len(t) for r, t in o.tokens if r is a), b.prefilled if b else 0,
+                    eng.split.trunk.done if eng.split else 0))
+    return a, b, log, eng
+
+
+def _prompt_cache(eng, r) -> list:
+    """What request r's prefill left in its slot for later tokens to read: the DSA layers' keys and values of its
+    prompt and the summaries of the regions it completed."""
+    n, blk = len(r.ids), eng.model.cfg.sparse.block
+    return [t for lc in eng.cache.layers if getattr(lc, "summ", None) is not None
+            for t in (lc.k[r.slot, :n], lc.v[r.slot, :n], lc.summ[r.slot, :n // blk])]
+
+
+@torch.inference_mode()
+@pytest.mark.slow
+def test_a_streams_tokens_are_bit_for_bit_its_own_while_a_long_prompt_prefills_between_its_steps(lm):
+    """A stream decodes (greedy) while a request with a 200-token prompt arrives (chunks of 64, each pass split into
+    parts of 3, 3 and 2 layers with a decode step after each): the stream's tokens are exactly those it decodes alone,
+    and those it decodes beside the same prompt prefilled in whole passes (its rows are the same decode step's, and
+    the arrival's half-written slot never pads it); the arrival's first token is the whole passes' one."""
+    prompt = ids(200, 61)
+    alone, *_ = _stream_beside(lm, 3, None)
+    split_a, split_b, log, _ = _stream_beside(lm, 3, prompt)
+    whole_a, whole_b, *_ = _stream_beside(lm, 0, prompt)
+    assert any(done for *_, done in log)  # the pass did run split
+    assert len(alone.out) == 24 and split_a.out == alone.out == whole_a.out
+    assert len(split_b.out) == 1 and split_b.out == whole_b.out
+
+
+@torch.inference_mode()
+@pytest.mark.slow
+def test_a_long_prompt_prefills_in_parts_of_layers_with_a_decode_step_after_each(lm):
+    """While a stream decodes, each 64-token chunk of a 200-token prompt runs as parts of 3, 3 and 2 of the 8 layers,
+    one engine step each, and the stream gets a token in every step; without streams (or with
+    prefill_layers_per_step 0) a chunk is one step."""
+    assert lm.cfg.num_hidden_layers == 8
+    prompt = ids(200, 61)
+    parts = [(1, x, done) for x in (0, 64, 128, 192) for done in (3, 6)]
+    ends = [(1, x, 0) for x in (64, 128, 192, 200)]
+    _, b, log, _ = _stream_beside(lm, 3, prompt, new=2)
+    assert log[:12] == [s for pair in zip(parts[0::2], parts[1::2], ends) for s in pair], log
+    assert b.out and b.finish == "length"
+    _, _, log, _ = _stream_beside(lm, 0, prompt, new=2)
+    assert log[:4] == ends, log
+    eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=384, prefill_chunk=64, prefill_layers_per_step=3))
+    eng.start()
+    c = eng.submit(E.Request(prompt, 1))
+    seen = []
+    while eng.busy():
+        eng.step()
+        seen.append(c.prefilled)
+    assert seen == [64, 128, 192, 200]
+
+
+@torch.inference_mode()
+@pytest.mark.slow
+def test_a_pass_runs_whole_where_the_decode_bucket_needs_its_slot_for_padding(lm):
+    """Four slots, a 200-token prompt in chunks of 86: beside two streams (bucket 2) the arrival's pass runs split;
+    beside three (bucket 4) its slot would be the padding row's, which writes at the slot's next position in every
+    layer, where the layers the pass has not run yet still read history (position 172: ring slot 76 holds position
+    76 of the second chunk's window, pending DSA row 4 holds position 84), so it runs whole, one chunk a step. The
+    stream gets a token every step; the arrival's first token and what its prefill left in its slot are the whole
+    passes' ones, bit for bit, either way."""
+    prompt = ids(200, 62)
+    _, whole, _, eng = _stream_beside(lm, 0, prompt, chunk=86)
+    want = _prompt_cache(eng, whole)
+    for streams, steps in ((2, [0, 0, 86, 86, 86, 172, 172, 172, 200]), (3, [86, 172, 200])):
+        a, b, log, eng = _stream_beside(lm, 3, prompt, streams=streams, max_batch=4, chunk=86)
+        assert [x for _, x, _ in log[:len(steps)]] == steps and {n for n, *_ in log[:len(steps)]} == {1}, log
+        assert len(a.out) == 24 and b.out == whole.out
+        assert all(torch.equal(x, y) for x, y in zip(_prompt_cache(eng, b), want))
+
+
+@torch.inference_mode()
+@pytest.mark.slow
+def test_while_streams_decode_only_short_fresh_prompts_replay_their_prefill_graphs(lm, monkeypatch):
+    """With prefill graphs (padded passes, eager on the CPU) and GRAPH_BUSY at 64 tokens: beside a stream a 40-token
+    prompt (padded to 64) replays its graph, a 100-token one (128) runs split by layers instead; without streams the
+    100-token prompt replays its graph. The stream's tokens stay its own."""
+    monkeypatch.setattr(E, "GRAPH_BUSY", 64)
+    alone = _stream_beside(lm, 3, None)[0].out
+    for n, want in ((40, [(0, 40, 64)]), (100, [])):  # after the stream's own prompt's replay, (0, 20, 32)
+        replays = []
+        a, b, log, _ = _stream_beside(lm, 3, ids(n, 63), graph_prefill=256, replays=replays, chunk=256)
+        assert replays == [(0, 20, 32)] + want and any(done for *_, done in log) is not want, (n, replays, log)
+        assert a.out == alone and len(b.out) == 1
+    eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=384, prefill_layers_per_step=3, graph_prefill=256))
+    eng.start()
+    padded = []
+    record_replays(eng, padded)
+    eng.run([E.Request(ids(100, 63), 1)])
+    assert padded == [(0, 100, 128)]
+
+
+@torch.inference_mode()
+@pytest.mark.slow
+def test_a_request_cancelled_mid_pass_keeps_its_slot_until_its_pass_ends(lm):
+    """A request cancelled while its pass runs split over steps is released once the pass has run all its layers
+    (its slot is being written until then), not at the next step; a waiting request then takes the slot and gets its
+    solo tokens (decisions pinned)."""
+    eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=384, prefill_chunk=64, prefill_layers_per_step=3))
+    eng.start()
+    steps = []
+    with pinned(lm, M.Pins()) as rec:
+        a = eng.submit(E.Request(ids(20, 60), 40))
+        for _ in range(3):
+            eng.step()
+        b = eng.submit(E.Request(ids(200, 61), 4))
+        eng.step()
+        assert eng.split is not None and eng.split.trunk.done == 3
+        eng.cancel(b)
+        c = eng.submit(E.Request(ids(30, 64), 3))
+        while b.finish is None or b in eng.running:
+            o = eng.step()
+            steps.append((b in o.finished, eng.split.trunk.done if eng.split else 0))
+        while eng.busy():
+            eng.step()
+    assert steps == [(False, 6), (True, 0)], steps
+    assert b.out == [] and c.slot == b.slot and c.finish == "length" and len(a.out) == 40
+    tokens_agree_up_to_near_tie(lm, c.ids, solo(lm, c.ids, 3, rec, c.rid, context=384), c.out)
+
+
+def test_a_negative_layers_per_step_is_refused_naming_the_field(lm):
+    for v, match in ((-1, "prefill_layers_per_step -1 must be >= 0"), (2.5, "prefill_layers_per_step 2.5 must be")):
+        with pytest.raises(ValueError, match=match):
+            E.Engine(lm, E.EngineConfig(max_batch=1, max_context=64, prefill_layers_per_step=v))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs a CUDA device and TRITON_INTERPRET=0")
+@torch.inference_mode()
+def test_cuda_prompts_arriving_beside_a_stream_compile_nothing_and_keep_its_tokens(tp1_models):
+    """On the GPU (Triton kernels, CUDA graphs): a stream decodes while prompts of 300 tokens (a prefill graph
+    replay, within GRAPH_BUSY) and 1,500 tokens (three eager passes of 512, 3 layers a step) arrive one after the
+    other: no Triton kernel is built and no CUDA graph captured after start-up, the passes did run split, and the
+    stream's tokens are bit for bit those it decodes alone."""
+    from tools.bench_request import Counters
+    gpu = tp1_models("fp8_text", "cuda")
+    counters = Counters()
+
+    def run(arrivals: list) -> tuple:
+        eng = E.Engine(gpu, E.EngineConfig(max_batch=4, max_context=2048, prefill_chunk=512,
+                                           prefill_layers_per_step=3, graph_prefill=512))
+        eng.start()
+        before = counters.snapshot()
+        a = eng.submit(E.Request(ids(20, 60), 120))
+        parts = 0
+        for _ in range(3):
+            eng.step()
+        for p in arrivals:
+            b = eng.submit(E.Request(p, 1))
+            while b.finish is None:
+                eng.step()
+                parts += eng.split is not None
+        while eng.busy():
+            eng.step()
+        return a.out, parts, counters.snapshot() == before
+    alone, _, _ = run([])
+    out, parts, clean = run([ids(300, 65), ids(1500, 66)])
+    assert clean, f"compiled {counters.names}"
+    assert parts == 6 and out == alone  # 3 passes of 3 parts: 2 steps each with a part left
+
+
+@torch.inference_mode()
+def test_a_stream_gets_a_token_between_the_parts_of_an_arriving_prompts_pass(lm):
+    """The quick tier's check of split passes: a 20-token prompt arriving beside a stream (chunks of 8, 3 of the 8
+    layers a step) prefills over 9 steps, the stream getting a token in each; its tokens are those it gets alone."""
+    def run(arrival):
+        eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=64, prefill_chunk=8, prefill_layers_per_step=3))
+        eng.start()
+        a = eng.submit(E.Request(ids(6, 70), 14))
+        eng.step()
+        b = eng.submit(E.Request(arrival, 1)) if arrival else None
+        log = []
+        while eng.busy():
+            o = eng.step()
+            log.append((sum(len(t) for r, t in o.tokens if r is a), b.prefilled if b else 0))
+        return a.out, log
+    alone, _ = run(None)
+    out, log = run(ids(20, 71))
+    assert log[:9] == [(1, x) for x in (0, 0, 8, 8, 8, 16, 16, 16, 20)], log
+    assert out == alone

@@ -134,23 +134,27 @@ def check_window(tok, window: int):
 
 
 def local_engine(model, tok, max_batch: int, max_context: int | None, prefill_chunk: int,
-                 build_threads: int | None = None, speculative: int = 0, tokenizer_file: str | None = None):
+                 build_threads: int | None = None, speculative: int = 0, tokenizer_file: str | None = None,
+                 prefill_layers_per_step: int | None = None):
     """serve.py's session around `model` in this process (one rank, world 1), its engine started; speculative: MTP
     drafts per step (the model keeps that many MTP layers); tokenizer_file: `tok`'s tokenizer.json, for the engine's
-    grammars (constrained requests, tool_choice "required"; None: such requests are refused)."""
+    grammars (constrained requests, tool_choice "required"; None: such requests are refused); prefill_layers_per_step:
+    the engine's (None: its default)."""
     import engine as E
     import grammar
     import runtime as R
     dev = next(model.parameters()).device
+    layers = E.PREFILL_LAYERS_PER_STEP if prefill_layers_per_step is None else prefill_layers_per_step
     flags = R.EngineFlags("(local)", max_batch=max_batch, max_context=max_context, prefill_chunk=prefill_chunk,
-                          speculative=speculative)
+                          speculative=speculative, prefill_layers_per_step=layers)
     s = R.Session(flags, 0, 1, dev, model.cfg, None, tok, sorted(model.cfg.eos_token_id), model=model)
     g = None
     if tokenizer_file is not None:
         g = grammar.Grammars(tokenizer_file, model.cfg.vocab_size, s.eos[0])
         g.view()  # built now, not on the engine loop at the first constrained request
     s.eng = E.Engine(model, E.EngineConfig(max_batch, max_context, prefill_chunk, speculative,
-                                           build_threads=build_threads), print, grammars=g)
+                                           build_threads=build_threads, prefill_layers_per_step=layers), print,
+                     grammars=g)
     s.eng.start()
     return s
 
@@ -259,6 +263,12 @@ if __name__ == "__main__":
     ap.add_argument("--prefill-chunk", type=int, default=None, help="--local: default serve.py's")
     ap.add_argument("--build-threads", type=int, default=None, help="--local: start-up's parallel kernel builds")
     ap.add_argument("--speculative", type=int, default=0, help="--local: MTP drafts per decode step (1-3)")
+    ap.add_argument("--prefill-layers-per-step", type=int, default=None,
+                    help="--local: a prefill pass's layers per step while streams decode (default serve.py's; 0: whole "
+                    "passes)")
+    ap.add_argument("--graph-busy", type=int, default=None, metavar="N",
+                    help="--local: while streams decode, fresh prompts replay prefill graphs up to N padded tokens "
+                    "(engine.GRAPH_BUSY, set in this process for the measurement)")
     a = ap.parse_args()
     if a.prefill_chunk is None:
         from serve import PREFILL_CHUNK
@@ -271,13 +281,16 @@ if __name__ == "__main__":
     if a.local:
         import torch
 
+        import engine as E
         from tools.rank import build
+        if a.graph_busy is not None:
+            E.GRAPH_BUSY = a.graph_busy
         a.tokenizer = a.tokenizer or os.path.join(os.environ.get("TMPDIR", "/tmp"), "bench_serve_tokenizer")
         tok = local_tokenizer(a.tokenizer)
         m = build(mtp=a.speculative)
         check_window(tok, m.cfg.vocab_size // m.cfg.tp_size)
         s = local_engine(m, tok, a.max_batch, a.max_context, a.prefill_chunk, a.build_threads, a.speculative,
-                         os.path.join(a.tokenizer, "tokenizer.json"))
+                         os.path.join(a.tokenizer, "tokenizer.json"), a.prefill_layers_per_step)
         if not a.tools:
             rng, direct = random.Random(a.seed + 1), {}
             with torch.inference_mode():  # the same load through the engine alone first: what the server adds to it
