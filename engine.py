@@ -25,7 +25,7 @@ How it works, and where each part lives:
   forward, when the step is constrained: below), so the device never waits for it.
 - Prompts that arrive while streams decode (Split). An eager prefill pass takes 0.1-0.2 s of host launches on a
   whole rank whatever its tokens, and a 4,096-token graph replay ~0.1 s of kernels: run as one step, either froze
-  every stream for that long. While streams decode, a pass runs prefill_layers_per_step layers per step
+  every stream for that long. While streams decode, a pass may run prefill_layers_per_step layers per step (0: off)
   (model.begin / run_layers keep its residual between steps), and each step's decode step follows its part, so a
   stream waits for a part; its rows are the same decode step's, so its tokens are bit for bit those without the
   arrival. The pass's slots never pad the decode step (their unrun layers still read the history that a padding row's
@@ -97,13 +97,15 @@ PREFILL_CHUNK = 16384
 # prefill graphs run. The bound of 4 steps is chosen, not measured: a 64-token step reads most of a rank's experts, so
 # many would cost more kernel time than one eager pass costs the host (tools.bench_request --turn measures it).
 EXTEND_TURN = 256
-# While streams decode, a prefill pass runs at most this many of the model's layers per engine step, a decode step
-# after each part, so a prompt's arrival stalls the running streams for a part, not a pass. An eager pass is bound by
-# its host's launches, about the same at 1k and 4k tokens: 0.11-0.21 s for 92 layers on the H200s measured (PERF_LOG
-# "the CPU day's changes on a GPU"), 1.2-2.3 ms a layer, against 4,096 tokens' kernels at ~1.15 ms a layer. 16 layers
-# are ~19-37 ms, and with the batch-16 decode step (~10 ms) within issue 58's 50 ms gap; chosen from those figures,
-# to be measured (tools/bench_serve.py's inter-token p99).
-PREFILL_LAYERS_PER_STEP = 16
+# While streams decode, a prefill pass may run at most this many of the model's layers per engine step, a decode step
+# after each part, so a prompt's arrival stalls the running streams for a part, not a pass (0: whole passes). An eager
+# pass is bound by its host's launches, about the same at 1k and 4k tokens: 0.11-0.21 s for 92 layers on the H200s
+# measured (PERF_LOG "the CPU day's changes on a GPU"), 1.2-2.3 ms a layer, against 4,096 tokens' kernels at ~1.15 ms
+# a layer, so the decode steps between parts may or may not hide in the host's time: off until tools/bench_serve.py
+# has measured the inter-token p99 and the prefill rate under load with it (16 layers: ~19-37 ms, with the batch-16
+# decode step within a 50 ms gap; PERF_LOG "prompts that arrive while streams decode, a prefill pass split by layers
+# between decode steps").
+PREFILL_LAYERS_PER_STEP = 0
 # While streams decode, fresh prompts replay their prefill graphs only when their padded lengths add up to at most
 # this; longer ones run as an eager pass split by layers (above). The 512-token graph's replay is ~35-40 ms (1 x 300's
 # time to first token 0.040 s on an H100: PERF_LOG "prefill graphs through the engine"), the 1,024-token one ~50 ms.

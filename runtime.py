@@ -251,8 +251,8 @@ def add_engine_flags(ap: argparse.ArgumentParser, *, prefill_chunk: int, max_bat
                    help="while streams decode, a prefill pass runs N of the model's layers per engine step, a decode "
                    "step after each part, so a prompt's arrival stalls the running streams for N layers, not a whole "
                    "pass; fresh prompts then replay their prefill graphs only up to "
-                   f"{E.GRAPH_BUSY} tokens (0: whole passes; default {E.PREFILL_LAYERS_PER_STEP}; with --speculative "
-                   "passes run whole)")
+                   f"{E.GRAPH_BUSY} tokens (default {E.PREFILL_LAYERS_PER_STEP}: whole passes; a candidate, 16 for "
+                   "instance, still to be measured on a GPU; with --speculative passes run whole)")
     g.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="draft K tokens per step with the checkpoint's MTP layers (1..3; shards converted with "
                    "--keep-mtp); greedy output is unchanged, sampled output keeps its distribution")
