@@ -27,7 +27,7 @@ from test_grammar import SCHEMAS as ALL_SCHEMAS
 from test_serve import Server, env, stop, wait_serving
 from test_startup import gpu_launches  # noqa: F401 (a fixture: kernel launches recorded as the GPU makes them)
 
-MAX_BATCH, CONTEXT = 8, 256
+MAX_BATCH, MAX_QUEUE, CONTEXT = 16, 56, 256  # MAX_BATCH + MAX_QUEUE = 72 places: the n tests ask for more
 SCHEMAS = ALL_SCHEMAS[:5]  # the object schemas (nested objects, arrays, enums, ranges, lengths)
 
 
@@ -54,7 +54,7 @@ def validate(want, text: str):
 def start(tp_dir: str, tmp, *args) -> tuple:
     log = str(tmp / "rank0.err")
     p = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "serve.py", "--tp-dir", tp_dir, "--port",
-                          "0", "--max-batch", str(MAX_BATCH), "--max-queue", "64", "--max-context", str(CONTEXT),
+                          "0", "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-context", str(CONTEXT),
                           *map(str, args)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     return Server(wait_serving([p], log), [p], log), p
 
