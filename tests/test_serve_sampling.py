@@ -54,8 +54,9 @@ def validate(want, text: str):
 def start(tp_dir: str, tmp, *args) -> tuple:
     log = str(tmp / "rank0.err")
     p = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "serve.py", "--tp-dir", tp_dir, "--port",
-                          "0", "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-context", str(CONTEXT),
-                          *map(str, args)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+                          "0", "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
+                          "--max-context", str(CONTEXT), *map(str, args)], cwd=ROOT, env=env(),
+                         stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     return Server(wait_serving([p], log), [p], log), p
 
 
