@@ -43,13 +43,9 @@ def pct(xs: list, p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-async def one(client: httpx.AsyncClient, url: str, prompt: list, max_tokens: int) -> dict:
-    """A streaming request -> its token arrival times (seconds after it was sent)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "return_token_ids": True}
-    t0 = time.perf_counter()
-    times = []
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+async def events(client: httpx.AsyncClient, url: str, body: dict):
+    """The JSON documents of a streamed request's server-sent events; a refusal or an error event ends the bench."""
+    async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             raise SystemExit(f"error: {r.status_code} {(await r.aread()).decode()[:300]}")
         async for line in r.aiter_lines():
@@ -58,8 +54,18 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list, max_tokens: int
             doc = json.loads(line[6:])
             if "error" in doc:
                 raise SystemExit(f"error: {doc['error']['message']}")
-            n = len(doc["choices"][0].get("token_ids") or []) if doc["choices"] else 0
-            times += [time.perf_counter() - t0] * n
+            yield doc
+
+
+async def one(client: httpx.AsyncClient, url: str, prompt: list, max_tokens: int) -> dict:
+    """A streaming request -> its token arrival times (seconds after it was sent)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}
+    t0 = time.perf_counter()
+    times = []
+    async for doc in events(client, url + "/v1/completions", body):
+        n = len(doc["choices"][0].get("token_ids") or []) if doc["choices"] else 0
+        times += [time.perf_counter() - t0] * n
     return {"times": times}
 
 

@@ -30,7 +30,7 @@ import time
 
 import httpx
 
-from tools.bench_serve import HEADER, line, summary
+from tools.bench_serve import HEADER, events, line, summary
 
 KINDS = ("plain", "tools")
 TARGET = 0.95  # issue 56: tool-calling decode tok/s at least this share of plain's
@@ -66,24 +66,16 @@ async def one(client: httpx.AsyncClient, url: str, b: dict) -> dict:
     calls its deltas assemble to (name -> arguments text)."""
     t0 = time.perf_counter()
     times, usage, finish, calls = [], None, None, {}
-    async with client.stream("POST", url + "/v1/chat/completions", json=b) as r:
-        if r.status_code != 200:
-            raise SystemExit(f"error: {r.status_code} {(await r.aread()).decode()[:300]}")
-        async for raw in r.aiter_lines():
-            if not raw.startswith("data: {"):
-                continue
-            doc = json.loads(raw[6:])
-            if "error" in doc:
-                raise SystemExit(f"error: {doc['error']['message']}")
-            usage = doc.get("usage") or usage
-            for c in doc["choices"]:
-                times += [time.perf_counter() - t0] * len(c.get("token_ids") or [])
-                finish = c.get("finish_reason") or finish
-                for d in c["delta"].get("tool_calls") or []:
-                    f = d.get("function", {})
-                    k = calls.setdefault(d["index"], [None, ""])
-                    k[0] = f.get("name") or k[0]
-                    k[1] += f.get("arguments") or ""
+    async for doc in events(client, url + "/v1/chat/completions", b):
+        usage = doc.get("usage") or usage
+        for c in doc["choices"]:
+            times += [time.perf_counter() - t0] * len(c.get("token_ids") or [])
+            finish = c.get("finish_reason") or finish
+            for d in c["delta"].get("tool_calls") or []:
+                f = d.get("function", {})
+                k = calls.setdefault(d["index"], [None, ""])
+                k[0] = f.get("name") or k[0]
+                k[1] += f.get("arguments") or ""
     if usage is None or usage["completion_tokens"] != len(times):
         raise SystemExit(f"error: the stream carried {len(times)} token ids but its usage says "
                          f"{usage and usage['completion_tokens']} completion tokens")
