@@ -30,7 +30,7 @@ import time
 
 import httpx
 
-from tools.bench_serve import HEADER, events, line, summary
+from tools.bench_stream import HEADER, events, line, summary
 
 KINDS = ("plain", "tools")
 TARGET = 0.95  # issue 56: tool-calling decode tok/s at least this share of plain's
@@ -85,7 +85,7 @@ async def one(client: httpx.AsyncClient, url: str, b: dict) -> dict:
 
 async def cell(url: str, key: str | None, kind: str, clients: int, n_prompt: int, requests: int, max_tokens: int,
                chars: int, texts: list) -> dict:
-    """One kind's run of a cell: bench_serve.summary's figures, with the finish reasons, the calls made and the
+    """One kind's run of a cell: bench_stream.summary's figures, with the finish reasons, the calls made and the
     prompts' mean length as the server counted them."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     limits = httpx.Limits(max_connections=clients + 1)
