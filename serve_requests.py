@@ -15,12 +15,11 @@ structured_outputs and the guided_* aliases, thinking_token_budget.
 """
 import base64
 import binascii
-import collections
+import functools
 import io
 import json
 import math
 import secrets
-import threading
 from dataclasses import dataclass, replace
 
 import chat
@@ -611,24 +610,10 @@ def chat_jobs(body: dict, btok: chat.BoundedTokenizer, lim: Limits, eos: list, t
     return jobs
 
 
-LEADS_KEPT = 32  # distinct system turns whose ids are kept (agents resend theirs with every request)
-_leads, _leads_lock = collections.OrderedDict(), threading.Lock()  # (tokenizer, text) -> ids, least recent first
-
-
-def lead_ids(btok: chat.BoundedTokenizer, text: str, limit: int) -> list:
-    """A chat's system turn (chat.leading_turn) tokenized, once per distinct turn among the last LEADS_KEPT."""
-    key = (btok.tok, text)
-    with _leads_lock:
-        ids = _leads.get(key)
-        if ids is not None:
-            _leads.move_to_end(key)
-            return ids
-    ids = btok.ids(text, limit)
-    with _leads_lock:
-        _leads[key] = ids
-        while len(_leads) > LEADS_KEPT:
-            _leads.popitem(last=False)
-    return ids
+@functools.lru_cache(maxsize=32)  # distinct system turns kept: agents resend theirs with every request
+def lead_ids(btok: chat.BoundedTokenizer, text: str, limit: int) -> tuple:
+    """A chat's system turn (chat.leading_turn) tokenized, once per distinct turn among the last 32."""
+    return tuple(btok.ids(text, limit))
 
 
 def tools_of(body: dict, tok) -> tuple:
