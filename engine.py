@@ -594,9 +594,8 @@ class Engine:
         self._admit(out)
         pre = [r for r in self.running if r.prefilled < len(r.ids)]
         if pre:
-            self._prefill(pre, [r for r in self.running if r.prefilled == len(r.ids) and r.finish is None and r.out],
-                          out)
-        dec = [r for r in self.running if r.prefilled == len(r.ids) and r.finish is None and r.out]
+            self._prefill(pre, self._decoding(), out)
+        dec = self._decoding()  # with the requests whose prompt this step's prefill completed
         prev, self.inflight = self.inflight, None
         busy = set() if prev is None else set(map(id, prev.reqs))
         live = [r for r in dec if len(r.out) + (id(r) in busy) < r.max_new_tokens]
@@ -606,6 +605,15 @@ class Engine:
         for r in [r for r in self.running if r.finish is not None and not self._mid_pass(r)]:
             self._release(r, out)
         return out
+
+    @staticmethod
+    def _reach(pieces: list) -> list:
+        """The prefix store's points the pieces' tokens reach [(piece, position)], in order."""
+        return [(p, x) for p in pieces for x in sorted(p.req.points) if p.start < x <= p.start + p.n]
+
+    def _decoding(self) -> list:
+        """The running requests that decode: prompt prefilled, first token taken, not finished."""
+        return [r for r in self.running if r.prefilled == len(r.ids) and r.finish is None and r.out]
 
     def _mid_pass(self, r: Request) -> bool:
         """r's prefill pass runs split over steps and has layers left: its slot stays its own until the pass ends."""
@@ -627,7 +635,7 @@ class Engine:
             # the prefix store's points these pieces reach: a graph's pass leaves them to its rings, which hold the
             # windows of points near its end; an eager pass's layers write them into reserved snapshots
             # (model.Placement.snaps)
-            reach = [(p, x) for p in pieces for x in sorted(p.req.points) if p.start < x <= p.start + p.n]
+            reach = self._reach(pieces)
             far = any(p.start + p.n - x > self.store.margin for p, x in reach)
             split = self._splits(pieces, streams)
             plan = None if far else self._prefill_graphs_for(pieces, GRAPH_BUSY if split else None)
@@ -666,7 +674,7 @@ class Engine:
         for p in pieces:
             p.req.prefilled = p.start + p.n
             self.slots[p.req.slot].held = p.req.key[:p.req.prefilled]
-        for p, x in [(p, x) for p in pieces for x in sorted(p.req.points) if p.start < x <= p.start + p.n]:
+        for p, x in self._reach(pieces):
             p.req.points.discard(x)
             i = snaps.get((p.req.slot, x))
             if i is not None or p.start + p.n - x <= self.store.margin:
@@ -705,11 +713,11 @@ class Engine:
         DSA rows)."""
         if not (self.config.prefill_layers_per_step and streams) or self.spec or any(p.req.echo for p in pieces):
             return False
-        return next(x for x in self.graphs if x >= len(streams)) + len(pieces) <= len(self.slots)
+        return self.bucket(len(streams)) + len(pieces) <= len(self.slots)
 
     def _free_snaps(self, snaps: dict):
         if snaps:
-            self.store.free_snaps += list(snaps.values())
+            self.store.unreserve(snaps.values())
 
     def _prefill_graphs_for(self, pieces: list, limit: int | None = None) -> list | None:
         """Per piece, its graph replays [(graph, Piece of the replay's tokens)], when every piece is the whole rest of
@@ -801,6 +809,10 @@ class Engine:
         self.spec.absorb([p], g.inputs[0].view(-1)[:p.n], res[:p.n])
         return lg
 
+    def bucket(self, n: int) -> int:
+        """The batch bucket a decode step of n requests runs in: the smallest that holds them."""
+        return next(x for x in self.graphs if x >= n)
+
     def padding_slots(self, reqs: list) -> list:
         """Slots a padding row of a decode step over `reqs` may point at, free ones first. A padding row writes only at
         its slot's next position, which that slot's next real write covers, so a slot whose request does not decode
@@ -832,7 +844,7 @@ class Engine:
         meanwhile), advances their grammars and fills their masks (_masks). Otherwise the host reads the previous
         step after this one is queued (step)."""
         n = len(reqs)
-        b = next(x for x in self.graphs if x >= n)
+        b = self.bucket(n)
         g_fwd, g_pick = self.graphs[b]
         self.fill_inputs(g_fwd, reqs, b)
         logits, tok = g_fwd()

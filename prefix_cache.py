@@ -181,6 +181,10 @@ class PrefixStore:
                 return None
         return self.free_snaps.pop()
 
+    def unreserve(self, snaps):
+        """Reserved snapshots a pass will not store (it failed or was abandoned) back to the free ones."""
+        self.free_snaps += list(snaps)
+
     # ---- copies
     def _index(self, rows: list) -> torch.Tensor:
         """Page ids as a device index, by a pinned asynchronous copy: a plain one would wait for the queued steps."""

@@ -197,7 +197,7 @@ class Speculator:
         (Engine._masks)."""
         e = self.e
         n = len(reqs)
-        b = next(x for x in e.graphs if x >= n)
+        b = e.bucket(n)
         pads = e.padding_slots(reqs)  # before any turn is skipped: a request that waits a step never pads
         if b - n > len(pads):  # prefilling slots cannot pad: decode a bucket without padding, in turns
             r = e.steps % n
