@@ -36,7 +36,7 @@ import time
 
 import httpx
 
-from tools.bench_stream import HEADER, events, line, summary
+from tools.bench_stream import HEADER, closed_loop, events, line, summary
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: list, max_tokens: int) -> dict:
@@ -53,17 +53,9 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list, max_tokens: int
 
 async def cell(url: str, key: str | None, clients: int, n_prompt: int, requests: int, max_tokens: int,
                lo: int, hi: int, rng: random.Random) -> dict:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    limits = httpx.Limits(max_connections=clients + 1)
-    async with httpx.AsyncClient(headers=headers, timeout=None, limits=limits) as client:
-        async def worker():
-            out = []
-            for _ in range(requests):
-                out.append(await one(client, url, [rng.randrange(lo, hi) for _ in range(n_prompt)], max_tokens))
-            return out
-        t0 = time.perf_counter()
-        runs = [r for w in await asyncio.gather(*[worker() for _ in range(clients)]) for r in w]
-        wall = time.perf_counter() - t0
+    async def send(client, c, i):
+        return await one(client, url, [rng.randrange(lo, hi) for _ in range(n_prompt)], max_tokens)
+    runs, wall = await closed_loop(key, clients, requests, send)
     return summary(runs, clients, n_prompt, wall)
 
 

@@ -1,8 +1,10 @@
 """What a streaming client of the server measures, shared by tools.bench_serve (completions) and tools.bench_tools
 (chat, plain and tool-calling): the server-sent events of one request, a cell's figures from each request's token
 arrival times, and the printed row."""
+import asyncio
 import json
 import statistics
+import time
 
 import httpx
 
@@ -24,6 +26,19 @@ async def events(client: httpx.AsyncClient, url: str, body: dict):
             if "error" in doc:
                 raise SystemExit(f"error: {doc['error']['message']}")
             yield doc
+
+
+async def closed_loop(key: str | None, clients: int, requests: int, send) -> tuple[list, float]:
+    """`clients` clients at once, each sending `requests` requests one after the other: await send(client, c, i) makes
+    client c's i-th request and returns its run -> (every run, the wall seconds of them all)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    limits = httpx.Limits(max_connections=clients + 1)
+    async with httpx.AsyncClient(headers=headers, timeout=None, limits=limits) as client:
+        async def worker(c):
+            return [await send(client, c, i) for i in range(requests)]
+        t0 = time.perf_counter()
+        runs = [r for w in await asyncio.gather(*[worker(c) for c in range(clients)]) for r in w]
+        return runs, time.perf_counter() - t0
 
 
 def summary(runs: list, clients: int, n_prompt: int, wall: float) -> dict:

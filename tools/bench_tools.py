@@ -30,7 +30,7 @@ import time
 
 import httpx
 
-from tools.bench_stream import HEADER, events, line, summary
+from tools.bench_stream import HEADER, closed_loop, events, line, summary
 
 KINDS = ("plain", "tools")
 TARGET = 0.95  # issue 56: tool-calling decode tok/s at least this share of plain's
@@ -87,14 +87,9 @@ async def cell(url: str, key: str | None, kind: str, clients: int, n_prompt: int
                chars: int, texts: list) -> dict:
     """One kind's run of a cell: bench_stream.summary's figures, with the finish reasons, the calls made and the
     prompts' mean length as the server counted them."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    limits = httpx.Limits(max_connections=clients + 1)
-    async with httpx.AsyncClient(headers=headers, timeout=None, limits=limits) as client:
-        async def worker(mine):
-            return [await one(client, url, body(kind, t, max_tokens, chars)) for t in mine]
-        t0 = time.perf_counter()
-        runs = [r for w in await asyncio.gather(*[worker(texts[c::clients]) for c in range(clients)]) for r in w]
-        wall = time.perf_counter() - t0
+    async def send(client, c, i):  # client c's requests: texts[c], texts[c + clients], ...
+        return await one(client, url, body(kind, texts[c + i * clients], max_tokens, chars))
+    runs, wall = await closed_loop(key, clients, requests, send)
     return {**summary(runs, clients, n_prompt, wall), "kind": kind,
             "finish": dict(collections.Counter(r["finish"] for r in runs)),
             "calls": [c for r in runs for c in r["calls"]],
