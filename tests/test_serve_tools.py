@@ -20,7 +20,14 @@ import tool_calls
 from test_serve import KEY, Server, start_ranks, torchrun_server
 
 pytestmark = pytest.mark.slow
-ARGS = ["--port", 0, "--max-batch", 16, "--max-queue", 128, "--max-context", 1024]
+# A tools request's prompt is ~770 tokens of the tiny tokenizer (the tools block spelled nearly a character a token),
+# and its prefill ~6 s on 2 cores. The default prefix store (one slot's cache: 91 regions of 8 tokens at 1024
+# positions) cannot hold it, and a slot rewinds to its own prompt only across engine.REWIND (64) positions: after a
+# longer answer (a named `weather` call is ~105 tokens) the next request prefilled all 770 again. A store of 20 MiB
+# holds the few prompts these tests send (each is then prefilled once), and a stream and its whole answer continue
+# from the same stored prefix.
+STORE = ["--prefix-cache-gib", 0.02]
+ARGS = ["--port", 0, "--max-batch", 16, "--max-queue", 128, "--max-context", 1024, *STORE]
 PING = {"type": "function", "function": {"name": "f", "description": "Pick a number.", "parameters": {
     "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"]}}}
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
@@ -308,7 +315,7 @@ def test_anthropic_errors_in_its_envelope_with_either_key(server):
 
 # ---------------------------------------------------------------------------------------------- speculative
 def test_forced_calls_under_speculative_decoding(ckpt, tmp_path):
-    srv = start_ranks(ckpt, tmp_path, "--speculative", 2, "--api-key", KEY)
+    srv = start_ranks(ckpt, tmp_path, "--speculative", 2, "--api-key", KEY, *STORE)
     try:
         for choice in ("required", {"type": "function", "function": {"name": "weather"}}):
             whole = chat(srv, tool_choice=choice, seed=5)
