@@ -66,7 +66,7 @@ def tp2(converted):
 
 
 def serving(tp2, tmp_path_factory, *args):
-    """A server for the module, stopped by SIGTERM at its end (every rank exits 0)."""
+    """A server for the fixture's scope, stopped by SIGTERM at its end (every rank exits 0)."""
     srv, p = start(tp2, tmp_path_factory.mktemp("serve"), *args)
     try:
         yield srv
@@ -81,8 +81,10 @@ def plain(tp2, tmp_path_factory):
     yield from serving(tp2, tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def speculative(tp2, tmp_path_factory):
+    """The speculative server of its one test (the constrained requests): stopped when that test ends rather than
+    left idle through the module (an idle server's ranks take ~3% of a core)."""
     yield from serving(tp2, tmp_path_factory, "--speculative", 2)
 
 
