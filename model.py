@@ -710,7 +710,10 @@ class ShardError(ValueError):
 class Step5Model(nn.Module):
     def __init__(self, cfg: Step5Config, fp8_layers: set):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16)
+        # the table alone (the checkpoint fills it): nn.Embedding's own random init would import torch._dynamo, ~2 s
+        # of every rank's start
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16))
         self.embed_tokens.weight.requires_grad_(False)
         L = cfg.num_hidden_layers  # kept MTP layers follow the main stack, under their checkpoint indices
         self.layers = nn.ModuleList([Block(cfg, i, i in fp8_layers) for i in range(L)]
