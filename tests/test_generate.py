@@ -55,10 +55,11 @@ def torchrun(n: int, *args, timeout: int = TIMEOUT, script: str = "generate.py")
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def ranks(n: int, *args) -> subprocess.CompletedProcess:
+def ranks(n: int, *args, script: str = "generate.py", env: dict | None = None,
+          timeout: int = 180) -> subprocess.CompletedProcess:
     """n ranks (launch_ranks) seen as torchrun shows them: every rank's stdout and stderr (in rank order), exit 0
     only when every rank's is."""
-    res = launch_ranks(n, list(args))
+    res = launch_ranks(n, list(args), timeout, script=script, env=env)
     rc = next((rc for rc, _, _ in res if rc != 0), 0)
     return subprocess.CompletedProcess(args, rc, "".join(so for _, so, _ in res), "".join(se for _, _, se in res))
 
@@ -100,30 +101,36 @@ def _fork_launcher(tmp_path_factory):
         _FORKS.pop("launcher").close()
 
 
-def rank_env(r: int, n: int, port: int, **extra) -> dict:
-    """The environment torchrun gives rank r of n."""
-    return dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra)
+def rank_env(r: int, n: int, port: int, base: dict | None = None, **extra) -> dict:
+    """The environment torchrun gives rank r of n (over base, the test's own by default)."""
+    return dict(os.environ if base is None else base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n),
+                LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra)
 
 
-def start_rank(args: list, env: dict, fresh: bool = False, **pipes):
-    """`python generate.py args` in env: forked from the launcher, or with fresh=True a new interpreter (for what an
+def dump_ranks(n: int, argv: list, env: dict) -> subprocess.CompletedProcess:
+    """invariants.gen_and_dump's launch: tests/tp_logits_dump.py's ranks forked as generate.py's are."""
+    return ranks(n, *argv[1:], script=argv[0], env=env, timeout=600)
+
+
+def start_rank(args: list, env: dict, fresh: bool = False, script: str = "generate.py", **pipes):
+    """`python SCRIPT args` in env: forked from the launcher, or with fresh=True a new interpreter (for what an
     interpreter reads at its start: PYTHONIOENCODING)."""
-    argv = ["generate.py", *map(str, args)]
+    argv = [script, *map(str, args)]
     if fresh:
         return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, text=True, **pipes)
     return forked().popen(argv, env, **pipes)
 
 
 def launch_ranks(n: int, args: list, timeout: int = 180, env_extra: dict | None = None, stdout0=subprocess.PIPE,
-                 fresh: bool = False):
+                 fresh: bool = False, script: str = "generate.py", env: dict | None = None):
     """The environment torchrun gives each rank, but every rank a process of its own, so each rank's exit code and
     stderr can be checked (torchrun SIGTERMs the survivors of the first failure). -> [(rc, stdout, stderr)].
-    stdout0: rank 0's stdout; fresh: new interpreters rather than forked ranks."""
+    stdout0: rank 0's stdout; fresh: new interpreters rather than forked ranks; env: the base environment (the
+    test's own by default)."""
     port = free_port()
     procs = []
     for r in range(n):
-        procs.append(start_rank(args, rank_env(r, n, port, **(env_extra or {})), fresh,
+        procs.append(start_rank(args, rank_env(r, n, port, env, **(env_extra or {})), fresh, script,
                                 stdout=stdout0 if r == 0 else subprocess.PIPE, stderr=subprocess.PIPE))
     out = []
     try:
@@ -155,7 +162,7 @@ def test_greedy_tokens_and_logits_agree_across_tp(kind, images, tps, converted, 
     reqs = image_batch(tmp_path) if images else PROMPTS
     lengths = [len(r["prompt_ids"]) if isinstance(r, dict) else len(r) for r in reqs]
     batch = write_json(tmp_path / "batch.json", reqs)
-    toks1, d1 = gen_and_dump(1, converted(kind, 1), batch, None, None, tmp_path, lengths, NEW)
+    toks1, d1 = gen_and_dump(1, converted(kind, 1), batch, None, None, tmp_path, lengths, NEW, launch=dump_ranks)
     assert all(len(t) == NEW for t in toks1)  # --ignore-eos: a checkpoint's EOS never ends a request early
     L1 = d1["logits"]  # [NEW, 3, V]
     assert L1.shape == (NEW, 3, 1024)
@@ -167,7 +174,8 @@ def test_greedy_tokens_and_logits_agree_across_tp(kind, images, tps, converted, 
     top2 = L1.topk(2, dim=-1).values
     margin = top2[..., 0] - top2[..., 1]  # [NEW, 3]
     for tp in tps:
-        toks, d = gen_and_dump(tp, converted(kind, tp), batch, [t[:-1] for t in toks1], pins, tmp_path, lengths, NEW)
+        toks, d = gen_and_dump(tp, converted(kind, tp), batch, [t[:-1] for t in toks1], pins, tmp_path, lengths, NEW,
+                               launch=dump_ranks)
         diff = (d["pinned_logits"] - L1).abs().amax(-1)  # [NEW, 3]
         print(f"{kind} TP={tp} vs TP=1, decisions pinned: max |dlogit| / std = {diff.max().item() / std:.4f}")
         assert diff.max().item() < LOGIT_TOL * std, (kind, tp, diff / std)
