@@ -114,9 +114,10 @@ def dump_ranks(n: int, argv: list, env: dict) -> subprocess.CompletedProcess:
 
 def start_rank(args: list, env: dict, fresh: bool = False, script: str = "generate.py", **pipes):
     """`python SCRIPT args` in env: forked from the launcher, or with fresh=True a new interpreter (for what an
-    interpreter reads at its start: PYTHONIOENCODING)."""
+    interpreter reads at its start: PYTHONIOENCODING). Where a GPU is visible every rank is a new interpreter: the
+    CUDA driver is not to be forked."""
     argv = [script, *map(str, args)]
-    if fresh:
+    if fresh or torch.cuda.is_available():
         return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, text=True, **pipes)
     return forked().popen(argv, env, **pipes)
 
