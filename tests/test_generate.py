@@ -1,6 +1,11 @@
-"""generate.py end to end (torchrun on gloo) and the greedy loop's batch contract (identical tokens on all ranks,
+"""generate.py end to end (ranks on gloo) and the greedy loop's batch contract (identical tokens on all ranks,
 position-independent batch rows, EOS compaction, bad input), and seeded sampling (--temperature, --top-k, --top-p,
 --seed: the same tokens on every rank, reproducible with the seed).
+
+Each rank is a process of its own, forked from one interpreter that imported the product once
+(tests/fork_launcher.py: a new interpreter spends ~3 CPU s on imports, and this file starts over a hundred ranks);
+torchrun and new interpreters where they are what a test checks (its exit code, its watchdog, Ctrl-C,
+PYTHONIOENCODING, a whole generation as a user starts it).
 
 Cross-TP: the same packed batch (prompts of 12, 45 and 70 tokens: below and above topk*region_block_size = 32, so
 the DSA layers really prune) is generated at TP = 1, 2 and 4 on the FP8 VL and the BF16 text-only tiny checkpoints.
@@ -282,7 +287,8 @@ def test_max_new_tokens_zero_returns_empty_completions(tp1_model, converted, tmp
 # ---------------------------------------------------------------------------------------------- text output
 @pytest.mark.slow
 def test_prompt_text_print_ids_and_speed_lines(converted):
-    r = ranks(2, "--tp-dir", converted("bf16_text", 2), "--ep-size", 2, "--prompt", "请介绍一下张量并行。",
+    # one whole generation as a user starts it: torchrun, each rank a new interpreter (elsewhere ranks are forked)
+    r = torchrun(2, "--tp-dir", converted("bf16_text", 2), "--ep-size", 2, "--prompt", "请介绍一下张量并行。",
                  "--max-new-tokens", 4, "--print-ids")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
