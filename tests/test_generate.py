@@ -942,12 +942,10 @@ def test_ctrl_c_ends_every_rank_with_one_line(converted):
     import threading
     port = free_port()
     procs, errs = [], [[], []]
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "generate.py", "--tp-dir", converted("bf16_text", 2),
-                                       "--prompt", "hi", "--max-new-tokens", "1500", "--ignore-eos"], cwd=ROOT, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    for r in range(2):  # new interpreters: Ctrl-C as a user's run meets it
+        procs.append(start_rank(["--tp-dir", converted("bf16_text", 2), "--prompt", "hi", "--max-new-tokens", 1500,
+                                 "--ignore-eos"], rank_env(r, 2, port), fresh=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE))
         threading.Thread(target=lambda f, out: out.extend(f), args=(procs[-1].stderr, errs[r]), daemon=True).start()
     try:
         wait_line(procs[0], "start-up", errs[0])
