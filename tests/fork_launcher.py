@@ -231,6 +231,7 @@ class Launcher:
         self.server.kill()
         self.server.wait()
         self.server.stdout.close()
+        os.unlink(self.path)
 
 
 if __name__ == "__main__":
