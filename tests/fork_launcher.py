@@ -60,10 +60,10 @@ def run_child(req: dict, fds: list):
             code = e.code or 0
         else:
             print(e.code, file=sys.stderr)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the interpreter prints it, then ends by the signal itself
         import traceback
         traceback.print_exc()
-        code = 128 + signal.SIGINT
+        code = -signal.SIGINT
     except BaseException:  # noqa: B036  (what the interpreter prints for an uncaught exception)
         import traceback
         traceback.print_exc()
@@ -73,6 +73,9 @@ def run_child(req: dict, fds: list):
                 f.flush()
             except Exception:
                 pass
+        if code == -signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
 
 
