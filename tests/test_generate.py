@@ -32,8 +32,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import chat  # noqa: E402
-import fork_launcher  # noqa: E402
 import engine  # noqa: E402
+import fork_launcher  # noqa: E402
 import generate  # noqa: E402
 import helpers  # noqa: E402
 import model as M  # noqa: E402
@@ -575,7 +575,7 @@ def test_sampling_at_tp2_is_the_same_on_every_rank_and_reproducible(converted, t
 
     def run():
         r = ranks(2, "--tp-dir", converted("fp8_vl", 2), "--prompt-json-batch", batch, "--max-new-tokens", NEW,
-                     "--json", "--temperature", 1, "--seed", 3)
+                  "--json", "--temperature", 1, "--seed", 3)
         assert r.returncode == 0, r.stderr[-3000:]  # generate.py fails when the ranks' tokens differ
         assert r.stderr.count("sampling: temperature 1.0, top-k off, top-p off, seed 3") == 1, r.stderr[-3000:]
         return [x["completion_token_ids"] for x in json.loads(r.stdout)["results"]]
