@@ -54,17 +54,22 @@ def tokens_agree_up_to_near_tie(model, prompt: list, got: list, want: list, tol:
     return s
 
 
-def gen_and_dump(tp: int, tp_dir: str, batch: str, forced, pins, tmp, lengths, new: int, device="cpu") -> tuple:
-    """One torchrun launch of tests/tp_logits_dump.py: generate.py's main() on the batch (its JSON document), then
-    the teacher-forced dumps (free, and pinned to `pins` when given) -> (the CLI's tokens, the dump)."""
+def gen_and_dump(tp: int, tp_dir: str, batch: str, forced, pins, tmp, lengths, new: int, device="cpu",
+                 launch=None) -> tuple:
+    """One launch of tests/tp_logits_dump.py at TP=tp: generate.py's main() on the batch (its JSON document), then
+    the teacher-forced dumps (free, and pinned to `pins` when given) -> (the CLI's tokens, the dump). launch(n, argv,
+    env) -> subprocess.CompletedProcess starts the ranks (None: torchrun)."""
     spec = str(tmp / f"spec_tp{tp}.json")
     with open(spec, "w") as f:
         json.dump({"batch_file": batch, "new": new, "forced": forced, "pins": str(pins) if pins else None}, f)
     out = tmp / f"logits_tp{tp}.pt"
     env = dict(os.environ, DUMP_DEVICE=device, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    r = subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={tp}", os.path.join(ROOT, "tests",
-                        "tp_logits_dump.py"), tp_dir, spec, out], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+    argv = [os.path.join(ROOT, "tests", "tp_logits_dump.py"), tp_dir, spec, str(out)]
+    if launch is not None:
+        r = launch(tp, argv, env)
+    else:
+        r = subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={tp}", *argv], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "prefill:" in r.stderr and "decode:" in r.stderr
     doc = json.loads(r.stdout)

@@ -1,6 +1,11 @@
-"""generate.py end to end (torchrun on gloo) and the greedy loop's batch contract (identical tokens on all ranks,
+"""generate.py end to end (ranks on gloo) and the greedy loop's batch contract (identical tokens on all ranks,
 position-independent batch rows, EOS compaction, bad input), and seeded sampling (--temperature, --top-k, --top-p,
 --seed: the same tokens on every rank, reproducible with the seed).
+
+Each rank is a process of its own, forked from one interpreter that imported the product once
+(tests/fork_launcher.py: a new interpreter spends ~3 CPU s on imports, and this file starts over a hundred ranks);
+torchrun and new interpreters where they are what a test checks (its exit code, its watchdog, Ctrl-C,
+PYTHONIOENCODING, a whole generation as a user starts it).
 
 Cross-TP: the same packed batch (prompts of 12, 45 and 70 tokens: below and above topk*region_block_size = 32, so
 the DSA layers really prune) is generated at TP = 1, 2 and 4 on the FP8 VL and the BF16 text-only tiny checkpoints.
@@ -28,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import chat  # noqa: E402
 import engine  # noqa: E402
+import fork_launcher  # noqa: E402
 import generate  # noqa: E402
 import helpers  # noqa: E402
 import model as M  # noqa: E402
@@ -54,8 +60,17 @@ def torchrun(n: int, *args, timeout: int = TIMEOUT, script: str = "generate.py")
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def ranks(n: int, *args, script: str = "generate.py", env: dict | None = None,
+          timeout: int = 180) -> subprocess.CompletedProcess:
+    """n ranks (launch_ranks) seen as torchrun shows them: every rank's stdout and stderr (in rank order), exit 0
+    only when every rank's is."""
+    res = launch_ranks(n, list(args), timeout, script=script, env=env)
+    rc = next((rc for rc, _, _ in res if rc != 0), 0)
+    return subprocess.CompletedProcess(args, rc, "".join(so for _, so, _ in res), "".join(se for _, _, se in res))
+
+
 def gen_json(n: int, tp_dir: str, *args) -> dict:
-    r = torchrun(n, "--tp-dir", tp_dir, "--ep-size", n, "--json", *args)
+    r = ranks(n, "--tp-dir", tp_dir, "--ep-size", n, "--json", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
@@ -72,17 +87,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(n: int, args: list, timeout: int = 180, env_extra: dict | None = None, stdout0=subprocess.PIPE):
+# Ranks forked from one interpreter that imported the product once (tests/fork_launcher.py): each is a process of its
+# own, as `python generate.py` starts it, less the ~3 s of imports. Started on first use, stopped with the module.
+_FORKS = {}
+
+
+def forked() -> fork_launcher.Launcher:
+    if "launcher" not in _FORKS:
+        _FORKS["launcher"] = fork_launcher.Launcher(dict(os.environ, OMP_NUM_THREADS="1"), _FORKS["dir"])
+    return _FORKS["launcher"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fork_launcher(tmp_path_factory):
+    _FORKS["dir"] = str(tmp_path_factory.mktemp("forks"))
+    yield
+    if "launcher" in _FORKS:
+        _FORKS.pop("launcher").close()
+
+
+def rank_env(r: int, n: int, port: int, base: dict | None = None, **extra) -> dict:
+    """The environment torchrun gives rank r of n (over base, the test's own by default)."""
+    return dict(os.environ if base is None else base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n),
+                LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra)
+
+
+def dump_ranks(n: int, argv: list, env: dict) -> subprocess.CompletedProcess:
+    """invariants.gen_and_dump's launch: tests/tp_logits_dump.py's ranks forked as generate.py's are."""
+    return ranks(n, *argv[1:], script=argv[0], env=env, timeout=600)
+
+
+def start_rank(args: list, env: dict, fresh: bool = False, script: str = "generate.py", **pipes):
+    """`python SCRIPT args` in env: forked from the launcher, or with fresh=True a new interpreter (for what an
+    interpreter reads at its start: PYTHONIOENCODING). Where a GPU is visible every rank is a new interpreter: the
+    CUDA driver is not to be forked."""
+    argv = [script, *map(str, args)]
+    if fresh or torch.cuda.is_available():
+        return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, text=True, **pipes)
+    return forked().popen(argv, env, **pipes)
+
+
+def launch_ranks(n: int, args: list, timeout: int = 180, env_extra: dict | None = None, stdout0=subprocess.PIPE,
+                 fresh: bool = False, script: str = "generate.py", env: dict | None = None):
     """The environment torchrun gives each rank, but every rank a process of its own, so each rank's exit code and
     stderr can be checked (torchrun SIGTERMs the survivors of the first failure). -> [(rc, stdout, stderr)].
-    stdout0: rank 0's stdout."""
+    stdout0: rank 0's stdout; fresh: new interpreters rather than forked ranks; env: the base environment (the
+    test's own by default)."""
     port = free_port()
     procs = []
     for r in range(n):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(env_extra or {}))
-        procs.append(subprocess.Popen([sys.executable, "generate.py", *map(str, args)], cwd=ROOT, env=env,
-                                      stdout=stdout0 if r == 0 else subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(start_rank(args, rank_env(r, n, port, env, **(env_extra or {})), fresh, script,
+                                stdout=stdout0 if r == 0 else subprocess.PIPE, stderr=subprocess.PIPE))
     out = []
     try:
         for p in procs:
@@ -113,7 +168,7 @@ def test_greedy_tokens_and_logits_agree_across_tp(kind, images, tps, converted, 
     reqs = image_batch(tmp_path) if images else PROMPTS
     lengths = [len(r["prompt_ids"]) if isinstance(r, dict) else len(r) for r in reqs]
     batch = write_json(tmp_path / "batch.json", reqs)
-    toks1, d1 = gen_and_dump(1, converted(kind, 1), batch, None, None, tmp_path, lengths, NEW)
+    toks1, d1 = gen_and_dump(1, converted(kind, 1), batch, None, None, tmp_path, lengths, NEW, launch=dump_ranks)
     assert all(len(t) == NEW for t in toks1)  # --ignore-eos: a checkpoint's EOS never ends a request early
     L1 = d1["logits"]  # [NEW, 3, V]
     assert L1.shape == (NEW, 3, 1024)
@@ -125,7 +180,8 @@ def test_greedy_tokens_and_logits_agree_across_tp(kind, images, tps, converted, 
     top2 = L1.topk(2, dim=-1).values
     margin = top2[..., 0] - top2[..., 1]  # [NEW, 3]
     for tp in tps:
-        toks, d = gen_and_dump(tp, converted(kind, tp), batch, [t[:-1] for t in toks1], pins, tmp_path, lengths, NEW)
+        toks, d = gen_and_dump(tp, converted(kind, tp), batch, [t[:-1] for t in toks1], pins, tmp_path, lengths, NEW,
+                               launch=dump_ranks)
         diff = (d["pinned_logits"] - L1).abs().amax(-1)  # [NEW, 3]
         print(f"{kind} TP={tp} vs TP=1, decisions pinned: max |dlogit| / std = {diff.max().item() / std:.4f}")
         assert diff.max().item() < LOGIT_TOL * std, (kind, tp, diff / std)
@@ -231,6 +287,7 @@ def test_max_new_tokens_zero_returns_empty_completions(tp1_model, converted, tmp
 # ---------------------------------------------------------------------------------------------- text output
 @pytest.mark.slow
 def test_prompt_text_print_ids_and_speed_lines(converted):
+    # one whole generation as a user starts it: torchrun, each rank a new interpreter (elsewhere ranks are forked)
     r = torchrun(2, "--tp-dir", converted("bf16_text", 2), "--ep-size", 2, "--prompt", "请介绍一下张量并行。",
                  "--max-new-tokens", 4, "--print-ids")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -447,9 +504,9 @@ def test_a_stdout_that_is_not_utf8_gets_escapes(converted):
     JSON's own form."""
     args = ["--tp-dir", converted("bf16_text", 1), "--prompt", "请介绍一下张量并行。", "--max-new-tokens", 64,
             "--ignore-eos"]
-    (rc, so, se), = launch_ranks(1, args, env_extra={"PYTHONIOENCODING": "latin-1"})
+    (rc, so, se), = launch_ranks(1, args, env_extra={"PYTHONIOENCODING": "latin-1"}, fresh=True)
     assert rc == 0 and "Traceback" not in se and "\\u" in so, se[-3000:]
-    (rc, so, se), = launch_ranks(1, [*args, "--json"], env_extra={"PYTHONIOENCODING": "latin-1"})
+    (rc, so, se), = launch_ranks(1, [*args, "--json"], env_extra={"PYTHONIOENCODING": "latin-1"}, fresh=True)
     assert rc == 0 and so.isascii() and len(json.loads(so)["completion_token_ids"]) == 64, se[-3000:]
 
 
@@ -517,8 +574,8 @@ def test_sampling_at_tp2_is_the_same_on_every_rank_and_reproducible(converted, t
     batch = write_json(tmp_path / "b.json", PROMPTS)
 
     def run():
-        r = torchrun(2, "--tp-dir", converted("fp8_vl", 2), "--prompt-json-batch", batch, "--max-new-tokens", NEW,
-                     "--json", "--temperature", 1, "--seed", 3)
+        r = ranks(2, "--tp-dir", converted("fp8_vl", 2), "--prompt-json-batch", batch, "--max-new-tokens", NEW,
+                  "--json", "--temperature", 1, "--seed", 3)
         assert r.returncode == 0, r.stderr[-3000:]  # generate.py fails when the ranks' tokens differ
         assert r.stderr.count("sampling: temperature 1.0, top-k off, top-p off, seed 3") == 1, r.stderr[-3000:]
         return [x["completion_token_ids"] for x in json.loads(r.stdout)["results"]]
@@ -583,11 +640,9 @@ class Chat:
         port = free_port()
         self.procs, self.err = [], [[] for _ in range(n)]
         for r in range(n):
-            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            p = subprocess.Popen([sys.executable, "generate.py", "--interactive", *map(str, args)], cwd=ROOT, env=env,
-                                 stdin=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
+            p = start_rank(["--interactive", *args], rank_env(r, n, port),
+                           stdin=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
             self.procs.append(p)
             threading.Thread(target=lambda f, out: out.extend(f), args=(p.stderr, self.err[r]), daemon=True).start()
 
@@ -737,12 +792,12 @@ def test_streamed_text_is_the_json_completion(converted):
     terminal (stdout and stderr on one file) its line ends before the speed line."""
     d = converted("bf16_text", 1)
     args = ["--tp-dir", d, "--prompt", "请介绍一下张量并行。", "--max-new-tokens", 12, "--ignore-eos"]
-    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=1", "generate.py", *map(str, args)], cwd=ROOT,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
-    j = torchrun(1, *args, "--json")
-    assert r.returncode == 0 and j.returncode == 0, (r.stdout + j.stderr)[-3000:]
+    p = start_rank(args, rank_env(0, 1, free_port()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = p.communicate(timeout=TIMEOUT)
+    j = ranks(1, *args, "--json")
+    assert p.returncode == 0 and j.returncode == 0, (out + j.stderr)[-3000:]
     text = json.loads(j.stdout)["completion"]
-    assert r.stdout.count(text + "\nprefill: ") == 1, r.stdout[-3000:]
+    assert out.count(text + "\nprefill: ") == 1, out[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------- hardening
@@ -887,12 +942,10 @@ def test_ctrl_c_ends_every_rank_with_one_line(converted):
     import threading
     port = free_port()
     procs, errs = [], [[], []]
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "generate.py", "--tp-dir", converted("bf16_text", 2),
-                                       "--prompt", "hi", "--max-new-tokens", "1500", "--ignore-eos"], cwd=ROOT, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    for r in range(2):  # new interpreters: Ctrl-C as a user's run meets it
+        procs.append(start_rank(["--tp-dir", converted("bf16_text", 2), "--prompt", "hi", "--max-new-tokens", 1500,
+                                 "--ignore-eos"], rank_env(r, 2, port), fresh=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE))
         threading.Thread(target=lambda f, out: out.extend(f), args=(procs[-1].stderr, errs[r]), daemon=True).start()
     try:
         wait_line(procs[0], "start-up", errs[0])
@@ -998,9 +1051,9 @@ def test_cli_json_schema_with_a_reasoning_budget_and_logprobs(converted, tmp_pat
     assert end in ids and ids.index(end) <= 2 and ids[-1] in out["eos_token_ids"], ids
     jsonschema.validate(json.loads(tok.decode(ids[ids.index(end) + 1:-1])), schema)
     assert len(out["completion_logprobs"]) == len(ids) and all(len(x[1]) == 2 for x in out["completion_logprobs"])
-    r = torchrun(2, "--tp-dir", d, "--prompt", "hi", "--logprobs", 2)
+    r = ranks(2, "--tp-dir", d, "--prompt", "hi", "--logprobs", 2)
     assert r.returncode != 0 and "--logprobs 2" in r.stderr and "--json" in r.stderr
     bad = write_json(tmp_path / "bad.json", {"type": "object", "properties": {"a": {"type": "string",
                                                                                      "pattern": "("}}})
-    r = torchrun(2, "--tp-dir", d, "--prompt", "hi", "--json-schema", bad)
+    r = ranks(2, "--tp-dir", d, "--prompt", "hi", "--json-schema", bad)
     assert r.returncode != 0 and f"--json-schema {bad}" in r.stderr, r.stderr[-2000:]
