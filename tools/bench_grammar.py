@@ -61,6 +61,9 @@ SCHEMAS = {
 LONG = {"type": "object", "properties": {"items": {"type": "array", "minItems": 400, "items": {
     "type": "object", "properties": {"k": {"type": "string", "maxLength": 12}, "v": {"type": "integer"}},
     "required": ["k", "v"], "additionalProperties": False}}}, "required": ["items"], "additionalProperties": False}
+# one long string with bounds: it cannot end within the measured tokens either
+BOUNDED = {"type": "object", "properties": {"text": {"type": "string", "minLength": 3000, "maxLength": 4000}},
+           "required": ["text"], "additionalProperties": False}
 
 
 def rss_mb() -> float:
@@ -144,7 +147,9 @@ def host_costs(tokenizer: str, walks: int, steps: int):
 
 
 def engine_rates(grammars: G.Grammars, batches: list, new: int, speculative: int):
-    """Decode tok/s of B requests: unconstrained, one json_schema beside B - 1 unconstrained, all json_schema."""
+    """Decode tok/s of B requests: unconstrained, one constrained beside B - 1 unconstrained, all constrained; for a
+    long JSON answer and for one long bounded string (a counted lexeme: llguidance walks the whole vocabulary at each
+    of its steps), with the host's mask time per step."""
     import engine as E
     from tools.rank import build
     fills = [0, 0.0]
@@ -162,27 +167,29 @@ def engine_rates(grammars: G.Grammars, batches: list, new: int, speculative: int
     with torch.inference_mode():
         eng = E.Engine(m, E.EngineConfig(max(batches), 4096, speculative=speculative), print, grammars=grammars)
         eng.start()
-        c = G.Constraint.json_schema(LONG)
-        grammars.compile(c)
+        cases = {"json": G.Constraint.json_schema(LONG), "bounded": G.Constraint.json_schema(BOUNDED)}
+        for c in cases.values():
+            grammars.compile(c)
         g = torch.Generator().manual_seed(0)
-        print(f"{'batch':>5} {'constrained':>11} | {'decode tok/s':>12} {'vs none':>7} | host mask ms/step")
-        for b in batches:
-            base = None
-            for k in sorted({0, 1, b}):
-                reqs = [E.Request(torch.randint(11, 100000, (64,), generator=g).tolist(), new,
-                                  frozenset({EOS}) if i < k else frozenset(), constraint=c if i < k else None)
-                        for i in range(b)]
-                fills[:] = [0, 0.0]
-                torch.cuda.synchronize()
-                eng.run(reqs)
-                torch.cuda.synchronize()
-                t1 = max(r.t_first for r in reqs)
-                dt = time.perf_counter() - t1
-                rate = sum(len(r.out) - 1 for r in reqs) / dt
-                base = base or rate
-                steps = max(len(r.out) for r in reqs)
-                print(f"{b:5d} {k:11d} | {rate:12.1f} {rate / base:7.1%} | {fills[1] * 1e3 / max(steps, 1):.3f}",
-                      flush=True)
+        print(f"{'grammar':>8} {'batch':>5} {'constrained':>11} | {'decode tok/s':>12} {'vs none':>7} | host mask ms/step")
+        for name, c in cases.items():
+            for b in batches:
+                base = None
+                for k in sorted({0, 1, b}):
+                    reqs = [E.Request(torch.randint(11, 100000, (64,), generator=g).tolist(), new,
+                                      frozenset({EOS}) if i < k else frozenset(), constraint=c if i < k else None)
+                            for i in range(b)]
+                    fills[:] = [0, 0.0]
+                    torch.cuda.synchronize()
+                    eng.run(reqs)
+                    torch.cuda.synchronize()
+                    t1 = max(r.t_first for r in reqs)
+                    dt = time.perf_counter() - t1
+                    rate = sum(len(r.out) - 1 for r in reqs) / dt
+                    base = base or rate
+                    steps = max(len(r.out) for r in reqs)
+                    print(f"{name:>8} {b:5d} {k:11d} | {rate:12.1f} {rate / base:7.1%} | "
+                          f"{fills[1] * 1e3 / max(steps, 1):.3f}", flush=True)
     G.Matcher.fill = real
 
 
