@@ -1,7 +1,7 @@
 """Rank processes forked from one interpreter that has imported the product's modules once.
 
-A rank started as `python generate.py ...` spends about 3 CPU seconds importing torch, torch._dynamo (the model's
-first random init reaches it) and transformers before it reads its first flag; a test file that starts a hundred
+A rank started as `python generate.py ...` spends seconds of CPU importing torch and transformers before it reads
+its first flag; a test file that starts a hundred
 ranks spends minutes on that alone. The server here (`python tests/fork_launcher.py SOCKET`) imports them once and
 then, for each request on its Unix socket, forks a child that takes the caller's stdin, stdout and stderr (passed as
 file descriptors), the caller's environment, working directory and argv, and runs the script as `__main__`, as the
@@ -28,8 +28,8 @@ MAX_REQUEST = 1 << 16  # one request's JSON (argv, environment, working director
 
 # ---------------------------------------------------------------------------------------------- the server
 def preload():
-    """What every generate.py rank imports, and what its run imports later (torch._dynamo through the random init
-    that torch.device's mode routes via torch._refs; transformers through the tokenizer)."""
+    """What every generate.py rank imports, and what its run may import later (transformers through the tokenizer;
+    torch._dynamo wherever one of torch's paths reaches it)."""
     sys.path.insert(0, ROOT)
     import torch._dynamo  # noqa: F401
     import transformers  # noqa: F401
