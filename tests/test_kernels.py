@@ -865,6 +865,26 @@ def test_select_regions_tie_break():
     assert ids.flatten().tolist() == [0, 1, 7, 7] and valid.flatten().tolist() == [True, True, False, False]
 
 
+def test_bench_prefill_local_selection_is_a_selection_with_locality():
+    """tools.bench_prefill's synthetic selection: exactly what select_regions gives on scores that mark its regions
+    (its layout and budgets: min(topk, history), ascending, invalid slots R), each query's latest regions in it, and
+    neighbouring queries sharing far more than independent random selections do."""
+    from tools.bench_prefill import local_selection, mean_union
+    blk, topk, G, p0, T = 4, 8, 2, 16, 256
+    pos = torch.arange(p0, p0 + T)  # histories of 4 .. 67 regions: below, at and far above topk
+    R = (p0 + T) // blk
+    ids, valid = local_selection(pos, G, topk, blk, R, share=8, recent=4)
+    marked = torch.zeros(1, G, T, R + 1).scatter_(-1, ids, 1.0)[..., :R]  # slot R (invalid) dropped
+    rids, rvalid = K.select_regions_ref(marked, pos[None], topk, blk)
+    assert torch.equal(ids, rids) and torch.equal(valid, rvalid)
+    n = (pos // blk).tolist()
+    for t in range(T):
+        row = set(ids[0, 0, t][valid[0, 0, t]].tolist())
+        assert len(row) == min(topk, n[t]) and set(range(max(n[t] - 4, 0), n[t])) <= row
+    rand = K.select_regions_ref(torch.rand(1, G, T, R, generator=_gen(0)), pos[None], topk, blk)
+    assert mean_union(ids, valid) < 0.5 * mean_union(*rand)
+
+
 def _select_case(S, G, T, R, seed, ties):
     """Scores with many exact ties (few levels, zero rows, -0.0 beside +0.0), -inf and NaN; or distinct random
     scores (the search then ends early, once exactly K keys lie above its prefix)."""

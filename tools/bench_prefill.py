@@ -7,8 +7,10 @@ token, so this is also the 8-GPU rate with collectives excluded), peak memory an
 (bf16 767 TFLOP/s, fp8 1263 TFLOP/s); also the kernels' time back to back (the host queues each chunk behind a
 sleep kernel) and the host's enqueue time: one layer timed between syncs is bound by whichever is slower, a forward
 pass by the larger sum over its layers. Then the projected 92-layer prefill (69 sliding + 23 DSA layers), and for
-the DSA layer at the largest N the time of the sparse-attention pieces of its last chunk. Timed after a first pass
-over the whole prompt (printed too: it includes the Triton compiles); best of --reps.
+the DSA layer at the largest N the time of the sparse-attention pieces of its last chunk, its sparse attention timed
+also on a locality-biased synthetic selection (local_selection: real prompts' selections cluster, random weights'
+do not). Timed after a first pass over the whole prompt (printed too: it includes the Triton compiles); best of
+--reps.
 
     python -m tools.bench_prefill [--tokens 8192 32768 131072] [--chunk 16384] [--layers sliding dsa] [--profile]
                                   [--tune KEY=VALUE] [--sweep KEY=V1,V2,...]
@@ -93,6 +95,41 @@ def timed_split(block, cache, rope, res, N: int, C: int, reps: int, hold: float)
     return dev, host
 
 
+def local_selection(pos, G: int, topk: int, blk: int, R: int, share: int = 64, recent: int = 64, seed: int = 0):
+    """A synthetic selection with locality, in select_regions' layout, for timing the sparse attention on selections
+    that cluster as real prompts' do (random weights give independent selections: neighbouring queries share little).
+    Each query of position p (n = p // blk history regions) keeps its `recent` latest regions, then the far regions
+    its block of `share` consecutive queries shares (one random draw per block from the regions below the block's
+    first query's recent window), then its latest regions not yet taken, up to K = min(topk, R); every group alike.
+    pos [T] (on any device) -> ids [1, G, T, K] int64 ascending, invalid slots R; valid [1, G, T, K] bool."""
+    K = min(topk, R)
+    n_hist = (pos.cpu() // blk).tolist()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(n_hist), K), R, dtype=torch.int64)
+    for b0 in range(0, len(n_hist), share):
+        far = torch.randperm(max(n_hist[b0] - recent, 0), generator=gen)[:max(K - recent, 0)].tolist()
+        for t in range(b0, min(b0 + share, len(n_hist))):
+            n = n_hist[t]
+            if n <= K:
+                row = list(range(n))
+            else:
+                row = list(dict.fromkeys(list(range(n - recent, n)) + far))[:K]
+                taken = set(row)
+                fill = (r for r in range(n - 1, -1, -1) if r not in taken)
+                row += [next(fill) for _ in range(K - len(row))]
+            ids[t, :len(row)] = torch.tensor(sorted(row), dtype=torch.int64)
+    ids = ids.to(pos.device)[None, None].expand(1, G, -1, -1).contiguous()
+    return ids, ids < R
+
+
+def mean_union(ids, valid, rows: int = 8) -> float:
+    """Mean count of distinct valid regions over each `rows` consecutive queries of group 0: how much a tile of
+    neighbouring queries would read together. ids, valid [1, G, T, K]."""
+    i, v = ids[0, 0], valid[0, 0]
+    sizes = [i[t:t + rows][v[t:t + rows]].unique().numel() for t in range(0, i.shape[0], rows)]
+    return sum(sizes) / max(len(sizes), 1)
+
+
 def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
     """The DSA pieces of the last chunk (positions N-C..N-1, the cache full), each called as _dsa calls it, so each
     time includes its launches. Sparse attention reads the selection the real scores give; its q is random (the
@@ -115,16 +152,19 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
     scores = [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale, q_e4m3=True)
               for c0, c1 in subs]  # [1, G, step, R] each
     sel = [kernel.select_regions(s, pos[None, c0:c1], sp.topk, blk) for s, (c0, c1) in zip(scores, subs)]
+    local = [local_selection(pos[c0:c1], a.n_groups, sp.topk, blk, N // blk) for c0, c1 in subs]
     q = torch.randn(1, C, a.n_groups, a.n_heads // a.n_groups, cfg.head_dim, device="cuda").bfloat16()
+
+    def attention(selections):
+        return [kernel.selected_attention(q[:, c0:c1], lc.k[:1, :N], lc.v[:1, :N], p0 + c0, i, v, pos[None, c0:c1],
+                                          blk, sp.topk, a.scale) for (i, v), (c0, c1) in zip(selections, subs)]
     pieces = {
         "indexer proj+summ": indexer,
         "scores": lambda: [kernel.indexer_scores(qi[None, c0:c1], wi[None, c0:c1], summ, a.w_scale, q_e4m3=True)
                            for c0, c1 in subs],
         "selection": lambda: [kernel.select_regions(s, pos[None, c0:c1], sp.topk, blk)
                               for s, (c0, c1) in zip(scores, subs)],
-        "attention": lambda: [kernel.selected_attention(q[:, c0:c1], lc.k[:1, :N], lc.v[:1, :N], p0 + c0, i, v,
-                                                        pos[None, c0:c1], blk, sp.topk, a.scale)
-                              for (i, v), (c0, c1) in zip(sel, subs)],
+        "attention": lambda: attention(sel),
         # the whole layer on that chunk again (rewrites the same cache rows with the same values)
         "whole layer chunk": lambda: chunk(block, lc, rope, res, p0, C),
     }
@@ -132,6 +172,10 @@ def dsa_breakdown(block, lc, rope, res, N: int, C: int, cfg):
     t["rest (QKV, o_proj, MoE...)"] = t["whole layer chunk"] - sum(v for k, v in t.items() if k != "whole layer chunk")
     print(f"dsa breakdown, chunk of {C} at positions {p0}..{N - 1} ({N // blk} regions, {len(subs)} query chunks "
           f"of {step}): " + " | ".join(f"{k} {v * 1e3:.2f} ms" for k, v in t.items()))
+    union = [sum(mean_union(*x) for x in s) / len(s) for s in (sel, local)]
+    print(f"  sparse attention on the random weights' selection {t['attention'] * 1e3:.2f} ms (mean union of 8 "
+          f"neighbouring queries {union[0]:.0f} regions) | on a locality-biased one (local_selection) "
+          f"{timed(lambda: attention(local), 3) * 1e3:.2f} ms ({union[1]:.0f} regions; topk {sp.topk})")
 
 
 def main(tokens: list, C: int, layers: list, reps: int, profile: bool = False):
