@@ -281,9 +281,11 @@ def test_anthropic_stream_accumulates_to_the_whole_message(server):
 
 def test_anthropic_tool_use_tool_result_loop_and_thinking_round_trip(server):
     client = claude(server)
-    first = client.messages.create(model="step5", max_tokens=60, tools=A_TOOLS, tool_choice={"type": "any"},
+    # seeded (the server's extension): an unseeded sample could still be inside its call at max_tokens
+    first = client.messages.create(model="step5", max_tokens=120, tools=A_TOOLS, tool_choice={"type": "any"},
                                    messages=[{"role": "user", "content": "Weather?"}],
-                                   thinking={"type": "enabled", "budget_tokens": 3})
+                                   thinking={"type": "enabled", "budget_tokens": 3}, extra_body={"seed": 7})
+    assert first.stop_reason == "tool_use", first.content
     use = next(b for b in first.content if b.type == "tool_use")
     history = [{"role": "user", "content": "Weather?"},
                {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
