@@ -257,9 +257,9 @@ def validate(c: G.Constraint, text: str):
 
 def run_constrained(model, grammars, tok, speculative: int, n: int, beside: int):
     """n constrained requests (every constraint in turn) sampled at temperature 1 with a reasoning budget, and
-    `beside` unconstrained ones, on an engine of 6 slots -> the requests."""
+    `beside` unconstrained ones, on an engine of 16 slots -> the requests."""
     end = tok.convert_tokens_to_ids("</think>")
-    eng = E.Engine(model, E.EngineConfig(max_batch=6, max_context=160, speculative=speculative), grammars=grammars)
+    eng = E.Engine(model, E.EngineConfig(max_batch=16, max_context=160, speculative=speculative), grammars=grammars)
     eng.start()
     cs, rng = constraints(), random.Random(5)
     reqs = [E.Request([0, 3] + [rng.randrange(11, 700) for _ in range(rng.randrange(3, 12))], 80,
