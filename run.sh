@@ -81,6 +81,8 @@ case "$1" in
       shift
       set -- -m "not slow" "$@"
     fi
-    .venv/bin/python -m pytest -q tests test_vision.py "$@"
+    # Two workers, each taking whole files (a file's module fixtures, its servers among them, start once): the tests
+    # keep both cores busy where one process left the second idle. TEST_WORKERS=0 runs them in this process.
+    .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile tests test_vision.py "$@"
     ;;
 esac

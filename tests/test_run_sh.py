@@ -24,7 +24,7 @@ exit 0
 TORCH = "-m pip install --quiet torch==2.13.0"
 REQS = "-m pip install --quiet -r requirements.txt"
 EVAL = "-m pip install --quiet -r requirements-eval.txt"  # the tests' own (test only)
-PYTEST = "-m pytest -q tests test_vision.py"
+PYTEST = "-m pytest -q -n 2 --dist loadfile tests test_vision.py"
 
 
 def run_sh(repo, *args, fail: str = "") -> tuple[int, list, str]:
