@@ -146,7 +146,8 @@ def host_costs(tokenizer: str, walks: int, steps: int):
     return grammars
 
 
-def engine_rates(grammars: G.Grammars, batches: list, new: int, speculative: int):
+def engine_rates(grammars: G.Grammars, batches: list, new: int, speculative: int, prefill_chunk: int | None = None,
+                 build_threads: int | None = None):
     """Decode tok/s of B requests: unconstrained, one constrained beside B - 1 unconstrained, all constrained; for a
     long JSON answer and for one long bounded string (a counted lexeme: llguidance walks the whole vocabulary at each
     of its steps), with the host's mask time per step."""
@@ -165,7 +166,9 @@ def engine_rates(grammars: G.Grammars, batches: list, new: int, speculative: int
     G.Matcher.fill = timed
     m = build(mtp=speculative)
     with torch.inference_mode():
-        eng = E.Engine(m, E.EngineConfig(max(batches), 4096, speculative=speculative), print, grammars=grammars)
+        eng = E.Engine(m, E.EngineConfig(max(batches), 4096, prefill_chunk=prefill_chunk or E.PREFILL_CHUNK,
+                                         speculative=speculative, build_threads=build_threads), print,
+                       grammars=grammars)
         eng.start()
         cases = {"json": G.Constraint.json_schema(LONG), "bounded": G.Constraint.json_schema(BOUNDED)}
         for c in cases.values():
@@ -204,6 +207,9 @@ if __name__ == "__main__":
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--speculative", type=int, default=0)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="the engine's (default its own; 4096 fits a whole rank on an H100)")
+    ap.add_argument("--build-threads", type=int, default=None, help="start-up's parallel kernel builds (0: off)")
     a = ap.parse_args()
     path = a.tokenizer
     if path is None:
@@ -217,4 +223,4 @@ if __name__ == "__main__":
     print(f"tokenizer {path}: {n} tokens, the model's vocabulary {V}")
     gr = host_costs(path, a.walks, a.steps)
     if a.engine:
-        engine_rates(gr, a.batch, a.new, a.speculative)
+        engine_rates(gr, a.batch, a.new, a.speculative, a.prefill_chunk, a.build_threads)
