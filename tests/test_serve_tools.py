@@ -271,6 +271,7 @@ def test_anthropic_stream_accumulates_to_the_whole_message(server):
     kw = dict(model="step5", max_tokens=120, messages=[{"role": "user", "content": "Weather in Rome?"}],
               tools=A_TOOLS, tool_choice={"type": "tool", "name": "weather"}, temperature=1.0,
               thinking={"type": "enabled", "budget_tokens": 3})
+
     def accumulated(seed):
         with claude(server).messages.stream(**kw, extra_body={"seed": seed}) as s:
             return s.get_final_message()
