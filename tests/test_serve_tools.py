@@ -90,14 +90,6 @@ def streamed(srv: Server, **kw) -> dict:
     return msg
 
 
-def at_once(*calls):
-    """Each callable run in a thread of its own, all at once (the server batches them) -> their results in order. Only
-    for requests checked on their own: a row's logits may round differently in another batch, so a sampled request
-    compared token for token with another (a stream with its whole answer) is sent alone."""
-    with ThreadPoolExecutor(len(calls)) as ex:
-        return [f.result() for f in [ex.submit(c) for c in calls]]
-
-
 def same(whole, s: dict):
     """The stream adds up to the non-streamed message (same seed, same tokens)."""
     c = whole.choices[0]
@@ -143,8 +135,11 @@ def test_forced_calls_are_valid_and_the_stream_adds_up_to_the_whole_answer(serve
 
 
 def test_parallel_tool_calls_false_gives_one_call(server):
-    for r in at_once(*[lambda s=s: chat(server, tool_choice="required", parallel_tool_calls=False, seed=s)
-                       for s in range(4)]):
+    # sent at once (each checked on its own; a stream compared with its whole answer is sent alone: a row's logits may
+    # round differently in another batch)
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda s: chat(server, tool_choice="required", parallel_tool_calls=False, seed=s), range(4)))
+    for r in got:
         c = r.choices[0]
         valid_calls(c.message.tool_calls)
         assert len(c.message.tool_calls) == 1 and c.finish_reason == "tool_calls"
