@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import model as M
-from sampling import LOGIT_BIAS_MAX, RowSampling, draw, full_vocab, is_int, probabilities
+from sampling import LOGIT_BIAS_MAX, RowSampling, draw, full_vocab, is_int, probabilities, row_max
 
 TOP = 20  # top alternatives computed per chosen token; a request reports the first `logprobs` of them
 
@@ -135,17 +135,19 @@ def rows_of(st: Slots, slots: torch.Tensor) -> RowSampling:
 
 
 def choose(logits: torch.Tensor, st: Slots, slots: torch.Tensor, mask: torch.Tensor, counters: torch.Tensor,
-           live: torch.Tensor) -> tuple:
+           live: torch.Tensor, whole: bool = True) -> tuple:
     """This rank's logits window [N, V/tp] of rows on `slots` [N] -> (tokens [N] int64, -1 where the logits are not
     finite; logprobs: logprobs()'s three), the same on every rank; each row drawn at its counter (its slot's
-    emitted-token count). The state of the live rows (live [N] 0/1) advances by their token."""
+    emitted-token count). The state of the live rows (live [N] 0/1) advances by their token. whole=False (the lean
+    step): no row keeps a top_k / top_p part or reports logprobs, so the sort and the logprobs are skipped -> (tokens,)
+    alone, each row's token the same as the whole step's."""
     full = full_vocab(logits)
     x = process(full, st, slots, mask, st.counts[slots], st.thinking[slots], st.think_left[slots])
     rs = rows_of(st, slots)
-    tok = draw(probabilities(x, rs), rs, counters)
-    tok = torch.where(torch.isfinite(full.amax(-1)), tok, -1)  # as greedy: a NaN or +inf in the row
+    tok = draw(probabilities(x, rs, nucleus=whole), rs, counters)
+    tok = torch.where(torch.isfinite(row_max(full)), tok, -1)  # as greedy: a NaN or +inf in the row
     advance(st, slots, tok[:, None], live[:, None].bool())
-    return (tok, *logprobs(full, tok))
+    return (tok, *logprobs(full, tok)) if whole else (tok,)
 
 
 def advance(st: Slots, slots: torch.Tensor, toks: torch.Tensor, emitted: torch.Tensor):

@@ -185,6 +185,12 @@ class Request:
         return (self.sampling.processed or self.logprobs is not None or self.constraint is not None
                 or (self.reasoning is not None and self.reasoning.budget is not None))
 
+    @property
+    def chosen_whole(self) -> bool:
+        """Its choice also sorts the vocabulary (a top_k or top_p part kept) or reports logprobs: the whole choose
+        step, not the lean one (choice.choose)."""
+        return self.sampling.nucleus or self.logprobs is not None
+
     def embeds(self, model, a: int, b: int):
         """Input rows of prompt tokens a..b-1 [b - a, D] bf16 with the image features at their placeholders, or None
         for a text request (the model embeds the ids itself)."""
@@ -839,13 +845,13 @@ class Engine:
 
     def _decode(self, reqs: list, prev: Inflight | None, out: StepOutput) -> tuple:
         """Queue one plain decode step over the requests. Its forward graph takes greedy's argmax; when a request needs
-        more (sampling.Sampling.processed, logprobs, a grammar, a reasoning budget: Request.chosen_fully) the choose
-        graph follows, and with a constrained request the host first reads the previous step (the forward runs
+        more (sampling.Sampling.processed, logprobs, a grammar, a reasoning budget: Request.chosen_fully) a choose
+        graph follows (the lean one unless a request sorts or reports logprobs: Request.chosen_whole), and with a constrained request the host first reads the previous step (the forward runs
         meanwhile), advances their grammars and fills their masks (_masks). Otherwise the host reads the previous
         step after this one is queued (step)."""
         n = len(reqs)
         b = self.bucket(n)
-        g_fwd, g_pick = self.graphs[b]
+        g_fwd, g_whole, g_lean = self.graphs[b]
         self.fill_inputs(g_fwd, reqs, b)
         logits, tok = g_fwd()
         if not any(r.chosen_fully for r in reqs):
@@ -854,7 +860,10 @@ class Engine:
         if any(r.matcher is not None for r in reqs):
             self._emit(prev, out)
             self._masks(reqs, 1)
-        tok, lp, ids, lps = g_pick()
+        if not any(r.chosen_whole for r in reqs):
+            tok, = g_lean()
+            return (reqs, *self.to_host(tok[:n]))
+        tok, lp, ids, lps = g_whole()
         return (reqs, *self.to_host(tok[:n], lp[:n, None], ids[:n, None], lps[:n, None]))
 
     def _masks(self, reqs: list, P: int):

@@ -5,6 +5,7 @@ draws do not depend on its batch. The engine's decode graph takes greedy's token
 penalties, grammar masks, the reasoning budget, logprobs) ends in probabilities / draw; speculative.py's acceptance
 uses them with uniform.
 """
+import math
 import numbers
 from dataclasses import dataclass, replace
 
@@ -19,12 +20,37 @@ def full_vocab(logits: torch.Tensor) -> torch.Tensor:
     return M.tp_gather(logits).permute(1, 0, 2).flatten(1)
 
 
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N, G, V / G], G = gcd(V, 128): a row reduced as G partial rows and then once over G runs on many
+    GPU blocks, where one long row (a batch of 1 over the vocabulary) runs on few."""
+    g = math.gcd(x.shape[-1], 128)
+    return x.reshape(x.shape[0], g, x.shape[-1] // g)
+
+
+def row_max(x: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> each row's maximum [N] (NaN if the row holds one), as x.amax(-1)."""
+    return _blocks(x).amax(-1).amax(-1)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> each row's sum [N], summed per block of the row, then the blocks' sums."""
+    return _blocks(x).sum(-1).sum(-1)
+
+
+def row_top(x: torch.Tensor) -> tuple:
+    """[N, V] -> (each row's maximum [N], its first index [N]), as x.max(-1): the first block holding the maximum, and
+    the first index of it there (a NaN counts as the maximum, as in max)."""
+    v, i = _blocks(x).max(-1)  # [N, G]
+    vmax, g = v.max(-1)
+    return vmax, g * (x.shape[-1] // v.shape[-1]) + i.gather(1, g[:, None])[:, 0]
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Global argmax over the rank-ordered vocabulary windows (the lowest id on ties): [B, V/tp] -> [B] int64, the
     same on every rank; -1 in a row whose maximum is not finite (a NaN anywhere in the row, or +inf). Gathers each
     rank's maximum and its id, not the vocabulary: the first maximal window wins, as an argmax of the concatenated
     windows picks."""
-    v, i = logits.max(-1)  # [B]: the first maximum, i.e. the lowest id of this window (NaN propagates)
+    v, i = row_top(logits)  # [B]: the first maximum, i.e. the lowest id of this window (NaN propagates)
     if M.world_size == 1:
         return torch.where(torch.isfinite(v), i, -1)
     every = M.tp_gather(torch.stack([v.float(), (i + M.rank * logits.shape[-1]).float()]))  # [world, 2, B]
@@ -111,6 +137,11 @@ class Sampling:
         return None
 
     @property
+    def nucleus(self) -> bool:
+        """It keeps only a top_k or top_p part of the distribution: the choose step's sort by likelihood."""
+        return bool(self.top_k or self.top_p != 1)
+
+    @property
     def processed(self) -> bool:
         """The choice needs the full-vocabulary choose step (a draw, a filter or a change of the logits), not greedy's
         argmax alone."""
@@ -168,20 +199,27 @@ class RowSampling:
         return RowSampling(*(t.repeat_interleave(n) for t in vars(self).values()))
 
 
-def probabilities(full: torch.Tensor, rs: RowSampling) -> torch.Tensor:
+def probabilities(full: torch.Tensor, rs: RowSampling, nucleus: bool = True) -> torch.Tensor:
     """Full-vocabulary logits [B, V] -> each row's sampling distribution [B, V] fp32: softmax(logits / temperature)
     restricted to the tokens at least min_p times as likely as the most likely one, then to its top_k most likely
     tokens, then to its top_p nucleus (the smallest set of most likely tokens whose mass reaches top_p),
-    renormalised. Greedy rows (temperature 0) get a one-hot at the argmax."""
+    renormalised. Greedy rows (temperature 0) get a one-hot at the argmax. Rows with neither top_k nor top_p take the
+    softmax in vocabulary order, unsorted; nucleus=False: no row has either, and the sort is skipped (a row's result
+    is the same with or without it)."""
     x = full.float()
     greedy_row = rs.temperature == 0
     t = torch.where(greedy_row, 1.0, rs.temperature)[:, None]
-    x = (x - x.amax(-1, keepdim=True)) / t  # largest 0: a tiny temperature gives -inf, never inf - inf
+    x = (x - row_max(x)[:, None]) / t  # largest 0: a tiny temperature gives -inf, never inf - inf
     # min_p: p_i >= min_p * p_max, i.e. x_i >= log(min_p) with the largest x at 0 (min_p 0: log 0 = -inf keeps all)
     x = x.masked_fill(x < torch.log(rs.min_p)[:, None], float("-inf"))
+    rank = torch.arange(x.shape[-1], device=x.device)
+    onehot = (rank[None, :] == row_top(x)[1][:, None]).float()  # the first maximum: the lowest id on ties
+    e = x.exp()  # the largest is 1
+    whole = torch.where(greedy_row[:, None], onehot, e / row_sum(e)[:, None])
+    if not nucleus:
+        return whole
     # most likely first; stable, so tied logits keep the lowest id first (as greedy's argmax)
     xs, ids = x.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(x.shape[-1], device=x.device)
     keep = (rs.top_k[:, None] == 0) | (rank[None, :] < rs.top_k[:, None])
     ps = torch.where(keep, xs, float("-inf")).softmax(-1)
     # The mass of the more likely tokens (0 for the first), summed in 2^-48 fixed point: integer sums are exact in any
@@ -190,8 +228,8 @@ def probabilities(full: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     q = (ps * 2.0 ** 48).long()
     ps = ps.masked_fill(q.cumsum(-1) - q >= (rs.top_p[:, None].double() * 2 ** 48).long().clamp_min(1), 0.0)
     ps = ps / ps.sum(-1, keepdim=True)
-    ps = torch.where(greedy_row[:, None], (rank == 0).float()[None, :], ps)
-    return torch.zeros_like(ps).scatter_(-1, ids, ps)
+    cut = torch.zeros_like(ps).scatter_(-1, ids, ps)
+    return torch.where(((rs.top_k != 0) | (rs.top_p < 1))[:, None] & ~greedy_row[:, None], cut, whole)
 
 
 def draw(probs: torch.Tensor, rs: RowSampling, counters: torch.Tensor) -> torch.Tensor:
@@ -202,5 +240,5 @@ def draw(probs: torch.Tensor, rs: RowSampling, counters: torch.Tensor) -> torch.
     # probability 0 would win the race as 0 / 0 = NaN (a masked token, about once in 130 draws at 128,896 tokens): the
     # floor keeps every E_i > 0 and changes no other draw (any other uniform gives E_i >= 2^-24)
     e = (-torch.log(uniform(rs.seed, counters * 4, probs.shape[-1]))).clamp_min(2.0 ** -25)
-    tok = (probs / e).argmax(-1)
-    return torch.where(torch.isfinite(probs).all(-1), tok, -1)
+    tok = row_top(probs / e)[1]
+    return torch.where(torch.isfinite(row_sum(probs)), tok, -1)  # probabilities sum to at most V: no overflow

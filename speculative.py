@@ -2,12 +2,13 @@
 K drafts per request (engine.py's Engine makes one when `speculative=K`). Its docstring says how drafting,
 verification and rollback work.
 """
+import functools
 import itertools
 
 import torch
 
 import choice
-from sampling import draw, full_vocab, greedy, probabilities, uniform
+from sampling import draw, full_vocab, greedy, probabilities, row_max, row_top, uniform
 from startup import Graph
 
 
@@ -25,8 +26,8 @@ class Speculator:
     queued without the host reading the last one.
 
     A step is three graphs: verify (the main model's forward over the K + 1 fed tokens), accept (greedy's, or the
-    full choose step's: choice.py's processing per position, each position's counts and reasoning state as if the
-    drafts before it were accepted, and its own grammar mask), then draft. With a constrained request the host reads
+    full choose step's, whole or lean as choice.choose's: choice.py's processing per position, each position's counts
+    and reasoning state as if the drafts before it were accepted, and its own grammar mask), then draft. With a constrained request the host reads
     the last step's tokens and drafts while verify runs, and fills each position's mask (grammar.Matcher.fill: the
     matcher walks the drafts and rolls back) before accept; a draft the grammar refuses is masked out, so it is
     rejected and every later position is dropped with it.
@@ -169,8 +170,8 @@ class Speculator:
             commit(slots, live, a, main)
             return a, main
 
-        def accept_full(slots, live):  # -> ..., and the logprobs [b, k+1], top ids and theirs [b, k+1, TOP]
-            a, toks, lps = self._accept(slots, g_verify.out[1])
+        def accept_full(slots, live, whole):  # -> ..., and (whole) the logprobs [b, k+1], top ids and theirs
+            a, toks, lps = self._accept(slots, g_verify.out[1], whole)  # [b, k+1, TOP]
             commit(slots, live, a, toks)
             emitted = (torch.arange(k + 1, device=dev) <= a[:, None]) & (live[:, None] > 0)
             choice.advance(e.choice, slots, toks, emitted)
@@ -187,7 +188,8 @@ class Speculator:
             return self.drafts[slots]
         state = lambda: (e.cache.lengths, *e.startup._choice_state())  # noqa: E731
         return [g_verify, Graph(accept_greedy, [slots, live], e.use_graph, state=state, pool=pool),
-                Graph(accept_full, [slots, live], e.use_graph, state=state, pool=pool),
+                *(Graph(functools.partial(accept_full, whole=whole), [slots, live], e.use_graph, state=state,
+                        pool=pool) for whole in (True, False)),
                 Graph(draft, [slots, *d_in], e.use_graph, state=lambda: [c.lengths for c in e.mtps], pool=pool)]
 
     def decode(self, reqs: list, prev, out):
@@ -203,17 +205,18 @@ class Speculator:
             r = e.steps % n
             n = max(x for x in e.graphs if x <= n)
             reqs, b = (reqs[r:] + reqs[:r])[:n], n
-        g_verify, g_greedy, g_full, g_draft = e.graphs[b]
+        g_verify, g_greedy, g_whole, g_lean, g_draft = e.graphs[b]
         # a padding row rewrites its slot's recent rows: forget the slot
         for i in e.fill_inputs(g_verify, reqs, b, pads):
             e.slots[i].held = []
             e.slots[i].stale = e.slots[i].owner is not None
         g_verify()
-        full = any(r.chosen_fully for r in reqs)
         if any(r.matcher is not None for r in reqs):
             e._emit(prev, out)
             e._masks(reqs, e.k + 1)
-        a, toks, *lps = (g_full if full else g_greedy)()
+        g_accept = (g_greedy if not any(r.chosen_fully for r in reqs)
+                    else g_whole if any(r.chosen_whole for r in reqs) else g_lean)
+        a, toks, *lps = g_accept()
         drafts = g_draft()
         self.stats["verify_steps"] += 1
         self.stats["verify_rows"] += n
@@ -232,9 +235,10 @@ class Speculator:
             r.drafts = row[k + 2:]
         return out
 
-    def _accept(self, slots, lg):
+    def _accept(self, slots, lg, whole: bool = True):
         """The full choose step of a verify step -> (accepted drafts a [b], the step's tokens [b, k+1], logprobs of
-        each position's token: choice.logprobs' three, [b, k+1, ...]). Each position is processed (choice.process)
+        each position's token: choice.logprobs' three, [b, k+1, ...]; whole=False: the lean step, () for them, as
+        choice.choose's). Each position is processed (choice.process)
         with the output counts and reasoning state it has if the drafts before it are accepted, and with its own mask;
         greedy rows accept the drafts equal to the processed argmax, sampled rows follow the speculative-sampling
         rule on the processed distribution."""
@@ -253,9 +257,9 @@ class Speculator:
         x = choice.process(full, st, slots.repeat_interleave(P), e.mask[:b * P], counts, thinking.flatten(),
                            left.flatten())
         rs = choice.rows_of(st, slots)
-        probs = probabilities(x, rs.repeat(P)).view(b, P, V)
-        finite = torch.isfinite(full.amax(-1)).view(b, P)
-        main = torch.where(finite, x.argmax(-1).view(b, P), -1)
+        probs = probabilities(x, rs.repeat(P), nucleus=whole).view(b, P, V)
+        finite = torch.isfinite(row_max(full)).view(b, P)
+        main = torch.where(finite, row_top(x)[1].view(b, P), -1)
         a = (drafts == main[:, :k]).long().cumprod(1).sum(1)
         base = e.count[slots]  # the index of the step's first token in its request
         u = uniform(rs.seed, base * 4 + 1, k)  # counter stream 1: acceptance
@@ -270,5 +274,7 @@ class Speculator:
         toks = torch.where(finite, toks, -1)
         sampled = rs.temperature > 0
         a, toks = torch.where(sampled, acc, a), torch.where(sampled[:, None], toks, main)
+        if not whole:
+            return a, toks, ()
         lp, ids, top = choice.logprobs(full, toks.flatten())
         return a, toks, (lp.view(b, P), ids.view(b, P, -1), top.view(b, P, -1))

@@ -31,6 +31,7 @@ Tests drive it through its public methods (run, warm_pass, build_ahead, warm_gra
 them on the engine's own Startup object to record what each makes, or to fake the memory it sees.
 """
 import contextlib
+import functools
 import hashlib
 import inspect
 import os
@@ -450,9 +451,10 @@ class Startup:
     # ---- the graphs
     def _plain_graph(self, b: int, pool) -> list:
         """A plain decode step of batch bucket b: the forward graph (-> this rank's logits [b, V/tp] and greedy's
-        tokens [b], -1 for non-finite logits, fed as the slots' next tokens) and the choose graph that may follow it
-        (engine.Engine._decode; choice.choose on the forward's logits and the grammar masks -> tokens, fed instead,
-        and logprobs; the slots' random counters and choice state advance for the live rows)."""
+        tokens [b], -1 for non-finite logits, fed as the slots' next tokens) and the choose graphs that may follow it,
+        whole and lean (engine.Engine._decode; choice.choose on the forward's logits and the grammar masks -> tokens,
+        fed instead, and the whole one's logprobs; the slots' random counters and choice state advance for the live
+        rows)."""
         e = self.e
         rows = torch.arange(b, device=e.dev)
         live = torch.ones(b, dtype=torch.long, device=e.dev)
@@ -465,12 +467,13 @@ class Startup:
             return logits, tok
         fwd = Graph(step, [rows, live], e.use_graph, state=lambda: (cache.lengths,), pool=pool)
 
-        def pick(rows, live):
-            tok, *lps = choice.choose(fwd.out[0], e.choice, rows, e.mask[:b], e.count[rows], live)
+        def pick(rows, live, whole):
+            tok, *lps = choice.choose(fwd.out[0], e.choice, rows, e.mask[:b], e.count[rows], live, whole)
             e.next_tok[rows] = tok.clamp(min=0)
             e.count[rows] += live
             return (tok, *lps)
-        return [fwd, Graph(pick, [rows, live], e.use_graph, state=lambda: self._choice_state(), pool=pool)]
+        return [fwd] + [Graph(functools.partial(pick, whole=whole), [rows, live], e.use_graph,
+                              state=lambda: self._choice_state(), pool=pool) for whole in (True, False)]
 
     def _choice_state(self) -> tuple:
         """What a choose step updates in place: the slots' random counters and choice state (choice.Slots)."""

@@ -12,6 +12,7 @@ import torch
 import choice
 import engine as E
 import model as M
+import speculative
 from sampling import RowSampling, Sampling, probabilities
 from test_engine import ids
 
@@ -100,6 +101,28 @@ def test_logprobs_are_the_raw_log_softmax_and_a_greedy_token_is_its_own_top_alte
 
 
 # ---------------------------------------------------------------------------------------------- through the engine
+def test_the_lean_step_draws_as_the_whole_step_without_the_sort_or_logprobs():
+    """Rows with neither top_k / top_p nor logprobs: the lean choose step (no sort, no logprobs) gives the same
+    distribution bit for bit as the whole step gives them beside a nucleus row, and so the same draws, step after step
+    as penalties move the logits."""
+    g = torch.Generator().manual_seed(3)
+    V = 500
+    logits = (torch.randn(4, V, generator=g) * 4).bfloat16().float()
+    ss = [Sampling(0.9, seed=1, min_p=0.02), Sampling(presence_penalty=1.0), Sampling(1.3, seed=2, frequency_penalty=1.5),
+          Sampling(0.7, top_p=0.8, seed=4)]
+    whole = probabilities(logits, RowSampling.of(ss, "cpu"))
+    assert torch.equal(probabilities(logits[:3], RowSampling.of(ss[:3], "cpu"), nucleus=False), whole[:3])
+    lean_st, whole_st = slots_for(ss[:3], V), slots_for(ss, V)
+    mask, live = torch.full((4, (V + 31) // 32), -1, dtype=torch.int32), torch.ones(4, dtype=torch.long)
+    for step in range(6):
+        counters = torch.full((4,), step)
+        got = choice.choose(logits[:3], lean_st, torch.arange(3), mask[:3], counters[:3], live[:3], whole=False)
+        want = choice.choose(logits, whole_st, torch.arange(4), mask, counters, live)
+        assert len(got) == 1 and len(want) == 4
+        assert torch.equal(got[0], want[0][:3]), step
+    assert torch.equal(lean_st.counts, whole_st.counts[:3])
+
+
 def engine(lm, B=4, **kw) -> E.Engine:
     eng = E.Engine(lm, E.EngineConfig(max_batch=B, max_context=192, **kw))
     eng.start()
@@ -166,6 +189,34 @@ def test_n_choices_are_requests_with_derived_seeds_whatever_runs_beside_them(lm)
              for j in range(3)]
     assert [r.out for r in three] == alone and len({tuple(a) for a in alone}) == 3
     assert Sampling(seed=2 ** 63 - 1).derived(2).seed == 1
+
+
+@pytest.mark.parametrize("k", [0, 2])
+@torch.inference_mode()
+def test_a_request_draws_the_same_tokens_in_lean_and_whole_choose_steps(lm, converted, monkeypatch, k):
+    """A sampled, penalised request without top_k / top_p or logprobs runs the lean choose step alone, and the whole
+    one beside a request that reports logprobs: its tokens are the same (plain decode steps, and speculative verify
+    steps with 2 drafts)."""
+    from conftest import load_tp1
+    m = load_tp1(converted("bf16_text", 1, keep_mtp=True)) if k else lm
+    kinds = []  # each choose step's `whole`
+    if k:
+        real_accept = speculative.Speculator._accept
+        monkeypatch.setattr(speculative.Speculator, "_accept", lambda self, slots, lg, whole=True: (
+            kinds.append(whole), real_accept(self, slots, lg, whole))[1])
+    else:
+        real_choose = choice.choose  # the choose graphs pass `whole` as the 7th argument
+        monkeypatch.setattr(choice, "choose", lambda *a: (kinds.append(a[6] if len(a) > 6 else True),
+                                                          real_choose(*a))[1])
+    s = Sampling(1.5, seed=3, presence_penalty=0.4, repetition_penalty=1.1)
+    eng = engine(m, speculative=k)
+    kinds.clear()  # start-up's warm-ups
+    alone = eng.run([E.Request(ids(10, 65), 12, sampling=s)])[0].out
+    assert False in kinds and True not in kinds[0 if k else 1:]  # plain: the first token is the prefill's whole choice
+    eng = engine(m, speculative=k)
+    kinds.clear()
+    beside = eng.run([E.Request(ids(10, 65), 12, sampling=s), E.Request(ids(9, 80), 12, logprobs=2)])
+    assert beside[0].out == alone and False not in kinds and len(beside[1].token_logprobs) == 12
 
 
 @pytest.mark.parametrize("chunk", [16, 256])

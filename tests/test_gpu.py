@@ -271,12 +271,14 @@ def test_no_compile_or_capture_after_start_up(tp1_models):
 
 
 @cuda
+@pytest.mark.parametrize("whole", [True, False])
 @pytest.mark.parametrize("speculative", [0, 2])
-def test_cuda_structured_graphs_equal_eager(converted, speculative):
+def test_cuda_structured_graphs_equal_eager(converted, speculative, whole):
     """The split decode step (the forward graph, then the choose graph with the grammar masks the host filled while
     the forward ran) and the verify step's accept graphs, replayed as CUDA graphs, give the eager run's tokens and
     logprobs exactly: constrained requests with a reasoning budget, penalised and biased sampling, logprobs and echo,
-    beside plain greedy ones; then nothing compiled or captured after start-up."""
+    beside plain greedy ones (whole=False: no logprobs, echo or top_p, so the lean choose graphs run); then nothing
+    compiled or captured after start-up."""
     import config
     import choice
     import grammar
@@ -296,14 +298,16 @@ def test_cuda_structured_graphs_equal_eager(converted, speculative):
                                                      cuda_graph=graph), grammars=grammars)
         eng.start()
         before = counters.snapshot()
+        lp = (lambda n: n) if whole else (lambda n: None)
         reqs = [engine.Request(p, 24, frozenset({4}), Sampling(1.0, seed=i), constraint=c,
-                               reasoning=choice.Reasoning(900, 3), logprobs=2)
+                               reasoning=choice.Reasoning(900, 3), logprobs=lp(2))
                 for i, (p, c) in enumerate(zip(PROMPTS, [schema, grammar.Constraint(grammar.Kind.JSON_OBJECT),
                                                          grammar.Constraint(grammar.Kind.REGEX, "[a-z]{2,8}")]))]
-        reqs += [engine.Request(PROMPTS[0], 12, sampling=Sampling(0.8, top_p=0.9, min_p=0.05, presence_penalty=1,
-                                                                  repetition_penalty=1.2, logit_bias={7: 4.0},
-                                                                  seed=5), logprobs=4),
-                 engine.Request(PROMPTS[1], 3, logprobs=1, echo=True), engine.Request(PROMPTS[2], 12)]
+        reqs += [engine.Request(PROMPTS[0], 12, sampling=Sampling(0.8, top_p=0.9 if whole else 1.0, min_p=0.05,
+                                                                  presence_penalty=1, repetition_penalty=1.2,
+                                                                  logit_bias={7: 4.0}, seed=5), logprobs=lp(4)),
+                 engine.Request(PROMPTS[1], 3, logprobs=1, echo=True) if whole else engine.Request(PROMPTS[1], 3),
+                 engine.Request(PROMPTS[2], 12)]
         eng.run(reqs)
         assert counters.snapshot() == before, f"compiled {counters.names[before[0]:]} or captured after start-up"
         return [(r.out, str(r.finish), r.token_logprobs, r.prompt_logprobs) for r in reqs]
