@@ -231,6 +231,7 @@ class Startup:
         self.plan, self._said = None, None  # the memory plan, and its line as last said
         self.staging = None  # the padded prefill passes' cache row (_staging)
         self.timing = {}  # seconds of the last run's phases: build_s, warmup_s, capture_s
+        self.spent = 0  # bytes of the headroom the builds from threads took (loaded kernels, the context's growth)
 
     # ---- the memory plan
     def replan(self, agree: bool = False):
@@ -273,7 +274,7 @@ class Startup:
             graphs += self._staging_bytes(sizes[-1]) + (prefill_workspace(cfg, sizes[-1]) if e.use_graph else 0)
             graphs += (256 << 20) * len(EXTEND) if e.use_graph else 0
             graphs += 2 * sizes[-1] * cfg.hidden_size * 4 if e.k else 0  # their residual rows kept as outputs
-        headroom = HEADROOM[e.dev.type == "cuda"]
+        headroom = max(0, HEADROOM[e.dev.type == "cuda"] - self.spent)
         # the prefix store: --prefix-cache-gib, by default one slot's cache, at most 1/8 of caches and store together
         # (chosen, not measured: an H100 rank holds 1-2 slots, whose context the store would otherwise halve)
         gib, B = c.prefix_cache_gib, c.max_batch
@@ -380,8 +381,12 @@ class Startup:
                   "each) side by side: kernels build in order")
         ahead = want and not tight
         if ahead:
+            before = self.free_memory()
             self.build_ahead(passes, threads)
-        self.replan(agree=True)  # on what the builds left free (library workspaces and loaded kernels stay behind)
+            # what stays taken after them (loaded kernels, library workspaces) is what the headroom is for: a warm-up
+            # in order takes the same inside the headroom after the plan, so it is not counted twice
+            self.spent = max(0, before - self.free_memory())
+        self.replan(agree=True)  # on what the builds left free
         sizes = self._prefill_sizes(replace(e.config, max_context=e.max_context))
         # the agreed context's passes; a prefill graph's capture runs its own pass (the same launches) first, so of
         # a pass of a graph's length only the MTP layers' absorb of its rows is left to warm up
