@@ -10,9 +10,10 @@ chat requests one after the other, every request a fresh user message of about `
   max_tokens, finishing "length"), or exactly --call-chars N characters (a counted repetition, whose masks cost more:
   a call of a few hundred characters closes, finishes "tool_calls" and streams its deltas). The rows say how many
   calls closed and the mean tokens of each kind.
-Both ask thinking_token_budget 0 (the answer starts at once: random weights would reason forever) and the same prompt
-(the tools in the system turn either way), so the rates differ by the tool path alone: the grammar's masks, the call
-parser, the call's deltas.
+Both send the same prompt (the tools in the system turn either way). Tools requests ask thinking_token_budget 0 (the
+call starts at once: random weights would reason forever); plain ones ask no budget, as a plain chat does (they
+reason for their max_tokens), so the rates differ by the whole tool path: the budget and the grammar's masks (the
+choose graph after each forward), the call parser, the call's deltas.
 
 How tok/s is counted: a tool call's deltas carry it whole at </tool_call>, so its text cannot time the tokens.
 Both kinds ask return_token_ids, which puts each engine step's ids on a chunk of its own (plain requests get a chunk
@@ -47,11 +48,10 @@ def tool(chars: int) -> dict:
 def body(kind: str, text: str, max_tokens: int, chars: int) -> dict:
     """One streamed chat request of `kind` (KINDS) over a user message `text`."""
     b = {"messages": [{"role": "user", "content": text}], "tools": [tool(chars)], "max_tokens": max_tokens,
-         "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
-         "thinking_token_budget": 0}
+         "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     if kind == "plain":
         return {**b, "tool_choice": "none", "ignore_eos": True}
-    return {**b, "tool_choice": "required", "parallel_tool_calls": False}
+    return {**b, "tool_choice": "required", "parallel_tool_calls": False, "thinking_token_budget": 0}
 
 
 def prompt_text(tok, n: int, lo: int, hi: int, rng: random.Random) -> str:
