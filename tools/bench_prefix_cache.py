@@ -12,7 +12,8 @@ the last one's, with the store (the first agent's prefill computes the prompt, t
 
 Triton builds and CUDA graph captures during the requests are counted (the engine's promise: none).
 
-    python -m tools.bench_prefix_cache                        # 8k + 100 on an H100; 16 agents x 4k
+    python -m tools.bench_prefix_cache                        # 8k + 100; 16 agents x 4k (an H200)
+    python -m tools.bench_prefix_cache --prefix 2048 --agents 0 --prefix-cache-gib 0.25 --prefill-chunk 4096  # H100
     python -m tools.bench_prefix_cache --prefix 32768 --agents 0
     python -m tools.bench_prefix_cache --tiny                 # the tiny checkpoint on the CPU (tests run this)
 """
@@ -20,6 +21,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,20 +60,31 @@ def ttft(eng: E.Engine, reqs: list) -> list:
     return [r.t_first - t0 for r in reqs]
 
 
-def make(m, max_batch: int, context: int, gib: float | None, least: int, say) -> tuple:
-    """An engine started (prefix store of `gib`, None: the default; 0: none; copies of at least `least` tokens) ->
-    (engine, start-up seconds)."""
-    eng = E.Engine(m, E.EngineConfig(max_batch, context, prefix_cache_gib=gib, prefix_cache_min=least), say)
+@dataclass(frozen=True)
+class Setup:
+    """The engines' flags: the store's budget in GiB (None: the default; 0: none), the least tokens a copy takes,
+    the prefill chunk and the start-up's build threads (None: the engine's defaults)."""
+    gib: float | None
+    least: int
+    chunk: int | None = None
+    threads: int | None = None
+
+
+def make(m, max_batch: int, context: int, setup: Setup, say) -> tuple:
+    """An engine started -> (engine, start-up seconds)."""
+    extra = {k: v for k, v in (("prefill_chunk", setup.chunk), ("build_threads", setup.threads)) if v is not None}
+    eng = E.Engine(m, E.EngineConfig(max_batch, context, prefix_cache_gib=setup.gib, prefix_cache_min=setup.least,
+                                     **extra), say)
     t0 = time.perf_counter()
     eng.start()
     return eng, time.perf_counter() - t0
 
 
-def one_conversation(m, P: int, R: int, new: int, reps: int, gib, least: int, say) -> dict:
+def one_conversation(m, P: int, R: int, new: int, reps: int, setup: Setup, say) -> dict:
     V = m.cfg.vocab_size
     out = {}
-    for label, g in (("store", gib), ("none", 0)):
-        eng, t_start = make(m, 1, P + R + new + 64, g, least, say)
+    for label, s in (("store", setup), ("none", replace(setup, gib=0))):
+        eng, t_start = make(m, 1, P + R + new + 64, s, say)
         say(f"{label}: start-up {t_start:.1f} s")
         rows = {"fresh": [], "hit": [], "alone": [], "cached": []}
         for i in range(reps):
@@ -101,12 +114,12 @@ def one_conversation(m, P: int, R: int, new: int, reps: int, gib, least: int, sa
     return out
 
 
-def agents(m, A: int, S: int, R: int, new: int, gib, least: int, say) -> dict:
+def agents(m, A: int, S: int, R: int, new: int, setup: Setup, say) -> dict:
     V = m.cfg.vocab_size
     system = tokens(S, 7, V)
     out = {}
-    for label, g in (("store", gib), ("none", 0)):
-        eng, _ = make(m, A, S + R + new + 64, g, least, say)
+    for label, s in (("store", setup), ("none", replace(setup, gib=0))):
+        eng, _ = make(m, A, S + R + new + 64, s, say)
         ttft(eng, [E.Request(tokens(S + R, 8, V), 1)])  # one request first: its kernels' first launches
         reqs = [E.Request(system + tokens(R, 100 + a, V), new) for a in range(A)]
         t = ttft(eng, reqs)
@@ -118,8 +131,7 @@ def agents(m, A: int, S: int, R: int, new: int, gib, least: int, say) -> dict:
     return out
 
 
-def main(tiny: bool, prefix: int, rest: int, new: int, reps: int, n_agents: int, system: int, gib: float | None,
-         least: int):
+def main(tiny: bool, prefix: int, rest: int, new: int, reps: int, n_agents: int, system: int, setup: Setup):
     counters = None
     t0 = time.perf_counter()
     if tiny:
@@ -133,7 +145,7 @@ def main(tiny: bool, prefix: int, rest: int, new: int, reps: int, n_agents: int,
     print(f"model ready in {time.perf_counter() - t0:.0f} s", flush=True)
     with torch.inference_mode():
         c0 = counters.snapshot() if counters else None
-        r = one_conversation(m, prefix, rest, new, reps, gib, least, print)
+        r = one_conversation(m, prefix, rest, new, reps, setup, print)
         s, n = r["store"], r["none"]
         print(f"TTFT, median of {reps} (prefix {prefix} + {rest} new tokens, {new} generated):")
         print(f"  nothing cached, with the store (its prefill stores the prefix): {s['fresh']:.4f} s")
@@ -148,7 +160,7 @@ def main(tiny: bool, prefix: int, rest: int, new: int, reps: int, n_agents: int,
                   f"{per_token * 1e6:.1f} us here ((fresh - alone) / prefix): break-even at "
                   f"{s['copy'] / max(per_token, 1e-12):.0f} tokens (engine.PREFIX_MIN {E.PREFIX_MIN})", flush=True)
         if n_agents:
-            a = agents(m, n_agents, system, rest, new, gib, least, print)
+            a = agents(m, n_agents, system, rest, new, setup, print)
             for label in ("store", "none"):
                 x = a[label]
                 print(f"{n_agents} agents, one {system}-token system prompt + {rest} tokens each, {label:5s}: mean "
@@ -178,8 +190,13 @@ if __name__ == "__main__":
                     "0.01)")
     ap.add_argument("--prefix-cache-min", type=int, default=None,
                     help=f"copy at least this many tokens (default {E.PREFIX_MIN}; --tiny 0)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="the engines' prefill chunk (an H100 holding a "
+                    "whole rank: 4096)")
+    ap.add_argument("--build-threads", type=int, default=None, help="start-up's build threads")
     a = ap.parse_args()
     small = a.tiny
+    setup = Setup(a.prefix_cache_gib if a.prefix_cache_gib is not None else 0.01 if small else 1.0,
+                  a.prefix_cache_min if a.prefix_cache_min is not None else 0 if small else E.PREFIX_MIN,
+                  a.prefill_chunk, a.build_threads)
     main(a.tiny, a.prefix or (64 if small else 8192), a.rest or (8 if small else 100), a.new or (2 if small else 8),
-         a.reps, a.agents if a.agents is not None else (4 if small else 16), a.system or (32 if small else 4096),
-         a.prefix_cache_gib if a.prefix_cache_gib is not None else 0.01 if small else 1.0, a.prefix_cache_min if a.prefix_cache_min is not None else 0 if small else E.PREFIX_MIN)
+         a.reps, a.agents if a.agents is not None else (4 if small else 16), a.system or (32 if small else 4096), setup)
