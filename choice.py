@@ -15,11 +15,12 @@ own top alternative unless a bias, a penalty or a mask moved it. Top alternative
 the lowest id first among equals (as greedy breaks ties).
 """
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
 import model as M
-from sampling import LOGIT_BIAS_MAX, RowSampling, draw, full_vocab, is_int, probabilities, row_max
+from sampling import LOGIT_BIAS_MAX, RowSampling, draw, full_vocab, is_int, probabilities, row_max, row_top
 
 TOP = 20  # top alternatives computed per chosen token; a request reports the first `logprobs` of them
 
@@ -130,24 +131,42 @@ def logprobs(full: torch.Tensor, tok: torch.Tensor) -> tuple:
     return chosen, i.gather(1, order), v - lse
 
 
+class Pick(Enum):
+    """A choose step's variant, by what its rows need; a row's token is the same in every variant that serves it.
+    WHOLE: a row keeps a top_k / top_p part (the vocabulary sorted) or reports logprobs; LEAN: a row draws, none needs
+    those; ARGMAX: every row is greedy (the processed logits' argmax: no draw)."""
+    WHOLE = "whole"
+    LEAN = "lean"
+    ARGMAX = "argmax"
+
+    @staticmethod
+    def of(reqs: list) -> "Pick":
+        """The variant for a step's requests (engine.Request: their sampling and logprobs)."""
+        if any(r.sampling.nucleus or r.logprobs is not None for r in reqs):
+            return Pick.WHOLE
+        return Pick.ARGMAX if all(r.sampling.temperature == 0 for r in reqs) else Pick.LEAN
+
+
 def rows_of(st: Slots, slots: torch.Tensor) -> RowSampling:
     return RowSampling(st.temperature[slots], st.top_k[slots], st.top_p[slots], st.seed[slots], st.min_p[slots])
 
 
 def choose(logits: torch.Tensor, st: Slots, slots: torch.Tensor, mask: torch.Tensor, counters: torch.Tensor,
-           live: torch.Tensor, whole: bool = True) -> tuple:
+           live: torch.Tensor, pick: Pick = Pick.WHOLE) -> tuple:
     """This rank's logits window [N, V/tp] of rows on `slots` [N] -> (tokens [N] int64, -1 where the logits are not
-    finite; logprobs: logprobs()'s three), the same on every rank; each row drawn at its counter (its slot's
-    emitted-token count). The state of the live rows (live [N] 0/1) advances by their token. whole=False (the lean
-    step): no row keeps a top_k / top_p part or reports logprobs, so the sort and the logprobs are skipped -> (tokens,)
-    alone, each row's token the same as the whole step's."""
+    finite; with Pick.WHOLE, logprobs: logprobs()'s three), the same on every rank; each row drawn at its counter (its
+    slot's emitted-token count). The state of the live rows (live [N] 0/1) advances by their token. The rows must be
+    those `pick` serves (Pick)."""
     full = full_vocab(logits)
     x = process(full, st, slots, mask, st.counts[slots], st.thinking[slots], st.think_left[slots])
-    rs = rows_of(st, slots)
-    tok = draw(probabilities(x, rs, nucleus=whole), rs, counters)
+    if pick is Pick.ARGMAX:  # where a greedy row's one-hot lies in probabilities(), so where its draw lands
+        tok = row_top(x)[1]
+    else:
+        rs = rows_of(st, slots)
+        tok = draw(probabilities(x, rs, nucleus=pick is Pick.WHOLE), rs, counters)
     tok = torch.where(torch.isfinite(row_max(full)), tok, -1)  # as greedy: a NaN or +inf in the row
     advance(st, slots, tok[:, None], live[:, None].bool())
-    return (tok, *logprobs(full, tok)) if whole else (tok,)
+    return (tok, *logprobs(full, tok)) if pick is Pick.WHOLE else (tok,)
 
 
 def advance(st: Slots, slots: torch.Tensor, toks: torch.Tensor, emitted: torch.Tensor):

@@ -185,12 +185,6 @@ class Request:
         return (self.sampling.processed or self.logprobs is not None or self.constraint is not None
                 or (self.reasoning is not None and self.reasoning.budget is not None))
 
-    @property
-    def chosen_whole(self) -> bool:
-        """Its choice also sorts the vocabulary (a top_k or top_p part kept) or reports logprobs: the whole choose
-        step, not the lean one (choice.choose)."""
-        return self.sampling.nucleus or self.logprobs is not None
-
     def embeds(self, model, a: int, b: int):
         """Input rows of prompt tokens a..b-1 [b - a, D] bf16 with the image features at their placeholders, or None
         for a text request (the model embeds the ids itself)."""
@@ -846,12 +840,12 @@ class Engine:
     def _decode(self, reqs: list, prev: Inflight | None, out: StepOutput) -> tuple:
         """Queue one plain decode step over the requests. Its forward graph takes greedy's argmax; when a request needs
         more (sampling.Sampling.processed, logprobs, a grammar, a reasoning budget: Request.chosen_fully) a choose
-        graph follows (the lean one unless a request sorts or reports logprobs: Request.chosen_whole), and with a constrained request the host first reads the previous step (the forward runs
-        meanwhile), advances their grammars and fills their masks (_masks). Otherwise the host reads the previous
-        step after this one is queued (step)."""
+        graph follows, the variant the requests need (choice.Pick), and with a constrained request the host first
+        reads the previous step (the forward runs meanwhile), advances their grammars and fills their masks (_masks).
+        Otherwise the host reads the previous step after this one is queued (step)."""
         n = len(reqs)
         b = self.bucket(n)
-        g_fwd, g_whole, g_lean = self.graphs[b]
+        g_fwd, *picks = self.graphs[b]  # the choose graphs in choice.Pick's order
         self.fill_inputs(g_fwd, reqs, b)
         logits, tok = g_fwd()
         if not any(r.chosen_fully for r in reqs):
@@ -860,11 +854,8 @@ class Engine:
         if any(r.matcher is not None for r in reqs):
             self._emit(prev, out)
             self._masks(reqs, 1)
-        if not any(r.chosen_whole for r in reqs):
-            tok, = g_lean()
-            return (reqs, *self.to_host(tok[:n]))
-        tok, lp, ids, lps = g_whole()
-        return (reqs, *self.to_host(tok[:n], lp[:n, None], ids[:n, None], lps[:n, None]))
+        tok, *lps = dict(zip(choice.Pick, picks))[choice.Pick.of(reqs)]()
+        return (reqs, *self.to_host(tok[:n], *(x[:n, None] for x in lps)))
 
     def _masks(self, reqs: list, P: int):
         """The grammar masks of a step's rows (P positions per request: a verify step's K + 1, fed its drafts) into

@@ -26,7 +26,7 @@ class Speculator:
     queued without the host reading the last one.
 
     A step is three graphs: verify (the main model's forward over the K + 1 fed tokens), accept (greedy's, or the
-    full choose step's, whole or lean as choice.choose's: choice.py's processing per position, each position's counts
+    full choose step's, in choice.Pick's variants: choice.py's processing per position, each position's counts
     and reasoning state as if the drafts before it were accepted, and its own grammar mask), then draft. With a constrained request the host reads
     the last step's tokens and drafts while verify runs, and fills each position's mask (grammar.Matcher.fill: the
     matcher walks the drafts and rolls back) before accept; a draft the grammar refuses is masked out, so it is
@@ -170,8 +170,8 @@ class Speculator:
             commit(slots, live, a, main)
             return a, main
 
-        def accept_full(slots, live, whole):  # -> ..., and (whole) the logprobs [b, k+1], top ids and theirs
-            a, toks, lps = self._accept(slots, g_verify.out[1], whole)  # [b, k+1, TOP]
+        def accept_full(slots, live, pick):  # -> ..., and (Pick.WHOLE) the logprobs [b, k+1], top ids and theirs
+            a, toks, lps = self._accept(slots, g_verify.out[1], pick)  # [b, k+1, TOP]
             commit(slots, live, a, toks)
             emitted = (torch.arange(k + 1, device=dev) <= a[:, None]) & (live[:, None] > 0)
             choice.advance(e.choice, slots, toks, emitted)
@@ -188,8 +188,8 @@ class Speculator:
             return self.drafts[slots]
         state = lambda: (e.cache.lengths, *e.startup._choice_state())  # noqa: E731
         return [g_verify, Graph(accept_greedy, [slots, live], e.use_graph, state=state, pool=pool),
-                *(Graph(functools.partial(accept_full, whole=whole), [slots, live], e.use_graph, state=state,
-                        pool=pool) for whole in (True, False)),
+                *(Graph(functools.partial(accept_full, pick=pick), [slots, live], e.use_graph, state=state,
+                        pool=pool) for pick in choice.Pick),
                 Graph(draft, [slots, *d_in], e.use_graph, state=lambda: [c.lengths for c in e.mtps], pool=pool)]
 
     def decode(self, reqs: list, prev, out):
@@ -205,7 +205,7 @@ class Speculator:
             r = e.steps % n
             n = max(x for x in e.graphs if x <= n)
             reqs, b = (reqs[r:] + reqs[:r])[:n], n
-        g_verify, g_greedy, g_whole, g_lean, g_draft = e.graphs[b]
+        g_verify, g_greedy, *picks, g_draft = e.graphs[b]  # picks: the full accept graphs in choice.Pick's order
         # a padding row rewrites its slot's recent rows: forget the slot
         for i in e.fill_inputs(g_verify, reqs, b, pads):
             e.slots[i].held = []
@@ -214,8 +214,8 @@ class Speculator:
         if any(r.matcher is not None for r in reqs):
             e._emit(prev, out)
             e._masks(reqs, e.k + 1)
-        g_accept = (g_greedy if not any(r.chosen_fully for r in reqs)
-                    else g_whole if any(r.chosen_whole for r in reqs) else g_lean)
+        g_accept = (dict(zip(choice.Pick, picks))[choice.Pick.of(reqs)] if any(r.chosen_fully for r in reqs)
+                    else g_greedy)
         a, toks, *lps = g_accept()
         drafts = g_draft()
         self.stats["verify_steps"] += 1
@@ -235,13 +235,12 @@ class Speculator:
             r.drafts = row[k + 2:]
         return out
 
-    def _accept(self, slots, lg, whole: bool = True):
+    def _accept(self, slots, lg, pick: choice.Pick = choice.Pick.WHOLE):
         """The full choose step of a verify step -> (accepted drafts a [b], the step's tokens [b, k+1], logprobs of
-        each position's token: choice.logprobs' three, [b, k+1, ...]; whole=False: the lean step, () for them, as
-        choice.choose's). Each position is processed (choice.process)
-        with the output counts and reasoning state it has if the drafts before it are accepted, and with its own mask;
-        greedy rows accept the drafts equal to the processed argmax, sampled rows follow the speculative-sampling
-        rule on the processed distribution."""
+        each position's token: choice.logprobs' three, [b, k+1, ...], with Pick.WHOLE; else ()), for rows that `pick`
+        serves (choice.Pick). Each position is processed (choice.process) with the output counts and reasoning state
+        it has if the drafts before it are accepted, and with its own mask; greedy rows accept the drafts equal to the
+        processed argmax, sampled rows follow the speculative-sampling rule on the processed distribution."""
         e, k, st = self.e, self.e.k, self.e.choice
         b, P = slots.shape[0], k + 1
         drafts = self.drafts[slots]  # [b, k]
@@ -256,11 +255,13 @@ class Speculator:
         left = st.think_left[slots][:, None] - (thinking.long().cumsum(1) - thinking.long())
         x = choice.process(full, st, slots.repeat_interleave(P), e.mask[:b * P], counts, thinking.flatten(),
                            left.flatten())
-        rs = choice.rows_of(st, slots)
-        probs = probabilities(x, rs.repeat(P), nucleus=whole).view(b, P, V)
         finite = torch.isfinite(row_max(full)).view(b, P)
         main = torch.where(finite, row_top(x)[1].view(b, P), -1)
         a = (drafts == main[:, :k]).long().cumprod(1).sum(1)
+        if pick is choice.Pick.ARGMAX:
+            return a, main, ()
+        rs = choice.rows_of(st, slots)
+        probs = probabilities(x, rs.repeat(P), nucleus=pick is choice.Pick.WHOLE).view(b, P, V)
         base = e.count[slots]  # the index of the step's first token in its request
         u = uniform(rs.seed, base * 4 + 1, k)  # counter stream 1: acceptance
         px = probs[:, :k].gather(2, drafts[:, :, None])[:, :, 0]  # [b, k]
@@ -274,7 +275,7 @@ class Speculator:
         toks = torch.where(finite, toks, -1)
         sampled = rs.temperature > 0
         a, toks = torch.where(sampled, acc, a), torch.where(sampled[:, None], toks, main)
-        if not whole:
+        if pick is not choice.Pick.WHOLE:
             return a, toks, ()
         lp, ids, top = choice.logprobs(full, toks.flatten())
         return a, toks, (lp.view(b, P), ids.view(b, P, -1), top.view(b, P, -1))

@@ -457,9 +457,9 @@ class Startup:
     def _plain_graph(self, b: int, pool) -> list:
         """A plain decode step of batch bucket b: the forward graph (-> this rank's logits [b, V/tp] and greedy's
         tokens [b], -1 for non-finite logits, fed as the slots' next tokens) and the choose graphs that may follow it,
-        whole and lean (engine.Engine._decode; choice.choose on the forward's logits and the grammar masks -> tokens,
-        fed instead, and the whole one's logprobs; the slots' random counters and choice state advance for the live
-        rows)."""
+        one per choice.Pick in its order (engine.Engine._decode; choice.choose on the forward's logits and the grammar
+        masks -> tokens, fed instead, and the whole one's logprobs; the slots' random counters and choice state
+        advance for the live rows)."""
         e = self.e
         rows = torch.arange(b, device=e.dev)
         live = torch.ones(b, dtype=torch.long, device=e.dev)
@@ -472,13 +472,13 @@ class Startup:
             return logits, tok
         fwd = Graph(step, [rows, live], e.use_graph, state=lambda: (cache.lengths,), pool=pool)
 
-        def pick(rows, live, whole):
-            tok, *lps = choice.choose(fwd.out[0], e.choice, rows, e.mask[:b], e.count[rows], live, whole)
+        def choose(rows, live, pick):
+            tok, *lps = choice.choose(fwd.out[0], e.choice, rows, e.mask[:b], e.count[rows], live, pick)
             e.next_tok[rows] = tok.clamp(min=0)
             e.count[rows] += live
             return (tok, *lps)
-        return [fwd] + [Graph(functools.partial(pick, whole=whole), [rows, live], e.use_graph,
-                              state=lambda: self._choice_state(), pool=pool) for whole in (True, False)]
+        return [fwd] + [Graph(functools.partial(choose, pick=pick), [rows, live], e.use_graph,
+                              state=lambda: self._choice_state(), pool=pool) for pick in choice.Pick]
 
     def _choice_state(self) -> tuple:
         """What a choose step updates in place: the slots' random counters and choice state (choice.Slots)."""

@@ -101,26 +101,34 @@ def test_logprobs_are_the_raw_log_softmax_and_a_greedy_token_is_its_own_top_alte
 
 
 # ---------------------------------------------------------------------------------------------- through the engine
-def test_the_lean_step_draws_as_the_whole_step_without_the_sort_or_logprobs():
+def test_the_lean_and_argmax_steps_choose_as_the_whole_step():
     """Rows with neither top_k / top_p nor logprobs: the lean choose step (no sort, no logprobs) gives the same
     distribution bit for bit as the whole step gives them beside a nucleus row, and so the same draws, step after step
-    as penalties move the logits."""
+    as penalties move the logits; greedy rows (biased, penalised, a grammar's mask) get the same tokens from the
+    argmax step (no draw)."""
     g = torch.Generator().manual_seed(3)
     V = 500
-    logits = (torch.randn(4, V, generator=g) * 4).bfloat16().float()
-    ss = [Sampling(0.9, seed=1, min_p=0.02), Sampling(presence_penalty=1.0), Sampling(1.3, seed=2, frequency_penalty=1.5),
+    logits = (torch.randn(6, V, generator=g) * 4).bfloat16().float()
+    ss = [Sampling(0.9, seed=1, min_p=0.02), Sampling(1.3, seed=2, frequency_penalty=1.5),
+          Sampling(presence_penalty=1.0, logit_bias={9: 3.0}), Sampling(repetition_penalty=1.3), Sampling(),
           Sampling(0.7, top_p=0.8, seed=4)]
     whole = probabilities(logits, RowSampling.of(ss, "cpu"))
-    assert torch.equal(probabilities(logits[:3], RowSampling.of(ss[:3], "cpu"), nucleus=False), whole[:3])
-    lean_st, whole_st = slots_for(ss[:3], V), slots_for(ss, V)
-    mask, live = torch.full((4, (V + 31) // 32), -1, dtype=torch.int32), torch.ones(4, dtype=torch.long)
+    assert torch.equal(probabilities(logits[:5], RowSampling.of(ss[:5], "cpu"), nucleus=False), whole[:5])
+    mask = torch.full((6, (V + 31) // 32), -1, dtype=torch.int32)
+    mask[4, :8] = 0  # the greedy row's grammar refuses ids 0-255
+    every, lean, argmax = slots_for(ss, V), slots_for(ss[:5], V), slots_for(ss[2:5], V)
+    every.masked[4] = lean.masked[4] = argmax.masked[2] = True
+    live = torch.ones(6, dtype=torch.long)
     for step in range(6):
-        counters = torch.full((4,), step)
-        got = choice.choose(logits[:3], lean_st, torch.arange(3), mask[:3], counters[:3], live[:3], whole=False)
-        want = choice.choose(logits, whole_st, torch.arange(4), mask, counters, live)
-        assert len(got) == 1 and len(want) == 4
-        assert torch.equal(got[0], want[0][:3]), step
-    assert torch.equal(lean_st.counts, whole_st.counts[:3])
+        counters = torch.full((6,), step)
+        want = choice.choose(logits, every, torch.arange(6), mask, counters, live)
+        got = choice.choose(logits[:5], lean, torch.arange(5), mask[:5], counters[:5], live[:5], choice.Pick.LEAN)
+        top = choice.choose(logits[2:5], argmax, torch.arange(3), mask[2:5], counters[2:5], live[2:5],
+                            choice.Pick.ARGMAX)
+        assert len(want) == 4 and len(got) == 1 and len(top) == 1
+        assert torch.equal(got[0], want[0][:5]) and torch.equal(top[0], want[0][2:5]), step
+        assert want[0][4] >= 256
+    assert torch.equal(lean.counts, every.counts[:5]) and torch.equal(argmax.counts, every.counts[2:5])
 
 
 def engine(lm, B=4, **kw) -> E.Engine:
@@ -192,31 +200,33 @@ def test_n_choices_are_requests_with_derived_seeds_whatever_runs_beside_them(lm)
 
 
 @pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
 @torch.inference_mode()
-def test_a_request_draws_the_same_tokens_in_lean_and_whole_choose_steps(lm, converted, monkeypatch, k):
-    """A sampled, penalised request without top_k / top_p or logprobs runs the lean choose step alone, and the whole
-    one beside a request that reports logprobs: its tokens are the same (plain decode steps, and speculative verify
-    steps with 2 drafts)."""
+def test_a_request_chooses_the_same_tokens_in_every_choose_step_variant(lm, converted, monkeypatch, k, temperature):
+    """A penalised request without top_k / top_p or logprobs runs the lean choose step alone when it samples, the
+    argmax step when greedy, and the whole one beside a request that reports logprobs: its tokens are the same (plain
+    decode steps, and speculative verify steps with 2 drafts)."""
     from conftest import load_tp1
     m = load_tp1(converted("bf16_text", 1, keep_mtp=True)) if k else lm
-    kinds = []  # each choose step's `whole`
+    picks = []  # each choose step's variant
     if k:
         real_accept = speculative.Speculator._accept
-        monkeypatch.setattr(speculative.Speculator, "_accept", lambda self, slots, lg, whole=True: (
-            kinds.append(whole), real_accept(self, slots, lg, whole))[1])
+        monkeypatch.setattr(speculative.Speculator, "_accept", lambda self, slots, lg, pick=choice.Pick.WHOLE: (
+            picks.append(pick), real_accept(self, slots, lg, pick))[1])
     else:
-        real_choose = choice.choose  # the choose graphs pass `whole` as the 7th argument
-        monkeypatch.setattr(choice, "choose", lambda *a: (kinds.append(a[6] if len(a) > 6 else True),
+        real_choose = choice.choose  # the choose graphs pass the variant as the 7th argument
+        monkeypatch.setattr(choice, "choose", lambda *a: (picks.append(a[6] if len(a) > 6 else choice.Pick.WHOLE),
                                                           real_choose(*a))[1])
-    s = Sampling(1.5, seed=3, presence_penalty=0.4, repetition_penalty=1.1)
+    s = Sampling(temperature, seed=3, presence_penalty=0.4, repetition_penalty=1.1)
+    alone_pick = choice.Pick.LEAN if temperature else choice.Pick.ARGMAX
     eng = engine(m, speculative=k)
-    kinds.clear()  # start-up's warm-ups
+    picks.clear()  # start-up's warm-ups
     alone = eng.run([E.Request(ids(10, 65), 12, sampling=s)])[0].out
-    assert False in kinds and True not in kinds[0 if k else 1:]  # plain: the first token is the prefill's whole choice
+    assert set(picks[0 if k else 1:]) == {alone_pick}  # plain: the first token is the prefill's whole choice
     eng = engine(m, speculative=k)
-    kinds.clear()
+    picks.clear()
     beside = eng.run([E.Request(ids(10, 65), 12, sampling=s), E.Request(ids(9, 80), 12, logprobs=2)])
-    assert beside[0].out == alone and False not in kinds and len(beside[1].token_logprobs) == 12
+    assert beside[0].out == alone and set(picks) == {choice.Pick.WHOLE} and len(beside[1].token_logprobs) == 12
 
 
 @pytest.mark.parametrize("chunk", [16, 256])

@@ -271,14 +271,14 @@ def test_no_compile_or_capture_after_start_up(tp1_models):
 
 
 @cuda
-@pytest.mark.parametrize("whole", [True, False])
+@pytest.mark.parametrize("pick", ["whole", "lean", "argmax"])
 @pytest.mark.parametrize("speculative", [0, 2])
-def test_cuda_structured_graphs_equal_eager(converted, speculative, whole):
+def test_cuda_structured_graphs_equal_eager(converted, speculative, pick):
     """The split decode step (the forward graph, then the choose graph with the grammar masks the host filled while
     the forward ran) and the verify step's accept graphs, replayed as CUDA graphs, give the eager run's tokens and
     logprobs exactly: constrained requests with a reasoning budget, penalised and biased sampling, logprobs and echo,
-    beside plain greedy ones (whole=False: no logprobs, echo or top_p, so the lean choose graphs run); then nothing
-    compiled or captured after start-up."""
+    beside plain greedy ones (pick "lean": no logprobs, echo or top_p, so the lean choose graphs run; "argmax": nor a
+    temperature, so the argmax ones run); then nothing compiled or captured after start-up."""
     import config
     import choice
     import grammar
@@ -298,14 +298,16 @@ def test_cuda_structured_graphs_equal_eager(converted, speculative, whole):
                                                      cuda_graph=graph), grammars=grammars)
         eng.start()
         before = counters.snapshot()
-        lp = (lambda n: n) if whole else (lambda n: None)
-        reqs = [engine.Request(p, 24, frozenset({4}), Sampling(1.0, seed=i), constraint=c,
+        whole = pick == "whole"
+        lp, t = (lambda n: n if whole else None), (0.0 if pick == "argmax" else 1.0)
+        reqs = [engine.Request(p, 24, frozenset({4}), Sampling(t, seed=i), constraint=c,
                                reasoning=choice.Reasoning(900, 3), logprobs=lp(2))
                 for i, (p, c) in enumerate(zip(PROMPTS, [schema, grammar.Constraint(grammar.Kind.JSON_OBJECT),
                                                          grammar.Constraint(grammar.Kind.REGEX, "[a-z]{2,8}")]))]
-        reqs += [engine.Request(PROMPTS[0], 12, sampling=Sampling(0.8, top_p=0.9 if whole else 1.0, min_p=0.05,
-                                                                  presence_penalty=1, repetition_penalty=1.2,
-                                                                  logit_bias={7: 4.0}, seed=5), logprobs=lp(4)),
+        reqs += [engine.Request(PROMPTS[0], 12, sampling=Sampling(0.8 * t, top_p=0.9 if whole else 1.0,
+                                                                  min_p=0.05 if t else 0.0, presence_penalty=1,
+                                                                  repetition_penalty=1.2, logit_bias={7: 4.0}, seed=5),
+                                logprobs=lp(4)),
                  engine.Request(PROMPTS[1], 3, logprobs=1, echo=True) if whole else engine.Request(PROMPTS[1], 3),
                  engine.Request(PROMPTS[2], 12)]
         eng.run(reqs)

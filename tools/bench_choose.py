@@ -1,6 +1,7 @@
 """The choose step's own cost on a GPU (choice.choose at the real vocabulary of 128,896 tokens, captured as a CUDA
 graph and replayed, as a decode step's choose graph runs): the whole step (the nucleus sort and the logprobs) against
-the lean one (neither), per batch, beside the decode step it follows. Rows are greedy and constrained (a random
+the lean one (neither) and the argmax one (no draw either: the sampled rows are timed as if greedy), per batch,
+beside the decode step it follows. Rows are greedy and constrained (a random
 grammar mask) or sampled with penalties, as bench_grammar's constrained requests and a chat's sampled ones choose.
 
     python -m tools.bench_choose                       # batches 1 and 16
@@ -32,7 +33,7 @@ def slots(b: int) -> choice.Slots:
 
 
 def graphs(b: int) -> dict:
-    """The whole and the lean choose step of b rows, captured -> {name: Graph}."""
+    """Each choose step variant (choice.Pick) of b rows, captured -> {name: Graph}."""
     g = torch.Generator(device="cuda").manual_seed(b)
     logits = torch.randn(b, V, device="cuda", generator=g) * 3
     mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (b, (V + 31) // 32), dtype=torch.int32, device="cuda", generator=g)
@@ -40,11 +41,11 @@ def graphs(b: int) -> dict:
     st, rows = slots(b), torch.arange(b, device="cuda")
     count, live = torch.zeros(b, dtype=torch.long, device="cuda"), torch.ones(b, dtype=torch.long, device="cuda")
     out = {}
-    for name, whole in (("whole", True), ("lean", False)):
-        gr = Graph(lambda rows, live, whole=whole: choice.choose(logits, st, rows, mask, count[rows], live, whole),
+    for pick in choice.Pick:
+        gr = Graph(lambda rows, live, pick=pick: choice.choose(logits, st, rows, mask, count[rows], live, pick),
                    [rows, live], True)
         gr.capture()
-        out[name] = gr
+        out[pick.value] = gr
     return out
 
 
@@ -76,9 +77,10 @@ def main():
         nbytes = b * V * (4 + 2 * 4 + 1) + b * V // 8
         ms = {name: replay_ms(gr, a.iters) for name, gr in gs.items()}
         for name, t in ms.items():
-            print(f"batch {b:3d} {name:5s}: {t * 1e3:7.1f} us a step | {t / a.step_ms:5.1%} of a {a.step_ms} ms decode "
+            print(f"batch {b:3d} {name:6s}: {t * 1e3:7.1f} us a step | {t / a.step_ms:5.1%} of a {a.step_ms} ms decode "
                   f"step | HBM floor {nbytes / HBM_BPS * 1e6:5.1f} us, ratio {nbytes / HBM_BPS * 1e3 / t:5.1%}")
-        print(f"batch {b:3d} lean / whole: {ms['lean'] / ms['whole']:.1%}")
+        print(f"batch {b:3d} lean / whole: {ms['lean'] / ms['whole']:.1%}; argmax / whole: "
+              f"{ms['argmax'] / ms['whole']:.1%}")
         if a.profile:
             for name, gr in gs.items():
                 print(f"-- batch {b} {name}: kernels of one eager call")
