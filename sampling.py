@@ -50,7 +50,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     same on every rank; -1 in a row whose maximum is not finite (a NaN anywhere in the row, or +inf). Gathers each
     rank's maximum and its id, not the vocabulary: the first maximal window wins, as an argmax of the concatenated
     windows picks."""
-    v, i = row_top(logits)  # [B]: the first maximum, i.e. the lowest id of this window (NaN propagates)
+    v, i = logits.max(-1)  # [B]: the first maximum, i.e. the lowest id of this window (NaN propagates)
     if M.world_size == 1:
         return torch.where(torch.isfinite(v), i, -1)
     every = M.tp_gather(torch.stack([v.float(), (i + M.rank * logits.shape[-1]).float()]))  # [world, 2, B]
@@ -215,9 +215,9 @@ def probabilities(full: torch.Tensor, rs: RowSampling, nucleus: bool = True) -> 
     rank = torch.arange(x.shape[-1], device=x.device)
     onehot = (rank[None, :] == row_top(x)[1][:, None]).float()  # the first maximum: the lowest id on ties
     e = x.exp()  # the largest is 1
-    whole = torch.where(greedy_row[:, None], onehot, e / row_sum(e)[:, None])
+    dense = torch.where(greedy_row[:, None], onehot, e / row_sum(e)[:, None])
     if not nucleus:
-        return whole
+        return dense
     # most likely first; stable, so tied logits keep the lowest id first (as greedy's argmax)
     xs, ids = x.sort(dim=-1, descending=True, stable=True)
     keep = (rs.top_k[:, None] == 0) | (rank[None, :] < rs.top_k[:, None])
@@ -229,7 +229,7 @@ def probabilities(full: torch.Tensor, rs: RowSampling, nucleus: bool = True) -> 
     ps = ps.masked_fill(q.cumsum(-1) - q >= (rs.top_p[:, None].double() * 2 ** 48).long().clamp_min(1), 0.0)
     ps = ps / ps.sum(-1, keepdim=True)
     cut = torch.zeros_like(ps).scatter_(-1, ids, ps)
-    return torch.where(((rs.top_k != 0) | (rs.top_p < 1))[:, None] & ~greedy_row[:, None], cut, whole)
+    return torch.where(((rs.top_k != 0) | (rs.top_p < 1))[:, None] & ~greedy_row[:, None], cut, dense)
 
 
 def draw(probs: torch.Tensor, rs: RowSampling, counters: torch.Tensor) -> torch.Tensor:

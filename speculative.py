@@ -27,10 +27,10 @@ class Speculator:
 
     A step is three graphs: verify (the main model's forward over the K + 1 fed tokens), accept (greedy's, or the
     full choose step's, in choice.Pick's variants: choice.py's processing per position, each position's counts
-    and reasoning state as if the drafts before it were accepted, and its own grammar mask), then draft. With a constrained request the host reads
-    the last step's tokens and drafts while verify runs, and fills each position's mask (grammar.Matcher.fill: the
-    matcher walks the drafts and rolls back) before accept; a draft the grammar refuses is masked out, so it is
-    rejected and every later position is dropped with it.
+    and reasoning state as if the drafts before it were accepted, and its own grammar mask), then draft. With a
+    constrained request the host reads the last step's tokens and drafts while verify runs, and fills each position's
+    mask (grammar.Matcher.fill: the matcher walks the drafts and rolls back) before accept; a draft the grammar
+    refuses is masked out, so it is rejected and every later position is dropped with it.
 
     Drafting: MTP depth j's row at position p reads depth j-1's residual at p (depth -1: the main model's) and the
     token at p + j + 1; depth j's draft is its row at the last kept position L. Rows past L - j read drafts, so they
