@@ -1,8 +1,8 @@
 """The choose step's own cost on a GPU (choice.choose at the real vocabulary of 128,896 tokens, captured as a CUDA
 graph and replayed, as a decode step's choose graph runs): the whole step (the nucleus sort and the logprobs) against
 the lean one (neither) and the argmax one (no draw either: the sampled rows are timed as if greedy), per batch,
-beside the decode step it follows. Rows are greedy and constrained (a random
-grammar mask) or sampled with penalties, as bench_grammar's constrained requests and a chat's sampled ones choose.
+beside the decode step it follows. Rows are greedy and constrained (a random grammar mask) or sampled with
+penalties, as bench_grammar's constrained requests and a chat's sampled ones choose.
 
     python -m tools.bench_choose                       # batches 1 and 16
     python -m tools.bench_choose --batch 1 --profile   # and each step's kernels
