@@ -11,13 +11,14 @@ The ceiling printed is the HBM floor of the bytes a step must touch: the logits 
 read and written (int32), the prompt marks and the mask read.
 """
 import argparse
+from types import SimpleNamespace
 
 import torch
 
 import choice
 from sampling import Sampling
 from startup import Graph
-from tools.rank import HBM_BPS, kernel_table
+from tools.rank import HBM_BPS, kernel_table, time_step
 
 V = 128896
 
@@ -27,8 +28,8 @@ def slots(b: int) -> choice.Slots:
     st = choice.Slots(b, V, "cuda")
     for i in range(b):
         s = Sampling() if i % 2 == 0 else Sampling(0.8, seed=i, presence_penalty=0.5, repetition_penalty=1.1)
-        st.take(i, argparse.Namespace(sampling=s, ids=list(range(100 * i, 100 * i + 1000)),
-                                      constraint=object() if i % 2 == 0 else None, reasoning=None))
+        st.take(i, SimpleNamespace(sampling=s, ids=list(range(100 * i, 100 * i + 1000)),
+                                   constraint=object() if i % 2 == 0 else None, reasoning=None))
     return st
 
 
@@ -49,18 +50,6 @@ def graphs(b: int) -> dict:
     return out
 
 
-def replay_ms(gr: Graph, iters: int) -> float:
-    gr()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        gr()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -75,7 +64,7 @@ def main():
     for b in a.batch:
         gs = graphs(b)
         nbytes = b * V * (4 + 2 * 4 + 1) + b * V // 8
-        ms = {name: replay_ms(gr, a.iters) for name, gr in gs.items()}
+        ms = {name: time_step(gr, a.iters) * 1e3 for name, gr in gs.items()}
         for name, t in ms.items():
             print(f"batch {b:3d} {name:6s}: {t * 1e3:7.1f} us a step | {t / a.step_ms:5.1%} of a {a.step_ms} ms decode "
                   f"step | HBM floor {nbytes / HBM_BPS * 1e6:5.1f} us, ratio {nbytes / HBM_BPS * 1e3 / t:5.1%}")

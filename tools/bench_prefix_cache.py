@@ -63,18 +63,17 @@ def ttft(eng: E.Engine, reqs: list) -> list:
 @dataclass(frozen=True)
 class Setup:
     """The engines' flags: the store's budget in GiB (None: the default; 0: none), the least tokens a copy takes,
-    the prefill chunk and the start-up's build threads (None: the engine's defaults)."""
+    the prefill chunk and the start-up's build threads (None: the engine's default)."""
     gib: float | None
     least: int
-    chunk: int | None = None
+    chunk: int = E.PREFILL_CHUNK
     threads: int | None = None
 
 
 def make(m, max_batch: int, context: int, setup: Setup, say) -> tuple:
     """An engine started -> (engine, start-up seconds)."""
-    extra = {k: v for k, v in (("prefill_chunk", setup.chunk), ("build_threads", setup.threads)) if v is not None}
-    eng = E.Engine(m, E.EngineConfig(max_batch, context, prefix_cache_gib=setup.gib, prefix_cache_min=setup.least,
-                                     **extra), say)
+    eng = E.Engine(m, E.EngineConfig(max_batch, context, setup.chunk, build_threads=setup.threads,
+                                     prefix_cache_gib=setup.gib, prefix_cache_min=setup.least), say)
     t0 = time.perf_counter()
     eng.start()
     return eng, time.perf_counter() - t0
@@ -190,8 +189,8 @@ if __name__ == "__main__":
                     "0.01)")
     ap.add_argument("--prefix-cache-min", type=int, default=None,
                     help=f"copy at least this many tokens (default {E.PREFIX_MIN}; --tiny 0)")
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="the engines' prefill chunk (an H100 holding a "
-                    "whole rank: 4096)")
+    ap.add_argument("--prefill-chunk", type=int, default=E.PREFILL_CHUNK, help="the engines' prefill chunk (an H100 "
+                    "holding a whole rank: 4096)")
     ap.add_argument("--build-threads", type=int, default=None, help="start-up's build threads")
     a = ap.parse_args()
     small = a.tiny
