@@ -134,10 +134,11 @@ def logprobs(full: torch.Tensor, tok: torch.Tensor) -> tuple:
 class Pick(Enum):
     """A choose step's variant, by what its rows need; a row's token is the same in every variant that serves it.
     WHOLE: a row keeps a top_k / top_p part (the vocabulary sorted) or reports logprobs; LEAN: a row draws, none needs
-    those; ARGMAX: every row is greedy (the processed logits' argmax: no draw)."""
-    WHOLE = "whole"
-    LEAN = "lean"
-    ARGMAX = "argmax"
+    those; ARGMAX: every row is greedy (the processed logits' argmax: no draw). A value is the index of its graph among
+    a batch bucket's choose graphs."""
+    WHOLE = 0
+    LEAN = 1
+    ARGMAX = 2
 
     @staticmethod
     def of(reqs: list) -> "Pick":

@@ -854,7 +854,7 @@ class Engine:
         if any(r.matcher is not None for r in reqs):
             self._emit(prev, out)
             self._masks(reqs, 1)
-        tok, *lps = dict(zip(choice.Pick, picks))[choice.Pick.of(reqs)]()
+        tok, *lps = picks[choice.Pick.of(reqs).value]()
         return (reqs, *self.to_host(tok[:n], *(x[:n, None] for x in lps)))
 
     def _masks(self, reqs: list, P: int):

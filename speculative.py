@@ -214,8 +214,7 @@ class Speculator:
         if any(r.matcher is not None for r in reqs):
             e._emit(prev, out)
             e._masks(reqs, e.k + 1)
-        g_accept = (dict(zip(choice.Pick, picks))[choice.Pick.of(reqs)] if any(r.chosen_fully for r in reqs)
-                    else g_greedy)
+        g_accept = picks[choice.Pick.of(reqs).value] if any(r.chosen_fully for r in reqs) else g_greedy
         a, toks, *lps = g_accept()
         drafts = g_draft()
         self.stats["verify_steps"] += 1

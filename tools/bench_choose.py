@@ -46,7 +46,7 @@ def graphs(b: int) -> dict:
         gr = Graph(lambda rows, live, pick=pick: choice.choose(logits, st, rows, mask, count[rows], live, pick),
                    [rows, live], True)
         gr.capture()
-        out[pick.value] = gr
+        out[pick.name.lower()] = gr
     return out
 
 
