@@ -203,30 +203,29 @@ def test_n_choices_are_requests_with_derived_seeds_whatever_runs_beside_them(lm)
 @pytest.mark.parametrize("temperature", [0.0, 1.5])
 @torch.inference_mode()
 def test_a_request_chooses_the_same_tokens_in_every_choose_step_variant(lm, converted, monkeypatch, k, temperature):
-    """A penalised request without top_k / top_p or logprobs runs the lean choose step alone when it samples, the
-    argmax step when greedy, and the whole one beside a request that reports logprobs: its tokens are the same (plain
-    decode steps, and speculative verify steps with 2 drafts)."""
+    """A penalised request without top_k / top_p or logprobs, beside a plain greedy one, runs the lean choose step when
+    it samples and the argmax step when greedy; beside the same request reporting logprobs (the same batch, so the
+    same logits bit for bit), the whole one: its tokens are the same (plain decode steps, and speculative verify steps
+    with 2 drafts)."""
     from conftest import load_tp1
     m = load_tp1(converted("bf16_text", 1, keep_mtp=True)) if k else lm
-    picks = []  # each choose step's variant
+    picks = []  # each decode step's choose variant
     if k:
         real_accept = speculative.Speculator._accept
         monkeypatch.setattr(speculative.Speculator, "_accept", lambda self, slots, lg, pick=choice.Pick.WHOLE: (
             picks.append(pick), real_accept(self, slots, lg, pick))[1])
     else:
-        real_choose = choice.choose  # the choose graphs pass the variant as the 7th argument
-        monkeypatch.setattr(choice, "choose", lambda *a: (picks.append(a[6] if len(a) > 6 else choice.Pick.WHOLE),
-                                                          real_choose(*a))[1])
+        real_choose = choice.choose  # the choose graphs pass the variant as the 7th argument; a prefill, none
+        monkeypatch.setattr(choice, "choose", lambda *a: (picks.extend(a[6:7]), real_choose(*a))[1])
     s = Sampling(temperature, seed=3, presence_penalty=0.4, repetition_penalty=1.1)
-    alone_pick = choice.Pick.LEAN if temperature else choice.Pick.ARGMAX
-    eng = engine(m, speculative=k)
-    picks.clear()  # start-up's warm-ups
-    alone = eng.run([E.Request(ids(10, 65), 12, sampling=s)])[0].out
-    assert set(picks[0 if k else 1:]) == {alone_pick}  # plain: the first token is the prefill's whole choice
-    eng = engine(m, speculative=k)
-    picks.clear()
-    beside = eng.run([E.Request(ids(10, 65), 12, sampling=s), E.Request(ids(9, 80), 12, logprobs=2)])
-    assert beside[0].out == alone and set(picks) == {choice.Pick.WHOLE} and len(beside[1].token_logprobs) == 12
+    outs = []
+    for logprobs, pick in ((None, choice.Pick.LEAN if temperature else choice.Pick.ARGMAX), (2, choice.Pick.WHOLE)):
+        eng = engine(m, speculative=k)
+        picks.clear()  # start-up's warm-ups
+        reqs = eng.run([E.Request(ids(10, 65), 12, sampling=s), E.Request(ids(9, 80), 12, logprobs=logprobs)])
+        assert set(picks) == {pick}
+        outs.append(reqs[0].out)
+    assert outs[0] == outs[1] and len(reqs[1].token_logprobs) == 12
 
 
 @pytest.mark.parametrize("chunk", [16, 256])
