@@ -16,7 +16,7 @@ the defaults timed just before and after it; --tune KEY=VALUE changes a default 
 
 From the repository root (torchrun takes a module with -m, as python does):
 
-    python -m tools.bench_decode [--batch 1] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
+    python -m tools.bench_decode [--batch 1 16 32] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
     python -m tools.bench_decode --whole-rank --tune "moe_stages=((4, 4), (4, 3))" --tune "moe_unroll=((4, 4), (1, 1))"
     python -m tools.bench_decode [--whole-rank] --tokens-per-row 4    # a speculative verify step (3 drafts)
     torchrun --standalone --nproc-per-node=2 -m tools.bench_decode --whole-rank [--one-shot]
@@ -204,9 +204,10 @@ def kv_bytes(cfg, kind: str, batch: int, context: int) -> int:
     return batch * min(context, cfg.sliding_window) * row
 
 
-def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_shot: bool = False, capacity: int = 0,
+def bench_rank(cfg, batches: list, context: int, profile: bool, q: int = 1, one_shot: bool = False, capacity: int = 0,
                candidates: "bool | list" = False):
-    """The whole rank: embed, 92 layers, final norm, lm_head window, argmax; one decode step as a CUDA graph.
+    """The whole rank: embed, 92 layers, final norm, lm_head window, argmax; one decode step as a CUDA graph at each
+    batch size of `batches` (the weights built once, a cache per batch); returns [(batch, step seconds, floor)].
     Under torchrun (one process per GPU, NCCL) the step includes the real TP reductions between the GPUs (each GPU
     holds one TP=8 rank's shapes; the sums are of W partials instead of 8), timed with and without them.
     q > 1: also a step of q tokens per row (a speculative verify step) and its ratio to the 1-token step.
@@ -223,98 +224,110 @@ def bench_rank(cfg, batch: int, context: int, profile: bool, q: int = 1, one_sho
     t0 = time.perf_counter()
     randomise(m, seed=rank)
     m.finalize()
-    spare = 24 * q + 8  # positions the timed replays advance (21 replays of q tokens), plus slack
-    cache = m.new_cache(batch, max(capacity, context + spare), slack=q - 1)
-    fill_cache(cache, context)
-    torch.cuda.synchronize()
-    say(f"built the rank in {time.perf_counter() - t0:.0f} s: {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
-        f"(weights and a {batch} x {cache.cap} cache)")
-    ids = torch.zeros(batch, dtype=torch.long, device="cuda")
+    say(f"built the weights in {time.perf_counter() - t0:.0f} s")
+    results = []
+    for batch in batches:
+        t0 = time.perf_counter()
+        spare = 24 * q + 8  # positions the timed replays advance (21 replays of q tokens), plus slack
+        cache = m.new_cache(batch, max(capacity, context + spare), slack=q - 1)
+        fill_cache(cache, context)
+        torch.cuda.synchronize()
+        say(f"batch {batch}: the cache filled in {time.perf_counter() - t0:.0f} s: "
+            f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB (weights and a {batch} x {cache.cap} cache)")
+        ids = torch.zeros(batch, dtype=torch.long, device="cuda")
 
-    def step(x):  # x [B] or [B, q] -> argmax of every row
-        with torch.inference_mode():
-            return greedy(m(x, cache).view(-1, m.lm_head.weight.shape[0]))
+        def step(x):  # x [B] or [B, q] -> argmax of every row
+            with torch.inference_mode():
+                return greedy(m(x, cache).view(-1, m.lm_head.weight.shape[0]))
 
-    def timed_graph(ws, x=ids):
-        M.set_parallel(ws, rank if ws > 1 else 0)
-        replay = captured(step, x, state=lambda: (cache.lengths,))
-        cache.lengths.fill_(context)
-        if ws > 1:
-            dist.barrier()
-        t = time_step(replay.graph.replay, iters=20)  # 21 replays: the context grows by 21 steps of `spare`
-        cache.lengths.fill_(context)
-        return t
+        def timed_graph(ws, x=ids):
+            M.set_parallel(ws, rank if ws > 1 else 0)
+            replay = captured(step, x, state=lambda: (cache.lengths,))
+            cache.lengths.fill_(context)
+            if ws > 1:
+                dist.barrier()
+            t = time_step(replay.graph.replay, iters=20)  # 21 replays: the context grows by 21 steps of `spare`
+            cache.lengths.fill_(context)
+            return t
 
-    M.set_parallel(1, 0)
-    eager = time_step(lambda: step(ids), iters=3)
-    cache.lengths.fill_(context)
-    kernels = count_kernels(lambda: step(ids))
-    cache.lengths.fill_(context)
-    if profile:
-        say(kernel_table(lambda: step(ids), 30))
+        M.set_parallel(1, 0)
+        eager = time_step(lambda: step(ids), iters=3)
         cache.lengths.fill_(context)
-    graph_t = timed_graph(1)
-    if profile:
-        say(replay_table(captured(step, ids, state=lambda: (cache.lengths,)).graph.replay, 40))
+        kernels = count_kernels(lambda: step(ids))
         cache.lengths.fill_(context)
-    nbytes = weight_bytes(m, batch, cfg) + sum(kv_bytes(cfg, "dsa" if cfg.is_dsa(i) else "sliding", batch, context)
-                                               for i in range(cfg.num_hidden_layers))
-    say(f"whole rank: {kernels} kernels per step ({kernels / cfg.num_hidden_layers:.1f} per layer) | eager "
-        f"{eager * 1e3:8.2f} ms | graph {graph_t * 1e3:7.3f} ms | {nbytes / 1e9:5.2f} GB -> floor "
-        f"{nbytes / HBM_BPS * 1e3:5.2f} ms | {nbytes / graph_t / 1e9:7.1f} GB/s = {nbytes / graph_t / HBM_BPS:5.1%} of HBM")
-    if candidates:  # graphs re-captured under each choice
-        trials = {f"{k}={v}": {k: v} for k, vs in ALTERNATIVES.items() for v in vs
-                  if candidates is True or k in candidates}
-        trials.update({k: v for k, v in TOGETHER.items() if candidates is True or k in candidates})
-        for name, r in timed_around(lambda: timed_graph(1), trials, kernel.TUNING).items():
-            if isinstance(r, Exception):
-                say(f"candidate {name:18s}: {type(r).__name__}: {str(r)[:200]}")
-            else:
-                say(f"candidate {name:18s}: graph {r[0] * 1e3:7.3f} ms ({r[0] / r[1] - 1:+6.1%} vs the defaults timed "
-                    f"around it: {r[1] * 1e3:7.3f} ms)")
-    if q > 1:
-        t_q = timed_graph(1, torch.zeros(batch, q, dtype=torch.long, device="cuda"))
-        say(f"verify step of {q} tokens per row: {t_q * 1e3:7.3f} ms = {t_q / graph_t:.2f}x the 1-token step")
+        if profile:
+            say(kernel_table(lambda: step(ids), 30))
+            cache.lengths.fill_(context)
+        graph_t = timed_graph(1)
+        if profile:
+            say(replay_table(captured(step, ids, state=lambda: (cache.lengths,)).graph.replay, 40))
+            cache.lengths.fill_(context)
+        nbytes = weight_bytes(m, batch, cfg) + sum(kv_bytes(cfg, "dsa" if cfg.is_dsa(i) else "sliding", batch, context)
+                                                   for i in range(cfg.num_hidden_layers))
+        say(f"whole rank: {kernels} kernels per step ({kernels / cfg.num_hidden_layers:.1f} per layer) | eager "
+            f"{eager * 1e3:8.2f} ms | graph {graph_t * 1e3:7.3f} ms | {nbytes / 1e9:5.2f} GB -> floor "
+            f"{nbytes / HBM_BPS * 1e3:5.2f} ms | {nbytes / graph_t / 1e9:7.1f} GB/s = {nbytes / graph_t / HBM_BPS:5.1%} of HBM")
+        if candidates:  # graphs re-captured under each choice
+            trials = {f"{k}={v}": {k: v} for k, vs in ALTERNATIVES.items() for v in vs
+                      if candidates is True or k in candidates}
+            trials.update({k: v for k, v in TOGETHER.items() if candidates is True or k in candidates})
+            for name, r in timed_around(lambda: timed_graph(1), trials, kernel.TUNING).items():
+                if isinstance(r, Exception):
+                    say(f"candidate {name:18s}: {type(r).__name__}: {str(r)[:200]}")
+                else:
+                    say(f"candidate {name:18s}: graph {r[0] * 1e3:7.3f} ms ({r[0] / r[1] - 1:+6.1%} vs the defaults timed "
+                        f"around it: {r[1] * 1e3:7.3f} ms)")
+        if q > 1:
+            t_q = timed_graph(1, torch.zeros(batch, q, dtype=torch.long, device="cuda"))
+            say(f"verify step of {q} tokens per row: {t_q * 1e3:7.3f} ms = {t_q / graph_t:.2f}x the 1-token step")
+        if world > 1:
+            with_tp = timed_graph(world)
+            say(f"with the TP reductions between {world} GPUs (2 per layer + the logits gather): {with_tp * 1e3:7.3f} ms; "
+                f"reductions {(with_tp - graph_t) * 1e3:.3f} ms = {(with_tp - graph_t) / with_tp:.1%} of the step, "
+                f"{(with_tp - graph_t) / (2 * cfg.num_hidden_layers + 1) * 1e6:.1f} us per reduction")
+            if one_shot:  # the opt-in M.OneShotReduce for the layers' reductions (the logits still gather)
+                M.set_one_shot(batch * q, cfg.hidden_size, torch.device("cuda", rank))
+                t_os = timed_graph(world)
+                M.set_one_shot(0)
+                say(f"same with the one-shot reduction (kernel.peer_add_norm_triton): {t_os * 1e3:7.3f} ms; reductions "
+                    f"{(t_os - graph_t) * 1e3:.3f} ms, {(t_os - graph_t) / (2 * cfg.num_hidden_layers + 1) * 1e6:.1f} us "
+                    f"per reduction")
+                with_tp = min(with_tp, t_os)
+            graph_t = with_tp
+        results.append((batch, graph_t, nbytes / HBM_BPS))
+        del cache, ids
+        torch.cuda.empty_cache()
     if world > 1:
-        with_tp = timed_graph(world)
-        say(f"with the TP reductions between {world} GPUs (2 per layer + the logits gather): {with_tp * 1e3:7.3f} ms; "
-            f"reductions {(with_tp - graph_t) * 1e3:.3f} ms = {(with_tp - graph_t) / with_tp:.1%} of the step, "
-            f"{(with_tp - graph_t) / (2 * cfg.num_hidden_layers + 1) * 1e6:.1f} us per reduction")
-        if one_shot:  # the opt-in M.OneShotReduce for the layers' reductions (the logits still gather)
-            M.set_one_shot(batch * q, cfg.hidden_size, torch.device("cuda", rank))
-            t_os = timed_graph(world)
-            M.set_one_shot(0)
-            say(f"same with the one-shot reduction (kernel.peer_add_norm_triton): {t_os * 1e3:7.3f} ms; reductions "
-                f"{(t_os - graph_t) * 1e3:.3f} ms, {(t_os - graph_t) / (2 * cfg.num_hidden_layers + 1) * 1e6:.1f} us "
-                f"per reduction")
-            with_tp = min(with_tp, t_os)
-        graph_t = with_tp
         dist.destroy_process_group()
-    return graph_t, nbytes / HBM_BPS
+    return results
 
 
-def main(batch: int, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False, q: int = 1,
+def main(batches: list, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False, q: int = 1,
          one_shot: bool = False, candidates: "bool | list" = False, capacity: int = 0):
     torch.manual_seed(0)
     cfg = real_rank_config()
     M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
     kernel.set_backend(not torch_ref)  # Triton for CUDA tensors unless the reference is asked for
-    step_t, floor = (bench_rank(cfg, batch, context, profile, q, one_shot, capacity, candidates) if whole_rank
-                     else bench_layers(cfg, batch, context, profile, q))
+    if whole_rank:
+        results = bench_rank(cfg, batches, context, profile, q, one_shot, capacity, candidates)
+    else:
+        results = [(b, *bench_layers(cfg, b, context, profile, q)) for b in batches]
     what = "measured" if whole_rank else "projected from the two layers"
     world = int(os.environ.get("WORLD_SIZE", "1")) if whole_rank else 1
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"decode step {what}, 92 MoE-shaped layers, batch {batch}, context {context}, "
-              f"{'torch reference' if torch_ref else 'Triton kernels'}: "
-              f"{step_t * 1e3:.2f} ms "
-              f"(HBM floor {floor * 1e3:.2f} ms, ratio {floor / step_t:.1%}); "
-              + (f"TP reductions between {world} GPUs included" if world > 1 else "collectives excluded"))
+        for batch, step_t, floor in results:
+            print(f"decode step {what}, 92 MoE-shaped layers, batch {batch}, context {context}, "
+                  f"{'torch reference' if torch_ref else 'Triton kernels'}: "
+                  f"{step_t * 1e3:.2f} ms, {batch / step_t:,.0f} tokens/s "
+                  f"(HBM floor {floor * 1e3:.2f} ms, ratio {floor / step_t:.1%}); "
+                  + (f"TP reductions between {world} GPUs included" if world > 1 else "collectives excluded"))
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m tools.bench_decode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1],
+                    help="batch sizes, each timed in turn (--whole-rank: the weights built once)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--torch-ref", action="store_true", help="time the PyTorch reference path instead of Triton")
     ap.add_argument("--profile", action="store_true", help="print the device time of each kernel of one step")
