@@ -19,6 +19,7 @@ from enum import Enum
 
 import torch
 
+import kernel
 import model as M
 from sampling import LOGIT_BIAS_MAX, RowSampling, draw, full_vocab, is_int, probabilities, row_max, row_top
 
@@ -95,27 +96,16 @@ def _device(data: list, dtype, device) -> torch.Tensor:
     return torch.tensor(data, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
-def unpack(mask: torch.Tensor, V: int) -> torch.Tensor:
-    """Bitmask rows [N, ceil(V/32)] int32 (bit j of word w: token 32 w + j) -> allowed [N, V] bool."""
-    bits = (mask[:, :, None] >> torch.arange(32, dtype=torch.int32, device=mask.device)) & 1
-    return bits.flatten(1)[:, :V].bool()
-
-
 def process(full: torch.Tensor, st: Slots, slots: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor,
             thinking: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary logits [N, V] of rows whose slots are `slots` [N] -> the processed logits [N, V] fp32 (module
-    docstring's order). counts [N, V] int32: each token's count in the row's output so far; thinking [N] bool and
-    left [N] int64: the row's reasoning state (a speculative verify step passes each position's, drafts included);
-    mask [N, words] int32: the grammar's rows (read where the slot is constrained)."""
+    docstring's order): the logit bias added here, the rest by kernel.process_logits (one launch on a GPU). counts
+    [N, V] int32: each token's count in the row's output so far; thinking [N] bool and left [N] int64: the row's
+    reasoning state (a speculative verify step passes each position's, drafts included); mask [N, words] int32: the
+    grammar's rows (read where the slot is constrained)."""
     x = full.float().scatter_add(1, st.bias_ids[slots], st.bias[slots])  # padding entries add 0 to token 0
-    seen = counts > 0
-    r = st.repetition[slots][:, None]
-    x = torch.where(seen | st.prompt[slots], torch.where(x > 0, x / r, x * r), x)
-    x = x - st.frequency[slots][:, None] * counts - st.presence[slots][:, None] * seen
-    x = x.masked_fill(~unpack(mask, x.shape[1]) & st.masked[slots][:, None], float("-inf"))
-    forced = thinking & (left <= 0)  # the budget is spent: only the end of reasoning
-    only = torch.arange(x.shape[1], device=x.device)[None, :] == st.think_end[slots][:, None]
-    return torch.where(forced[:, None], torch.where(only, 0.0, float("-inf")), x)
+    return kernel.process_logits(x, slots, counts, mask, thinking, left, st.repetition, st.frequency, st.presence,
+                                 st.prompt, st.masked, st.think_end)
 
 
 def logprobs(full: torch.Tensor, tok: torch.Tensor) -> tuple:
@@ -174,7 +164,7 @@ def advance(st: Slots, slots: torch.Tensor, toks: torch.Tensor, emitted: torch.T
     """The state of rows on `slots` [N] after emitting toks [N, P] where emitted [N, P] (in order): the output counts,
     and the reasoning state (tokens spent while reasoning; the end of reasoning ends it)."""
     t = toks.clamp(min=0)
-    st.counts[slots] += torch.zeros_like(st.counts[slots]).scatter_add(1, t, emitted.int())
+    st.counts.index_put_((slots[:, None].expand_as(t), t), emitted.int(), accumulate=True)  # N * P entries, not [N, V]
     ends = ((t == st.think_end[slots][:, None]) & emitted).long()  # [N, P]
     was = st.thinking[slots][:, None] & (ends.cumsum(1) - ends == 0)  # reasoning before token j
     st.think_left[slots] -= (was & emitted).sum(1)

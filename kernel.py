@@ -5,10 +5,10 @@ chose the references; CPU tensors always take the `*_ref` PyTorch reference. The
 contract: they round to bf16 / e4m3 exactly where the deployed kernels do (those points decide the last bits and,
 through DSA region selection and greedy argmax, eventually the tokens), and every kernel is tested against them
 (tests/test_kernels.py; speed and real-shape checks: tools.bench_kernels). This file reads top to bottom as that
-contract, in model order (norms and RoPE, sliding-window attention, DSA, router and MoE, GEMMs, the TP reduction):
-each op's reference, then its public dispatcher.
+contract, in model order (norms and RoPE, sliding-window attention, DSA, router and MoE, GEMMs, the TP reduction,
+the choose step's logits processing): each op's reference, then its public dispatcher.
 The Triton kernels live in kernels/, one family per module (common: the plumbing and the switches tests flip;
-norm_rope, sliding, dsa_index, dsa_attention, moe_route, expert_gemm, experts, linear), each `_name_kernel` with a
+norm_rope, sliding, dsa_index, dsa_attention, moe_route, expert_gemm, experts, linear, choose), each `_name_kernel` with a
 `name_triton` launcher that checks shapes, dtypes and contiguity, allocates, builds the grid and launches; kernels/
 never imports this file. The dispatchers pass TUNING's entries to the launchers, whose parameters are named after
 them. Region selection is exact too: a counting radix select of the K-th largest key plus one prefix-sum
@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from kernels import common, dsa_attention, dsa_index, experts, linear, moe_route, norm_rope, sliding
+from kernels import choose, common, dsa_attention, dsa_index, experts, linear, moe_route, norm_rope, sliding
 from kernels.common import FP8, FP8_MAX, QBLOCK
 
 # This file and the kernels' modules: the sources a compiled kernel depends on (for engine.py's start-up marker).
@@ -706,3 +706,41 @@ def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0,
     buffers over NVLink: the one-shot TP reduction (model.OneShotReduce, opt-in), on the Triton path only (peer
     memory; linear.peer_add_norm_triton has the protocol)."""
     return linear.peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off, flag_off)
+
+
+# --------------------------------------------------------------------------------------------------
+# The choose step: a row's logits processed by its request's penalties, grammar mask and reasoning budget
+
+
+def unpack_mask(mask: torch.Tensor, V: int) -> torch.Tensor:
+    """Bitmask rows [N, ceil(V/32)] int32 (bit j of word w: token 32 w + j) -> allowed [N, V] bool."""
+    bits = (mask[:, :, None] >> torch.arange(32, dtype=torch.int32, device=mask.device)) & 1
+    return bits.flatten(1)[:, :V].bool()
+
+
+def process_logits_ref(x, slots, counts, mask, thinking, left, repetition, frequency, presence, prompt, masked,
+                       think_end):
+    """Logits [N, V] fp32 (the logit bias added) of rows on `slots` [N] -> processed [N, V] fp32, in order: the
+    repetition penalty over the tokens seen (counts [N, V] int32 > 0) or in the prompt (prompt [B, V] bool by slot),
+    frequency and presence penalties over the counts, the grammar's bitmask (mask [N, ceil(V/32)] int32, read where
+    masked [B] bool by slot) to -inf, and a spent reasoning budget (thinking [N] bool and left [N] int64 tokens: left
+    <= 0 while thinking) leaving only think_end [B] by slot. Per-slot parameters [B]: repetition, frequency,
+    presence fp32."""
+    seen = counts > 0
+    r = repetition[slots][:, None]
+    x = torch.where(seen | prompt[slots], torch.where(x > 0, x / r, x * r), x)
+    x = x - frequency[slots][:, None] * counts - presence[slots][:, None] * seen
+    x = x.masked_fill(~unpack_mask(mask, x.shape[1]) & masked[slots][:, None], float("-inf"))
+    forced = thinking & (left <= 0)
+    only = torch.arange(x.shape[1], device=x.device)[None, :] == think_end[slots][:, None]
+    return torch.where(forced[:, None], torch.where(only, 0.0, float("-inf")), x)
+
+
+def process_logits(x, slots, counts, mask, thinking, left, repetition, frequency, presence, prompt, masked,
+                   think_end):
+    """process_logits_ref in one launch for CUDA tensors (in place on x)."""
+    if _triton(x):
+        return choose.process_logits_triton(x, slots, counts, mask, thinking, left, repetition, frequency, presence,
+                                            prompt, masked, think_end)
+    return process_logits_ref(x, slots, counts, mask, thinking, left, repetition, frequency, presence, prompt,
+                              masked, think_end)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernel as K
-from kernels import common, dsa_attention, dsa_index, expert_gemm, experts, linear, moe_route, norm_rope, sliding
+from kernels import choose, common, dsa_attention, dsa_index, expert_gemm, experts, linear, moe_route, norm_rope, sliding
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAVE_CUDA = torch.cuda.is_available()
@@ -1090,6 +1090,40 @@ def test_route_ties_to_the_lower_id():
     want = torch.sort(-(0.5 + bias), stable=True).indices[:k]
     assert torch.equal(ids, want.expand(3, k))
     assert torch.equal(wts, torch.full_like(wts, 2.0 / k))  # every (0.5 + b) - b is 0.5 exactly, their sum 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the choose step's logits processing
+
+
+@pytest.mark.parametrize("N,V", [(4, 5000), (1, 300)])
+def test_process_logits(N, V):
+    """One launch = process_logits_ref bit for bit (elementwise: exact on the GPU too, no FMA, division correctly
+    rounded): signed zeros, infinities and NaN among the logits, penalties of either sign, a repetition penalty
+    below and above 1, masked and unmasked rows, a reasoning budget spent, running and not, slots out of order."""
+    g = _gen(N)
+    B = 6
+    x = torch.randn(N, V, generator=g) * 4
+    x[:, :6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30])
+    counts = torch.randint(0, 3, (N, V), generator=g, dtype=torch.int32) * (torch.rand(N, V, generator=g) < 0.2)
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (N, -(-V // 32)), generator=g, dtype=torch.int32)
+    slots = torch.tensor([3, 0, 5, 3][:N])
+    thinking = torch.tensor([True, True, False, True][:N])
+    left = torch.tensor([5, 0, -1, -2][:N])
+    repetition = torch.tensor([1.0, 1.3, 0.7, 1.1, 1.0, 2.0])
+    frequency = torch.tensor([0.0, 0.5, -0.25, 1.5, 0.0, 0.1])
+    presence = torch.tensor([0.0, -0.5, 0.3, 0.75, 0.0, -2.0])
+    prompt = torch.rand(B, V, generator=g) < 0.1
+    masked = torch.tensor([False, True, False, True, False, True])
+    think_end = torch.tensor([7, -1, 2, V - 1, -1, 0])
+    args = [t.to(DEV) for t in (slots, counts.int(), mask, thinking, left, repetition, frequency, presence, prompt,
+                                masked, think_end)]
+    ref = K.process_logits_ref(x.to(DEV), *args)
+    got = choose.process_logits_triton(x.to(DEV).clone(), *args)
+    assert torch.equal(got.isnan(), ref.isnan())
+    fin = ~ref.isnan()
+    assert torch.equal(got[fin].view(torch.int32), ref[fin].view(torch.int32))
+    assert ref.isneginf().any() and (ref == 0).any()  # the mask and the forced end took effect
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,6 +7,9 @@ penalties, as bench_grammar's constrained requests and a chat's sampled ones cho
     python -m tools.bench_choose                       # batches 1 and 16
     python -m tools.bench_choose --batch 1 --profile   # and each step's kernels
 
+Each variant is timed twice: with the logits processing in one launch (kernel.process_logits) and in its PyTorch
+form (kernel.process_logits_ref).
+
 The ceiling printed is the HBM floor of the bytes a step must touch: the logits read once (fp32), the output counts
 read and written (int32), the prompt marks and the mask read.
 """
@@ -16,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 import choice
+import kernel
 from sampling import Sampling
 from startup import Graph
 from tools.rank import HBM_BPS, kernel_table, time_step
@@ -62,18 +66,26 @@ def main():
         raise SystemExit("error: bench_choose times CUDA graphs: no GPU here")
     print(f"== {torch.cuda.get_device_name(0)}; V {V}; rows: even greedy + grammar mask, odd sampled + penalties")
     for b in a.batch:
-        gs = graphs(b)
         nbytes = b * V * (4 + 2 * 4 + 1) + b * V // 8
-        ms = {name: time_step(gr, a.iters) * 1e3 for name, gr in gs.items()}
-        for name, t in ms.items():
-            print(f"batch {b:3d} {name:6s}: {t * 1e3:7.1f} us a step | {t / a.step_ms:5.1%} of a {a.step_ms} ms decode "
-                  f"step | HBM floor {nbytes / HBM_BPS * 1e6:5.1f} us, ratio {nbytes / HBM_BPS * 1e3 / t:5.1%}")
-        print(f"batch {b:3d} lean / whole: {ms['lean'] / ms['whole']:.1%}; argmax / whole: "
-              f"{ms['argmax'] / ms['whole']:.1%}")
-        if a.profile:
+        ms = {}
+        for backend in ("triton", "torch"):  # the logits processing in one launch (kernel.process_logits) or not
+            kernel.set_backend(backend == "triton")
+            gs = graphs(b)
             for name, gr in gs.items():
-                print(f"-- batch {b} {name}: kernels of one eager call")
-                print(kernel_table(lambda: gr.fn(*gr.inputs), 25))
+                t = ms[name, backend] = time_step(gr, a.iters) * 1e3
+                print(f"batch {b:3d} {name:6s} {backend:6s}: {t * 1e3:7.1f} us a step | {t / a.step_ms:5.1%} of a "
+                      f"{a.step_ms} ms decode step | HBM floor {nbytes / HBM_BPS * 1e6:5.1f} us, ratio "
+                      f"{nbytes / HBM_BPS * 1e3 / t:5.1%}")
+            if a.profile:
+                for name, gr in gs.items():
+                    print(f"-- batch {b} {name} {backend}: kernels of one eager call")
+                    print(kernel_table(lambda: gr.fn(*gr.inputs), 25))
+        kernel.set_backend(True)
+        for backend in ("triton", "torch"):
+            print(f"batch {b:3d} {backend}: lean / whole {ms['lean', backend] / ms['whole', backend]:.1%}; argmax / "
+                  f"whole {ms['argmax', backend] / ms['whole', backend]:.1%}")
+        print(f"batch {b:3d} one launch / PyTorch form: " + ", ".join(
+            f"{p.name.lower()} {ms[p.name.lower(), 'triton'] / ms[p.name.lower(), 'torch']:.1%}" for p in choice.Pick))
 
 
 if __name__ == "__main__":
