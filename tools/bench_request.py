@@ -92,21 +92,24 @@ def step_time(eng: E.Engine, reqs: list, b: int) -> float:
     return t
 
 
-def round_time(eng: E.Engine, b: int) -> float:
-    """A speculative engine's whole round for bucket b, as step_time sets its inputs: the verify, greedy accept and
-    draft graphs replayed back to back (what a step costs beyond its verify graph: acceptance and drafting), the
-    state they advance restored after."""
+def round_time(eng: E.Engine, b: int) -> tuple:
+    """A speculative engine's round for bucket b, as step_time set its inputs -> (the verify, greedy accept and draft
+    graphs replayed back to back, the accept graph alone, the draft graph alone) in seconds: what a step costs beyond
+    its verify graph. The state they advance is restored after each."""
     g_verify, g_greedy, *_, g_draft = eng.graphs[b]
-    spec = eng.spec
-    saved = [x.clone() for x in (eng.cache.lengths, eng.next_tok, eng.count, spec.drafts, *(c.lengths for c in eng.mtps))]
+    state = (eng.cache.lengths, eng.next_tok, eng.count, eng.spec.drafts, *(c.lengths for c in eng.mtps))
 
-    def one_round():
-        for g in (g_verify, g_greedy, g_draft):
-            g.graph.replay() if g.graph is not None else g()
-    t = time_step(one_round, iters=20)
-    for x, y in zip((eng.cache.lengths, eng.next_tok, eng.count, spec.drafts, *(c.lengths for c in eng.mtps)), saved):
-        x.copy_(y)
-    return t
+    def timed(*graphs):
+        saved = [x.clone() for x in state]
+
+        def replay():
+            for g in graphs:
+                g.graph.replay() if g.graph is not None else g()
+        t = time_step(replay, iters=20)
+        for x, y in zip(state, saved):
+            x.copy_(y)
+        return t
+    return timed(g_verify, g_greedy, g_draft), timed(g_greedy), timed(g_draft)
 
 
 # kernel families of a prefill, in model order: (family, substrings of the kernel names it takes); a name takes the
@@ -246,9 +249,10 @@ def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill
                 bucket = next(x for x in eng.graphs if x >= b)
                 st = step_time(eng, r["reqs"], bucket)
                 if speculative:  # after step_time, which set the bucket's inputs
-                    rt = round_time(eng, bucket)
+                    rt, at, dt = round_time(eng, bucket)
                     print(f"      round (verify + accept + draft graphs) {rt * 1e3:7.3f} ms = {rt / st:.3f}x the "
-                          f"verify step; decode as seen {r['agg'] / (b / rt):.1%} of the round", flush=True)
+                          f"verify step (accept alone {at * 1e3:.3f} ms, draft alone {dt * 1e3:.3f} ms); decode as "
+                          f"seen {r['agg'] / (b / rt):.1%} of the round", flush=True)
                 label = f"{b:5d} {P_:7d}" if after is None else f"{'turn':>5} {f'+{P_}':>7}"
                 print(f"{label} {new:4d} | {r['ttft']:7.3f} {r['agg']:12.1f} {r['tok_s']:9.1f} | {st * 1e3:7.3f} "
                       f"{b / st:13.1f} {r['agg'] / (b / st):9.1%} | {c1[0] - c0[0]:8d} {c1[1] - c0[1]:8d}"
