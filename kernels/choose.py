@@ -44,7 +44,8 @@ def process_logits_triton(x, slots, counts, mask, thinking, left, repetition, fr
     """kernel.process_logits on the GPU: x [N, V] fp32 processed in place and returned."""
     _check_tensor("x", x, torch.float32, ndim=2)
     N, V = x.shape
-    W = _cdiv(V, 32)
+    W = mask.shape[1] if mask.dim() == 2 else 0  # words per mask row: at least ceil(V / 32) (a wider row's tail unread)
+    _check(W >= _cdiv(V, 32), lambda: f"mask must be [{N}, >= {_cdiv(V, 32)}], got {tuple(mask.shape)}")
     B = repetition.shape[0]
     for name, t, dtype, shape in (("slots", slots, torch.int64, (N,)), ("counts", counts, torch.int32, (N, V)),
                                   ("mask", mask, torch.int32, (N, W)), ("thinking", thinking, torch.bool, (N,)),
