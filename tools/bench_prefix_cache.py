@@ -18,6 +18,7 @@ Triton builds and CUDA graph captures during the requests are counted (the engin
     python -m tools.bench_prefix_cache --tiny                 # the tiny checkpoint on the CPU (tests run this)
 """
 import argparse
+import gc
 import statistics
 import tempfile
 import time
@@ -107,9 +108,9 @@ def one_conversation(m, P: int, R: int, new: int, reps: int, setup: Setup, say) 
                     eng.store.load(0, hit)
                 sync(eng.dev)
                 out[label]["copy"], out[label]["copy_n"] = (time.perf_counter() - t0) / 10, hit.n
+            del hit
         del eng
-        if m.lm_head.weight.is_cuda:
-            torch.cuda.empty_cache()
+        release(m)
     return out
 
 
@@ -125,9 +126,16 @@ def agents(m, A: int, S: int, R: int, new: int, setup: Setup, say) -> dict:
         out[label] = {"mean": statistics.mean(t), "last": max(t), "prefilled": eng.prefill_tokens,
                       "cached": sum(r.cached for r in reqs)}
         del eng
-        if m.lm_head.weight.is_cuda:
-            torch.cuda.empty_cache()
+        release(m)
     return out
+
+
+def release(m):
+    """A finished engine's device memory back before the next one plans: its graphs and buffers sit in reference
+    cycles, so collect them, then return the cached blocks."""
+    gc.collect()
+    if m.lm_head.weight.is_cuda:
+        torch.cuda.empty_cache()
 
 
 def main(tiny: bool, prefix: int, rest: int, new: int, reps: int, n_agents: int, system: int, setup: Setup):
