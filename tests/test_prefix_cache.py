@@ -359,6 +359,7 @@ def test_the_bench_runs_at_tiny_shapes():
                        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "copied from the store (cached 64)" in r.stdout and "hit / alone" in r.stdout
+    assert "the copy alone: 64 positions" in r.stdout  # timed while the prefix is stored
     assert "store: mean TTFT" in r.stdout and "104 tokens prefilled, 96 cached" in r.stdout, r.stdout
 
 
