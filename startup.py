@@ -19,7 +19,8 @@ into the engine (cache, mtps, graphs, prefill_graphs, extend_graphs, max_context
   again on what is left, and each batch bucket's decode step runs once from the same pool before the graphs are
   captured. The builds are sized to the memory left: passes run together only as far as the free memory holds their
   caches and workspaces, the decode steps' threads likewise, and where the memory left does not hold two of the
-  largest passes side by side (a whole rank on an H100) the warm-up runs in order, inside the plan. A start-up that
+  largest passes side by side, or the plan has no room for what builds from threads leave taken (a whole rank on an
+  H100), the warm-up runs in order, inside the plan. A start-up that
   still runs out of memory is refused in one line naming the flags that size it.
 - Triton's disk cache. Triton keeps compiled kernels in ~/.triton/cache (or $TRITON_CACHE_DIR): a second start on
   the same machine reads them instead of compiling, and a copy of that directory on another node with the same GPU,
@@ -64,6 +65,10 @@ PER_THREAD = 256 << 20
 # allocator's rounding; on the host the Python objects, the tokenizer and the activations outside the prefill
 # workspace (both chosen, not measured)
 HEADROOM = (1 * GIB, 2 * GIB)
+# Memory the builds from threads leave taken ([CPU, GPU]): loaded kernels and library workspaces outside the caching
+# allocator, which the plan after them takes from the caches. 1.1 GiB measured on an H100 holding a whole rank (16
+# threads, 107 builds), rounded up; none on the host.
+BUILD_LEFTOVER = (0, 5 * GIB // 4)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,7 +236,7 @@ class Startup:
         self.plan, self._said = None, None  # the memory plan, and its line as last said
         self.staging = None  # the padded prefill passes' cache row (_staging)
         self.timing = {}  # seconds of the last run's phases: build_s, warmup_s, capture_s
-        self.spent = 0  # bytes of the headroom the builds from threads took (loaded kernels, the context's growth)
+        self.leftover = BUILD_LEFTOVER[eng.dev.type == "cuda"]  # what builds from threads leave taken (estimate)
 
     # ---- the memory plan
     def replan(self, agree: bool = False):
@@ -274,7 +279,7 @@ class Startup:
             graphs += self._staging_bytes(sizes[-1]) + (prefill_workspace(cfg, sizes[-1]) if e.use_graph else 0)
             graphs += (256 << 20) * len(EXTEND) if e.use_graph else 0
             graphs += 2 * sizes[-1] * cfg.hidden_size * 4 if e.k else 0  # their residual rows kept as outputs
-        headroom = max(0, HEADROOM[e.dev.type == "cuda"] - self.spent)
+        headroom = HEADROOM[e.dev.type == "cuda"]
         # the prefix store: --prefix-cache-gib, by default one slot's cache, at most 1/8 of caches and store together
         # (chosen, not measured: an H100 rank holds 1-2 slots, whose context the store would otherwise halve)
         gib, B = c.prefix_cache_gib, c.max_batch
@@ -368,25 +373,21 @@ class Startup:
         # start-up has built them into Triton's disk cache: then the builds only read it and the threads only contend
         # for the GIL, slower than the warm-up in order. Every rank takes one answer (the warm-up in order runs
         # collectives): from threads if any rank lacks the marker.
-        # Where the memory left does not hold two of the largest passes side by side (a whole rank on an H100), the
-        # warm-up runs in order, inside the plan; every rank takes that answer too.
+        # Where the memory is tight for them (builds_tight: a whole rank on an H100), the warm-up runs in order,
+        # inside the plan; every rank takes that answer too.
         marker = self._built_marker(passes) if threads > 1 and passes else None
         want = marker is not None and not os.path.exists(marker)
-        tight = marker is not None and not self.builds_fit(passes)
+        why = self.builds_tight(passes) if marker is not None else None
+        tight = why is not None
         if M.world_size > 1:
             want, tight = map(bool, M.tp_gather(torch.tensor([int(want), int(tight)], device=e.dev)).max(0).values)
         if want and tight:
-            e.say(f"start-up: {size_text(self.free_memory() - self.plan.headroom)} left beside the weights does not "
-                  f"hold two of the largest warm-up passes ({size_text(max(self._pass_bytes(*p) for p in passes))} "
-                  "each) side by side: kernels build in order")
+            e.say(f"start-up: {why or 'another rank is short of memory for builds from threads'}: kernels build in "
+                  "order")
         ahead = want and not tight
         if ahead:
-            before = self.free_memory()
             self.build_ahead(passes, threads)
-            # what stays taken after them (loaded kernels, library workspaces) is what the headroom is for: a warm-up
-            # in order takes the same inside the headroom after the plan, so it is not counted twice
-            self.spent = max(0, before - self.free_memory())
-        self.replan(agree=True)  # on what the builds left free
+        self.replan(agree=True)  # on what the builds left free (loaded kernels and library workspaces stay taken)
         sizes = self._prefill_sizes(replace(e.config, max_context=e.max_context))
         # the agreed context's passes; a prefill graph's capture runs its own pass (the same launches) first, so of
         # a pass of a graph's length only the MTP layers' absorb of its rows is left to warm up
@@ -584,11 +585,22 @@ class Startup:
         pass needs), its prefill workspace and the thread's own (PER_THREAD)."""
         return self._cache_bytes(p0 + n, 1) + prefill_workspace(self.e.model.cfg, n) + PER_THREAD
 
-    def builds_fit(self, passes: list) -> bool:
-        """Whether the memory left now (before the caches exist; the plan's headroom kept) holds two of the largest
-        warm-up passes side by side: where it does not, threads would mostly wait for each other, and the estimates'
-        error would land in the headroom."""
-        return self.free_memory() - self.plan.headroom >= 2 * max(self._pass_bytes(p0, n) for p0, n in passes)
+    def builds_tight(self, passes: list) -> str | None:
+        """Why builds from threads do not fit the memory (None where they do): the memory left now (before the caches
+        exist; the plan's headroom kept) must hold two of the largest warm-up passes side by side, or threads would
+        mostly wait for each other and the estimates' error would land in the headroom; and the plan must have room
+        for what the builds leave taken (self.leftover): its spare memory, or half of its caches where the context is
+        fitted to the memory (the plan after the builds takes it from them)."""
+        p, largest = self.plan, max(self._pass_bytes(p0, n) for p0, n in passes)
+        if self.free_memory() - p.headroom < 2 * largest:
+            return (f"{size_text(self.free_memory() - p.headroom)} left beside the weights does not hold two of the "
+                    f"largest warm-up passes ({size_text(largest)} each) side by side")
+        room = p.free - (p.caches + p.store.bytes + p.prefill + p.graphs + p.headroom)
+        room += p.caches // 2 if self.e.config.max_context is None else 0
+        if room < self.leftover:
+            return (f"the plan has {size_text(max(room, 0))} for the {size_text(self.leftover)} that builds from "
+                    "threads leave taken (loaded kernels, library workspaces)")
+        return None
 
     def build_ahead(self, passes: list, threads: int):
         """The warm-up prefill passes from a pool of threads, before the caches exist: each pass in a cache of its own
