@@ -27,6 +27,7 @@ import engine as E
 import kernel
 import model as M
 import startup
+from tools.bench_decode import replay_table
 from tools.rank import BF16_FLOPS, FP8_FLOPS, build, time_step
 
 
@@ -90,6 +91,16 @@ def step_time(eng: E.Engine, reqs: list, b: int) -> float:
     t = time_step(g.graph.replay if g.graph is not None else g, iters=20)
     eng.cache.lengths.copy_(saved)
     return t
+
+
+def draft_table(eng: E.Engine, b: int, rows: int = 30) -> str:
+    """Where the draft graph of bucket b spends its replay (bench_decode.replay_table), the state put back."""
+    g = eng.graphs[b][-1]
+    saved = [c.lengths.clone() for c in eng.mtps] + [eng.spec.drafts.clone()]
+    out = replay_table(g.graph.replay, rows)
+    for x, y in zip([c.lengths for c in eng.mtps] + [eng.spec.drafts], saved):
+        x.copy_(y)
+    return out
 
 
 def round_time(eng: E.Engine, b: int) -> tuple:
@@ -214,7 +225,7 @@ def prefill_profile(eng: E.Engine, P: int, seed: int) -> dict:
 
 def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill_chunk: int, profile: list,
          dump: str | None, build_threads: int | None, graph_prefill: int | None = None, turn: int = 0,
-         speculative: int = 0):
+         speculative: int = 0, profile_round: bool = False):
     counters = Counters()
     t0 = time.perf_counter()
     m = build(mtp=speculative)
@@ -253,6 +264,8 @@ def main(cases: list, new: int, max_batch: int, max_context: int | None, prefill
                     print(f"      round (verify + accept + draft graphs) {rt * 1e3:7.3f} ms = {rt / st:.3f}x the "
                           f"verify step (accept alone {at * 1e3:.3f} ms, draft alone {dt * 1e3:.3f} ms); decode as "
                           f"seen {r['agg'] / (b / rt):.1%} of the round", flush=True)
+                    if profile_round and eng.graphs[bucket][-1].graph is not None:
+                        print(draft_table(eng, bucket), flush=True)
                 label = f"{b:5d} {P_:7d}" if after is None else f"{'turn':>5} {f'+{P_}':>7}"
                 print(f"{label} {new:4d} | {r['ttft']:7.3f} {r['agg']:12.1f} {r['tok_s']:9.1f} | {st * 1e3:7.3f} "
                       f"{b / st:13.1f} {r['agg'] / (b / st):9.1%} | {c1[0] - c0[0]:8d} {c1[1] - c0[1]:8d}"
@@ -290,6 +303,8 @@ if __name__ == "__main__":
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="K MTP drafts per step (random weights: drafts are almost never accepted, so the decode rate "
                     "is a speculative round's cost per token, the floor of what drafts gain)")
+    ap.add_argument("--profile-round", action="store_true",
+                    help="with --speculative: where the draft graph's replay goes, per kernel")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="set kernel.TUNING[KEY] (a Python literal) for the run, e.g. --tune "
                     "sparse_block_n=32; repeatable")
@@ -299,4 +314,5 @@ if __name__ == "__main__":
     except ValueError as e:
         raise SystemExit(str(e))
     main([tuple(map(int, c.split("x"))) for c in a.cases.split(",") if c], a.new, a.max_batch, a.max_context,
-         a.prefill_chunk, a.profile, a.dump, a.build_threads, a.graph_prefill, a.turn, a.speculative)
+         a.prefill_chunk, a.profile, a.dump, a.build_threads, a.graph_prefill, a.turn, a.speculative,
+         a.profile_round)
