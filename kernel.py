@@ -8,10 +8,10 @@ through DSA region selection and greedy argmax, eventually the tokens), and ever
 contract, in model order (norms and RoPE, sliding-window attention, DSA, router and MoE, GEMMs, the TP reduction,
 the choose step's logits processing): each op's reference, then its public dispatcher.
 The Triton kernels live in kernels/, one family per module (common: the plumbing and the switches tests flip;
-norm_rope, sliding, dsa_index, dsa_attention, moe_route, expert_gemm, experts, linear, choose), each `_name_kernel` with a
-`name_triton` launcher that checks shapes, dtypes and contiguity, allocates, builds the grid and launches; kernels/
-never imports this file. The dispatchers pass TUNING's entries to the launchers, whose parameters are named after
-them. Region selection is exact too: a counting radix select of the K-th largest key plus one prefix-sum
+norm_rope, sliding, dsa_index, dsa_attention, moe_route, expert_gemm, experts, linear, choose), each `_name_kernel`
+with a `name_triton` launcher that checks shapes, dtypes and contiguity, allocates, builds the grid and launches;
+kernels/ never imports this file. The dispatchers pass TUNING's entries to the launchers, whose parameters are named
+after them. Region selection is exact too: a counting radix select of the K-th largest key plus one prefix-sum
 compaction, bit-identical to the reference's sorts. Decode launches many small kernels: capture the decode step in a
 CUDA graph to see the kernel times rather than Triton's Python launch overhead (~50-100 us per launcher call on the
 H200 machine).

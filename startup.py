@@ -20,8 +20,8 @@ into the engine (cache, mtps, graphs, prefill_graphs, extend_graphs, max_context
   captured. The builds are sized to the memory left: passes run together only as far as the free memory holds their
   caches and workspaces, the decode steps' threads likewise, and where the memory left does not hold two of the
   largest passes side by side, or the plan has no room for what builds from threads leave taken (a whole rank on an
-  H100), the warm-up runs in order, inside the plan. A start-up that
-  still runs out of memory is refused in one line naming the flags that size it.
+  H100), the warm-up runs in order, inside the plan. A start-up that still runs out of memory is refused in one line
+  naming the flags that size it.
 - Triton's disk cache. Triton keeps compiled kernels in ~/.triton/cache (or $TRITON_CACHE_DIR): a second start on
   the same machine reads them instead of compiling, and a copy of that directory on another node with the same GPU,
   driver and Triton skips the compile there too. A start-up leaves a marker there if it can (`step5-built-*`,

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import kernel as K
-from kernels import choose, common, dsa_attention, dsa_index, expert_gemm, experts, linear, moe_route, norm_rope, sliding
+from kernels import (choose, common, dsa_attention, dsa_index, expert_gemm, experts, linear, moe_route, norm_rope,
+                     sliding)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAVE_CUDA = torch.cuda.is_available()

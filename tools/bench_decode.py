@@ -16,7 +16,8 @@ the defaults timed just before and after it; --tune KEY=VALUE changes a default 
 
 From the repository root (torchrun takes a module with -m, as python does):
 
-    python -m tools.bench_decode [--batch 1 16 32] [--context 4096] [--whole-rank [--candidates]] [--torch-ref] [--profile]
+    python -m tools.bench_decode [--batch 1 16 32] [--context 4096] [--whole-rank [--candidates]] [--torch-ref]
+                                 [--profile]
     python -m tools.bench_decode --whole-rank --tune "moe_stages=((4, 4), (4, 3))" --tune "moe_unroll=((4, 4), (1, 1))"
     python -m tools.bench_decode [--whole-rank] --tokens-per-row 4    # a speculative verify step (3 drafts)
     torchrun --standalone --nproc-per-node=2 -m tools.bench_decode --whole-rank [--one-shot]
@@ -266,7 +267,8 @@ def bench_rank(cfg, batches: list, context: int, profile: bool, q: int = 1, one_
                                                    for i in range(cfg.num_hidden_layers))
         say(f"whole rank: {kernels} kernels per step ({kernels / cfg.num_hidden_layers:.1f} per layer) | eager "
             f"{eager * 1e3:8.2f} ms | graph {graph_t * 1e3:7.3f} ms | {nbytes / 1e9:5.2f} GB -> floor "
-            f"{nbytes / HBM_BPS * 1e3:5.2f} ms | {nbytes / graph_t / 1e9:7.1f} GB/s = {nbytes / graph_t / HBM_BPS:5.1%} of HBM")
+            f"{nbytes / HBM_BPS * 1e3:5.2f} ms | {nbytes / graph_t / 1e9:7.1f} GB/s = "
+            f"{nbytes / graph_t / HBM_BPS:5.1%} of HBM")
         if candidates:  # graphs re-captured under each choice
             trials = {f"{k}={v}": {k: v} for k, vs in ALTERNATIVES.items() for v in vs
                       if candidates is True or k in candidates}
@@ -275,23 +277,24 @@ def bench_rank(cfg, batches: list, context: int, profile: bool, q: int = 1, one_
                 if isinstance(r, Exception):
                     say(f"candidate {name:18s}: {type(r).__name__}: {str(r)[:200]}")
                 else:
-                    say(f"candidate {name:18s}: graph {r[0] * 1e3:7.3f} ms ({r[0] / r[1] - 1:+6.1%} vs the defaults timed "
-                        f"around it: {r[1] * 1e3:7.3f} ms)")
+                    say(f"candidate {name:18s}: graph {r[0] * 1e3:7.3f} ms ({r[0] / r[1] - 1:+6.1%} vs the defaults "
+                        f"timed around it: {r[1] * 1e3:7.3f} ms)")
         if q > 1:
             t_q = timed_graph(1, torch.zeros(batch, q, dtype=torch.long, device="cuda"))
             say(f"verify step of {q} tokens per row: {t_q * 1e3:7.3f} ms = {t_q / graph_t:.2f}x the 1-token step")
         if world > 1:
             with_tp = timed_graph(world)
-            say(f"with the TP reductions between {world} GPUs (2 per layer + the logits gather): {with_tp * 1e3:7.3f} ms; "
-                f"reductions {(with_tp - graph_t) * 1e3:.3f} ms = {(with_tp - graph_t) / with_tp:.1%} of the step, "
+            say(f"with the TP reductions between {world} GPUs (2 per layer + the logits gather): "
+                f"{with_tp * 1e3:7.3f} ms; reductions {(with_tp - graph_t) * 1e3:.3f} ms = "
+                f"{(with_tp - graph_t) / with_tp:.1%} of the step, "
                 f"{(with_tp - graph_t) / (2 * cfg.num_hidden_layers + 1) * 1e6:.1f} us per reduction")
             if one_shot:  # the opt-in M.OneShotReduce for the layers' reductions (the logits still gather)
                 M.set_one_shot(batch * q, cfg.hidden_size, torch.device("cuda", rank))
                 t_os = timed_graph(world)
                 M.set_one_shot(0)
-                say(f"same with the one-shot reduction (kernel.peer_add_norm_triton): {t_os * 1e3:7.3f} ms; reductions "
-                    f"{(t_os - graph_t) * 1e3:.3f} ms, {(t_os - graph_t) / (2 * cfg.num_hidden_layers + 1) * 1e6:.1f} us "
-                    f"per reduction")
+                say(f"same with the one-shot reduction (kernel.peer_add_norm_triton): {t_os * 1e3:7.3f} ms; "
+                    f"reductions {(t_os - graph_t) * 1e3:.3f} ms, "
+                    f"{(t_os - graph_t) / (2 * cfg.num_hidden_layers + 1) * 1e6:.1f} us per reduction")
                 with_tp = min(with_tp, t_os)
             graph_t = with_tp
         results.append((batch, graph_t, nbytes / HBM_BPS))
