@@ -6,7 +6,7 @@ contract: they round to bf16 / e4m3 exactly where the deployed kernels do (those
 through DSA region selection and greedy argmax, eventually the tokens), and every kernel is tested against them
 (tests/test_kernels.py; speed and real-shape checks: tools.bench_kernels). This file reads top to bottom as that
 contract, in model order (norms and RoPE, sliding-window attention, DSA, router and MoE, GEMMs, the TP reduction,
-the choose step's logits processing): each op's reference, then its public dispatcher.
+the choose step's logits processing and uniforms): each op's reference, then its public dispatcher.
 The Triton kernels live in kernels/, one family per module (common: the plumbing and the switches tests flip;
 norm_rope, sliding, dsa_index, dsa_attention, moe_route, expert_gemm, experts, linear, choose), each `_name_kernel`
 with a `name_triton` launcher that checks shapes, dtypes and contiguity, allocates, builds the grid and launches;
@@ -709,7 +709,8 @@ def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0,
 
 
 # --------------------------------------------------------------------------------------------------
-# The choose step: a row's logits processed by its request's penalties, grammar mask and reasoning budget
+# The choose step: a row's logits processed by its request's penalties, grammar mask and reasoning budget; the draws'
+# counter-based uniforms
 
 
 def unpack_mask(mask: torch.Tensor, V: int) -> torch.Tensor:
@@ -744,3 +745,33 @@ def process_logits(x, slots, counts, mask, thinking, left, repetition, frequency
                                             prompt, masked, think_end)
     return process_logits_ref(x, slots, counts, mask, thinking, left, repetition, frequency, presence, prompt,
                               masked, think_end)
+
+
+# splitmix64's constants as signed int64 (torch's int64 arithmetic wraps like uint64)
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    return (z >> k) & ((1 << (64 - k)) - 1)  # a logical right shift of int64
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _srl(z, 30)) * _MIX1
+    z = (z ^ _srl(z, 27)) * _MIX2
+    return z ^ _srl(z, 31)
+
+
+def uniform_ref(seeds: torch.Tensor, counters: torch.Tensor, n: int) -> torch.Tensor:
+    """Counter-based uniforms in (0, 1): [B] seeds, [B] counters -> [B, n] fp32, a pure function of (seed, counter,
+    column): no generator state, so a request's draws do not depend on its batch, and the step is replayable as a
+    CUDA graph. splitmix64 of (mix(seed) + counter) and of that plus each column."""
+    base = _mix(_mix(seeds * _GOLDEN) + counters)  # [B]
+    z = _mix(base[:, None] + (torch.arange(n, device=seeds.device) + 1) * _GOLDEN)
+    return ((_srl(z, 40) & 0xFFFFFF).float() + 0.5) * 2.0 ** -24
+
+
+def uniform(seeds: torch.Tensor, counters: torch.Tensor, n: int) -> torch.Tensor:
+    """uniform_ref in one launch for CUDA tensors."""
+    if _triton(seeds):
+        return choose.uniform_triton(seeds, counters, n)
+    return uniform_ref(seeds, counters, n)

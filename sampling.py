@@ -3,7 +3,7 @@ gathers the same full-vocabulary logits in rank order (full_vocab, greedy), and 
 counter-based random stream of its own request (seed, counter), so no generator state is shared and a request's
 draws do not depend on its batch. The engine's decode graph takes greedy's tokens; choice.py's choose step (bias,
 penalties, grammar masks, the reasoning budget, logprobs) ends in probabilities / draw; speculative.py's acceptance
-uses them with uniform.
+uses them with kernel.uniform.
 """
 import math
 import numbers
@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+import kernel
 import model as M
 
 
@@ -154,29 +155,6 @@ class Sampling:
         return replace(self, seed=(self.seed + j) % 2 ** 63)
 
 
-# splitmix64's constants as signed int64 (torch's int64 arithmetic wraps like uint64)
-_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
-
-
-def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
-    return (z >> k) & ((1 << (64 - k)) - 1)  # a logical right shift of int64
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _srl(z, 30)) * _MIX1
-    z = (z ^ _srl(z, 27)) * _MIX2
-    return z ^ _srl(z, 31)
-
-
-def uniform(seeds: torch.Tensor, counters: torch.Tensor, n: int) -> torch.Tensor:
-    """Counter-based uniforms in (0, 1): [B] seeds, [B] counters -> [B, n] fp32, a pure function of (seed, counter,
-    column): no generator state, so a request's draws do not depend on its batch, and the step is replayable as a
-    CUDA graph. splitmix64 of (mix(seed) + counter) and of that plus each column."""
-    base = _mix(_mix(seeds * _GOLDEN) + counters)  # [B]
-    z = _mix(base[:, None] + (torch.arange(n, device=seeds.device) + 1) * _GOLDEN)
-    return ((_srl(z, 40) & 0xFFFFFF).float() + 0.5) * 2.0 ** -24
-
-
 @dataclass
 class RowSampling:
     """Per-row sampling parameters of a batch as device tensors [B] (Sampling of each row)."""
@@ -239,6 +217,6 @@ def draw(probs: torch.Tensor, rs: RowSampling, counters: torch.Tensor) -> torch.
     # stream 0 of the counter; a uniform of 2^24 - 1 (+ 0.5) rounds to 1.0 in fp32, where -log gives 0 and a token of
     # probability 0 would win the race as 0 / 0 = NaN (a masked token, about once in 130 draws at 128,896 tokens): the
     # floor keeps every E_i > 0 and changes no other draw (any other uniform gives E_i >= 2^-24)
-    e = (-torch.log(uniform(rs.seed, counters * 4, probs.shape[-1]))).clamp_min(2.0 ** -25)
+    e = (-torch.log(kernel.uniform(rs.seed, counters * 4, probs.shape[-1]))).clamp_min(2.0 ** -25)
     tok = row_top(probs / e)[1]
     return torch.where(torch.isfinite(row_sum(probs)), tok, -1)  # probabilities sum to at most V: no overflow

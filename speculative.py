@@ -8,7 +8,8 @@ import itertools
 import torch
 
 import choice
-from sampling import draw, full_vocab, greedy, probabilities, row_max, row_top, uniform
+import kernel
+from sampling import draw, full_vocab, greedy, probabilities, row_max, row_top
 from startup import Graph
 
 
@@ -262,7 +263,7 @@ class Speculator:
         rs = choice.rows_of(st, slots)
         probs = probabilities(x, rs.repeat(P), nucleus=pick is choice.Pick.WHOLE).view(b, P, V)
         base = e.count[slots]  # the index of the step's first token in its request
-        u = uniform(rs.seed, base * 4 + 1, k)  # counter stream 1: acceptance
+        u = kernel.uniform(rs.seed, base * 4 + 1, k)  # counter stream 1: acceptance
         px = probs[:, :k].gather(2, drafts[:, :, None])[:, :, 0]  # [b, k]
         acc = (u <= px).long().cumprod(1).sum(1)  # u may be 1.0 in fp32: a draft of probability 1 is still accepted
         # the token after the accepted drafts: p at position acc, with the rejected draft removed (acc < k)

@@ -1,7 +1,8 @@
-"""The choose step's logits processing: repetition, frequency and presence penalties, the grammar's bitmask and the
-reasoning budget applied to a row in one pass over the vocabulary (_process_kernel), with its launcher. The
-reference: kernel.process_logits_ref (the PyTorch form is ~60 launches over [N, V], each reading or writing a whole
-row; this is one, which reads the row, its counts, its prompt marks and its mask words once).
+"""The choose step's kernels, with their launchers: the logits processing (_process_kernel: repetition, frequency and
+presence penalties, the grammar's bitmask and the reasoning budget applied to a row in one pass over the vocabulary;
+the PyTorch form is ~60 launches over [N, V], each reading or writing a whole row) and the draws' counter-based
+uniforms (_uniform_kernel: splitmix64 per column in registers; the PyTorch form is ~30 int64 launches over [N, V]).
+The references: kernel.process_logits_ref, kernel.uniform_ref.
 """
 import torch
 import triton
@@ -60,3 +61,46 @@ def process_logits_triton(x, slots, counts, mask, thinking, left, repetition, fr
                                                presence, prompt, masked, think_end, V, W, BLOCK=BLOCK, num_warps=8,
                                                **_NO_FMA, **common._pdl())
     return x
+
+
+# splitmix64's constants as signed int64 (two's complement: int64 arithmetic wraps like uint64)
+_GOLDEN = tl.constexpr(0x9E3779B97F4A7C15 - (1 << 64))
+_MIX1 = tl.constexpr(0xBF58476D1CE4E5B9 - (1 << 64))
+_MIX2 = tl.constexpr(0x94D049BB133111EB - (1 << 64))
+
+
+@triton.jit
+def _srl(z, K: tl.constexpr):
+    return (z >> K) & ((1 << (64 - K)) - 1)  # a logical right shift of int64
+
+
+@triton.jit
+def _mix(z):
+    z = (z ^ _srl(z, 30)) * _MIX1
+    z = (z ^ _srl(z, 27)) * _MIX2
+    return z ^ _srl(z, 31)
+
+
+@triton.jit
+def _uniform_kernel(seeds_ptr, counters_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (row b, block of BLOCK columns): out[b, j] = the uniform of (seed b, counter b, column j), as
+    kernel.uniform_ref (integer arithmetic, then exact conversions: bit for bit)."""
+    _pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    base = _mix(_mix(tl.load(seeds_ptr + b) * _GOLDEN) + tl.load(counters_ptr + b))
+    z = _mix(base + (j.to(tl.int64) + 1) * _GOLDEN)
+    u = ((_srl(z, 40) & 0xFFFFFF).to(tl.float32) + 0.5) * (2.0 ** -24)
+    tl.store(out_ptr + b * n + j, u, mask=j < n)
+
+
+def uniform_triton(seeds, counters, n: int):
+    """kernel.uniform on the GPU: seeds [B], counters [B] int64 -> [B, n] fp32."""
+    _check_tensor("seeds", seeds, torch.int64, ndim=1)
+    _check_tensor("counters", counters, torch.int64, ndim=1)
+    B = seeds.shape[0]
+    _check(counters.shape[0] == B, lambda: f"counters must be [{B}], got {tuple(counters.shape)}")
+    out = torch.empty(B, n, dtype=torch.float32, device=seeds.device)
+    if B and n:
+        _uniform_kernel[(B, _cdiv(n, BLOCK))](seeds, counters, out, n, BLOCK=BLOCK, num_warps=8, **common._pdl())
+    return out

@@ -1127,6 +1127,20 @@ def test_process_logits(N, V):
     assert ref.isneginf().any() and (ref == 0).any()  # the mask and the forced end took effect
 
 
+@pytest.mark.parametrize("B,n", [(3, 5000), (1, 2)])
+def test_uniform(B, n):
+    """The draws' uniforms in one launch = uniform_ref bit for bit (integer arithmetic wrapping mod 2^64, then exact
+    conversions): seeds up to 2^63 - 1, large counters, a column count off the block size; the known 1.0 (seed 2775,
+    counter 0, column 502) among them."""
+    seeds = torch.tensor([2775, 2 ** 63 - 1, 12345][:B])
+    counters = torch.tensor([0, 2 ** 40 + 7, 4 * 999][:B])
+    got = choose.uniform_triton(seeds.to(DEV), counters.to(DEV), n)
+    ref = K.uniform_ref(seeds, counters, n)
+    assert torch.equal(got.cpu().view(torch.int32), ref.view(torch.int32))
+    if n > 502:
+        assert got[0, 502] == 1.0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # real shapes on a GPU (TP = 8 local sizes)
 

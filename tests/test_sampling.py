@@ -6,6 +6,7 @@ engine. (generate.py's sampling flags, at TP=2 included: tests/test_generate.py.
 import torch
 
 import helpers
+import kernel as K
 import sampling
 from test_generate import EOS, NEW, PROMPTS
 
@@ -89,7 +90,7 @@ def test_sample_rows_draw_by_their_own_seed_and_counter():
     for i in range(6):
         alone = sample(logits[i:i + 1], sampling.RowSampling.of([sp[i]], "cpu"), counters[i:i + 1])
         assert alone[0] == batch[i]
-    u = sampling.uniform(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), 1000)
+    u = K.uniform(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), 1000)
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2]) and 0 < u.min() and u.max() < 1
     assert abs(u.mean().item() - 0.5) < 0.02
 
@@ -99,7 +100,7 @@ def test_a_uniform_that_rounds_to_one_never_draws_a_token_of_probability_zero():
     is another (a grammar's forced token, top_k 1) still draws that token, and a row that allows 502 too draws from
     the two."""
     seed, col, V = 2775, 502, 1024
-    assert sampling.uniform(torch.tensor([seed]), torch.tensor([0]), V)[0, col] == 1.0
+    assert K.uniform(torch.tensor([seed]), torch.tensor([0]), V)[0, col] == 1.0
     rs = sampling.RowSampling.of([sampling.Sampling(1.0, 0, 1.0, seed)], "cpu")
     probs = torch.zeros(1, V)
     probs[0, 7] = 1.0

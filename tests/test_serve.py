@@ -36,7 +36,8 @@ import runtime
 import serve_answers
 import serve_http
 from invariants import NOISE, ROOT, TORCHRUN, tokens_agree_up_to_near_tie
-from sampling import Sampling, uniform
+from kernel import uniform
+from sampling import Sampling
 
 KEY = "serve-test-key"
 NEW = 4  # tokens per request: one decode step of the tiny TP=2 model takes ~0.1 s on 2 shared cores

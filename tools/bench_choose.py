@@ -7,8 +7,8 @@ penalties, as bench_grammar's constrained requests and a chat's sampled ones cho
     python -m tools.bench_choose                       # batches 1 and 16
     python -m tools.bench_choose --batch 1 --profile   # and each step's kernels
 
-Each variant is timed twice: with the logits processing in one launch (kernel.process_logits) and in its PyTorch
-form (kernel.process_logits_ref).
+Each variant is timed twice: with the choose step's kernels (kernel.process_logits: the logits processing in one
+launch; kernel.uniform: the draws' uniforms in one) and with their PyTorch forms (the `*_ref` references).
 
 The ceiling printed is the HBM floor of the bytes a step must touch: the logits read once (fp32), the output counts
 read and written (int32), the prompt marks and the mask read.
@@ -68,7 +68,7 @@ def main():
     for b in a.batch:
         nbytes = b * V * (4 + 2 * 4 + 1) + b * V // 8
         ms = {}
-        for backend in ("triton", "torch"):  # the logits processing in one launch (kernel.process_logits) or not
+        for backend in ("triton", "torch"):  # the choose step's kernels, or their PyTorch forms
             kernel.set_backend(backend == "triton")
             gs = graphs(b)
             for name, gr in gs.items():
@@ -84,7 +84,7 @@ def main():
         for backend in ("triton", "torch"):
             print(f"batch {b:3d} {backend}: lean / whole {ms['lean', backend] / ms['whole', backend]:.1%}; argmax / "
                   f"whole {ms['argmax', backend] / ms['whole', backend]:.1%}")
-        print(f"batch {b:3d} one launch / PyTorch form: " + ", ".join(
+        print(f"batch {b:3d} kernels / PyTorch forms: " + ", ".join(
             f"{p.name.lower()} {ms[p.name.lower(), 'triton'] / ms[p.name.lower(), 'torch']:.1%}" for p in choice.Pick))
 
 
