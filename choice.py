@@ -21,7 +21,8 @@ import torch
 
 import kernel
 import model as M
-from sampling import LOGIT_BIAS_MAX, RowSampling, draw, full_vocab, is_int, probabilities, row_max, row_top
+from sampling import (LOGIT_BIAS_MAX, RowSampling, draw, full_vocab, is_int, probabilities, row_max, row_sum,
+                      row_top)
 
 TOP = 20  # top alternatives computed per chosen token; a request reports the first `logprobs` of them
 
@@ -112,7 +113,9 @@ def logprobs(full: torch.Tensor, tok: torch.Tensor) -> tuple:
     """Raw log-probabilities: full-vocabulary logits [N, V] and chosen tokens [N] -> (the chosen tokens' [N], the TOP
     most likely ids [N, TOP] int64 and theirs [N, TOP]), most likely first, the lowest id first among equals."""
     x = full.float()
-    lse = torch.logsumexp(x, -1, keepdim=True)
+    m = row_max(x)[:, None]
+    m = torch.where(torch.isfinite(m), m, 0.0)  # a row of -inf: log(0) = -inf; one holding +inf or NaN: itself
+    lse = m + torch.log(row_sum((x - m).exp()))[:, None]  # logsumexp, its one-row reductions in blocks
     v, i = x.topk(min(TOP, x.shape[1]), -1)
     i, order = i.sort(dim=-1)  # ids ascending, then a stable sort by value: equal values keep the lowest id first
     v = v.gather(1, order)

@@ -199,13 +199,15 @@ def probabilities(full: torch.Tensor, rs: RowSampling, nucleus: bool = True) -> 
     # most likely first; stable, so tied logits keep the lowest id first (as greedy's argmax)
     xs, ids = x.sort(dim=-1, descending=True, stable=True)
     keep = (rs.top_k[:, None] == 0) | (rank[None, :] < rs.top_k[:, None])
-    ps = torch.where(keep, xs, float("-inf")).softmax(-1)
+    # softmax of the kept part: xs is sorted, its first the largest, which the shift above made 0
+    ps = torch.where(keep, xs.exp(), 0.0)
+    ps = ps / row_sum(ps)[:, None]
     # The mass of the more likely tokens (0 for the first), summed in 2^-48 fixed point: integer sums are exact in any
     # order, while a float cumsum on CUDA may round differently between runs and so move the nucleus boundary on one
     # rank. The bound is at least 1 so that the first token always stays (a top_p below 2^-48 keeps only it).
     q = (ps * 2.0 ** 48).long()
     ps = ps.masked_fill(q.cumsum(-1) - q >= (rs.top_p[:, None].double() * 2 ** 48).long().clamp_min(1), 0.0)
-    ps = ps / ps.sum(-1, keepdim=True)
+    ps = ps / row_sum(ps)[:, None]
     cut = torch.zeros_like(ps).scatter_(-1, ids, ps)
     return torch.where(((rs.top_k != 0) | (rs.top_p < 1))[:, None] & ~greedy_row[:, None], cut, dense)
 
