@@ -165,14 +165,9 @@ def choose(logits: torch.Tensor, st: Slots, slots: torch.Tensor, mask: torch.Ten
 
 def advance(st: Slots, slots: torch.Tensor, toks: torch.Tensor, emitted: torch.Tensor):
     """The state of rows on `slots` [N] after emitting toks [N, P] where emitted [N, P] (in order): the output counts,
-    and the reasoning state (tokens spent while reasoning; the end of reasoning ends it)."""
-    t = toks.clamp(min=0)
-    st.counts.index_put_((slots[:, None].expand_as(t), t), emitted.int(), accumulate=True)  # N * P entries, not [N, V]
-    ends = ((t == st.think_end[slots][:, None]) & emitted).long()  # [N, P]
-    was = st.thinking[slots][:, None] & (ends.cumsum(1) - ends == 0)  # reasoning before token j
-    st.think_left[slots] -= (was & emitted).sum(1)
-    st.thinking[slots] &= ~ends.bool().any(1)
-
+    and the reasoning state (tokens spent while reasoning; the end of reasoning ends it): kernel.advance (one launch
+    on a GPU)."""
+    kernel.advance(st.counts, st.thinking, st.think_left, st.think_end, slots, toks, emitted)
 
 
 PROMPT_ROWS = 512  # prompt rows whose logits an echo computes at once: [512, V/tp] fp32 (32 MB at TP=8)

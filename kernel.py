@@ -6,7 +6,7 @@ contract: they round to bf16 / e4m3 exactly where the deployed kernels do (those
 through DSA region selection and greedy argmax, eventually the tokens), and every kernel is tested against them
 (tests/test_kernels.py; speed and real-shape checks: tools.bench_kernels). This file reads top to bottom as that
 contract, in model order (norms and RoPE, sliding-window attention, DSA, router and MoE, GEMMs, the TP reduction,
-the choose step's logits processing and uniforms): each op's reference, then its public dispatcher.
+the choose step's logits processing, uniforms and state): each op's reference, then its public dispatcher.
 The Triton kernels live in kernels/, one family per module (common: the plumbing and the switches tests flip;
 norm_rope, sliding, dsa_index, dsa_attention, moe_route, expert_gemm, experts, linear, choose), each `_name_kernel`
 with a `name_triton` launcher that checks shapes, dtypes and contiguity, allocates, builds the grid and launches;
@@ -710,7 +710,7 @@ def peer_add_norm_triton(res, bufs, pads, rank, parts_dtype, w, eps, slot_off=0,
 
 # --------------------------------------------------------------------------------------------------
 # The choose step: a row's logits processed by its request's penalties, grammar mask and reasoning budget; the draws'
-# counter-based uniforms
+# counter-based uniforms; the requests' state advanced by their tokens
 
 
 def unpack_mask(mask: torch.Tensor, V: int) -> torch.Tensor:
@@ -775,3 +775,22 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor, n: int) -> torch.Tensor
     if _triton(seeds):
         return choose.uniform_triton(seeds, counters, n)
     return uniform_ref(seeds, counters, n)
+
+
+def advance_ref(counts, thinking, left, think_end, slots, toks, emitted):
+    """In place: the per-slot state of rows on `slots` [N] after emitting toks [N, P] where emitted [N, P] bool (in
+    order): the output counts [B, V] int32, and the reasoning state, thinking [B] bool and left [B] int64 (tokens
+    spent while reasoning, the end of reasoning think_end [B] included; the end ends it)."""
+    t = toks.clamp(min=0)
+    counts.index_put_((slots[:, None].expand_as(t), t), emitted.int(), accumulate=True)  # N * P entries, not [N, V]
+    ends = ((t == think_end[slots][:, None]) & emitted).long()  # [N, P]
+    was = thinking[slots][:, None] & (ends.cumsum(1) - ends == 0)  # reasoning before token j
+    left[slots] -= (was & emitted).sum(1)
+    thinking[slots] &= ~ends.bool().any(1)
+
+
+def advance(counts, thinking, left, think_end, slots, toks, emitted):
+    """advance_ref in one launch for CUDA tensors."""
+    if _triton(counts):
+        return choose.advance_triton(counts, thinking, left, think_end, slots, toks, emitted)
+    return advance_ref(counts, thinking, left, think_end, slots, toks, emitted)

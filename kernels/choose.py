@@ -1,8 +1,10 @@
 """The choose step's kernels, with their launchers: the logits processing (_process_kernel: repetition, frequency and
 presence penalties, the grammar's bitmask and the reasoning budget applied to a row in one pass over the vocabulary;
-the PyTorch form is ~60 launches over [N, V], each reading or writing a whole row) and the draws' counter-based
-uniforms (_uniform_kernel: splitmix64 per column in registers; the PyTorch form is ~30 int64 launches over [N, V]).
-The references: kernel.process_logits_ref, kernel.uniform_ref.
+the PyTorch form is ~60 launches over [N, V], each reading or writing a whole row), the draws' counter-based
+uniforms (_uniform_kernel: splitmix64 per column in registers; the PyTorch form is ~30 int64 launches over [N, V])
+and the requests' state after their tokens (_advance_kernel: a row's counts and reasoning state in one program; the
+PyTorch form is ~14 small launches). The references: kernel.process_logits_ref, kernel.uniform_ref,
+kernel.advance_ref.
 """
 import torch
 import triton
@@ -104,3 +106,47 @@ def uniform_triton(seeds, counters, n: int):
     if B and n:
         _uniform_kernel[(B, _cdiv(n, BLOCK))](seeds, counters, out, n, BLOCK=BLOCK, num_warps=8, **common._pdl())
     return out
+
+
+@triton.jit
+def _advance_kernel(counts_ptr, thinking_ptr, left_ptr, end_ptr, slots_ptr, toks_ptr, emitted_ptr, V,
+                    P: tl.constexpr, PDL: tl.constexpr):
+    """Program (row n): its slot's output counts and reasoning state after its P tokens, in order (kernel.advance_ref).
+    A row that emitted nothing (a padding row) writes nothing."""
+    _pdl_enter(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    end = tl.load(end_ptr + slot)
+    thinking = tl.load(thinking_ptr + slot) != 0
+    spent = tl.zeros((), dtype=tl.int64)
+    ended = tl.zeros((), dtype=tl.int1)
+    any_emitted = tl.zeros((), dtype=tl.int1)
+    for j in tl.static_range(P):
+        t = tl.maximum(tl.load(toks_ptr + n * P + j), 0)
+        emitted = tl.load(emitted_ptr + n * P + j) != 0
+        c = tl.load(counts_ptr + slot * V + t)
+        tl.store(counts_ptr + slot * V + t, c + 1, mask=emitted)
+        spent += (thinking & ~ended & emitted).to(tl.int64)  # reasoning before this token: it is spent on it
+        ended = ended | ((t == end) & emitted)
+        any_emitted = any_emitted | emitted
+    tl.store(left_ptr + slot, tl.load(left_ptr + slot) - spent, mask=any_emitted)
+    tl.store(thinking_ptr + slot, thinking & ~ended, mask=any_emitted)
+
+
+def advance_triton(counts, thinking, left, think_end, slots, toks, emitted):
+    """kernel.advance on the GPU: the slots' state updated in place."""
+    _check_tensor("counts", counts, torch.int32, ndim=2)
+    B, V = counts.shape
+    slots, toks, emitted = slots.contiguous(), toks.contiguous(), emitted.contiguous()  # [N], [N, P]: views allowed
+    N = slots.shape[0]
+    for name, t, dtype, shape in (("thinking", thinking, torch.bool, (B,)), ("left", left, torch.int64, (B,)),
+                                  ("think_end", think_end, torch.int64, (B,)), ("slots", slots, torch.int64, (N,)),
+                                  ("toks", toks, torch.int64, None), ("emitted", emitted, torch.bool, None)):
+        _check_tensor(name, t, dtype)
+        _check(shape is None or tuple(t.shape) == shape, lambda: f"{name} must be {list(shape)}, got {tuple(t.shape)}")
+    P = toks.shape[1] if toks.dim() == 2 else 0
+    _check(toks.shape == (N, P) and emitted.shape == (N, P),
+           lambda: f"toks and emitted must be [{N}, P], got {tuple(toks.shape)} and {tuple(emitted.shape)}")
+    if N and P:
+        _advance_kernel[(N,)](counts, thinking, left, think_end, slots, toks, emitted, V, P=P, num_warps=1,
+                              **common._pdl())

@@ -1141,6 +1141,31 @@ def test_uniform(B, n):
         assert got[0, 502] == 1.0
 
 
+@pytest.mark.parametrize("P", [1, 3])
+def test_advance(P):
+    """The requests' state after their tokens in one launch = advance_ref: counts (a token twice in a row's tokens,
+    -1 counted as token 0 as the reference clamps), the reasoning budget spent up to and including the end token and
+    ended by it, tokens not emitted left out, a padding row (nothing emitted) writing nothing."""
+    B, V = 5, 40
+    g = _gen(P)
+    counts = torch.randint(0, 3, (B, V), generator=g, dtype=torch.int32)
+    thinking = torch.tensor([True, True, False, True, True])
+    left = torch.tensor([10, 0, 3, 2 ** 62, 5])
+    think_end = torch.tensor([7, 7, -1, 9, 7])
+    slots = torch.tensor([3, 0, 2, 1])
+    toks = torch.tensor([[5, 9, 5], [7, 2, 7], [-1, 3, 3], [4, 4, 4]])[:, :P]
+    emitted = torch.tensor([[True, True, True], [True, True, False], [True, False, True], [False, False, False]])[:, :P]
+    want = [t.clone() for t in (counts, thinking, left)]
+    K.advance_ref(*want, think_end, slots, toks, emitted)
+    got = [t.clone().to(DEV) for t in (counts, thinking, left)]
+    choose.advance_triton(*got, think_end.to(DEV), slots.to(DEV), toks.to(DEV), emitted.to(DEV))
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
+    assert not torch.equal(want[0], counts) and not torch.equal(want[2], left)  # the state moved
+    if P == 3:
+        assert not want[1][3] and want[2][3] == 2 ** 62 - 2  # slot 3 (end 9): 5 and 9 spent, 9 ended it
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # real shapes on a GPU (TP = 8 local sizes)
 

@@ -49,18 +49,21 @@ def test_every_launched_kernel_compiles_for_sm90(interpreted_model_run, monkeypa
         experts.moe_experts_sorted_triton(x, ids, torch.rand(3, 2), w1, w1, w2, s1, s1, s2, 7.0)  # prefill's path
         xq, sx = moe_route.act_quant_triton(x)
         expert_gemm.grouped_gemm_triton(xq, sx, w1, s1, torch.tensor([0, 1, 1, 3], dtype=torch.int32))
-        V, N = 300, 2  # the choose step's logits processing and uniforms (the engine's, not the model's)
+        V, N = 300, 2  # the choose step's kernels (the engine's, not the model's)
         choose.process_logits_triton(torch.randn(N, V), torch.tensor([0, 1]), torch.zeros(N, V, dtype=torch.int32),
                                      torch.zeros(N, 10, dtype=torch.int32), torch.zeros(N, dtype=torch.bool),
                                      torch.zeros(N, dtype=torch.long), torch.ones(N), torch.zeros(N), torch.zeros(N),
                                      torch.zeros(N, V, dtype=torch.bool), torch.zeros(N, dtype=torch.bool),
                                      torch.zeros(N, dtype=torch.long))
         choose.uniform_triton(torch.tensor([1, 2]), torch.tensor([0, 5]), V)
+        choose.advance_triton(torch.zeros(N, V, dtype=torch.int32), torch.zeros(N, dtype=torch.bool),
+                              torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.long), torch.tensor([0, 1]),
+                              torch.tensor([[1, 2], [3, 4]]), torch.ones(N, 2, dtype=torch.bool))
     names = {r["name"] for r in seen.values()}
     assert {"_sliding_attn_kernel", "_moe_decode_up_kernel", "_router_logits_kernel", "_select_regions_kernel",
             "_grouped_gemm_kernel", "_add_norm_kernel", "_banded_attn_kernel", "_dense_prefix_kernel",
             "_indexer_scores_kernel", "_sparse_attn_kernel", "_process_kernel",
-            "_uniform_kernel"} <= names, names
+            "_uniform_kernel", "_advance_kernel"} <= names, names
     launches = list(seen.values())
     failed = [f"{r['name']} {r['constexprs']} {r['options']}: " + (b.get("error") or f"{b['shared']} bytes of shared "
               "memory") for r, b in zip(launches, build(launches, str(tmp_path)))

@@ -8,7 +8,8 @@ penalties, as bench_grammar's constrained requests and a chat's sampled ones cho
     python -m tools.bench_choose --batch 1 --profile   # and each step's kernels
 
 Each variant is timed twice: with the choose step's kernels (kernel.process_logits: the logits processing in one
-launch; kernel.uniform: the draws' uniforms in one) and with their PyTorch forms (the `*_ref` references).
+launch; kernel.uniform: the draws' uniforms in one; kernel.advance: the requests' state in one) and with their
+PyTorch forms (the `*_ref` references).
 
 The ceiling printed is the HBM floor of the bytes a step must touch: the logits read once (fp32), the output counts
 read and written (int32), the prompt marks and the mask read.
