@@ -18,6 +18,7 @@ share of the prefill's wall time, and for the GEMMs and attention their rate aga
 (bf16 767, fp8 1263 TFLOP/s). "idle" is wall time with no kernel running (the host behind the device).
 """
 import argparse
+import contextlib
 import json
 import time
 
@@ -93,33 +94,32 @@ def step_time(eng: E.Engine, reqs: list, b: int) -> float:
     return t
 
 
-def draft_table(eng: E.Engine, b: int, rows: int = 30) -> str:
-    """Where the draft graph of bucket b spends its replay (bench_decode.replay_table), the state put back."""
-    g = eng.graphs[b][-1]
-    saved = [c.lengths.clone() for c in eng.mtps] + [eng.spec.drafts.clone()]
-    out = replay_table(g.graph.replay, rows)
-    for x, y in zip([c.lengths for c in eng.mtps] + [eng.spec.drafts], saved):
+@contextlib.contextmanager
+def round_state_kept(eng: E.Engine):
+    """The state a speculative round's graphs advance (cache and MTP lengths, next tokens, counts, drafts), put back
+    after the block: replays for timing leave the engine as they found it."""
+    state = (eng.cache.lengths, eng.next_tok, eng.count, eng.spec.drafts, *(c.lengths for c in eng.mtps))
+    saved = [x.clone() for x in state]
+    yield
+    for x, y in zip(state, saved):
         x.copy_(y)
-    return out
+
+
+def draft_table(eng: E.Engine, b: int, rows: int = 30) -> str:
+    """Where the draft graph of bucket b spends its replay (bench_decode.replay_table)."""
+    with round_state_kept(eng):
+        return replay_table(eng.graphs[b][-1].graph.replay, rows)
 
 
 def round_time(eng: E.Engine, b: int) -> tuple:
     """A speculative engine's round for bucket b, as step_time set its inputs -> (the verify, greedy accept and draft
     graphs replayed back to back, the accept graph alone, the draft graph alone) in seconds: what a step costs beyond
-    its verify graph. The state they advance is restored after each."""
+    its verify graph."""
     g_verify, g_greedy, *_, g_draft = eng.graphs[b]
-    state = (eng.cache.lengths, eng.next_tok, eng.count, eng.spec.drafts, *(c.lengths for c in eng.mtps))
 
     def timed(*graphs):
-        saved = [x.clone() for x in state]
-
-        def replay():
-            for g in graphs:
-                g.graph.replay() if g.graph is not None else g()
-        t = time_step(replay, iters=20)
-        for x, y in zip(state, saved):
-            x.copy_(y)
-        return t
+        with round_state_kept(eng):
+            return time_step(lambda: [g.graph.replay() if g.graph is not None else g() for g in graphs], iters=20)
     return timed(g_verify, g_greedy, g_draft), timed(g_greedy), timed(g_draft)
 
 
