@@ -171,8 +171,12 @@ class MemoryPlan:
     where: str  # the device, as the line names it
     store: prefix_cache.StoreSize = prefix_cache.StoreSize(0, 0, 0, 0)  # the prefix store's pools
 
+    def spare(self) -> int:
+        """What the free memory holds beyond the plan (negative: the plan does not fit)."""
+        return self.free - (self.caches + self.store.bytes + self.prefill + self.graphs + self.headroom)
+
     def fits(self) -> bool:
-        return self.caches + self.store.bytes + self.prefill + self.graphs + self.headroom <= self.free
+        return self.spare() >= 0
 
     def line(self) -> str:
         parts = [f"weights {size_text(self.weights)}", f"caches {size_text(self.caches)}",
@@ -595,8 +599,7 @@ class Startup:
         if self.free_memory() - p.headroom < 2 * largest:
             return (f"{size_text(self.free_memory() - p.headroom)} left beside the weights does not hold two of the "
                     f"largest warm-up passes ({size_text(largest)} each) side by side")
-        room = p.free - (p.caches + p.store.bytes + p.prefill + p.graphs + p.headroom)
-        room += p.caches // 2 if self.e.config.max_context is None else 0
+        room = p.spare() + (p.caches // 2 if self.e.config.max_context is None else 0)
         if room < self.leftover:
             return (f"the plan has {size_text(max(room, 0))} for the {size_text(self.leftover)} that builds from "
                     "threads leave taken (loaded kernels, library workspaces)")
