@@ -380,8 +380,8 @@ def test_start_up_sizes_its_builds_to_the_memory_left(tp1_models, gpu_launches, 
 @torch.inference_mode()
 def test_builds_from_threads_need_room_for_what_they_leave_taken(tp1_models, gpu_launches, monkeypatch, tmp_path,
                                                                  room):
-    """Builds from threads leave memory taken outside the allocator (loaded kernels, library workspaces: 1.1 GiB on an
-    H100 holding a whole rank, where the prefill graphs then could not be captured with the headroom cut by it). On a
+    """Builds from threads leave memory taken outside the allocator (loaded kernels, library workspaces), and the
+    headroom is still needed beside it (the graphs' captures run in it). On a
     device with room for two of the largest warm-up passes side by side (free memory faked on the engine's Startup
     object, and the leftover estimate set on it), they run from threads only where the plan has room for the leftover
     (its spare memory and half of its caches, the context being fitted): then the plan after them sees what they left
