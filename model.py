@@ -1005,16 +1005,16 @@ class Step5ForCausalLM(nn.Module):
                 for k in range(self.cfg.mtp_layers_kept)]
 
     def mtp(self, k: int, hidden, next_ids, cache: Cache, seq_lens: list | None, per_row: int = 1, rows=None,
-            head: bool = True, snaps=None):
+            snaps=None):
         """MTP layer k over seq_lens[i] rows of cache row rows[i], extending its own cache (or, with seq_lens None, a
         decode step of per_row rows per cache row of `rows` at positions cache.lengths[row] + 0 .. per_row-1, static
         shapes, rows row-major): each row combines the residual of the previous depth at its position (hidden [T, D] fp32: the
         main stack's before the final norm, or MTP layer k-1's) with the embedding of the token that follows that
         position (next_ids [T]) as
         eh_proj(concat[enorm(embed(next)), hnorm(hidden)]) -- this order: the reverse predicts almost nothing --
-        then a sliding-attention block with a dense MLP and its own head. -> (residual [T, D] fp32, logits window
-        of every row [T, V/tp] fp32: the prediction of the token after next; None without `head`, as a prompt's
-        absorb needs: a 16k-token chunk's logits would take 1.5 GB and a [16k, D] x [D, V/tp] GEMM per depth)."""
+        then a sliding-attention block with a dense MLP. -> the residual [T, D] fp32; its own head is mtp_logits,
+        apart: a draft needs one row's logits of each request's q rows, a prompt's absorb none (a 16k-token chunk's
+        logits would take 1.5 GB and a [16k, D] x [D, V/tp] GEMM per depth)."""
         layer = self.model.layers[self.cfg.num_hidden_layers + k]
         eps = self.cfg.rms_norm_eps
         at = self._place(cache, seq_lens, rows, next_ids.device, per_row)
@@ -1022,11 +1022,13 @@ class Step5ForCausalLM(nn.Module):
         e = kernel.rms_norm(self.embed(next_ids).float(), layer.enorm.weight, eps, torch.bfloat16)
         h = kernel.rms_norm(hidden, layer.hnorm.weight, eps, torch.bfloat16)
         x = linear(torch.cat([e, h], -1), layer.eh_proj.weight)  # [T, D] bf16
-        res = layer(x.float(), at, self.rope["layers"][self.cfg.num_hidden_layers + k], cache.layers[0])
-        if not head:
-            return res, None
-        out = layer.transformer.shared_head
-        return res, self._head(res, out.norm, out.output.weight)
+        return layer(x.float(), at, self.rope["layers"][self.cfg.num_hidden_layers + k], cache.layers[0])
+
+    def mtp_logits(self, k: int, res: torch.Tensor) -> torch.Tensor:
+        """MTP layer k's residual rows [N, D] fp32 -> its head's logits window [N, V/tp] fp32: the prediction of the
+        token after next."""
+        out = self.model.layers[self.cfg.num_hidden_layers + k].transformer.shared_head
+        return self._head(res, out.norm, out.output.weight)
 
 
 class Step5ForConditionalGeneration(Step5ForCausalLM):

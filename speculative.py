@@ -97,9 +97,8 @@ class Speculator:
                                device=e.dev)
             mine = [(b, x, i) for b, x, i in snaps or () for _, r, have, stop, _ in parts
                     if b == r.slot and have < x <= stop]
-            res, _ = m.mtp(j, torch.cat([x for *_, x in parts]), nxt, e.mtps[j],
-                           [stop - have for _, _, have, stop, _ in parts], rows=[r.slot for _, r, *_ in parts],
-                           head=False, snaps=mine)
+            res = m.mtp(j, torch.cat([x for *_, x in parts]), nxt, e.mtps[j],
+                        [stop - have for _, _, have, stop, _ in parts], rows=[r.slot for _, r, *_ in parts], snaps=mine)
             src, o = {}, 0
             for i, r, have, stop, _ in parts:
                 src[i] = (have, res[o:o + stop - have])
@@ -131,9 +130,9 @@ class Speculator:
             i = (t - L[:, None] - 2).clamp(0, k - 1)
             tok = torch.where(t <= L[:, None] + 1, self.tok[s_, t % S], out[r_[:, None], i])
             e.mtps[j].lengths[slots] = first
-            res, lg = m.mtp(j, self.h[j][s_, pos % S].view(R * q, D), tok.flatten(), e.mtps[j], None, q, rows=slots)
+            res = m.mtp(j, self.h[j][s_, pos % S].view(R * q, D), tok.flatten(), e.mtps[j], None, q, rows=slots)
             self.h[j + 1][s_, pos % S] = res.view(R, q, D)
-            out[:, j] = greedy(lg.view(R, q, -1)[r_, L - first]).clamp(min=0)
+            out[:, j] = greedy(m.mtp_logits(j, res.view(R, q, D)[r_, L - first])).clamp(min=0)  # row L's alone
         return out
 
     def graphs(self, b: int, pool) -> list:

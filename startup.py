@@ -456,7 +456,7 @@ class Startup:
              else torch.zeros(n, e.model.cfg.hidden_size, device=e.dev))
         for j, c in enumerate(mtps):
             c.lengths[0] = p0
-            h, _ = e.model.mtp(j, h, ids, c, [n], rows=[0], head=False)
+            h = e.model.mtp(j, h, ids, c, [n], rows=[0])
 
     # ---- the graphs
     def _plain_graph(self, b: int, pool) -> list:

@@ -143,7 +143,7 @@ def test_speculative_mtp_caches_equal_one_pass_absorb(mtp_model, monkeypatch, gr
             # the run's final rows of depth j: positions < done (its last step was not absorbed: it ended there)
             done = min(last, n - 1) - j + 1
             assert len(p) <= done <= n - j  # generated positions are compared; none reads a draft
-            hidden, _ = m.mtp(j, hidden[:done], torch.tensor(seq[j + 1:j + 1 + done]), mtps[j], [done])
+            hidden = m.mtp(j, hidden[:done], torch.tensor(seq[j + 1:j + 1 + done]), mtps[j], [done])
             got, want = eng.mtps[j].layers[0].k[r.slot], mtps[j].layers[0].k[0]  # [G, R, hd] rings
             # the final positions the run's ring still holds (its j provisional rows past them took j slots)
             for pos in range(max(0, done + j - W), done):
