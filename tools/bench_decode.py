@@ -9,8 +9,9 @@ bytes one step must read. --profile: the device time of each kernel of one eager
 each kernel's share of the replayed graph (replay_table: how far each kernel moved the end of the work done).
 Under `torchrun --nproc-per-node=W`, --whole-rank also times the step with the real TP reductions between W GPUs
 (--one-shot: also with the opt-in model.OneShotReduce). --tokens-per-row Q (both modes): a step of Q tokens per
-row against a 1-token step. --candidates [KEY ...] (with --whole-rank): the step with each of kernel.TUNING's launch
-choices (or only the KEYs) set to each of its alternatives (ALTERNATIVES; TOGETHER: several keys at once), against
+row against a 1-token step (--whole-rank: several Q, each timed in turn, as a next turn's extension steps of 64 or
+128). --candidates [KEY ...] (with --whole-rank): the step with each of kernel.TUNING's launch choices (or only the
+KEYs) set to each of its alternatives (ALTERNATIVES; TOGETHER: several keys at once), against
 the defaults timed just before and after it; --tune KEY=VALUE changes a default for the whole run (e.g. --tune
 "moe_stages=((3, 3), (3, 3))").
 
@@ -20,6 +21,7 @@ From the repository root (torchrun takes a module with -m, as python does):
                                  [--profile]
     python -m tools.bench_decode --whole-rank --tune "moe_stages=((4, 4), (4, 3))" --tune "moe_unroll=((4, 4), (1, 1))"
     python -m tools.bench_decode [--whole-rank] --tokens-per-row 4    # a speculative verify step (3 drafts)
+    python -m tools.bench_decode --whole-rank --tokens-per-row 64 128    # a turn's extension steps on one slot
     torchrun --standalone --nproc-per-node=2 -m tools.bench_decode --whole-rank [--one-shot]
 """
 import argparse
@@ -205,13 +207,14 @@ def kv_bytes(cfg, kind: str, batch: int, context: int) -> int:
     return batch * min(context, cfg.sliding_window) * row
 
 
-def bench_rank(cfg, batches: list, context: int, profile: bool, q: int = 1, one_shot: bool = False, capacity: int = 0,
-               candidates: "bool | list" = False):
+def bench_rank(cfg, batches: list, context: int, profile: bool, qs: tuple = (1,), one_shot: bool = False,
+               capacity: int = 0, candidates: "bool | list" = False):
     """The whole rank: embed, 92 layers, final norm, lm_head window, argmax; one decode step as a CUDA graph at each
     batch size of `batches` (the weights built once, a cache per batch); returns [(batch, step seconds, floor)].
     Under torchrun (one process per GPU, NCCL) the step includes the real TP reductions between the GPUs (each GPU
     holds one TP=8 rank's shapes; the sums are of W partials instead of 8), timed with and without them.
-    q > 1: also a step of q tokens per row (a speculative verify step) and its ratio to the 1-token step.
+    qs: also a step of q tokens per row for each q > 1 of them (a speculative verify step, a turn's extension step)
+    and its ratio to the 1-token step; the rings get the slack of the largest.
     candidates: the step again with each of kernel.TUNING's launch choices (True) or of those named (a list) set to
     each of its ALTERNATIVES."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -229,6 +232,7 @@ def bench_rank(cfg, batches: list, context: int, profile: bool, q: int = 1, one_
     results = []
     for batch in batches:
         t0 = time.perf_counter()
+        q = max(qs)
         spare = 24 * q + 8  # positions the timed replays advance (21 replays of q tokens), plus slack
         cache = m.new_cache(batch, max(capacity, context + spare), slack=q - 1)
         fill_cache(cache, context)
@@ -279,9 +283,9 @@ def bench_rank(cfg, batches: list, context: int, profile: bool, q: int = 1, one_
                 else:
                     say(f"candidate {name:18s}: graph {r[0] * 1e3:7.3f} ms ({r[0] / r[1] - 1:+6.1%} vs the defaults "
                         f"timed around it: {r[1] * 1e3:7.3f} ms)")
-        if q > 1:
-            t_q = timed_graph(1, torch.zeros(batch, q, dtype=torch.long, device="cuda"))
-            say(f"verify step of {q} tokens per row: {t_q * 1e3:7.3f} ms = {t_q / graph_t:.2f}x the 1-token step")
+        for n in sorted(set(qs) - {1}):
+            t_n = timed_graph(1, torch.zeros(batch, n, dtype=torch.long, device="cuda"))
+            say(f"step of {n} tokens per row: {t_n * 1e3:7.3f} ms = {t_n / graph_t:.2f}x the 1-token step")
         if world > 1:
             with_tp = timed_graph(world)
             say(f"with the TP reductions between {world} GPUs (2 per layer + the logits gather): "
@@ -305,16 +309,16 @@ def bench_rank(cfg, batches: list, context: int, profile: bool, q: int = 1, one_
     return results
 
 
-def main(batches: list, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False, q: int = 1,
-         one_shot: bool = False, candidates: "bool | list" = False, capacity: int = 0):
+def main(batches: list, context: int, torch_ref: bool, profile: bool = False, whole_rank: bool = False,
+         qs: tuple = (1,), one_shot: bool = False, candidates: "bool | list" = False, capacity: int = 0):
     torch.manual_seed(0)
     cfg = real_rank_config()
     M.set_parallel(1, 0)  # one rank's shapes; the TP collectives are not part of this measurement
     kernel.set_backend(not torch_ref)  # Triton for CUDA tensors unless the reference is asked for
     if whole_rank:
-        results = bench_rank(cfg, batches, context, profile, q, one_shot, capacity, candidates)
+        results = bench_rank(cfg, batches, context, profile, qs, one_shot, capacity, candidates)
     else:
-        results = [(b, *bench_layers(cfg, b, context, profile, q)) for b in batches]
+        results = [(b, *bench_layers(cfg, b, context, profile, max(qs))) for b in batches]
     what = "measured" if whole_rank else "projected from the two layers"
     world = int(os.environ.get("WORLD_SIZE", "1")) if whole_rank else 1
     if int(os.environ.get("RANK", "0")) == 0:
@@ -338,9 +342,10 @@ if __name__ == "__main__":
     ap.add_argument("--capacity", type=int, default=0,
                     help="with --whole-rank: a cache of this many positions per row (the engine's --max-context) "
                          "holding CONTEXT tokens; default: the context and the timed steps' room")
-    ap.add_argument("--tokens-per-row", type=int, default=1,
+    ap.add_argument("--tokens-per-row", type=int, nargs="+", default=[1],
                     help="decode steps of this many tokens per row (a speculative verify step with K drafts has "
-                         "K + 1), compared with one token per row (layer and whole-rank modes)")
+                         "K + 1), compared with one token per row (layer and whole-rank modes; several: "
+                         "--whole-rank only)")
     ap.add_argument("--one-shot", action="store_true",
                     help="under torchrun with --whole-rank: also time the step with model.OneShotReduce (opt-in)")
     ap.add_argument("--candidates", nargs="*", metavar="KEY",
@@ -357,6 +362,8 @@ if __name__ == "__main__":
     if bad:
         raise SystemExit(f"--candidates {' '.join(sorted(bad))}: no alternatives; those with some: "
                          f"{', '.join([*ALTERNATIVES, *TOGETHER])}")
+    if len(a.tokens_per_row) > 1 and not a.whole_rank:
+        raise SystemExit("--tokens-per-row takes several values with --whole-rank only")
     if not torch.cuda.is_available():
         raise SystemExit("tools.bench_decode needs a CUDA device")
     cands = a.candidates if a.candidates else a.candidates == []  # [] (the flag alone): every choice
