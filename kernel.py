@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from kernels import choose, common, dsa_attention, dsa_index, experts, linear, moe_route, norm_rope, sliding
+from kernels import choose, common, draft, dsa_attention, dsa_index, experts, linear, moe_route, norm_rope, sliding
 from kernels.common import FP8, FP8_MAX, QBLOCK
 
 # This file and the kernels' modules: the sources a compiled kernel depends on (for engine.py's start-up marker).
@@ -794,3 +794,32 @@ def advance(counts, thinking, left, think_end, slots, toks, emitted):
     if _triton(counts):
         return choose.advance_triton(counts, thinking, left, think_end, slots, toks, emitted)
     return advance_ref(counts, thinking, left, think_end, slots, toks, emitted)
+
+
+# --------------------------------------------------------------------------------------------------
+# The draft step: an MTP depth's input rows
+
+
+def draft_rows_ref(slots, last, ring_tok, out, lengths, j: int, k: int):
+    """Depth j of k drafts, for requests on `slots` [R] whose last kept position is last [R]: its q = k + 1 + j rows
+    are positions first .. first + q - 1 (first = max(last - k - j, 0)), each reading the token after its position:
+    the ring's ring_tok [B, S] while final (up to last + 1), else this step's drafts so far, out [R, k]. -> (those
+    tokens [R, q], the rows' ring slots (position mod S) [R, q], the head's row of each request (position last, in
+    the [R * q] rows) [R]); lengths [B] (the depth's cache) set to first on the slots."""
+    S = ring_tok.shape[1]
+    R, q = slots.shape[0], k + 1 + j
+    first = (last - k - j).clamp(min=0)
+    pos = first[:, None] + torch.arange(q, device=slots.device)  # [R, q]
+    t = pos + j + 1
+    i = (t - last[:, None] - 2).clamp(0, k - 1)
+    r = torch.arange(R, device=slots.device)
+    tok = torch.where(t <= last[:, None] + 1, ring_tok[slots[:, None], t % S], out[r[:, None], i])
+    lengths[slots] = first
+    return tok, pos % S, r * q + last - first
+
+
+def draft_rows(slots, last, ring_tok, out, lengths, j: int, k: int):
+    """draft_rows_ref in one launch for CUDA tensors."""
+    if _triton(ring_tok):
+        return draft.draft_rows_triton(slots, last, ring_tok, out, lengths, j, k)
+    return draft_rows_ref(slots, last, ring_tok, out, lengths, j, k)

@@ -118,21 +118,16 @@ class Speculator:
     def draft(self, slots, L):
         """Each depth's K + 1 + j rows L - K - j .. L of the slots [R] -> drafts [R, K]. Static shapes: rows past L
         (a clamped start) are never read as final, and later steps overwrite them before any kept row needs them."""
-        e, k, m, S = self.e, self.e.k, self.e.model, self.S
+        e, k, m = self.e, self.e.k, self.e.model
         R, D = slots.shape[0], m.cfg.hidden_size
-        s_, r_ = slots[:, None], torch.arange(R, device=e.dev)
         out = torch.zeros(R, k, dtype=torch.long, device=e.dev)
         for j in range(k):
             q = k + 1 + j
-            first = (L - k - j).clamp(min=0)
-            pos = first[:, None] + torch.arange(q, device=e.dev)  # [R, q]
-            t = pos + j + 1  # the token each row reads: final up to L + 1, then this step's drafts
-            i = (t - L[:, None] - 2).clamp(0, k - 1)
-            tok = torch.where(t <= L[:, None] + 1, self.tok[s_, t % S], out[r_[:, None], i])
-            e.mtps[j].lengths[slots] = first
-            res = m.mtp(j, self.h[j][s_, pos % S].view(R * q, D), tok.flatten(), e.mtps[j], None, q, rows=slots)
-            self.h[j + 1][s_, pos % S] = res.view(R, q, D)
-            out[:, j] = greedy(m.mtp_logits(j, res.view(R, q, D)[r_, L - first])).clamp(min=0)  # row L's alone
+            tok, ring, row = kernel.draft_rows(slots, L, self.tok, out, e.mtps[j].lengths, j, k)  # [R, q] x 2, [R]
+            res = m.mtp(j, self.h[j][slots[:, None], ring].view(R * q, D), tok.flatten(), e.mtps[j], None, q,
+                        rows=slots)
+            self.h[j + 1][slots[:, None], ring] = res.view(R, q, D)
+            out[:, j] = greedy(m.mtp_logits(j, res.index_select(0, row))).clamp(min=0)  # row L's alone
         return out
 
     def graphs(self, b: int, pool) -> list:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernel as K
-from kernels import (choose, common, dsa_attention, dsa_index, expert_gemm, experts, linear, moe_route, norm_rope,
+from kernels import (choose, common, draft, dsa_attention, dsa_index, expert_gemm, experts, linear, moe_route, norm_rope,
                      sliding)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -1165,6 +1165,30 @@ def test_advance(P):
     if P == 3:
         assert not want[1][3] and want[2][3] == 2 ** 62 - 2  # slot 3 (end 9): 5 and 9 spent, 9 ended it
 
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_draft_rows(k):
+    """Each MTP depth's input rows in one launch = draft_rows_ref: tokens from the ring while final, then this step's
+    drafts; the ring slots wrapping past S; a start clamped at 0 (a request whose last kept position is below k + j);
+    the depth cache's lengths set on the slots only; the head's row of each request."""
+    B, S = 5, 4 * k + 4
+    g = _gen(k)
+    ring_tok = torch.randint(0, 1000, (B, S), generator=g)
+    slots = torch.tensor([3, 0, 4])
+    last = torch.tensor([1, 37, S - 2])
+    out = torch.randint(1000, 2000, (3, k), generator=g)
+    for j in range(k):
+        want_len, got_len = torch.full((B,), -7), torch.full((B,), -7).to(DEV)
+        want = K.draft_rows_ref(slots, last, ring_tok, out, want_len, j, k)
+        got = draft.draft_rows_triton(slots.to(DEV), last.to(DEV), ring_tok.to(DEV), out.to(DEV), got_len, j, k)
+        for a, b in zip(got, want):
+            assert torch.equal(a.cpu(), b)
+        assert torch.equal(got_len.cpu(), want_len)
+        assert want_len[1] == -7 and want_len[3] == 0 and want_len[0] == 37 - k - j  # slot 3's start clamped
+        assert (want[0] >= 1000).any() == (j > 0 or k > 1)  # a draft read past the final tokens
+        q = k + 1 + j
+        assert torch.equal(want[2], torch.arange(3) * q + last - (last - k - j).clamp(min=0))
 
 # ---------------------------------------------------------------------------------------------------------------
 # real shapes on a GPU (TP = 8 local sizes)

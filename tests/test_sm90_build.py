@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kernel
-from kernels import choose, common, expert_gemm, experts, moe_route
+from kernels import choose, common, draft, expert_gemm, experts, moe_route
 from tools.sass import build, launch_records
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -59,11 +59,14 @@ def test_every_launched_kernel_compiles_for_sm90(interpreted_model_run, monkeypa
         choose.advance_triton(torch.zeros(N, V, dtype=torch.int32), torch.zeros(N, dtype=torch.bool),
                               torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.long), torch.tensor([0, 1]),
                               torch.tensor([[1, 2], [3, 4]]), torch.ones(N, 2, dtype=torch.bool))
+        for j in range(2):  # a draft's depths (the speculative engine's)
+            draft.draft_rows_triton(torch.tensor([0, 1]), torch.tensor([5, 9]), torch.zeros(N, 12, dtype=torch.long),
+                                    torch.zeros(N, 2, dtype=torch.long), torch.zeros(N, dtype=torch.long), j, 2)
     names = {r["name"] for r in seen.values()}
     assert {"_sliding_attn_kernel", "_moe_decode_up_kernel", "_router_logits_kernel", "_select_regions_kernel",
             "_grouped_gemm_kernel", "_add_norm_kernel", "_banded_attn_kernel", "_dense_prefix_kernel",
             "_indexer_scores_kernel", "_sparse_attn_kernel", "_process_kernel",
-            "_uniform_kernel", "_advance_kernel"} <= names, names
+            "_uniform_kernel", "_advance_kernel", "_draft_rows_kernel"} <= names, names
     launches = list(seen.values())
     failed = [f"{r['name']} {r['constexprs']} {r['options']}: " + (b.get("error") or f"{b['shared']} bytes of shared "
               "memory") for r, b in zip(launches, build(launches, str(tmp_path)))
