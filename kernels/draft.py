@@ -1,5 +1,5 @@
 """The draft step's kernel, with its launcher: each MTP depth's input rows in one launch (_draft_rows_kernel: the
-rows' ring slots and input tokens, the depth cache's length, the head's row; the PyTorch form is ~17 launches of a
+rows' ring slots and input tokens, the depth cache's length, the head's row; the PyTorch form is ~19 launches of a
 few elements each, in a graph where every launch costs ~2 us). The reference: kernel.draft_rows_ref.
 """
 import torch

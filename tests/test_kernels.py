@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import kernel as K
-from kernels import (choose, common, draft, dsa_attention, dsa_index, expert_gemm, experts, linear, moe_route, norm_rope,
-                     sliding)
+from kernels import (choose, common, draft, dsa_attention, dsa_index, expert_gemm, experts, linear, moe_route,
+                     norm_rope, sliding)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAVE_CUDA = torch.cuda.is_available()
@@ -1166,7 +1166,6 @@ def test_advance(P):
         assert not want[1][3] and want[2][3] == 2 ** 62 - 2  # slot 3 (end 9): 5 and 9 spent, 9 ended it
 
 
-
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_draft_rows(k):
     """Each MTP depth's input rows in one launch = draft_rows_ref: tokens from the ring while final, then this step's
@@ -1189,6 +1188,7 @@ def test_draft_rows(k):
         assert (want[0] >= 1000).any() == (j > 0 or k > 1)  # a draft read past the final tokens
         q = k + 1 + j
         assert torch.equal(want[2], torch.arange(3) * q + last - (last - k - j).clamp(min=0))
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # real shapes on a GPU (TP = 8 local sizes)
