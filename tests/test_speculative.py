@@ -16,6 +16,7 @@ import torch
 import engine
 import generate
 import helpers
+import kernel
 import model as M
 from helpers import force_drafts, record_replays
 from invariants import pinned, tokens_agree_up_to_near_tie
@@ -98,6 +99,32 @@ def test_speculative_eos_inside_an_accepted_run_stops_the_request(mtp_model, mon
     assert eos not in out[1][:-1]  # whatever it emitted, it stopped at its first EOS
     for b in (0, 2):  # the others go on in a smaller batch (other row counts: up to a near-tie)
         tokens_agree_up_to_near_tie(m, PROMPTS[b], out[b], ref[b])
+
+
+def test_drafts_through_the_draft_rows_launch_equal_the_reference(mtp_model, monkeypatch):
+    """The engine's drafting with each depth's input rows from kernel.draft_rows' Triton launch (the interpreter's
+    here; the GPU's in tests/test_gpu.py) instead of its PyTorch reference: the same drafts at every step (first
+    drafts after a prompt and after each verify step, with start clamps on short prompts), hence the same tokens."""
+    import speculative
+    from kernels import draft
+
+    real = speculative.Speculator.draft
+
+    def recorded(into):
+        def draft_and_record(self, slots, L):
+            out = real(self, slots, L)
+            into.append(out.tolist())
+            return out
+        return draft_and_record
+    prompts = [PROMPTS[0], PROMPTS[1][:2]]  # a 2-token prompt: its first drafts start clamped at position 0
+    ref_drafts, got_drafts, launches = [], [], []
+    monkeypatch.setattr(speculative.Speculator, "draft", recorded(ref_drafts))
+    ref, _ = helpers.generate(mtp_model, prompts, SPEC_NEW, [], speculative=2)
+    monkeypatch.setattr(speculative.Speculator, "draft", recorded(got_drafts))
+    monkeypatch.setattr(kernel, "draft_rows", lambda *a: launches.append(1) or draft.draft_rows_triton(*a))
+    out, _ = helpers.generate(mtp_model, prompts, SPEC_NEW, [], speculative=2)
+    assert launches and len(ref_drafts) >= 3
+    assert got_drafts == ref_drafts and out == ref
 
 
 @pytest.mark.parametrize("graph_prefill", [0, 128])
