@@ -229,10 +229,9 @@ def bench_rank(cfg, batches: list, context: int, profile: bool, qs: tuple = (1,)
     randomise(m, seed=rank)
     m.finalize()
     say(f"built the weights in {time.perf_counter() - t0:.0f} s")
-    results = []
+    results, q = [], max(qs)  # the rings' slack and the timed replays' room: the largest step's
     for batch in batches:
         t0 = time.perf_counter()
-        q = max(qs)
         spare = 24 * q + 8  # positions the timed replays advance (21 replays of q tokens), plus slack
         cache = m.new_cache(batch, max(capacity, context + spare), slack=q - 1)
         fill_cache(cache, context)

@@ -100,9 +100,11 @@ def round_state_kept(eng: E.Engine):
     after the block: replays for timing leave the engine as they found it."""
     state = (eng.cache.lengths, eng.next_tok, eng.count, eng.spec.drafts, *(c.lengths for c in eng.mtps))
     saved = [x.clone() for x in state]
-    yield
-    for x, y in zip(state, saved):
-        x.copy_(y)
+    try:
+        yield
+    finally:
+        for x, y in zip(state, saved):
+            x.copy_(y)
 
 
 def draft_table(eng: E.Engine, b: int, rows: int = 30) -> str:
