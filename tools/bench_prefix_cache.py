@@ -18,6 +18,7 @@ Triton builds and CUDA graph captures during the requests are counted (the engin
     python -m tools.bench_prefix_cache --tiny                 # the tiny checkpoint on the CPU (tests run this)
 """
 import argparse
+import contextlib
 import gc
 import statistics
 import tempfile
@@ -71,12 +72,13 @@ class Setup:
     threads: int | None = None
 
 
-def make(m, max_batch: int, context: int, setup: Setup, say) -> tuple:
-    """An engine started -> (engine, start-up seconds)."""
+def make(m, max_batch: int, context: int, setup: Setup, say, counters=None) -> tuple:
+    """An engine started -> (engine, start-up seconds); its start-up's builds and captures are not counted."""
     eng = E.Engine(m, E.EngineConfig(max_batch, context, setup.chunk, build_threads=setup.threads,
                                      prefix_cache_gib=setup.gib, prefix_cache_min=setup.least), say)
     t0 = time.perf_counter()
-    eng.start()
+    with counters.excluded() if counters else contextlib.nullcontext():
+        eng.start()
     return eng, time.perf_counter() - t0
 
 
@@ -94,11 +96,11 @@ def copy_time(eng, prefix: list, P: int) -> tuple | None:
     return (time.perf_counter() - t0) / 10, hit.n
 
 
-def one_conversation(m, P: int, R: int, new: int, reps: int, setup: Setup, say) -> dict:
+def one_conversation(m, P: int, R: int, new: int, reps: int, setup: Setup, say, counters=None) -> dict:
     V = m.cfg.vocab_size
     out = {}
     for label, s in (("store", setup), ("none", replace(setup, gib=0))):
-        eng, t_start = make(m, 1, P + R + new + 64, s, say)
+        eng, t_start = make(m, 1, P + R + new + 64, s, say, counters)
         say(f"{label}: start-up {t_start:.1f} s")
         rows = {"fresh": [], "hit": [], "alone": [], "cached": []}
         copy = None
@@ -123,12 +125,12 @@ def one_conversation(m, P: int, R: int, new: int, reps: int, setup: Setup, say) 
     return out
 
 
-def agents(m, A: int, S: int, R: int, new: int, setup: Setup, say) -> dict:
+def agents(m, A: int, S: int, R: int, new: int, setup: Setup, say, counters=None) -> dict:
     V = m.cfg.vocab_size
     system = tokens(S, 7, V)
     out = {}
     for label, s in (("store", setup), ("none", replace(setup, gib=0))):
-        eng, _ = make(m, A, S + R + new + 64, s, say)
+        eng, _ = make(m, A, S + R + new + 64, s, say, counters)
         ttft(eng, [E.Request(tokens(S + R, 8, V), 1)])  # one request first: its kernels' first launches
         reqs = [E.Request(system + tokens(R, 100 + a, V), new) for a in range(A)]
         t = ttft(eng, reqs)
@@ -161,7 +163,7 @@ def main(tiny: bool, prefix: int, rest: int, new: int, reps: int, n_agents: int,
     print(f"model ready in {time.perf_counter() - t0:.0f} s", flush=True)
     with torch.inference_mode():
         c0 = counters.snapshot() if counters else None
-        r = one_conversation(m, prefix, rest, new, reps, setup, print)
+        r = one_conversation(m, prefix, rest, new, reps, setup, print, counters)
         s, n = r["store"], r["none"]
         print(f"TTFT, median of {reps} (prefix {prefix} + {rest} new tokens, {new} generated):")
         print(f"  nothing cached, with the store (its prefill stores the prefix): {s['fresh']:.4f} s")
@@ -176,7 +178,7 @@ def main(tiny: bool, prefix: int, rest: int, new: int, reps: int, n_agents: int,
                   f"{per_token * 1e6:.1f} us here ((fresh - alone) / prefix): break-even at "
                   f"{s['copy'] / max(per_token, 1e-12):.0f} tokens (engine.PREFIX_MIN {E.PREFIX_MIN})", flush=True)
         if n_agents:
-            a = agents(m, n_agents, system, rest, new, setup, print)
+            a = agents(m, n_agents, system, rest, new, setup, print, counters)
             for label in ("store", "none"):
                 x = a[label]
                 print(f"{n_agents} agents, one {system}-token system prompt + {rest} tokens each, {label:5s}: mean "

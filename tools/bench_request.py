@@ -61,6 +61,16 @@ class Counters:
     def snapshot(self):
         return self.compiles, self.captures
 
+    @contextlib.contextmanager
+    def excluded(self):
+        """Builds and captures inside are not counted (an engine's start-up, which reports its own)."""
+        c, g, n = self.compiles, self.captures, len(self.names)
+        try:
+            yield
+        finally:
+            self.compiles, self.captures = c, g
+            del self.names[n:]
+
 
 def run_case(eng: E.Engine, batch: int, P: int, new: int, seed: int, after: E.Request | None = None) -> dict:
     """batch requests of P random tokens (after: one request, the next turn of that one's conversation: its prompt
