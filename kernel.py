@@ -59,8 +59,6 @@ TUNING = {
     "router_block_e": 32,  # experts per router-logits program
     "router_parts": 4,  # MMA chains over the router logits' one K step
     "router_prefill": (128, 128, 64, 8, 3),  # prefill router logits tile: (rows, experts, K block, warps, stages)
-    "router_fused": 0,  # decode rows up to which the router logits' last program selects (0: a launch of its own)
-    "router_select_warps": 4,  # warps of the router selection's own launch
     "moe_block_n": ((32, 64), (64, 128)),  # decode expert tile columns, (T == 1, T > 1) of (gate/up, down)
     "moe_stages": ((3, 3), (4, 3)),  # decode expert pipeline stages, (T == 1, T > 1) of (gate/up, down)
     "moe_unroll": ((4, 1), (1, 1)),  # FP8 decode expert K blocks per iteration, (T == 1, T > 1) of (gate/up, down)
@@ -545,7 +543,7 @@ def route(x, w, bias, k, scale, renorm=True, quant=False):
     quantises x itself)."""
     if not _triton(x):
         return (*route_ref(x, w, bias, k, scale, renorm), None)
-    tuned = _tuned("router_block_e", "router_parts", "router_prefill", "router_fused", "router_select_warps")
+    tuned = _tuned("router_block_e", "router_parts", "router_prefill")
     if quant:
         return moe_route.route_triton(x, w, bias, k, scale, renorm, quant=True, **tuned)
     return (*moe_route.route_triton(x, w, bias, k, scale, renorm, **tuned), None)

@@ -7,7 +7,6 @@ launcher. The rest the families import by name.
 """
 import functools
 import os
-import threading
 
 import torch
 import triton
@@ -85,23 +84,6 @@ def _pdl() -> dict:
     """Programmatic dependent launch wherever it exists (sm90 GPUs): a launch may begin while its predecessor still
     runs, hiding launch latency and CTA setup (the decode step 6% faster); _pdl_enter keeps every access ordered."""
     return {"PDL": True, "launch_pdl": True} if not _INTERPRET and _sm90() else {"PDL": False}
-
-
-_COUNTERS = {}
-
-
-def counters(device, what: str, n: int) -> torch.Tensor:
-    """Zeroed int32 [n] arrival counters for the kernels of `what`, one buffer per device and thread: the kernels
-    that count on them put them back to zero, so one thread's launches must follow each other on its stream (threads
-    that launch side by side, as start-up's parallel kernel builds do, each take their own). Allocated at the first
-    call (a warm-up), never inside a graph capture: a buffer from the graph's pool would be freed with the graph."""
-    key = device, threading.get_ident(), what
-    c = _COUNTERS.get(key)
-    if c is None:
-        _check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
-               lambda: f"the {what} kernels' counters are allocated by an eager call: run a step before capturing")
-        c = _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return c
 
 
 @triton.jit

@@ -3,6 +3,7 @@ same launches), the slot-order combine, and the launchers of both paths: decode'
 expert (moe_route's dispatch, expert_gemm's GEMMs); moe_experts_triton picks one. The reference:
 kernel.moe_experts_ref.
 """
+import threading
 
 import torch
 import triton
@@ -454,11 +455,22 @@ def moe_experts_sorted_triton(x, ids, weights, w1, w3, w2, s1, s3, s2, limit, fi
     return out
 
 
+_COUNTERS = {}
+
+
 def _arrival_counters(device, n):
-    """The decode expert kernels' arrival counters (moe_early_down): common.counters' "experts" buffer, shared by
-    every MoE layer (each call's combine launch zeroes what its down launch read, before the next call's gate/up can
-    start). n <= DECODE_SLOTS + 1 always (hit experts plus the shared one)."""
-    c = common.counters(device, "experts", DECODE_SLOTS + 1)
+    """The decode expert kernels' arrival counters (moe_early_down): one zeroed int32 buffer per device and
+    thread, shared by every MoE layer (each call's combine launch zeroes what its down launch read, before the next
+    call's gate/up can start, so one thread's launches must follow each other on its stream: threads that launch
+    side by side, as start-up's parallel kernel builds do, each take their own). Allocated at the first call (a
+    warm-up), never inside a graph capture: a buffer from the graph's pool would be freed with the graph.
+    n <= DECODE_SLOTS + 1 always (hit experts plus the shared one)."""
+    key = device, threading.get_ident()
+    c = _COUNTERS.get(key)
+    if c is None:
+        _check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
+               "the decode expert kernels' counters are allocated by an eager call: run a step before capturing")
+        c = _COUNTERS[key] = torch.zeros(DECODE_SLOTS + 1, dtype=torch.int32, device=device)
     _check(n <= c.numel(), lambda: f"{n} arrival counters needed, {c.numel()} allocated")
     return c
 

@@ -13,12 +13,10 @@ from kernels.linear import _sum_parts
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, cnt_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, D,
-                          K_SPLIT_LEN, scale, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                          QUANT: tl.constexpr, QUANT_T: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
-                          HOIST: tl.constexpr = False, PARTS: tl.constexpr = 1, SELECT: tl.constexpr = False,
-                          TOPK: tl.constexpr = 1, RENORM: tl.constexpr = True, BLOCK_ALL: tl.constexpr = 1,
-                          BLOCK_TOPK: tl.constexpr = 1, PRECISE: tl.constexpr = False, K_SPLITS: tl.constexpr = 1):
+def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, T, E, D, K_SPLIT_LEN,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+                          QUANT_T: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr,
+                          HOIST: tl.constexpr = False, PARTS: tl.constexpr = 1):
     """part[ks, t, e] = f32(x[t, K slice ks]) . f32(w[e, K slice ks]): bf16 products are exact in fp32, so the
     bf16 MMA with fp32 accumulation computes route_ref's fp32 GEMM (bf16 x and w widened to fp32); K is split so
     decode fills the GPU. QUANT: the programs of the first E tile also write act_quant_ref(x) of the rows and K
@@ -27,9 +25,7 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, cnt_ptr, bias_
     HOIST (BLOCK_K == K_SPLIT_LEN: one K step): the weight tile is loaded before the PDL wait, while the kernel that
     writes x still runs (the MMA adds K in the same order at any BLOCK_K: same bits). PARTS (HOIST only): the step's
     K cut into PARTS parts, each its own MMA chain, added pairwise (as _skinny_tile; the order depends on
-    K_SPLIT_LEN alone): one chain of 32 dependent mma.sync per warp at 512 columns (sm90 SASS) becomes 4 of 8.
-    SELECT (one tile of rows: decode): the program that finishes last (counted in at cnt[0], which it puts back to 0)
-    also makes the selection of every row, _router_select_kernel's, so that it costs no launch of its own."""
+    K_SPLIT_LEN alone): one chain of 32 dependent mma.sync per warp at 512 columns (sm90 SASS) becomes 4 of 8."""
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     ks0 = tl.program_id(2) * K_SPLIT_LEN
@@ -80,27 +76,20 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, xq_ptr, sx_ptr, cnt_ptr, bias_
                 tl.store(xq_ptr + tq[:, None].to(tl.int64) * D + ks[None, :],
                          _to_e4m3(xt * inv[:, None]).to(tl.uint8, bitcast=True), mask=x_ok)
                 tl.store(sx_ptr + tq.to(tl.int64) * tl.cdiv(D, QB) + k0 // QB, sx, mask=tq < T)
-    if SELECT:
-        tl.debug_barrier()  # every thread's partials stored before the one thread's count, whose release covers them
-        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) * tl.num_programs(2) - 1:
-            tl.debug_barrier()  # the other threads' loads after the acquire
-            es_all = tl.arange(0, BLOCK_ALL)
-            bias = tl.load(bias_ptr + es_all, mask=es_all < E, other=0.0)
-            for t in range(T):
-                _select_row(part_ptr, bias, bias_ptr, ids_ptr, wts_ptr, t, T, E, scale, K_SPLITS, TOPK,
-                            RENORM, BLOCK_ALL, BLOCK_TOPK, PRECISE)
-            tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
-def _select_row(part_ptr, bias, bias_ptr, ids_ptr, wts_ptr, t, T, E, scale, K_SPLITS: tl.constexpr,
-                TOPK: tl.constexpr,
-                RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr):
-    """Row t's selection: z = sum of the K_SPLITS partials in order; sc = sigmoid(z) + b; take the TOPK largest (ties
-    to the lower id, slot 0 first); w = sc[id] - b[id], renormalised by (sum + 1e-20), times scale. One reduction per
-    slot. bias [BLOCK_E]: b, loaded by the caller."""
+def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
+                          K_SPLITS: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    """One token: z = sum of the K-split partials in order; sc = sigmoid(z) + b; take the TOPK largest (ties to the
+    lower id, slot 0 first); w = sc[id] - b[id], renormalised by (sum + 1e-20), times scale. One reduction per slot.
+    The bias (a parameter) is read before the PDL wait."""
+    t = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, BLOCK_E)
     e_ok = es < E
+    bias = tl.load(bias_ptr + es, mask=e_ok, other=0.0)
+    _pdl_enter(PDL)
     z = tl.zeros((BLOCK_E,), dtype=tl.float32)
     for i in tl.static_range(K_SPLITS):
         z = z + tl.load(part_ptr + (i * T + t) * E + es, mask=e_ok, other=0.0)
@@ -127,31 +116,18 @@ def _select_row(part_ptr, bias, bias_ptr, ids_ptr, wts_ptr, t, T, E, scale, K_SP
     tl.store(wts_ptr + t * TOPK + slots, wts * scale, mask=ok)
 
 
-@triton.jit
-def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, T, E, scale,
-                          K_SPLITS: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
-                          BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
-    """One row's selection (_select_row) per program. The bias (a parameter) is read before the PDL wait."""
-    es = tl.arange(0, BLOCK_E)
-    bias = tl.load(bias_ptr + es, mask=es < E, other=0.0)
-    _pdl_enter(PDL)
-    _select_row(part_ptr, bias, bias_ptr, ids_ptr, wts_ptr, tl.program_id(0).to(tl.int64), T, E, scale, K_SPLITS,
-                TOPK, RENORM, BLOCK_E, BLOCK_TOPK, PRECISE)
-
-
 _router_logits_prefill = _unspecialised(_router_logits_kernel, "T")
 _router_select_prefill = _unspecialised(_router_select_kernel, "T")
 
 
 def route_triton(x, w, bias, k, scale, renorm=True, quant=False, hoist=None, router_block_e=32, router_parts=4,
-                 router_prefill=(128, 128, 64, 8, 3), router_fused=0, router_select_warps=4):
+                 router_prefill=(128, 128, 64, 8, 3)):
     """Triton route_ref; quant: also act_quant_ref(x) -> (ids, weights, (e4m3 [T, D], fp32 [T, D/128])), written by
     the logits kernel (the routed FP8 experts' input: one launch less per MoE layer). hoist: the logits kernel's HOIST
     (default: wherever its K split is one power-of-two step whose weight tile fits in registers; False: the K loop).
     router_block_e, router_parts, router_prefill: the logits launch's choices (kernel.TUNING's, which kernel.route
     passes): experts per decode program, MMA chains of the hoisted K step, prefill's tile (rows, experts, K block,
-    warps, stages); router_fused: up to this many rows the logits launch also selects (SELECT), else the selection
-    is a launch of its own, of router_select_warps warps."""
+    warps, stages)."""
     _check_tensor("x", x, torch.bfloat16, ndim=2)
     _check_tensor("w", w, torch.bfloat16, ndim=2)
     _check_tensor("bias", bias, torch.float32, ndim=1)
@@ -182,20 +158,16 @@ def route_triton(x, w, bias, k, scale, renorm=True, quant=False, hoist=None, rou
     # one K step of split_len columns, its weight tile (<= 32 KB on a GPU) held in registers across the wait
     if hoist is None:
         hoist = split_len == _pow2(split_len) and (split_len * BLOCK_E <= 16384 or not gpu)
-    fused = not prefill and T <= min(router_fused, BLOCK_T)  # one tile of rows
-    cnt = common.counters(x.device, "router", 1) if fused else part
-    select = dict(TOPK=k, RENORM=renorm, BLOCK_TOPK=_pow2(k), PRECISE=_PRECISE, K_SPLITS=k_splits)
     (_router_logits_prefill if prefill else _router_logits_kernel)[(_cdiv(T, BLOCK_T), _cdiv(E, BLOCK_E),
                                                                     k_splits)](
-        x, w, part, xq, sx, cnt, bias, ids, wts, T, E, D, split_len, float(scale), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
+        x, w, part, xq, sx, T, E, D, split_len, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
         BLOCK_K=split_len if hoist else BLOCK_K, QUANT=bool(quant), QUANT_T=min(BLOCK_T, _pow2(T)),
         DOT_DTYPE=_DOT, HOIST=hoist, PARTS=router_parts if hoist else 1, num_warps=warps,
-        num_stages=stages, **(dict(SELECT=True, BLOCK_ALL=_pow2(E), **select, **_NO_FMA) if fused else {}),
-        **common._pdl())
-    if not fused:
-        (_router_select_prefill if prefill else _router_select_kernel)[(T,)](
-            part, bias, ids, wts, T, E, float(scale), BLOCK_E=_pow2(E), **select,
-            num_warps=router_select_warps, **_NO_FMA, **common._pdl())
+        num_stages=stages, **common._pdl())
+    (_router_select_prefill if prefill else _router_select_kernel)[(T,)](
+        part, bias, ids, wts, T, E, float(scale), K_SPLITS=k_splits, TOPK=k, RENORM=renorm,
+                                BLOCK_E=_pow2(E), BLOCK_TOPK=_pow2(k),
+                                PRECISE=_PRECISE, num_warps=4, **_NO_FMA, **common._pdl())
     return done
 
 

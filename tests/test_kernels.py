@@ -1080,23 +1080,6 @@ def test_route(T, D, E, k, parts):
         experts._x_quant(x, (xq[:, :-1], sx))
 
 
-@pytest.mark.parametrize("T,E,k", [(1, 40, 8), (3, 12, 3), (16, 40, 8)])
-def test_route_selected_by_the_logits_last_program(T, E, k):
-    """router_fused: the logits launch's last program selects (no launch of its own) with the selection launch's
-    bits, also where the score ties; its arrival counter is back at 0 after each call (the next layer's launch
-    counts from it)."""
-    x = randn(T, 192, seed=1)
-    w, bias = randn(E, 192, seed=2, scale=0.05), randn(E, seed=3, scale=0.1, dtype=torch.float32)
-    tied = (torch.randint(-6, 6, (E,), generator=_gen(5)).float() / 8).to(DEV)  # x = 0: scores tie by the bias
-    for xs, bs in ((x, bias), (torch.zeros_like(x), tied)):
-        want = moe_route.route_triton(xs, w, bs, k, 2.5, quant=True, router_fused=0)
-        got = moe_route.route_triton(xs, w, bs, k, 2.5, quant=True, router_fused=T)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        assert bytes_equal(got[2][0], want[2][0]) and torch.equal(got[2][1], want[2][1])
-        assert not common.counters(xs.device, "router", 1).any()
-    assert torch.equal(got[0], torch.sort(-(0.5 + tied), stable=True).indices[:k].expand(T, k))  # ties: lower id
-
-
 def test_route_ties_to_the_lower_id():
     """x = 0: every sigmoid is 0.5, so the biased scores 0.5 + b tie wherever the biases do (12 distinct values over
     40 experts, some negative, a +0 and a -0): slot order = the stable sort of the scores, descending."""

@@ -59,8 +59,6 @@ def test_every_launched_kernel_compiles_for_sm90(interpreted_model_run, monkeypa
         choose.advance_triton(torch.zeros(N, V, dtype=torch.int32), torch.zeros(N, dtype=torch.bool),
                               torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.long), torch.tensor([0, 1]),
                               torch.tensor([[1, 2], [3, 4]]), torch.ones(N, 2, dtype=torch.bool))
-        moe_route.route_triton(torch.randn(1, 256).bfloat16(), torch.randn(40, 256).bfloat16(), torch.rand(40), 8,
-                               2.5, quant=True, router_fused=1)  # the selection in the logits launch
         for j in range(2):  # a draft's depths (the speculative engine's)
             draft.draft_rows_triton(torch.tensor([0, 1]), torch.tensor([5, 9]), torch.zeros(N, 12, dtype=torch.long),
                                     torch.zeros(N, 2, dtype=torch.long), torch.zeros(N, dtype=torch.long), j, 2)

@@ -41,7 +41,6 @@ from tools.rank import HBM_BPS, kernel_table, profiled, randomise, real_rank_con
 # the other values of kernel.TUNING's launch choices, each measured and not taken (PERF_LOG.md: "kernel.TUNING, key
 # by key"); --candidates re-times the step with each
 ALTERNATIVES = {"sliding_warps": [(4, 4), (8, 8)], "sparse_block_n": [32], "router_block_e": [64], "router_parts": [1],
-                "router_fused": [4, 16], "router_select_warps": [1, 2],
                 "moe_block_n": [((32, 64), (32, 64)), ((32, 64), (64, 64)), ((32, 64), (32, 128))],
                 "moe_stages": [((4, 4), (4, 3)), ((6, 6), (4, 3)), ((4, 3), (4, 3)), ((3, 2), (4, 3)),
                                ((3, 3), (3, 3)), ((3, 3), (4, 4))],
