@@ -47,15 +47,15 @@ How it works, and where each part lives:
   startup.GRAPH_PREFILL tokens replays the prefill graph of its length padded to a power of two (32 ... 4,096) in a
   one-row staging cache; its slot then adopts the staging row's keys, values, region summaries and pending indexer
   rows, and the ring slots of its real tokens. A conversation's next turn of up to EXTEND_TURN tokens on top of its
-  slot's cache replays extension graphs: decode steps of up to 64 tokens for that slot (startup.EXTEND: 16, 32 or
-  64; positions, slot and token count are device inputs). An engine step's prompts replay their graphs when their
-  padded lengths add up to at most the largest prefill graph's (4,096 tokens). Padding follows the real tokens, so
-  none of them attends to it or shares a routing or region decision with it; its writes past the real tokens are
-  overwritten before anything reads them, but for the pending DSA indexer rows it overwrites past a region boundary,
-  which the layers put back. With `speculative=K` the graphs also return the real rows, which the MTP layers absorb
-  after each replay. The real rows differ from an unpadded pass only as two prefill chunkings do (the GEMMs' row
-  counts). Anything else (chunks of long prompts, longer turns, larger bursts of requests, prompts with images, and
-  every prompt without CUDA graphs) runs one eager pass over the packed pieces.
+  slot's cache replays extension graphs: decode steps of up to 128 tokens for that slot (startup.EXTEND: 16, 32, 64,
+  and 128 where the memory plan holds its graph; positions, slot and token count are device inputs). An engine step's
+  prompts replay their graphs when their padded lengths add up to at most the largest prefill graph's (4,096 tokens).
+  Padding follows the real tokens, so none of them attends to it or shares a routing or region decision with it; its
+  writes past the real tokens are overwritten before anything reads them, but for the pending DSA indexer rows it
+  overwrites past a region boundary, which the layers put back. With `speculative=K` the graphs also return the real
+  rows, which the MTP layers absorb after each replay. The real rows differ from an unpadded pass only as two prefill
+  chunkings do (the GEMMs' row counts). Anything else (chunks of long prompts, longer turns, larger bursts of
+  requests, prompts with images, and every prompt without CUDA graphs) runs one eager pass over the packed pieces.
 - Decode: one static-shape function of the slot of each row, replayed as a CUDA graph per batch bucket (padding rows
   of a bucket point at slots that do not decode in the step and write only where their slot's next token would go).
   The forward graph takes greedy's argmax, which feeds the next step. When a request of the step needs more
@@ -94,8 +94,9 @@ from sampling import Sampling, greedy, is_int
 # chunks of 16384 on a growing cache".
 PREFILL_CHUNK = 16384
 # A conversation's next turn of up to this many new tokens prefills as extension steps (startup.EXTEND) when the
-# prefill graphs run. The bound of 4 steps is chosen, not measured: a 64-token step reads most of a rank's experts, so
-# many would cost more kernel time than one eager pass costs the host (tools.bench_request --turn measures it).
+# prefill graphs run. The bound of 4 steps of 64 (2 of 128) is chosen, not measured: a 64-token step reads most of a
+# rank's experts, so many would cost more kernel time than one eager pass costs the host (tools.bench_request --turn
+# measures it).
 EXTEND_TURN = 256
 # While streams decode, a prefill pass may run at most this many of the model's layers per engine step, a decode step
 # after each part, so a prompt's arrival stalls the running streams for a part, not a pass (0: whole passes). An eager
@@ -331,8 +332,9 @@ class Engine:
         self.dev = model.lm_head.weight.device
         self.k = c.speculative
         self.use_graph = c.cuda_graph and self.dev.type == "cuda"
-        # spare ring slots: a rewind for prefix reuse, and the rows a speculative step writes past what it keeps
-        self.slack = REWIND + 2 * self.k + 2
+        # spare ring slots: a rewind for prefix reuse and the rows a speculative step writes past what it keeps, or
+        # the widest extension step's rows beyond the window
+        self.slack = max(REWIND + 2 * self.k + 2, max(startup.EXTEND) - 1)
         # start-up's memory plan sets max_context now; start() builds, allocates the caches and captures the graphs
         # (the engine's files name the start-up's built marker)
         self.startup = startup.Startup(self, code=(__file__, speculative.__file__))
@@ -722,7 +724,7 @@ class Engine:
     def _prefill_graphs_for(self, pieces: list, limit: int | None = None) -> list | None:
         """Per piece, its graph replays [(graph, Piece of the replay's tokens)], when every piece is the whole rest of
         a text prompt: a fresh prompt of up to the largest prefill graph's length, the prefill graph of its padded
-        length; up to EXTEND_TURN tokens on top of a cached prefix, extension steps of up to 64 tokens each. And only
+        length; up to EXTEND_TURN tokens on top of a cached prefix, extension steps of up to 128 tokens each. And only
         when their padded lengths add up to at most the largest prefill graph's (their replays then cost about one such
         pass of kernels, no more than an eager pass of that size costs the host), and at most `limit` (while streams
         decode: GRAPH_BUSY); else None: one eager pass."""

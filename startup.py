@@ -54,9 +54,13 @@ import sampling
 # launches (~0.11-0.21 s a pass on the H200 machines, 0.047 s of kernels at 1k; PERF_LOG "fresh prompts and short
 # next turns prefill as CUDA graphs")
 GRAPH_PREFILL = 4096
-# ... and so does a conversation's next turn, as decode steps of up to 64 tokens for its row, each padded to one of
-# these (the sliding rings' spare slots bound a step: _extend_sizes; engine.EXTEND_TURN bounds the turn)
-EXTEND = (16, 32, 64)
+# ... and so does a conversation's next turn, as decode steps of up to 128 tokens for its row, each padded to one of
+# these (the sliding rings' spare slots bound a step: _extend_sizes; engine.EXTEND_TURN bounds the turn). The widest
+# step is planned only where its graph's share of memory costs the caches little (WIDE_ROOM): one step of 128 tokens
+# costs 25.6 ms at 8k where two of 64 cost 36.2 (an H100; PERF_LOG "extension steps of 64 and 128 tokens").
+EXTEND = (16, 32, 64, 128)
+EXTEND_GRAPH = 256 << 20  # an extension graph's memory in the plan (chosen, not measured), as a decode step's
+WIDE_ROOM = 8  # the widest step's graph is planned where the caches without it hold at least this many times its share
 GIB = 1 << 30
 # A build thread's memory beside its pass's cache and workspace: its stream's cuBLAS workspaces and the caching
 # allocator's rounding of its blocks (chosen, not measured)
@@ -170,6 +174,7 @@ class MemoryPlan:
     free: int  # what the device had free after loading (the host: the rank's share of what is available)
     where: str  # the device, as the line names it
     store: prefix_cache.StoreSize = prefix_cache.StoreSize(0, 0, 0, 0)  # the prefix store's pools
+    extend: tuple = ()  # the extension steps' sizes the graphs' memory holds
 
     def spare(self) -> int:
         """What the free memory holds beyond the plan (negative: the plan does not fit)."""
@@ -249,10 +254,11 @@ class Startup:
         each refuses or keeps a request as every other does."""
         e = self.e
         self.plan, e.max_context = self._plan(e.config)
-        if agree and M.world_size > 1 and e.config.max_context is None:
-            least = int(M.tp_gather(torch.tensor([e.max_context], device=e.dev)).min())
-            if least != e.max_context:
-                self.plan, e.max_context = self._plan(replace(e.config, max_context=least))
+        if agree and M.world_size > 1:  # and every rank's steps the same sizes, as its peers' collectives need
+            wide = max(self.plan.extend) == max(EXTEND)
+            least, wide = M.tp_gather(torch.tensor([e.max_context, int(wide)], device=e.dev)).min(0).values.tolist()
+            if least != e.max_context or not wide:
+                self.plan, e.max_context = self._plan(replace(e.config, max_context=least), bool(wide))
         if self.plan.line() != self._said:  # said once, and again only if it changed
             self._said = self.plan.line()
             e.say(self._said)
@@ -260,9 +266,20 @@ class Startup:
             raise MemoryError(f"the engine does not fit: {self.plan.line()}; lower --max-context "
                               f"({e.max_context}), --max-batch ({e.config.max_batch}) or --prefix-cache-gib")
 
-    def _plan(self, c) -> tuple[MemoryPlan, int]:
+    def _plan(self, c, wide: bool = True) -> tuple[MemoryPlan, int]:
         """The memory plan and the context length for EngineConfig c: c.max_context, or what fits (a multiple of 128,
-        capped at max_position_embeddings)."""
+        capped at max_position_embeddings); with the widest extension step (unless not `wide`) where its graph leaves
+        the caches most of their room (WIDE_ROOM: a fitted context's caches), or fits beside a given context."""
+        narrow = self._plan_for(c, EXTEND[:-1])
+        if not wide:
+            return narrow
+        plan = self._plan_for(c, EXTEND)
+        if c.max_context is None:
+            return plan if narrow[0].caches >= WIDE_ROOM * EXTEND_GRAPH else narrow
+        return plan if plan[0].fits() else narrow
+
+    def _plan_for(self, c, extend: tuple) -> tuple[MemoryPlan, int]:
+        """_plan's plan with extension steps of the sizes `extend`."""
         e = self.e
         m, cfg = e.model, e.model.cfg
         limit = cfg.max_position_embeddings
@@ -281,7 +298,7 @@ class Startup:
         sizes = self._prefill_sizes(c)
         if sizes:  # the padded passes' staging row and their graphs' workspace; the extensions' graphs
             graphs += self._staging_bytes(sizes[-1]) + (prefill_workspace(cfg, sizes[-1]) if e.use_graph else 0)
-            graphs += (256 << 20) * len(EXTEND) if e.use_graph else 0
+            graphs += EXTEND_GRAPH * len(extend) if e.use_graph else 0
             graphs += 2 * sizes[-1] * cfg.hidden_size * 4 if e.k else 0  # their residual rows kept as outputs
         headroom = HEADROOM[e.dev.type == "cuda"]
         # the prefix store: --prefix-cache-gib, by default one slot's cache, at most 1/8 of caches and store together
@@ -305,7 +322,7 @@ class Startup:
             metas = [m.new_cache(1, 16, slack=e.slack, device="meta")]
             metas += m.new_mtp_caches(1, 16, slack=e.slack, device="meta") if e.k else []
             store = prefix_cache.size_for(m, metas, budget)
-        return MemoryPlan(weights, self._cache_bytes(ctx), prefill, graphs, headroom, free, where, store), ctx
+        return MemoryPlan(weights, self._cache_bytes(ctx), prefill, graphs, headroom, free, where, store, extend), ctx
 
     def free_memory(self) -> int:
         """Bytes the engine may still take on its device: on a GPU what the driver has free and the caching allocator
@@ -498,8 +515,8 @@ class Startup:
             return []
         W = e.model.cfg.sliding_window
         spare = min((lc.k.shape[2] - W + 1 for lc in e.cache.layers if getattr(lc, "summ", None) is None),
-                    default=max(EXTEND))
-        return [q for q in EXTEND if q <= min(spare, e.max_context)]
+                    default=max(self.plan.extend))
+        return [q for q in self.plan.extend if q <= min(spare, e.max_context)]
 
     def _extend_graph(self, q: int, pool) -> Graph:
         """A next turn's prefill of up to q tokens on top of what its slot holds, as one decode step of q tokens for

@@ -121,24 +121,24 @@ def test_a_cancelled_request_frees_its_slot_for_a_waiting_one(lm):
 @pytest.mark.slow
 def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(lm):
     """A fresh prompt runs as the pass of its padded length (32 ... 256: CUDA graphs on a GPU, eager here) in the
-    staging row, adopted by its slot, and a next turn as decode steps of up to 64 tokens (16, 32 or 64) on its slot:
-    the tokens of an engine that prefills them as they are, for prompts within a ring (5, 33), past the ring and
-    across DSA regions (100 tokens, padded to 128), on the second slot, two that arrive together (padded 32 + 64:
-    one replay each), a next turn of 36 tokens across five regions on top of a padded prompt's cache, and a turn of
-    ~145 tokens as three extension steps. A prompt past the largest padded length (260) and two whose padded
+    staging row, adopted by its slot, and a next turn as decode steps of up to 128 tokens (16, 32, 64 or 128) on its
+    slot: the tokens of an engine that prefills them as they are, for prompts within a ring (5, 33), past the ring
+    and across DSA regions (150 tokens, padded to 256), on the second slot, two that arrive together (padded 32 + 64:
+    one replay each), a next turn of 38 tokens across five regions on top of a padded prompt's cache, and a turn of
+    ~145 tokens as two extension steps (128 and the rest). A prompt past the largest padded length (260) and two whose padded
     lengths add up past it (200 + 45: 256 + 64) prefill eagerly, packed."""
     eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=384, graph_prefill=256))
     eng.start()
-    assert list(eng.prefill_graphs) == [32, 64, 128, 256] and list(eng.extend_graphs) == [16, 32, 64]
-    assert eng.cache.layers[0].k.shape[2] < 100 < 128  # a sliding ring shorter than the 100-token prompt
+    assert list(eng.prefill_graphs) == [32, 64, 128, 256] and list(eng.extend_graphs) == [16, 32, 64, 128]
+    assert eng.cache.layers[0].k.shape[2] < 150  # a sliding ring shorter than the 150-token prompt
     padded = []
     record_replays(eng, padded)  # (first position, tokens, padded length) of each replay
-    ps = [ids(5, 30), ids(33, 31), ids(100, 32), ids(260, 33)]
+    ps = [ids(5, 30), ids(33, 31), ids(150, 32), ids(260, 33)]
     with pinned(lm, M.Pins()) as rec:
         outs = [eng.run([E.Request(p, 5)])[0] for p in ps[:3]]
         t2 = ps[2] + outs[2].out + ids(35, 36)  # the 100-token prompt's next turn, on the slot that holds it
         turn = eng.run([E.Request(t2, 5)])[0]
-        t3 = t2 + turn.out + ids(140, 41)  # a longer turn: extension steps of 64, 64 and the rest
+        t3 = t2 + turn.out + ids(140, 41)  # a longer turn: extension steps of 128 and the rest
         turn3 = eng.run([E.Request(t3, 5)])[0]
         outs.append(eng.run([E.Request(ps[3], 5)])[0])
         busy = E.Request(ids(70, 34), 12)  # on one slot while the next prompt takes the other
@@ -148,7 +148,7 @@ def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(
         pair = eng.run([E.Request(ids(9, 37), 4), E.Request(ids(40, 38), 4)])
         packed = eng.run([E.Request(ids(200, 39), 4), E.Request(ids(45, 40), 4)])
     c3, n3 = turn3.cached, len(t3) - turn3.cached
-    assert padded == [(0, 5, 32), (0, 33, 64), (0, 100, 128), (104, 36, 64), (c3, 64, 64), (c3 + 64, 64, 64),
+    assert padded == [(0, 5, 32), (0, 33, 64), (0, 150, 256), (152, 38, 64), (c3, 128, 128),
                       (c3 + 128, n3 - 128, 16 if n3 <= 144 else 32), (0, 70, 128), (0, 45, 64), (0, 9, 32),
                       (0, 40, 64)], padded  # 260 tokens and 200 + 45 (256 + 64 > 256) eagerly
     assert second.slot != busy.slot and turn.cached > 0 and busy.finish == "length"
