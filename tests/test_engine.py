@@ -125,8 +125,8 @@ def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(
     slot: the tokens of an engine that prefills them as they are, for prompts within a ring (5, 33), past the ring
     and across DSA regions (150 tokens, padded to 256), on the second slot, two that arrive together (padded 32 + 64:
     one replay each), a next turn of 38 tokens across five regions on top of a padded prompt's cache, and a turn of
-    ~145 tokens as two extension steps (128 and the rest). A prompt past the largest padded length (260) and two whose padded
-    lengths add up past it (200 + 45: 256 + 64) prefill eagerly, packed."""
+    ~145 tokens as two extension steps (128 and the rest). A prompt past the largest padded length (260) and two whose
+    padded lengths add up past it (200 + 45: 256 + 64) prefill eagerly, packed."""
     eng = E.Engine(lm, E.EngineConfig(max_batch=2, max_context=384, graph_prefill=256))
     eng.start()
     assert list(eng.prefill_graphs) == [32, 64, 128, 256] and list(eng.extend_graphs) == [16, 32, 64, 128]
