@@ -60,7 +60,7 @@ GRAPH_PREFILL = 4096
 # costs 25.6 ms at 8k where two of 64 cost 36.2 (an H100; PERF_LOG "extension steps of 64 and 128 tokens").
 EXTEND = (16, 32, 64, 128)
 EXTEND_GRAPH = 256 << 20  # an extension graph's memory in the plan (chosen, not measured), as a decode step's
-WIDE_ROOM = 8  # the widest step's graph is planned where the caches without it hold at least this many times its share
+WIDE_ROOM = 8  # the widest step's graph may take 1/WIDE_ROOM of a fitted context's caches (chosen, not measured)
 GIB = 1 << 30
 # A build thread's memory beside its pass's cache and workspace: its stream's cuBLAS workspaces and the caching
 # allocator's rounding of its blocks (chosen, not measured)
@@ -268,15 +268,14 @@ class Startup:
 
     def _plan(self, c, wide: bool = True) -> tuple[MemoryPlan, int]:
         """The memory plan and the context length for EngineConfig c: c.max_context, or what fits (a multiple of 128,
-        capped at max_position_embeddings); with the widest extension step (unless not `wide`) where its graph leaves
-        the caches most of their room (WIDE_ROOM: a fitted context's caches), or fits beside a given context."""
+        capped at max_position_embeddings); with the widest extension step (unless not `wide`) where its graph fits in
+        what the plan leaves spare, or (a fitted context) takes at most 1/WIDE_ROOM of the caches' room."""
         narrow = self._plan_for(c, EXTEND[:-1])
         if not wide:
             return narrow
         plan = self._plan_for(c, EXTEND)
-        if c.max_context is None:
-            return plan if narrow[0].caches >= WIDE_ROOM * EXTEND_GRAPH else narrow
-        return plan if plan[0].fits() else narrow
+        room = narrow[0].spare() + (narrow[0].caches // WIDE_ROOM if c.max_context is None else 0)
+        return plan if plan[0].graphs - narrow[0].graphs <= room else narrow
 
     def _plan_for(self, c, extend: tuple) -> tuple[MemoryPlan, int]:
         """_plan's plan with extension steps of the sizes `extend`."""

@@ -426,3 +426,23 @@ def test_a_start_up_that_runs_out_of_memory_names_the_flags(tp1_models):
     with pytest.raises(MemoryError, match=r"start-up ran out of memory on cpu \(CUDA out of memory. Tried to allocate "
                        r"2.00 GiB\); lower --max-context \(256\), --max-batch \(2\) or --prefill-chunk \(64\)"):
         eng.start()
+
+
+@torch.inference_mode()
+def test_the_widest_extension_step_is_planned_only_where_its_graph_fits(tp1_models):
+    """The 128-token extension step's graph is held by the memory plan only where it fits beside a given context (the
+    free memory faked on the engine's Startup object, graphs charged as on a GPU), and then start-up builds that step
+    too; one byte short, the steps stay at 16, 32 and 64."""
+    lm = tp1_models("fp8_text")
+    eng = E.Engine(lm, E.EngineConfig(max_batch=1, max_context=256, prefill_chunk=64, graph_prefill=64))
+    st = eng.startup
+    eng.use_graph = True  # the plan charges the graphs' memory (the engine itself still runs eagerly on the CPU)
+    narrow = st._plan_for(eng.config, startup.EXTEND[:-1])[0]
+    need = narrow.free - narrow.spare()  # what the narrow plan takes
+    for extra, want in ((startup.EXTEND_GRAPH - 1, startup.EXTEND[:-1]), (startup.EXTEND_GRAPH, startup.EXTEND)):
+        st.free_memory = lambda: need + extra
+        st.replan()
+        assert st.plan.extend == want and st.plan.fits()
+    eng.use_graph = False
+    eng.start()
+    assert list(eng.extend_graphs) == [16, 32, 64, 128]
