@@ -136,7 +136,7 @@ def test_fresh_prompts_prefilled_as_padded_graphs_get_the_eager_prefills_tokens(
     ps = [ids(5, 30), ids(33, 31), ids(150, 32), ids(260, 33)]
     with pinned(lm, M.Pins()) as rec:
         outs = [eng.run([E.Request(p, 5)])[0] for p in ps[:3]]
-        t2 = ps[2] + outs[2].out + ids(35, 36)  # the 100-token prompt's next turn, on the slot that holds it
+        t2 = ps[2] + outs[2].out + ids(35, 36)  # the 150-token prompt's next turn, on the slot that holds it
         turn = eng.run([E.Request(t2, 5)])[0]
         t3 = t2 + turn.out + ids(140, 41)  # a longer turn: extension steps of 128 and the rest
         turn3 = eng.run([E.Request(t3, 5)])[0]

@@ -75,19 +75,22 @@ def test_cuda_graph_decode_equals_eager(tp1_models):
 @cuda
 def test_prefill_graphs_replay_the_padded_passes(tp1_models):
     """A fresh prompt's prefill graph and a next turn's extension graph replay the very kernels of their steps run
-    eagerly: identical tokens, for prompts padded to 32 and 64, a next turn of 20 tokens and one of 100 (one step of
-    128) (tests/test_engine.py compares them with unpadded prefills on the CPU)."""
+    eagerly: identical tokens, for prompts padded to 32 and 64, a next turn of 20 tokens (a step of 32) and one of ~100
+    (one step of 128) (tests/test_engine.py compares them with unpadded prefills on the CPU)."""
     gpu = tp1_models("fp8_text", "cuda")
     runs = {}
     for graph in (False, True):
-        eng = engine.Engine(gpu, engine.EngineConfig(max_batch=2, max_context=256, cuda_graph=graph, graph_prefill=64))
+        eng = engine.Engine(gpu, engine.EngineConfig(max_batch=2, max_context=256, cuda_graph=graph, graph_prefill=128))
         eng.start()
-        assert list(eng.prefill_graphs) == [32, 64] and list(eng.extend_graphs) == [16, 32, 64, 128]
+        assert list(eng.prefill_graphs) == [32, 64, 128] and list(eng.extend_graphs) == [16, 32, 64, 128]
         assert all(g.use_graph == graph for g in [*eng.prefill_graphs.values(), *eng.extend_graphs.values()])
+        padded = []
+        helpers.record_replays(eng, padded)
         outs = [eng.run([engine.Request(p, 8)])[0].out for p in PROMPTS]
         turn = eng.run([engine.Request(PROMPTS[-1] + outs[-1] + list(range(60, 80)), 8)])[0]
         wide = eng.run([engine.Request(turn.ids + turn.out + list(range(100, 200)), 8)])[0]
         assert turn.cached > 0 and wide.cached > len(turn.ids)
+        assert [n for *_, n in padded] == [32, 64, 32, 32, 128]  # the prompts, the turns' extension steps
         runs[graph] = outs + [turn.out, wide.out]
     assert runs[True] == runs[False]
 
