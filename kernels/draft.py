@@ -47,12 +47,11 @@ def draft_rows_triton(slots, last, ring_tok, out, lengths, j: int, k: int):
     _check(last.shape[0] == R and tuple(out.shape) == (R, k) and lengths.shape[0] == B,
            lambda: f"last [{R}], out [{R}, {k}] and lengths [{B}] expected, got {tuple(last.shape)}, "
                    f"{tuple(out.shape)} and {tuple(lengths.shape)}")
-    _check(ring_tok.is_contiguous() and out.is_contiguous(), "ring_tok and out must be contiguous")
     tok = torch.empty(R, q, dtype=torch.long, device=slots.device)
     ring = torch.empty(R, q, dtype=torch.long, device=slots.device)
     row = torch.empty(R, dtype=torch.long, device=slots.device)
     if R:
-        _draft_rows_kernel[(1,)](slots.contiguous(), last.contiguous(), ring_tok, out, lengths, tok, ring, row, R, S,
+        _draft_rows_kernel[(1,)](slots, last, ring_tok, out, lengths, tok, ring, row, R, S,
                                  K=k, J=j, BLOCK=max(16, triton.next_power_of_2(R * q)), num_warps=1,
                                  **common._pdl())
     return tok, ring, row
